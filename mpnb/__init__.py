@@ -1,0 +1,60 @@
+"""mpnb: mixed-precision training you can toggle, watch and learn in Jupyter.
+
+Plain Python::
+
+    import mpnb
+    with mpnb.autocast("bf16"):          # validated torch.autocast, restored exactly
+        out = model(x)
+    mpnb.set_mode("bf16")                # the session mode
+    mpnb.status()                        # where the session stands
+    mpnb.devices()                       # what this machine can do
+
+IPython / Jupyter::
+
+    %load_ext mpnb
+    %amp bf16          # every following cell runs under bf16 autocast
+    %%autocast -d fp16 # one cell under fp16 autocast
+    %tf32 on           # reduced-precision fp32 math
+
+``import mpnb`` imports torch but never IPython, ipywidgets or plotly.
+"""
+
+from __future__ import annotations
+
+from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
+from mpnb.modes import Mode
+from mpnb.policy import autocast, get_mode, set_mode, tf32
+from mpnb.status import DeviceReport, Status, devices, status
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mode",
+    "autocast",
+    "set_mode",
+    "get_mode",
+    "tf32",
+    "status",
+    "devices",
+    "Status",
+    "DeviceReport",
+    "MpnbError",
+    "InvalidChoiceError",
+    "DeviceUnavailableError",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
+
+
+def load_ipython_extension(ipython) -> None:
+    """Called by ``%load_ext mpnb``: registers the magics and the per-cell mode hook."""
+    from mpnb.ui.extension import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """Called by ``%unload_ext mpnb``: removes every hook and restores every switch."""
+    from mpnb.ui.extension import unload
+
+    unload(ipython)

@@ -1,0 +1,7 @@
+"""``python -m mpnb`` runs the ``mpnb`` command."""
+
+import sys
+
+from mpnb.cli import main
+
+sys.exit(main())

@@ -1,0 +1,183 @@
+"""Save, change and exactly restore torch's reduced-precision fp32 math flags.
+
+torch has two APIs for these flags, and they do not mix: after a fine-grained
+``fp32_precision`` assignment, ``torch.get_float32_matmul_precision()`` and
+``torch.backends.cuda.matmul.allow_tf32`` raise until the settings agree again. The
+legacy setter is not its own inverse either (``"high"`` then ``"highest"`` leaves
+``cuda.matmul.fp32_precision`` at ``"ieee"`` where it was ``"none"``). So mpnb changes
+matmul precision only through the legacy setter, which keeps every getter readable, and
+restores a :class:`Fp32MathSnapshot` in two steps: the legacy value first, then every
+fine-grained value as it was.
+
+Example:
+    >>> snapshot = Fp32MathSnapshot.capture()
+    >>> torch.set_float32_matmul_precision("medium")
+    >>> snapshot.restore()
+    >>> Fp32MathSnapshot.capture() == snapshot
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from mpnb.modes import Fp32Math
+
+if TYPE_CHECKING:
+    from mpnb.backends.base import Backend
+
+__all__ = ["Fp32MathSnapshot", "Fp32MathSwitch", "read_flags"]
+
+# Fine-grained fp32_precision settings, as attribute paths under torch.backends.
+_PRECISION_PATHS = (
+    "cuda.matmul",
+    "cudnn.conv",
+    "cudnn.rnn",
+    "mkldnn.matmul",
+    "mkldnn.conv",
+    "mkldnn.rnn",
+)
+
+
+def _backend_node(path: str) -> object:
+    node: object = torch.backends
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _has_fine_grained_api() -> bool:
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+def _read_matmul_precision() -> str | None:
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:  # fine-grained settings disagree: there is no single legacy value
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp32MathSnapshot:
+    """Every fp32-math setting mpnb may touch, as it stood at one moment.
+
+    Attributes:
+        matmul_precision: ``torch.get_float32_matmul_precision()``, or None where torch
+            refuses to answer because fine-grained settings were mixed in.
+        cudnn_allow_tf32: ``torch.backends.cudnn.allow_tf32``, or None where unreadable.
+        fine_grained: ``(path, value)`` for each ``torch.backends.<path>.fp32_precision``.
+    """
+
+    matmul_precision: str | None
+    cudnn_allow_tf32: bool | None
+    fine_grained: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def capture(cls) -> Fp32MathSnapshot:
+        """Read the current settings."""
+        try:
+            cudnn_allow_tf32: bool | None = torch.backends.cudnn.allow_tf32
+        except RuntimeError:
+            cudnn_allow_tf32 = None
+        fine_grained = ()
+        if _has_fine_grained_api():
+            fine_grained = tuple((path, _backend_node(path).fp32_precision) for path in _PRECISION_PATHS)
+        return cls(_read_matmul_precision(), cudnn_allow_tf32, fine_grained)
+
+    def restore(self) -> None:
+        """Put every setting back as it was when this snapshot was captured."""
+        if self.matmul_precision is not None:
+            torch.set_float32_matmul_precision(self.matmul_precision)
+        if self.cudnn_allow_tf32 is not None:
+            torch.backends.cudnn.allow_tf32 = self.cudnn_allow_tf32
+        for path, value in self.fine_grained:
+            node = _backend_node(path)
+            if node.fp32_precision != value:
+                node.fp32_precision = value
+
+
+def read_flags() -> dict[str, object]:
+    """Every fp32-math getter torch offers, by name; one that raises reads as ``"error: ..."``.
+
+    Example:
+        >>> read_flags()["torch.get_float32_matmul_precision()"]
+        'highest'
+    """
+    getters = {
+        "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision,
+        "torch.backends.cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+        "torch.backends.cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+    }
+    if _has_fine_grained_api():
+        for path in ("", "cudnn", "mkldnn"):
+            if hasattr(_backend_node(path) if path else torch.backends, "fp32_precision"):
+                getters[f"torch.backends.{path + '.' if path else ''}fp32_precision"] = _fp32_precision_getter(path)
+        for path in _PRECISION_PATHS:
+            getters[f"torch.backends.{path}.fp32_precision"] = _fp32_precision_getter(path)
+    flags: dict[str, object] = {}
+    for name, getter in getters.items():
+        try:
+            flags[name] = getter()
+        except RuntimeError as error:
+            flags[name] = f"error: {error}"
+    return flags
+
+
+def _fp32_precision_getter(path: str):
+    return lambda: (_backend_node(path) if path else torch.backends).fp32_precision
+
+
+class Fp32MathSwitch:
+    """The one owner of the fp32-math flags that mpnb changes.
+
+    The first change records a :class:`Fp32MathSnapshot`; every later level is applied on
+    top of that snapshot, and :meth:`release` restores it exactly. Only one backend's level
+    is held at a time: the flags are process-wide.
+
+    Example:
+        >>> from mpnb.backends import backend_for
+        >>> switch = Fp32MathSwitch()
+        >>> switch.set(backend_for("cpu"), Fp32Math.REDUCED)
+        >>> torch.get_float32_matmul_precision()
+        'medium'
+        >>> switch.release()
+        >>> torch.get_float32_matmul_precision()
+        'highest'
+    """
+
+    def __init__(self) -> None:
+        self._baseline: Fp32MathSnapshot | None = None
+        self._held: tuple[Backend, Fp32Math] | None = None
+
+    @property
+    def level(self) -> Fp32Math | None:
+        """The level mpnb holds, or None when the flags are as mpnb found them."""
+        return self._held[1] if self._held else None
+
+    @property
+    def backend(self) -> Backend | None:
+        """The backend whose flags mpnb holds, or None."""
+        return self._held[0] if self._held else None
+
+    def set(self, backend: Backend, level: Fp32Math) -> None:
+        """Hold ``level`` on ``backend``'s flags, from the flags as mpnb first found them."""
+        if self._baseline is None:
+            self._baseline = Fp32MathSnapshot.capture()
+        else:
+            self._baseline.restore()
+        try:
+            backend.apply_fp32_math(level)
+        except BaseException:
+            self.release()
+            raise
+        self._held = (backend, level)
+
+    def release(self) -> None:
+        """Restore every flag to what it was before mpnb's first change."""
+        if self._baseline is not None:
+            self._baseline.restore()
+        self._baseline = None
+        self._held = None

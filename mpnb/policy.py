@@ -1,0 +1,308 @@
+"""The session's precision policy and the context managers that apply it.
+
+One :class:`Session` per process holds the precision mode, the device and the
+fp32-math switch. Everything that changes torch's global state goes through a context
+manager or the switch, both of which restore exactly what they found.
+
+Example:
+    >>> import mpnb, torch
+    >>> with mpnb.autocast("bf16", device="cpu"):
+    ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
+    torch.bfloat16
+    >>> _ = mpnb.set_mode("fp32")
+    >>> mpnb.get_mode()
+    <Mode.FP32: 'fp32'>
+    >>> _ = mpnb.set_mode("off")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from mpnb.backends import Backend, backend_for, resolve_device
+from mpnb.errors import DeviceUnavailableError, InvalidChoiceError
+from mpnb.fp32math import Fp32MathSwitch
+from mpnb.modes import Fp32Math, Mode, dtype_name, parse_dtype, parse_mode
+
+__all__ = [
+    "AutocastSettings",
+    "Session",
+    "session",
+    "autocast",
+    "set_mode",
+    "get_mode",
+    "tf32",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastSettings:
+    """A validated request for torch.autocast.
+
+    Attributes:
+        device: where autocast applies (its type is what torch.autocast takes).
+        dtype: the lower-precision dtype, meaningful when ``enabled``.
+        enabled: False runs the block with autocast explicitly off.
+        cache: keep the cast copies of weights for the whole block. Off by default: a
+            cached autocast block that spans optimizer steps keeps computing with the
+            weights as they were at the first step, so training silently stops learning.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    enabled: bool = True
+    cache: bool = False
+
+    def context(self) -> torch.autocast:
+        """A fresh torch.autocast for these settings."""
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache)
+
+    def describe(self) -> str:
+        """``"bf16 autocast on cpu"`` or ``"autocast off on cpu"``."""
+        if not self.enabled:
+            return f"autocast off on {self.device}"
+        return f"{dtype_name(self.dtype)} autocast on {self.device}{'' if self.cache else ' (no cast cache)'}"
+
+
+def check_autocast_dtype(backend: Backend, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise unless torch.autocast on ``device`` really runs in ``dtype``.
+
+    Raises:
+        DeviceUnavailableError: the device cannot autocast to ``dtype``; names the dtypes it can.
+    """
+    supported = backend.autocast_dtypes()
+    refusal = None if dtype in supported else "not among the device's autocast dtypes"
+    refusal = refusal or backend.autocast_probe(dtype)
+    if refusal:
+        raise DeviceUnavailableError(
+            f"{backend.label} ({device}) cannot autocast to {dtype_name(dtype)}: {refusal}",
+            [dtype_name(d) for d in supported],
+        )
+
+
+class Session:
+    """The process's precision policy: mode, device and the fp32-math switch.
+
+    Attributes:
+        mode: the current precision mode.
+        device: the device named by the user, or None to auto-detect each time.
+        fp32_math: the switch that owns the reduced-precision fp32 math flags.
+        cell_hooks: True while the IPython extension applies the mode to every cell.
+    """
+
+    def __init__(self) -> None:
+        self.mode = Mode.OFF
+        self.device: torch.device | None = None
+        self.fp32_math = Fp32MathSwitch()
+        self.cell_hooks = False
+
+    def resolved_device(self) -> torch.device:
+        """The device the session runs on now."""
+        return resolve_device(self.device)
+
+    def set_mode(self, mode: str | Mode, device: str | torch.device | None = None) -> Mode:
+        """Switch the session to ``mode`` (on ``device`` if given). Invalid input changes nothing.
+
+        Raises:
+            MpnbError: unknown mode or device, or a dtype the device cannot autocast to.
+        """
+        new_mode = parse_mode(mode)
+        new_device = self.device if device is None else resolve_device(device)
+        target = resolve_device(new_device)
+        backend = backend_for(target)
+        if new_mode.autocast_dtype is not None:
+            check_autocast_dtype(backend, target, new_mode.autocast_dtype)
+        self._apply_fp32_math(new_mode, backend)
+        self.mode, self.device = new_mode, new_device
+        return new_mode
+
+    def set_tf32(self, enabled: bool, device: str | torch.device | None = None) -> None:
+        """Turn reduced-precision fp32 math on or off.
+
+        In modes fp32 and tf32 the mode owns this switch, so this moves between those two
+        modes. Otherwise ``True`` switches reduced math on and ``False`` restores every flag
+        to what it was before mpnb changed it.
+        """
+        target = resolve_device(self.device if device is None else device)
+        backend = backend_for(target)
+        if self.mode in (Mode.FP32, Mode.TF32):
+            self.set_mode(Mode.TF32 if enabled else Mode.FP32, device)
+        elif enabled:
+            self.fp32_math.set(backend, Fp32Math.REDUCED)
+        else:
+            self.fp32_math.release()
+
+    def _apply_fp32_math(self, mode: Mode, backend: Backend) -> None:
+        if mode.fp32_math is not None:
+            self.fp32_math.set(backend, mode.fp32_math)
+        elif mode is Mode.OFF:
+            self.fp32_math.release()
+
+    def autocast_settings(
+        self,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        *,
+        enabled: bool = True,
+        cache: bool = False,
+    ) -> AutocastSettings:
+        """Validate an autocast request, filling what is not given from the session.
+
+        Raises:
+            MpnbError: unknown dtype or device, or a dtype the device cannot autocast to.
+        """
+        target = resolve_device(self.device if device is None else device)
+        backend = backend_for(target)
+        if dtype is not None:
+            chosen = parse_dtype(dtype)
+        else:
+            chosen = self.mode.autocast_dtype or backend.preferred_dtype()
+        if enabled:
+            check_autocast_dtype(backend, target, chosen)
+        return AutocastSettings(target, chosen, enabled, cache)
+
+    @contextlib.contextmanager
+    def cell_scope(self) -> Iterator[None]:
+        """Apply the session mode to one block (a notebook cell); restore on any exit."""
+        dtype = self.mode.autocast_dtype
+        if dtype is None:
+            yield
+            return
+        with AutocastSettings(self.resolved_device(), dtype).context():
+            yield
+
+    def reset(self) -> None:
+        """Mode off, device auto-detected, every fp32-math flag as mpnb found it."""
+        self.fp32_math.release()
+        self.mode, self.device = Mode.OFF, None
+
+    def warnings(self) -> list[str]:
+        """What the user should know about the current policy on this machine."""
+        notes: list[str] = []
+        try:
+            target = self.resolved_device()
+        except (InvalidChoiceError, DeviceUnavailableError) as error:
+            return [f"the session device is gone: {error}"]
+        backend = backend_for(target)
+        dtype = self.mode.autocast_dtype
+        if dtype is not None:
+            refusal = backend.autocast_probe(dtype)
+            if refusal:
+                notes.append(f"torch would disable {dtype_name(dtype)} autocast on {target}: {refusal}")
+            notes.extend(backend.dtype_warnings(dtype))
+            if not self.cell_hooks:
+                notes.append("outside IPython the mode applies inside `with mpnb.autocast():` blocks")
+        if dtype == torch.float16:
+            notes.append("fp16 training needs loss scaling: use torch.amp.GradScaler with it")
+        if self.fp32_math.level is Fp32Math.REDUCED and not backend.has_fast_fp32_math():
+            notes.append(f"reduced-precision fp32 math has no effect on this {backend.label}")
+        return notes
+
+
+session = Session()
+
+
+class autocast:  # noqa: N801 - named and used like torch.autocast
+    """Run a block under torch.autocast, validated first and restored exactly after.
+
+    Unlike torch.autocast, a dtype or device that cannot work raises a clear error
+    instead of warning and silently running in fp32.
+
+    Args:
+        dtype: ``"bf16"`` / ``"fp16"`` (or aliases, or a torch dtype). Default: the session
+            mode's dtype, else the device's preferred one.
+        device: ``"cpu"``, ``"cuda"``, ``"hpu"``... Default: the session device.
+        enabled: False runs the block with autocast off.
+        cache: keep cast weight copies for the whole block (see AutocastSettings).
+
+    Example:
+        >>> with autocast("bf16", device="cpu"):
+        ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
+        torch.bfloat16
+    """
+
+    def __init__(
+        self,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        *,
+        enabled: bool = True,
+        cache: bool = False,
+    ) -> None:
+        self.settings = session.autocast_settings(dtype, device, enabled=enabled, cache=cache)
+        self._contexts: list[torch.autocast] = []
+
+    def __enter__(self) -> AutocastSettings:
+        context = self.settings.context()
+        context.__enter__()
+        self._contexts.append(context)
+        return self.settings
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._contexts.pop().__exit__(*exc_info)
+
+    def __repr__(self) -> str:
+        return f"mpnb.autocast({self.settings.describe()})"
+
+
+def set_mode(mode: str | Mode, device: str | torch.device | None = None) -> Mode:
+    """Set the session precision mode: ``"off"``, ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``.
+
+    In IPython (after ``%load_ext mpnb``) every following cell runs in the mode; in a
+    script, ``with mpnb.autocast():`` blocks follow it. Invalid input changes nothing.
+
+    Example:
+        >>> set_mode("bf16", device="cpu")
+        <Mode.BF16: 'bf16'>
+        >>> set_mode("off")
+        <Mode.OFF: 'off'>
+    """
+    return session.set_mode(mode, device)
+
+
+def get_mode() -> Mode:
+    """The session precision mode.
+
+    Example:
+        >>> get_mode()
+        <Mode.OFF: 'off'>
+    """
+    return session.mode
+
+
+class tf32:  # noqa: N801 - a switch that is also a context manager, like torch.set_grad_enabled
+    """Turn reduced-precision fp32 math (TF32 on GPUs, bf16 math on CPUs) on or off.
+
+    Called, it switches for the session. Used with ``with``, it switches for the block
+    and then restores the mode and every flag exactly, on errors and interrupts too.
+
+    Args:
+        enabled: True for reduced-precision math; False to restore the flags.
+        device: the device whose flags to set; default the session device.
+
+    Example:
+        >>> with tf32(True, device="cpu"):
+        ...     torch.get_float32_matmul_precision()
+        'medium'
+        >>> torch.get_float32_matmul_precision()
+        'highest'
+    """
+
+    def __init__(self, enabled: bool = True, device: str | torch.device | None = None) -> None:
+        self._previous = (session.mode, session.device, session.fp32_math.backend, session.fp32_math.level)
+        session.set_tf32(enabled, device)
+
+    def __enter__(self) -> tf32:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        mode, device, backend, level = self._previous
+        session.mode, session.device = mode, device
+        if level is None:
+            session.fp32_math.release()
+        else:
+            session.fp32_math.set(backend, level)

@@ -1,0 +1,71 @@
+"""Shared fixtures: a real IPython shell with mpnb loaded, and a full snapshot of torch's
+global precision state that every test must leave exactly as it found it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from mpnb.fp32math import read_flags
+from mpnb.policy import session
+
+DEVICE_TYPES = ("cpu", "cuda", "hpu")
+
+
+def torch_state() -> dict[str, object]:
+    """Autocast state per device type, the cast-cache flag, and every fp32-math getter."""
+    state: dict[str, object] = {"autocast cache": torch.is_autocast_cache_enabled(), **read_flags()}
+    for device_type in DEVICE_TYPES:
+        state[f"{device_type} autocast enabled"] = torch.is_autocast_enabled(device_type)
+        state[f"{device_type} autocast dtype"] = torch.get_autocast_dtype(device_type)
+    return state
+
+
+def policy_state() -> tuple[object, ...]:
+    """The session's own state, for 'bad input changes nothing' checks."""
+    return (session.mode, session.device, session.fp32_math.level, torch_state())
+
+
+@pytest.fixture(autouse=True)
+def leaves_torch_as_found():
+    before = torch_state()
+    yield
+    session.reset()
+    after = torch_state()
+    assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+
+
+@pytest.fixture
+def ip():
+    """A real InteractiveShell with ``%load_ext mpnb`` done and torch imported."""
+    InteractiveShell.clear_instance()
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "mpnb")
+    run(shell, "import torch\nlinear = torch.nn.Linear(8, 8)\nx = torch.randn(4, 8)")
+    yield shell
+    if "mpnb" in shell.extension_manager.loaded:
+        shell.run_line_magic("unload_ext", "mpnb")
+    InteractiveShell.clear_instance()
+
+
+def run(shell, code: str):
+    """Run a cell; fail the test with the cell's own error if it raised."""
+    result = shell.run_cell(code)
+    if result.error_before_exec or result.error_in_exec:
+        raise AssertionError(f"cell failed: {result.error_before_exec or result.error_in_exec!r}")
+    return result.result
+
+
+def run_expecting(shell, code: str, error: type[BaseException]) -> BaseException:
+    """Run a cell that must fail with ``error``; return the exception."""
+    result = shell.run_cell(code)
+    raised = result.error_in_exec or result.error_before_exec
+    assert isinstance(raised, error), f"expected {error.__name__}, got {raised!r}"
+    return raised
+
+
+def usage_error(shell, code: str) -> str:
+    """Run a cell that must be rejected as bad input; return the message."""
+    return str(run_expecting(shell, code, UsageError))
