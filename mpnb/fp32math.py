@@ -5,9 +5,11 @@ torch has two APIs for these flags, and they do not mix: after a fine-grained
 ``torch.backends.cuda.matmul.allow_tf32`` raise until the settings agree again. The
 legacy setter is not its own inverse either (``"high"`` then ``"highest"`` leaves
 ``cuda.matmul.fp32_precision`` at ``"ieee"`` where it was ``"none"``). So mpnb changes
-matmul precision only through the legacy setter, which keeps every getter readable, and
+matmul precision through the legacy setter, which keeps every getter readable, and
 restores a :class:`Fp32MathSnapshot` in two steps: the legacy value first, then every
-fine-grained value as it was.
+fine-grained value as it was. Where the user's own fine-grained settings already disagree
+(the legacy getters raise), torch's hidden legacy value cannot be read back, so mpnb then
+changes only fine-grained values, which it can restore exactly.
 
 Example:
     >>> snapshot = Fp32MathSnapshot.capture()
@@ -29,7 +31,7 @@ from mpnb.modes import Fp32Math
 if TYPE_CHECKING:
     from mpnb.backends.base import Backend
 
-__all__ = ["Fp32MathSnapshot", "Fp32MathSwitch", "read_flags"]
+__all__ = ["Fp32MathSnapshot", "Fp32MathSwitch", "read_flags", "set_fine_grained", "fine_grained"]
 
 # Fine-grained fp32_precision settings, as attribute paths under torch.backends.
 _PRECISION_PATHS = (
@@ -51,6 +53,18 @@ def _backend_node(path: str) -> object:
 
 def _has_fine_grained_api() -> bool:
     return hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+def fine_grained(path: str) -> str | None:
+    """``torch.backends.<path>.fp32_precision``, or None on a torch without that API."""
+    return _backend_node(path).fp32_precision if _has_fine_grained_api() else None
+
+
+def set_fine_grained(values: dict[str, str]) -> None:
+    """Assign ``torch.backends.<path>.fp32_precision`` for each path (no-op on older torch)."""
+    if _has_fine_grained_api():
+        for path, value in values.items():
+            _backend_node(path).fp32_precision = value
 
 
 def _read_matmul_precision() -> str | None:
@@ -169,7 +183,7 @@ class Fp32MathSwitch:
         else:
             self._baseline.restore()
         try:
-            backend.apply_fp32_math(level)
+            backend.apply_fp32_math(level, legacy=self._baseline.matmul_precision is not None)
         except BaseException:
             self.release()
             raise

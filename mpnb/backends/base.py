@@ -103,8 +103,15 @@ class Backend:
         """Whether reduced-precision fp32 math really changes anything on this hardware."""
         return False
 
-    def apply_fp32_math(self, level: Fp32Math) -> None:
-        """Set this device's fp32-math flags to ``level``. Devices without a switch change nothing."""
+    def apply_fp32_math(self, level: Fp32Math, legacy: bool = True) -> None:
+        """Set this device's fp32-math flags to ``level``. Devices without a switch change nothing.
+
+        Args:
+            level: exact or reduced.
+            legacy: use torch's legacy setters (they keep every getter readable); False
+                uses only the fine-grained ``fp32_precision`` API, for when the user's own
+                settings already mix the two.
+        """
 
     def describe_fp32_math(self) -> str:
         """The current fp32-math state, in words a student understands."""

@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from mpnb.backends.base import Backend, MemorySnapshot
+from mpnb.fp32math import fine_grained, set_fine_grained
 from mpnb.modes import Fp32Math
 
 __all__ = ["CpuBackend"]
@@ -81,15 +82,17 @@ class CpuBackend(Backend):
     def has_fast_fp32_math(self) -> bool:
         return bool(self._bf16_units())
 
-    def apply_fp32_math(self, level: Fp32Math) -> None:
-        # "medium" is the legacy spelling of oneDNN bf16 matmul math; it keeps every
-        # fp32 getter readable (a fine-grained matmul assignment would not).
-        torch.set_float32_matmul_precision("medium" if level is Fp32Math.REDUCED else "highest")
-        if hasattr(torch.backends.mkldnn, "conv"):
-            torch.backends.mkldnn.conv.fp32_precision = "bf16" if level is Fp32Math.REDUCED else "ieee"
+    def apply_fp32_math(self, level: Fp32Math, legacy: bool = True) -> None:
+        math = "bf16" if level is Fp32Math.REDUCED else "ieee"
+        if legacy:
+            # "medium" is the legacy spelling of oneDNN bf16 matmul math.
+            torch.set_float32_matmul_precision("medium" if level is Fp32Math.REDUCED else "highest")
+            set_fine_grained({"mkldnn.conv": math})
+        else:
+            set_fine_grained({"mkldnn.matmul": math, "mkldnn.conv": math})
 
     def describe_fp32_math(self) -> str:
-        matmul = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", None)
+        matmul = fine_grained("mkldnn.matmul")
         if matmul is None:  # torch before the fine-grained API
             matmul = "bf16" if torch.get_float32_matmul_precision() == "medium" else "ieee"
         if matmul != "bf16":

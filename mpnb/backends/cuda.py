@@ -14,11 +14,19 @@ from __future__ import annotations
 import torch
 
 from mpnb.backends.base import Backend, MemorySnapshot
+from mpnb.fp32math import fine_grained, set_fine_grained
 from mpnb.modes import Fp32Math
 
 __all__ = ["CudaBackend"]
 
 _AMPERE = (8, 0)
+
+
+def _uses_tf32(legacy_flag, path: str) -> bool:
+    try:
+        return bool(legacy_flag())
+    except RuntimeError:  # the user mixed in fine-grained settings: read those instead
+        return fine_grained(path) == "tf32"
 
 
 class CudaBackend(Backend):
@@ -74,15 +82,21 @@ class CudaBackend(Backend):
     def has_fast_fp32_math(self) -> bool:
         return self.is_available() and torch.cuda.get_device_capability() >= _AMPERE
 
-    def apply_fp32_math(self, level: Fp32Math) -> None:
-        # The legacy flags keep every getter readable; the fine-grained API would not.
+    def apply_fp32_math(self, level: Fp32Math, legacy: bool = True) -> None:
         reduced = level is Fp32Math.REDUCED
-        torch.backends.cuda.matmul.allow_tf32 = reduced
+        if legacy:
+            # Not matmul.allow_tf32: that setter leaves CUDA and oneDNN disagreeing, after
+            # which torch.get_float32_matmul_precision() raises.
+            torch.set_float32_matmul_precision("high" if reduced else "highest")
+        else:
+            set_fine_grained({"cuda.matmul": "tf32" if reduced else "ieee"})
+        # The cuDNN flag stays legacy in both cases: a fine-grained conv value that differs
+        # from the rnn one makes cudnn.allow_tf32 raise.
         torch.backends.cudnn.allow_tf32 = reduced
 
     def describe_fp32_math(self) -> str:
-        matmul = "TF32" if torch.backends.cuda.matmul.allow_tf32 else "exact fp32"
-        conv = "TF32" if torch.backends.cudnn.allow_tf32 else "exact fp32"
+        matmul = "TF32" if _uses_tf32(lambda: torch.backends.cuda.matmul.allow_tf32, "cuda.matmul") else "exact fp32"
+        conv = "TF32" if _uses_tf32(lambda: torch.backends.cudnn.allow_tf32, "cudnn.conv") else "exact fp32"
         text = f"matmuls: {matmul}; cuDNN convolutions: {conv}."
         if (matmul == "TF32" or conv == "TF32") and self.is_available() and not self.has_fast_fp32_math():
             text += " This GPU predates Ampere and has no TF32 units, so it computes in full fp32 anyway."
