@@ -1,0 +1,59 @@
+"""Property-based fuzz of the magics' argument strings: anything the magic does not accept
+is a UsageError that names the bad value and changes nothing."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from IPython.core.error import UsageError
+
+from tests.conftest import policy_state
+
+VALID_WORDS = ["bf16", "fp16", "fp32", "tf32", "off", "half", "bfloat16", "status", "on", "cpu", "cpu:0",
+               "--device", "--dtype", "-d", "--off", "--cache", "--no-cache"]
+junk = st.text(alphabet=string.ascii_letters + string.digits + "._:", min_size=1, max_size=8)
+word = st.one_of(st.sampled_from(VALID_WORDS), junk, st.text(max_size=6))
+line = st.lists(word, max_size=5).map(" ".join)
+fuzz = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+MAGICS = {
+    "amp": lambda ip, args: ip.run_line_magic("amp", args),
+    "tf32": lambda ip, args: ip.run_line_magic("tf32", args),
+    "autocast": lambda ip, args: ip.run_cell_magic("autocast", args, "probe = 1"),
+}
+
+
+@pytest.mark.parametrize("magic", list(MAGICS))
+@fuzz
+@given(args=line)
+def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(ip, capsys, magic, args):
+    before = policy_state()
+    try:
+        MAGICS[magic](ip, args)
+    except UsageError:
+        assert policy_state() == before
+    finally:
+        ip.run_line_magic("amp", "off")
+        capsys.readouterr()
+
+
+_ALL_VALID = set(VALID_WORDS) | {"float16", "float32", "float", "cuda", "hpu"}
+garbage = junk.filter(lambda w: w.lower() not in _ALL_VALID and not w.lower().startswith(("cuda", "hpu", "cpu")))
+
+
+@pytest.mark.parametrize(
+    "magic, template",
+    [("amp", "{}"), ("amp", "bf16 {}"), ("amp", "bf16 --device {}"), ("tf32", "{}"), ("tf32", "on {}"),
+     ("autocast", "-d {}"), ("autocast", "--device {}"), ("autocast", "-d bf16 {}")],
+)
+@fuzz
+@given(bad=garbage)
+def test_a_bad_word_is_named_in_the_error(ip, magic, template, bad):
+    before = policy_state()
+    with pytest.raises(UsageError) as error:
+        MAGICS[magic](ip, template.format(bad))
+    assert bad in str(error.value) or bad.lower() in str(error.value)
+    assert policy_state() == before
