@@ -28,6 +28,7 @@ class CellModeHook:
     def __init__(self, shell) -> None:
         self.shell = shell
         self._open_scopes: list[contextlib.ExitStack] = []
+        self._removing = False
 
     @property
     def open_scopes(self) -> int:
@@ -49,8 +50,6 @@ class CellModeHook:
             self._open_scopes.pop().close()
         if self._removing and not self._open_scopes:
             self.shell.events.unregister("post_run_cell", self.post_run_cell)
-
-    _removing = False
 
     def remove(self) -> None:
         """Stop opening scopes now; close the ones still open as their cells end."""

@@ -22,6 +22,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from mpnb.backends import backend_for
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.modes import DTYPE_NAMES, MODE_NAMES
 from mpnb.policy import autocast, session, tf32
@@ -146,7 +147,5 @@ class PrecisionMagics(Magics):
             if state != "status":
                 tf32(state == "on", args.device)
             device = session.resolved_device() if args.device is None else args.device
-            from mpnb.backends import backend_for
-
             print(f"mpnb: fp32 math on {device}: {backend_for(device).describe_fp32_math()}")
         return None
