@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,8 +46,9 @@ _PRECISION_PATHS = (
 
 
 def _backend_node(path: str) -> object:
+    """``torch.backends`` itself for ``""``, else the node at the dotted path below it."""
     node: object = torch.backends
-    for part in path.split("."):
+    for part in filter(None, path.split(".")):
         node = getattr(node, part)
     return node
 
@@ -96,10 +98,10 @@ class Fp32MathSnapshot:
             cudnn_allow_tf32: bool | None = torch.backends.cudnn.allow_tf32
         except RuntimeError:
             cudnn_allow_tf32 = None
-        fine_grained = ()
+        values = ()
         if _has_fine_grained_api():
-            fine_grained = tuple((path, _backend_node(path).fp32_precision) for path in _PRECISION_PATHS)
-        return cls(_read_matmul_precision(), cudnn_allow_tf32, fine_grained)
+            values = tuple((path, fine_grained(path)) for path in _PRECISION_PATHS)
+        return cls(_read_matmul_precision(), cudnn_allow_tf32, values)
 
     def restore(self) -> None:
         """Put every setting back as it was when this snapshot was captured."""
@@ -107,10 +109,7 @@ class Fp32MathSnapshot:
             torch.set_float32_matmul_precision(self.matmul_precision)
         if self.cudnn_allow_tf32 is not None:
             torch.backends.cudnn.allow_tf32 = self.cudnn_allow_tf32
-        for path, value in self.fine_grained:
-            node = _backend_node(path)
-            if node.fp32_precision != value:
-                node.fp32_precision = value
+        set_fine_grained({path: value for path, value in self.fine_grained if fine_grained(path) != value})
 
 
 def read_flags() -> dict[str, object]:
@@ -126,11 +125,10 @@ def read_flags() -> dict[str, object]:
         "torch.backends.cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
     }
     if _has_fine_grained_api():
-        for path in ("", "cudnn", "mkldnn"):
-            if hasattr(_backend_node(path) if path else torch.backends, "fp32_precision"):
-                getters[f"torch.backends.{path + '.' if path else ''}fp32_precision"] = _fp32_precision_getter(path)
-        for path in _PRECISION_PATHS:
-            getters[f"torch.backends.{path}.fp32_precision"] = _fp32_precision_getter(path)
+        for path in ("", "cudnn", "mkldnn", *_PRECISION_PATHS):
+            if hasattr(_backend_node(path), "fp32_precision"):
+                name = ".".join(filter(None, ("torch.backends", path, "fp32_precision")))
+                getters[name] = functools.partial(fine_grained, path)
     flags: dict[str, object] = {}
     for name, getter in getters.items():
         try:
@@ -139,9 +137,6 @@ def read_flags() -> dict[str, object]:
             flags[name] = f"error: {error}"
     return flags
 
-
-def _fp32_precision_getter(path: str):
-    return lambda: (_backend_node(path) if path else torch.backends).fp32_precision
 
 
 class Fp32MathSwitch:

@@ -30,11 +30,6 @@ class CellModeHook:
         self._open_scopes: list[contextlib.ExitStack] = []
         self._removing = False
 
-    @property
-    def open_scopes(self) -> int:
-        """How many cells are running under a scope now (nested run_cell calls add one each)."""
-        return len(self._open_scopes)
-
     def install(self) -> None:
         """Register the pre/post cell callbacks."""
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
