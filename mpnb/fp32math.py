@@ -138,7 +138,6 @@ def read_flags() -> dict[str, object]:
     return flags
 
 
-
 class Fp32MathSwitch:
     """The one owner of the fp32-math flags that mpnb changes.
 
