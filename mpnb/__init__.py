@@ -8,6 +8,8 @@ Plain Python::
     mpnb.set_mode("bf16")                # the session mode
     mpnb.status()                        # where the session stands
     mpnb.devices()                       # what this machine can do
+    trainer = mpnb.Trainer(model, optimizer, loss_fn)   # AMP training with telemetry
+    history = trainer.fit(data)          # live dashboard in a notebook, text elsewhere
 
 IPython / Jupyter::
 
@@ -21,10 +23,13 @@ IPython / Jupyter::
 
 from __future__ import annotations
 
+from mpnb import examples
 from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
 from mpnb.modes import Mode
 from mpnb.policy import autocast, get_mode, set_mode, tf32
+from mpnb.history import History
 from mpnb.status import DeviceReport, Status, devices, status
+from mpnb.training import AmpStep, FitInterrupted, Trainer
 
 __version__ = "0.1.0"
 
@@ -38,6 +43,11 @@ __all__ = [
     "devices",
     "Status",
     "DeviceReport",
+    "Trainer",
+    "AmpStep",
+    "History",
+    "FitInterrupted",
+    "examples",
     "MpnbError",
     "InvalidChoiceError",
     "DeviceUnavailableError",

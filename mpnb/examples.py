@@ -1,0 +1,155 @@
+"""The embedded default: a small MNIST-style CNN on scikit-learn's bundled 8x8 digits.
+
+Nothing is downloaded: the 1,797 handwritten digits ship inside scikit-learn. Notebooks,
+tests, benchmarks and ``mpnb train`` all use these so that every lesson runs anywhere.
+
+Example:
+    >>> import mpnb.examples as ex
+    >>> train, test = ex.digits(batch_size=64)
+    >>> x, y = next(iter(train))
+    >>> tuple(x.shape), y.dtype
+    ((64, 1, 8, 8), torch.int64)
+    >>> model = ex.DigitsCNN()
+    >>> tuple(model(x).shape)
+    (64, 10)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["DigitsCNN", "Batches", "digits", "load_digits", "accuracy"]
+
+TEST_FRACTION = 0.2
+
+
+def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1,797 digits as ``(images, labels)``: float32 ``N x 1 x 8 x 8`` in [0, 1], int64 labels."""
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    bunch = sklearn_digits()
+    images = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)
+    return images, torch.from_numpy(bunch.target).long()
+
+
+class Batches:
+    """Mini-batches of in-memory tensors, reshuffled per epoch from a fixed seed.
+
+    Deterministic: the batches of epoch ``e`` depend only on ``seed`` and ``e``, so a
+    training run that stops midway can resume exactly where it stopped. ``Trainer``
+    calls :meth:`set_epoch` before each epoch (the convention of torch's
+    DistributedSampler).
+
+    Example:
+        >>> data = Batches(torch.arange(10.0), torch.arange(10), batch_size=4, shuffle=False)
+        >>> [len(y) for _, y in data]
+        [4, 4, 2]
+    """
+
+    def __init__(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        batch_size: int = 64,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if len(inputs) != len(targets):
+            raise ValueError(f"inputs and targets differ in length: {len(inputs)} vs {len(targets)}")
+        self.inputs, self.targets = inputs, targets
+        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose order the next iteration follows."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.inputs), self.batch_size)
+        return full if self.drop_last or not rest else full + 1
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(len(self.inputs), generator=generator)
+        else:
+            order = torch.arange(len(self.inputs))
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
+            index = order[start : start + self.batch_size]
+            yield self.inputs[index], self.targets[index]
+
+
+def digits(batch_size: int = 64, *, seed: int = 0) -> tuple[Batches, Batches]:
+    """The digits split 80/20 into shuffled training batches and ordered test batches.
+
+    The split itself is fixed (seed 0), so test accuracy compares across runs and seeds.
+    """
+    images, labels = load_digits()
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
+    n_test = int(len(images) * TEST_FRACTION)
+    test, train = order[:n_test], order[n_test:]
+    return (
+        Batches(images[train], labels[train], batch_size, seed=seed),
+        Batches(images[test], labels[test], batch_size, shuffle=False),
+    )
+
+
+class DigitsCNN(nn.Module):
+    """The classic MNIST-style CNN, sized for 8x8 digits.
+
+    conv 3x3 -> ReLU -> max-pool -> conv 3x3 -> ReLU -> max-pool -> linear.
+
+    Args:
+        widths: output channels of the two convolutions.
+        classes: number of outputs.
+        image_size: side of the square input images (8 for the bundled digits).
+
+    Example:
+        >>> DigitsCNN(widths=(8, 16))(torch.zeros(2, 1, 8, 8)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, widths: tuple[int, int] = (32, 64), classes: int = 10, image_size: int = 8) -> None:
+        super().__init__()
+        first, second = widths
+        self.features = nn.Sequential(
+            nn.Conv2d(1, first, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(first, second, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        side = image_size // 4
+        self.classifier = nn.Linear(second * side * side, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(images).flatten(1))
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, batches: Batches, device: str | torch.device = "cpu") -> float:
+    """Share of correctly classified examples, computed in fp32 with the model in eval mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.autocast(torch.device(device).type, enabled=False):
+            return _count_correct(model, batches, device)
+    finally:
+        model.train(was_training)
+
+
+def _count_correct(model: nn.Module, batches: Batches, device: str | torch.device) -> float:
+    correct = total = 0
+    for inputs, targets in batches:
+        predictions = model(inputs.to(device)).argmax(dim=1)
+        correct += int((predictions == targets.to(device)).sum())
+        total += len(targets)
+    return correct / total

@@ -1,0 +1,252 @@
+"""The torch.amp recipe as one helper: autocast, loss scaling, clipping, stepping, telemetry.
+
+For people who keep their own loop::
+
+    amp = mpnb.AmpStep(optimizer, mode="fp16")
+    for x, y in data:
+        with amp.autocast():
+            loss = loss_fn(model(x), y)
+        amp.backward(loss)
+        amp.step(samples=len(x))
+    amp.history.skipped_steps
+
+It is torch.autocast and torch.amp.GradScaler, nothing re-implemented: fp16 gets a real
+scaler, every other mode a disabled one (which passes everything through). Telemetry is
+recorded without host-device synchronisation (see :mod:`mpnb.telemetry`).
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 1)
+    >>> amp = AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="bf16", device="cpu")
+    >>> for _ in range(3):
+    ...     with amp.autocast():
+    ...         loss = model(torch.ones(8, 4)).float().pow(2).mean()
+    ...     amp.backward(loss)
+    ...     _ = amp.step(samples=8)
+    >>> len(amp.history), amp.history.skipped_steps
+    (3, [])
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mpnb.backends import backend_for
+from mpnb.history import History
+from mpnb.modes import Mode
+from mpnb.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink
+from mpnb.training.precision import TrainingPrecision
+
+__all__ = ["AmpStep"]
+
+
+class AmpStep:
+    """One optimizer's mixed-precision step: ``autocast()``, ``backward(loss)``, ``step()``.
+
+    Args:
+        optimizer: the optimizer to step.
+        mode: ``"fp16"``, ``"bf16"``, ``"fp32"``, ``"tf32"`` or ``"off"``; default the session mode.
+        device: default the session device.
+        scheduler: an LR scheduler, stepped only after steps the optimizer really took (a step
+            skipped for overflow leaves the schedule where it was).
+        accumulate: micro-batches per optimizer step; each loss is divided by it.
+        clip_grad_norm: clip the total norm of the unscaled gradients to this value.
+        record_grad_norm: record the unscaled gradient norm even without clipping.
+        init_scale, growth_factor, backoff_factor, growth_interval: passed to GradScaler.
+        min_scale: warn (once) when the fp16 loss scale falls below this.
+        flush_every: steps between device-to-host telemetry copies.
+        sinks: telemetry sinks (dashboard, text progress...).
+        history: continue this history (default: a new one).
+
+    Attributes:
+        scaler: the torch.amp.GradScaler (disabled unless fp16).
+        steps: optimizer steps taken or skipped so far.
+        epoch: written into each row; a training loop sets it.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        mode: str | Mode | None = None,
+        device: str | torch.device | None = None,
+        scheduler: Any = None,
+        accumulate: int = 1,
+        clip_grad_norm: float | None = None,
+        record_grad_norm: bool = False,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float | None = None,
+        flush_every: int = 64,
+        sinks: Iterable[Sink] = (),
+        history: History | None = None,
+    ) -> None:
+        if accumulate < 1:
+            raise ValueError(f"accumulate must be a positive number of micro-batches, got {accumulate}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be a positive norm, got {clip_grad_norm}")
+        self.precision = TrainingPrecision.resolve(mode, device)
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.accumulate, self.clip_grad_norm, self.record_grad_norm = accumulate, clip_grad_norm, record_grad_norm
+        self.scaler = torch.amp.GradScaler(
+            self.precision.device.type,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=self.precision.needs_scaler,
+        )
+        all_sinks = [*sinks, *([MinScaleAlarm(min_scale)] if min_scale is not None else [])]
+        self.recorder = Recorder(history, flush_every=flush_every, sinks=all_sinks)
+        self.memory = MemorySampler(backend_for(self.precision.device), self.precision.device)
+        self.steps = self.recorder.history.step[-1] if len(self.recorder.history) else 0
+        self.epoch = 0
+        self._micro_batches = 0
+        self._samples = 0
+        self._loss_sum: torch.Tensor | None = None
+        self._window_start: float | None = None
+        self._optimizer_stepped = False
+        self._hook = optimizer.register_step_post_hook(_StepFlag(self))
+
+    # -- the three calls of a training step ---------------------------------------------
+
+    def autocast(self) -> torch.autocast:
+        """The forward-pass context: autocast in fp16/bf16 modes, explicitly off otherwise."""
+        self._start_clock()
+        return self.precision.autocast.context()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the (scaled, accumulation-averaged) loss, outside autocast."""
+        self._start_clock()
+        if self.accumulate > 1:
+            loss = loss / self.accumulate
+        with torch.autocast(self.precision.device.type, enabled=False):
+            self.scaler.scale(loss).backward()
+        value = loss.detach().float()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._micro_batches += 1
+
+    def step(self, samples: int | None = None) -> bool:
+        """End a micro-batch. At the end of an accumulation window: unscale, clip, step,
+        update the scale, step the scheduler if the optimizer stepped, zero the gradients
+        and record a row. Returns True when the window ended (an optimizer step happened
+        or was skipped for overflow).
+
+        Raises:
+            RuntimeError: ``step()`` without a ``backward()`` since the last one.
+        """
+        if self._micro_batches == 0:
+            raise RuntimeError("AmpStep.step() called with no backward(loss) since the previous step")
+        self._samples += samples or 0
+        if self._micro_batches % self.accumulate:
+            return False
+        scale = self.scaler._get_scale_async() if self.scaler.is_enabled() else None
+        scale_before = scale.clone() if scale is not None else 1.0
+        grad_norm = self._unscale_and_clip()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self._optimizer_stepped = False
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.scheduler is not None and self._optimizer_stepped:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._record(scale_before, grad_norm, lr)
+        return True
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _unscale_and_clip(self) -> torch.Tensor | float:
+        if self.clip_grad_norm is None and not self.record_grad_norm:
+            return math.nan
+        self.scaler.unscale_(self.optimizer)
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self.clip_grad_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+    def _record(self, scale_before: torch.Tensor | float, grad_norm: torch.Tensor | float, lr: Any) -> None:
+        now = time.perf_counter()
+        step_time = now - (self._window_start if self._window_start is not None else now)
+        if isinstance(scale_before, torch.Tensor):
+            skipped: torch.Tensor | bool = self.scaler._get_scale_async() < scale_before
+        else:
+            skipped = False
+        used, peak, reserved = self.memory.sample(now)
+        self.steps += 1
+        self.recorder.record(
+            step=self.steps,
+            epoch=self.epoch,
+            loss=self._loss_sum,
+            loss_scale=scale_before,
+            skipped=skipped,
+            lr=lr,
+            step_time=step_time,
+            samples_per_s=self._samples / step_time if self._samples and step_time > 0 else math.nan,
+            memory_used=used,
+            memory_peak=peak,
+            memory_reserved=reserved,
+            grad_norm=grad_norm,
+            mode=self.precision.mode.value,
+        )
+        self._loss_sum, self._micro_batches, self._samples = None, 0, 0
+        self._window_start = now
+
+    def _start_clock(self) -> None:
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """Forget the time since the last step (call after a pause, before the next batch)."""
+        self._window_start = None
+
+    @property
+    def history(self) -> History:
+        """Every recorded step (pending rows are flushed first)."""
+        self.recorder.flush()
+        return self.recorder.history
+
+    def close(self) -> History:
+        """Flush telemetry, tell the sinks the run ended, and return the history."""
+        self.recorder.close()
+        return self.recorder.history
+
+    def detach(self) -> None:
+        """Remove the hook this helper put on the optimizer."""
+        self._hook.remove()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scaler state and step counter (plain data, safe for ``torch.load(weights_only=True)``)."""
+        return {"scaler": self.scaler.state_dict(), "steps": self.steps, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.steps, self.epoch = state["steps"], state["epoch"]
+
+    def __repr__(self) -> str:
+        return f"<mpnb.AmpStep {self.precision.describe()}, {self.steps} steps, accumulate={self.accumulate}>"
+
+
+class _StepFlag:
+    """Optimizer step post-hook that tells an AmpStep the optimizer really stepped.
+
+    GradScaler calls ``optimizer.step()`` only when the gradients are finite, so this flag
+    needs no device read. Holds the AmpStep weakly so the hook never keeps it alive.
+    """
+
+    def __init__(self, owner: AmpStep) -> None:
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._optimizer_stepped = True

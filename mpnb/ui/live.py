@@ -1,0 +1,77 @@
+"""The live dashboard: a plotly FigureWidget that redraws while a training cell runs.
+
+Redraws are throttled (at most one per ``min_interval`` seconds, plus a final one) and
+batched (one widget message per redraw). Each trace is decimated by streaming min/max
+buckets, so a redraw sends at most ``max_points`` points per trace: message size and
+redraw time stay flat however long the run. The full history stays in the recorder.
+
+Example:
+    >>> from mpnb.history import History
+    >>> dash = LiveDashboard("demo", max_points=100)
+    >>> h = History()
+    >>> h.extend({"step": list(range(1, 10001)), "loss": [1.0 / s for s in range(1, 10001)]})
+    >>> dash.close(h)
+    >>> len(dash.figure.data[0].x) <= 100, dash.redraws
+    (True, 1)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import plotly.graph_objects as go
+
+from mpnb.decimate import MinMaxSeries
+from mpnb.history import History
+from mpnb.telemetry import Sink
+from mpnb.ui.figure import TRACES, empty_figure, trace_points
+
+__all__ = ["LiveDashboard"]
+
+
+class LiveDashboard(Sink):
+    """A telemetry sink that draws into a FigureWidget.
+
+    Args:
+        title: shown above the panels.
+        min_interval: seconds between redraws (0.25 = at most 4 per second).
+        max_points: points per trace in one redraw.
+
+    Attributes:
+        figure: the FigureWidget; display it to see it (``make_dashboard`` does).
+        redraws: how many redraws were sent.
+    """
+
+    def __init__(self, title: str = "", *, min_interval: float = 0.25, max_points: int = 500) -> None:
+        self.figure = go.FigureWidget(empty_figure(title))
+        self.min_interval = min_interval
+        self.redraws = 0
+        self._series = {name: MinMaxSeries(max_points) for name in TRACES}
+        self._seen = 0
+        self._last_redraw = -math.inf
+
+    def due(self, now: float) -> bool:
+        return now - self._last_redraw >= self.min_interval
+
+    def update(self, history: History) -> None:
+        self._ingest(history)
+        if self.due(time.perf_counter()):
+            self.redraw()
+
+    def close(self, history: History) -> None:
+        self._ingest(history)
+        self.redraw()
+
+    def _ingest(self, history: History) -> None:
+        for name, (xs, ys) in trace_points(history, self._seen).items():
+            self._series[name].extend(xs, ys)
+        self._seen = len(history)
+
+    def redraw(self) -> None:
+        """Send every trace's decimated points in one message."""
+        with self.figure.batch_update():
+            for trace, series in zip(self.figure.data, self._series.values()):
+                trace.x, trace.y = series.points()
+        self.redraws += 1
+        self._last_redraw = time.perf_counter()
