@@ -2,7 +2,9 @@
 
 Example (shell)::
 
-    $ mpnb devices          # capability report, with a tiny autocast check per dtype
+    $ mpnb train                    # the example CNN on the bundled digits, in the device's best AMP mode
+    $ mpnb train --mode fp16 --steps 100 --out runs/fp16
+    $ mpnb devices                  # capability report, with a tiny autocast check per dtype
     $ mpnb devices --json
 """
 
@@ -12,6 +14,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+
+from mpnb.errors import MpnbError
 
 __all__ = ["main"]
 
@@ -24,6 +28,44 @@ def _devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    import math
+    import os
+
+    from mpnb.backends import backend_for, resolve_device
+    from mpnb.backends.base import format_bytes
+    from mpnb.examples import accuracy, example_trainer
+    from mpnb.modes import dtype_name
+    from mpnb.ui.report import write_report
+
+    device = resolve_device(args.device)
+    mode = args.mode or dtype_name(backend_for(device).preferred_dtype())
+    trainer, train, test = example_trainer(
+        mode, device, batch_size=args.batch_size, lr=args.lr, seed=args.seed, dashboard="text"
+    )
+    history = trainer.fit(train, epochs=math.ceil(args.steps / len(train)), max_steps=args.steps)
+    test_accuracy = accuracy(trainer.model, test, device)
+    summary = history.summary()
+    print(
+        f"{trainer.describe()}: test accuracy {test_accuracy:.1%}, final loss {summary['final_loss']:.4f}, "
+        f"{summary['skipped']} skipped steps, peak memory {format_bytes(int(summary['peak_memory']))}, "
+        f"median step {summary['median_step_time'] * 1e3:.2f} ms"
+    )
+    os.makedirs(args.out, exist_ok=True)
+    csv_path, html_path = os.path.join(args.out, "history.csv"), os.path.join(args.out, "dashboard.html")
+    history.to_csv(csv_path)
+    write_report(html_path, history, f"mpnb train: {trainer.describe()}", [("test accuracy", f"{test_accuracy:.1%}")])
+    print(f"wrote {csv_path} and {html_path}")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpnb`` command."""
     parser = argparse.ArgumentParser(prog="mpnb", description="Mixed-precision training toolkit for PyTorch.")
@@ -32,13 +74,29 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print the report as JSON")
     report.add_argument("--no-check", action="store_true", help="skip running a tiny Linear under each dtype")
     report.set_defaults(run=_devices)
+    train = commands.add_parser(
+        "train",
+        help="train the example CNN on the bundled 8x8 digits; print progress, write history CSV and HTML dashboard",
+    )
+    train.add_argument("--mode", help="fp32, tf32, fp16 or bf16 (default: the device's preferred AMP dtype)")
+    train.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
+    train.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
+    train.add_argument("--batch-size", type=_positive_int, default=64, help="examples per step (default 64)")
+    train.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    train.add_argument("--seed", type=int, default=0, help="seed of the model and the data order (default 0)")
+    train.add_argument("--out", default="mpnb-train", help="folder for history.csv and dashboard.html (default ./mpnb-train)")
+    train.set_defaults(run=_train)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mpnb`` command; returns its exit status."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except MpnbError as error:
+        print(f"mpnb {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

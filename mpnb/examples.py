@@ -17,11 +17,12 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DigitsCNN", "Batches", "digits", "load_digits", "accuracy"]
+__all__ = ["DigitsCNN", "Batches", "digits", "load_digits", "accuracy", "example_trainer"]
 
 TEST_FRACTION = 0.2
 
@@ -153,3 +154,33 @@ def _count_correct(model: nn.Module, batches: Batches, device: str | torch.devic
         correct += int((predictions == targets.to(device)).sum())
         total += len(targets)
     return correct / total
+
+
+def example_trainer(
+    mode: str | None = None,
+    device: str | torch.device | None = None,
+    *,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    widths: tuple[int, int] = (32, 64),
+    **trainer_options: Any,
+) -> tuple[Any, Batches, Batches]:
+    """The embedded default, ready to fit: ``(trainer, train_batches, test_batches)``.
+
+    A :class:`DigitsCNN` seeded with ``seed``, Adam at ``lr``, cross-entropy, in ``mode``
+    (default: the session mode). ``trainer_options`` go to :class:`mpnb.Trainer`.
+
+    Example:
+        >>> trainer, train, test = example_trainer("bf16", "cpu", dashboard=None)
+        >>> len(trainer.fit(train, max_steps=3))
+        3
+    """
+    from mpnb.training import Trainer
+
+    train, test = digits(batch_size, seed=seed)
+    torch.manual_seed(seed)
+    model = DigitsCNN(widths)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    trainer = Trainer(model, optimizer, nn.functional.cross_entropy, mode=mode, device=device, **trainer_options)
+    return trainer, train, test

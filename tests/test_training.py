@@ -1,0 +1,266 @@
+"""AmpStep and Trainer on real torch (CPU): exact skipped steps, the scheduler rule, accumulation
+and clipping against the hand-written torch.amp recipe, interrupts, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import signal
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mpnb
+import mpnb.examples as ex
+from mpnb.errors import InvalidChoiceError, MpnbError
+
+SCHEDULER_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+
+
+def linear_problem(seed: int = 0, steps: int = 12, batch: int = 8):
+    """A tiny regression: a Linear model and a fixed list of batches."""
+    torch.manual_seed(seed)
+    model = nn.Linear(6, 3)
+    data = [(torch.randn(batch, 6), torch.randn(batch, 3)) for _ in range(steps)]
+    return model, data
+
+
+def mse(output, target):
+    return nn.functional.mse_loss(output.float(), target)
+
+
+def run_amp_step(model, data, amp, overflow_at=frozenset()):
+    """The user's own loop through AmpStep; ``overflow_at`` makes those steps' losses infinite."""
+    for step, (x, y) in enumerate(data, start=1):
+        with amp.autocast():
+            loss = mse(model(x), y)
+        if step in overflow_at:
+            loss = loss * math.inf
+        amp.backward(loss)
+        amp.step(samples=len(x))
+    return amp.close()
+
+
+def test_fp16_skipped_steps_are_exactly_the_overflowed_ones_and_skip_the_update():
+    model, data = linear_problem()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = mpnb.AmpStep(optimizer, mode="fp16", device="cpu", init_scale=1024.0, growth_interval=1000, flush_every=5)
+    weights = []
+    for step, (x, y) in enumerate(data, start=1):
+        before = model.weight.detach().clone()
+        with amp.autocast():
+            loss = mse(model(x), y)
+        amp.backward(loss * math.inf if step in (3, 7, 8) else loss)
+        amp.step()
+        weights.append(torch.equal(before, model.weight))
+    history = amp.close()
+    assert history.skipped_steps == [3, 7, 8]
+    assert [step for step, unchanged in enumerate(weights, start=1) if unchanged] == [3, 7, 8]
+    assert history.loss_scale[:9] == [1024.0] * 3 + [512.0] * 4 + [256.0, 128.0]
+    assert history.step == list(range(1, 13))
+    assert all(mode == "fp16" for mode in history.mode)
+
+
+def test_bf16_has_no_scaler_and_no_skips():
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(8, 16), dashboard=None)
+    history = trainer.fit(train, max_steps=20)
+    assert not trainer.amp.scaler.is_enabled()
+    assert history.skipped_steps == [] and set(history.loss_scale) == {1.0}
+    assert history.loss[-1] < history.loss[0]
+
+
+def test_scheduler_steps_only_after_real_optimizer_steps_and_torch_never_warns():
+    model, data = linear_problem(steps=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    amp = mpnb.AmpStep(optimizer, mode="fp16", device="cpu", scheduler=scheduler, init_scale=256.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step")
+        history = run_amp_step(model, data, amp, overflow_at={1, 4, 5})
+    assert history.skipped_steps == [1, 4, 5]
+    assert scheduler.last_epoch == 7
+    # The learning rate recorded per step halves only after steps that were taken.
+    assert history.lr == [1.0, 1.0, 0.5, 0.25, 0.25, 0.25, 0.125, 0.0625, 0.03125, 0.015625]
+
+
+def test_accumulation_and_clipping_equal_the_hand_written_recipe_exactly():
+    accumulate, clip = 3, 0.05
+    model, data = linear_problem(steps=12)
+    reference = nn.Linear(6, 3)
+    reference.load_state_dict(model.state_dict())
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    amp = mpnb.AmpStep(optimizer, mode="fp16", device="cpu", accumulate=accumulate, clip_grad_norm=clip, init_scale=2.0**10)
+    history = run_amp_step(model, data, amp, overflow_at={5})
+
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    norms = []
+    for index, (x, y) in enumerate(data, start=1):
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = mse(reference(x), y)
+        if index == 5:
+            loss = loss * math.inf
+        scaler.scale(loss / accumulate).backward()
+        if index % accumulate == 0:
+            scaler.unscale_(ref_optimizer)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)))
+            scaler.step(ref_optimizer)
+            scaler.update()
+            ref_optimizer.zero_grad()
+    assert torch.equal(model.weight, reference.weight) and torch.equal(model.bias, reference.bias)
+    assert len(history) == 4 and history.skipped_steps == [2]
+    finite = [math.isfinite(n) for n in norms]
+    assert finite == [True, False, True, True]
+    assert [math.isfinite(n) for n in history.grad_norm] == finite
+    assert [n for n in history.grad_norm if math.isfinite(n)] == [n for n in norms if math.isfinite(n)]
+    assert history.loss_scale == [1024.0, 1024.0, 512.0, 512.0]
+
+
+def test_record_grad_norm_without_clipping_leaves_gradients_alone():
+    model, data = linear_problem(steps=3)
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.0), mode="bf16", device="cpu", record_grad_norm=True)
+    history = run_amp_step(model, data, amp)
+    assert all(math.isfinite(v) and v > 0 for v in history.grad_norm)
+
+
+def test_min_scale_alarm_warns_once_and_notes_the_step():
+    model, data = linear_problem(steps=8)
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="fp16", device="cpu", init_scale=8.0, min_scale=1.0, flush_every=2)
+    with pytest.warns(RuntimeWarning, match="loss scale fell to 0.5 at step 5") as caught:
+        history = run_amp_step(model, data, amp, overflow_at=set(range(1, 9)))
+    assert len([w for w in caught if "loss scale fell" in str(w.message)]) == 1
+    assert [e["kind"] for e in history.events] == ["min-scale alarm"]
+
+
+def test_bad_arguments_are_rejected_with_the_valid_choices():
+    model, _ = linear_problem()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="accumulate must be a positive number of micro-batches, got 0"):
+        mpnb.AmpStep(optimizer, accumulate=0)
+    with pytest.raises(ValueError, match="clip_grad_norm must be a positive norm, got -1"):
+        mpnb.AmpStep(optimizer, clip_grad_norm=-1)
+    with pytest.raises(MpnbError, match="unknown mode 'fp8'; valid: off, fp32, tf32, fp16, bf16"):
+        mpnb.Trainer(model, optimizer, mse, mode="fp8")
+    trainer = mpnb.Trainer(model, optimizer, mse, mode="fp32", device="cpu", dashboard="fancy")
+    with pytest.raises(InvalidChoiceError, match="unknown dashboard 'fancy'; valid: auto, live, text"):
+        trainer.fit([(torch.randn(2, 6), torch.randn(2, 3))])
+    with pytest.raises(ValueError, match="epochs must be a positive number, got 0"):
+        trainer.fit([], epochs=0)
+    amp = mpnb.AmpStep(optimizer, mode="fp32", device="cpu")
+    with pytest.raises(RuntimeError, match="no backward"):
+        amp.step()
+
+
+def test_trainer_takes_mode_from_the_session_and_sets_fp32_math_only_during_fit():
+    seen = []
+
+    def loss_reading_flags(output, target):
+        seen.append(torch.get_float32_matmul_precision())
+        return mse(output, target)
+
+    model, data = linear_problem(steps=2)
+    mpnb.set_mode("bf16", device="cpu")
+    assert mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, dashboard=None).mode is mpnb.Mode.BF16
+    mpnb.set_mode("off")
+    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_reading_flags, mode="tf32", device="cpu", dashboard=None)
+    before = torch.get_float32_matmul_precision()
+    trainer.fit(data)
+    assert seen == ["medium", "medium"] and torch.get_float32_matmul_precision() == before
+
+
+def test_fp32_trainer_forward_stays_fp32_inside_an_amp_cell(ip):
+    ip.run_line_magic("amp", "bf16 --device cpu")
+    ip.run_cell(
+        "import mpnb\n"
+        "dtypes = []\n"
+        "def loss_fn(out, y):\n"
+        "    dtypes.append(out.dtype)\n"
+        "    return ((out - y) ** 2).mean()\n"
+        "model = torch.nn.Linear(8, 8)\n"
+        "t = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, mode='fp32', dashboard=None)\n"
+        "t.fit([(x, x)] * 3)\n"
+        "bf16_cell = linear(x).dtype"
+    ).raise_error()
+    assert ip.user_ns["dtypes"] == [torch.float32] * 3
+    assert ip.user_ns["bf16_cell"] == torch.bfloat16
+
+
+class InterruptingBatches(ex.Batches):
+    """Digits batches that deliver a real SIGINT to this process while yielding batch ``at``."""
+
+    def __init__(self, base: ex.Batches, at: int, times: int = 1) -> None:
+        super().__init__(base.inputs, base.targets, base.batch_size, seed=base.seed)
+        self.at, self.times, self.armed = at, times, True
+
+    def __iter__(self):
+        for index, batch in enumerate(super().__iter__()):
+            if self.armed and index == self.at:
+                self.armed = False
+                for _ in range(self.times):
+                    os.kill(os.getpid(), signal.SIGINT)
+            yield batch
+
+
+def test_interrupt_stops_after_the_step_keeps_history_and_resume_matches_an_uninterrupted_run():
+    full, train, _ = ex.example_trainer("fp16", "cpu", widths=(4, 8), batch_size=256, dashboard=None, init_scale=2.0**8)
+    full.fit(train, epochs=2)
+
+    trainer, _, _ = ex.example_trainer("fp16", "cpu", widths=(4, 8), batch_size=256, dashboard=None, init_scale=2.0**8)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(mpnb.FitInterrupted, match="fit stopped after step 4 .epoch 0, batch 4.") as stopped:
+        trainer.fit(InterruptingBatches(train, at=3), epochs=2)
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert len(stopped.value.history) == 4 and stopped.value.history.step == [1, 2, 3, 4]
+    assert [e["kind"] for e in trainer.history.events] == ["interrupt"]
+    history = trainer.fit(train)  # no epochs: finish the interrupted run
+    assert history.step == full.history.step
+    for mine, theirs in zip(trainer.model.parameters(), full.model.parameters()):
+        assert torch.equal(mine, theirs)
+    assert trainer.amp.scaler.state_dict() == full.amp.scaler.state_dict()
+
+
+def test_a_second_interrupt_stops_at_once():
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        trainer.fit(InterruptingBatches(train, at=2, times=2))
+    assert type(stopped.value) is KeyboardInterrupt
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert len(trainer.history) == 2  # the steps finished before the batch that was interrupted
+
+
+def test_checkpoint_round_trip_continues_like_an_unbroken_run(tmp_path):
+    options = {"widths": (4, 8), "batch_size": 128, "dashboard": None}
+    full, train, _ = ex.example_trainer("fp16", "cpu", **options)
+    full.fit(train, max_steps=10)
+
+    first, _, _ = ex.example_trainer("fp16", "cpu", **options)
+    first.fit(train, max_steps=6)
+    first.save(tmp_path / "run.pt")
+    second, _, _ = ex.example_trainer("fp16", "cpu", seed=99, **options)
+    second.load(tmp_path / "run.pt")
+    assert second.history.step == [1, 2, 3, 4, 5, 6]
+    second.fit(train, max_steps=4)
+    for mine, theirs in zip(second.model.parameters(), full.model.parameters()):
+        assert torch.equal(mine, theirs)
+    assert second.history.loss == full.history.loss
+
+
+def test_checkpoint_loading_refuses_pickled_code(tmp_path):
+    trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    torch.save({"format": "mpnb-trainer", "payload": ex.Batches(torch.zeros(2), torch.zeros(2))}, tmp_path / "bad.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        trainer.load(tmp_path / "bad.pt")
+    torch.save({"model": {}}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="is not an mpnb trainer checkpoint"):
+        trainer.load(tmp_path / "other.pt")
+
+
+def test_example_model_learns_the_digits():
+    trainer, train, test = ex.example_trainer("bf16", "cpu", widths=(16, 32), dashboard=None)
+    trainer.fit(train, epochs=3)
+    assert ex.accuracy(trainer.model, test) > 0.8
