@@ -64,8 +64,15 @@ def _parse_cell(kind: type, text: str) -> Any:
     return kind(float(text)) if kind is int else float(text)
 
 
-def _finite_or_none(value: Any) -> Any:
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+def _json_safe(value: Any) -> Any:
+    """inf / -inf / NaN as the strings float() reads back; JSON itself has no such numbers."""
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _from_json(kind: type, value: Any) -> Any:
+    if value is None:
+        return column_default(kind)
+    return float(value) if kind is float else value
 
 
 class _Column:
@@ -217,18 +224,13 @@ class History:
         history = cls(data.get("meta"))
         history.events = list(data.get("events", []))
         columns = data["columns"]
-        history.extend(
-            {
-                name: [column_default(COLUMNS[name][0]) if v is None else v for v in values]
-                for name, values in columns.items()
-            }
-        )
+        history.extend({name: [_from_json(COLUMNS[name][0], v) for v in values] for name, values in columns.items()})
         return history
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """Write (or, with no path, return) the history as JSON; NaN is written as null."""
+        """Write (or, with no path, return) the history as standard JSON (inf and NaN as strings)."""
         data = self.to_dict()
-        data["columns"] = {k: [_finite_or_none(v) for v in vs] for k, vs in data["columns"].items()}
+        data["columns"] = {k: [_json_safe(v) for v in vs] for k, vs in data["columns"].items()}
         text = json.dumps(data, allow_nan=False)
         if path is not None:
             with open(path, "w", encoding="utf-8") as file:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
+from mpnb.history import History
 
-def mpnb(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpnb", *args], capture_output=True, text=True, timeout=120)
+
+def mpnb(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpnb", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def test_devices_report():
@@ -30,6 +33,29 @@ def test_bad_command_is_an_error_that_lists_the_commands():
 
 
 def test_import_mpnb_stays_light():
-    code = "import sys, mpnb; print([m for m in ('IPython', 'ipywidgets', 'plotly') if m in sys.modules])"
+    code = "import sys, mpnb; print([m for m in ('IPython', 'ipywidgets', 'plotly', 'sklearn') if m in sys.modules])"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_train_prints_progress_and_summary_and_writes_history_and_dashboard(tmp_path):
+    result = mpnb("train", "--steps", "30", "--mode", "fp16", "--batch-size", "128", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("training DigitsCNN, fp16 on cpu, 21,386 parameters\nstep 1  epoch 0  loss ")
+    summary = re.search(r"test accuracy ([\d.]+)%, final loss ([\d.]+), (\d+) skipped steps, peak memory .+, median step", out)
+    assert summary, out
+    history = History.load(tmp_path / "mpnb-train" / "history.csv")
+    assert len(history) == 30 and set(history.mode) == {"fp16"}
+    assert int(summary.group(3)) == len(history.skipped_steps)
+    assert float(summary.group(2)) == round(history.summary()["final_loss"], 4)
+    page = (tmp_path / "mpnb-train" / "dashboard.html").read_text()
+    assert "<script src=" not in page and "Plotly.newPlot" in page and "test accuracy" in page
+
+
+def test_train_rejects_bad_input_naming_the_valid_values(tmp_path):
+    result = mpnb("train", "--mode", "fp8", cwd=tmp_path)
+    assert result.returncode == 2 and "unknown mode 'fp8'; valid: off, fp32, tf32, fp16, bf16" in result.stderr
+    result = mpnb("train", "--steps", "0", cwd=tmp_path)
+    assert result.returncode == 2 and "must be a positive integer, got 0" in result.stderr
+    assert not (tmp_path / "mpnb-train").exists()

@@ -3,6 +3,7 @@ including ipykernel's async execution path and a real kernel interrupt."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -69,3 +70,59 @@ def test_kernel_interrupt_inside_an_autocast_cell_restores_state(kernel):
                             "torch.is_autocast_cache_enabled())")[1]
     assert after == before
     execute(client, "%unload_ext mpnb")
+
+
+def execute_collecting(client, code: str, timeout: float = 120) -> tuple[dict, list[tuple[float, dict]]]:
+    """Run a cell; return the reply content and every iopub message with its arrival time."""
+    messages: list[tuple[float, dict]] = []
+    reply = client.execute_interactive(code, output_hook=lambda m: messages.append((time.monotonic(), m)), timeout=timeout)
+    return reply["content"], messages
+
+
+def wire_size(message: dict) -> int:
+    return len(json.dumps(message["content"])) + sum(len(memoryview(b).tobytes()) for b in message.get("buffers") or [])
+
+
+def test_live_dashboard_updates_reach_the_frontend_while_the_cell_runs(kernel):
+    _, client = kernel
+    execute(client, "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('bf16', 'cpu', widths=(8, 16))")
+    reply, messages = execute_collecting(client, "history = trainer.fit(train, epochs=6)")
+    assert reply["status"] == "ok", reply
+    views = [m for _, m in messages if m["msg_type"] == "display_data"]
+    assert any("application/vnd.jupyter.widget-view+json" in m["content"]["data"] for m in views)
+    updates = [(t, m) for t, m in messages if m["msg_type"] == "comm_msg" and m.get("buffers")]
+    assert len(updates) >= 3
+    cell_time = messages[-1][0] - messages[0][0]
+    assert updates[-1][0] - updates[0][0] > 0.5 * cell_time  # spread over the run, not sent at the end
+    assert max(wire_size(m) for _, m in updates) <= 64 * 1024
+    assert execute(client, "print(len(history), history.skipped_steps)")[1].strip() == "138 []"
+
+
+def test_kernel_interrupt_during_fit_keeps_history_and_fit_continues(kernel):
+    manager, client = kernel
+    execute(client, "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('fp16', 'cpu', widths=(8, 16))")
+    threading.Timer(3.0, manager.interrupt_kernel).start()
+    reply, printed = execute(client, "trainer.fit(train, epochs=500)")
+    assert reply["status"] == "error" and reply["ename"] == "FitInterrupted", reply
+    assert "trainer.history keeps every finished step" in printed
+    steps = int(execute(client, "print(len(trainer.history))")[1])
+    assert steps > 0
+    assert execute(client, "print(trainer.history.step == list(range(1, len(trainer.history) + 1)))")[1].strip() == "True"
+    reply, _ = execute(client, "h = trainer.fit(train, max_steps=3)")
+    assert reply["status"] == "ok"
+    assert int(execute(client, "print(len(h))")[1]) == steps + 3
+    assert execute(client, "import signal\nprint(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")[1].strip() == "True"
+
+
+def test_without_widget_libraries_fit_warns_once_and_prints_text_progress(kernel):
+    _, client = kernel
+    execute(client, "import sys\nhidden = {n: sys.modules.pop(n) for n in ['mpnb.ui.live'] if n in sys.modules}\n"
+                    "sys.modules['plotly'] = None")
+    try:
+        execute(client, "import mpnb.examples as ex\ntrainer, train, _ = ex.example_trainer('bf16', 'cpu', widths=(4, 8))")
+        reply, printed = execute(client, "trainer.fit(train, max_steps=5)\nNone")
+        assert reply["status"] == "ok"
+        assert printed.count("pip install ipywidgets plotly anywidget") == 1
+        assert "Traceback" not in printed and "finished: step 5" in printed
+    finally:
+        execute(client, "import plotly.graph_objects\nsys.modules.update(hidden)")
