@@ -3,15 +3,11 @@ the HTML report of a run is self-contained."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 
-import comm
 import pytest
-from comm import DummyComm
-from comm.base_comm import CommManager
 
 import mpnb.examples as ex
 from mpnb.errors import InvalidChoiceError
@@ -19,27 +15,16 @@ from mpnb.history import History
 from mpnb.ui.dashboard import make_dashboard
 from mpnb.ui.live import LiveDashboard
 from mpnb.ui.report import report_html
+from tests.wire import recording_wire
 
 MAX_MESSAGE_BYTES = 64 * 1024
 
 
-class RecordingComm(DummyComm):
-    """A comm that keeps the size of every message a widget sends (what would go on the wire)."""
-
-    sizes: list[int] = []
-
-    def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
-        payload = len(json.dumps(data, default=str)) + sum(memoryview(b).nbytes for b in buffers or [])
-        RecordingComm.sizes.append(payload)
-
-
 @pytest.fixture
-def wire(monkeypatch):
-    """Widgets created in the test send through RecordingComm (comm's documented extension point)."""
-    RecordingComm.sizes = []
-    monkeypatch.setattr(comm, "create_comm", RecordingComm)
-    monkeypatch.setattr(comm, "get_comm_manager", lambda: CommManager())
-    return RecordingComm.sizes
+def wire():
+    """Message sizes of widgets created in the test."""
+    with recording_wire() as sizes:
+        yield sizes
 
 
 def synthetic_history(steps: int) -> History:
@@ -69,7 +54,7 @@ def feed(dashboard: LiveDashboard, source: History, chunk: int) -> History:
 
 
 def test_live_updates_stay_small_however_long_the_run(wire):
-    dashboard = LiveDashboard("long run", min_interval=0, max_points=500)
+    dashboard = LiveDashboard("long run", min_interval=0, max_share=0, max_points=500)
     opened = len(wire)
     feed(dashboard, synthetic_history(30_000), chunk=250)
     updates = wire[opened:]
@@ -91,7 +76,7 @@ def test_live_redraws_are_throttled():
 
 
 def test_trainer_feeds_a_live_dashboard_while_it_trains(wire):
-    dashboard = LiveDashboard("digits", min_interval=0)
+    dashboard = LiveDashboard("digits", min_interval=0, max_share=0)
     trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=dashboard, flush_every=5)
     trainer.fit(train, max_steps=20)
     # A sink that is due makes the recorder flush early: here after every step, plus the final redraw.
@@ -127,3 +112,11 @@ def test_html_report_is_self_contained_and_has_the_summary():
     assert "<script src=" not in page and "cdn.plot.ly" not in page.split("<script")[0]
     assert "test accuracy" in page and "97.0%" in page and "50 (0 skipped)" in page
     assert "Plotly.newPlot" in page
+
+
+def test_redraw_interval_stretches_so_redrawing_stays_a_small_share_of_the_run():
+    dashboard = LiveDashboard("", min_interval=0.0, max_share=0.01)
+    history = synthetic_history(2000)
+    dashboard.update(history)
+    assert dashboard.redraws == 1 and dashboard.interval > 0.0  # min_interval 0, stretched to 100 x the cost
+    assert not dashboard.due(time.perf_counter())

@@ -1,7 +1,8 @@
 """The live dashboard: a plotly FigureWidget that redraws while a training cell runs.
 
-Redraws are throttled (at most one per ``min_interval`` seconds, plus a final one) and
-batched (one widget message per redraw). Each trace is decimated by streaming min/max
+Redraws are throttled (at most one per ``min_interval`` seconds, plus a final one, and
+never more often than keeps redrawing under ``max_share`` of the run's time) and batched
+(one widget message per redraw). Each trace is decimated by streaming min/max
 buckets, so a redraw sends at most ``max_points`` points per trace: message size and
 redraw time stay flat however long the run. The full history stays in the recorder.
 
@@ -37,22 +38,27 @@ class LiveDashboard(Sink):
         title: shown above the panels.
         min_interval: seconds between redraws (0.25 = at most 4 per second).
         max_points: points per trace in one redraw.
+        max_share: the interval also stretches to redraw cost / max_share, so redrawing
+            takes at most this share of the training loop's time.
 
     Attributes:
         figure: the FigureWidget; display it to see it (``make_dashboard`` does).
         redraws: how many redraws were sent.
     """
 
-    def __init__(self, title: str = "", *, min_interval: float = 0.25, max_points: int = 500) -> None:
+    def __init__(
+        self, title: str = "", *, min_interval: float = 0.25, max_points: int = 500, max_share: float = 0.01
+    ) -> None:
         self.figure = go.FigureWidget(empty_figure(title))
-        self.min_interval = min_interval
+        self.min_interval, self.max_share = min_interval, max_share
+        self.interval = min_interval
         self.redraws = 0
         self._series = {name: MinMaxSeries(max_points) for name in TRACES}
         self._seen = 0
         self._last_redraw = -math.inf
 
     def due(self, now: float) -> bool:
-        return now - self._last_redraw >= self.min_interval
+        return now - self._last_redraw >= self.interval
 
     def update(self, history: History) -> None:
         self._ingest(history)
@@ -70,8 +76,12 @@ class LiveDashboard(Sink):
 
     def redraw(self) -> None:
         """Send every trace's decimated points in one message."""
-        with self.figure.batch_update():
-            for trace, series in zip(self.figure.data, self._series.values()):
-                trace.x, trace.y = series.points()
+        started = time.perf_counter()
+        points = [series.points() for series in self._series.values()]
+        self.figure.plotly_restyle(
+            {"x": [x for x, _ in points], "y": [y for _, y in points]}, trace_indexes=list(range(len(points)))
+        )
         self.redraws += 1
         self._last_redraw = time.perf_counter()
+        cost = self._last_redraw - started
+        self.interval = max(self.min_interval, cost / self.max_share if self.max_share else 0.0)

@@ -1,0 +1,139 @@
+"""What mpnb's Trainer costs per step over the torch.amp recipe written by hand.
+
+The same model and batches trained twice, side by side: once by the canonical torch.amp
+loop (torch.autocast + GradScaler, nothing else), once by ``mpnb.Trainer`` with telemetry
+and a headless live dashboard (a FigureWidget with no browser) attached. Blocks of steps
+alternate between the two so both see the same machine noise; the ratio of median per-step
+times is printed per case. Target: <= 1.03. Writes benchmarks/results/training_overhead.json.
+
+    python benchmarks/training_overhead.py [--rounds 12] [--block 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import pathlib
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import mpnb
+import mpnb.examples as ex
+from mpnb.ui.live import LiveDashboard
+
+TARGET = 1.03
+
+
+class TransformerRegressor(nn.Module):
+    """One transformer encoder layer and a linear head, regressing a target sequence."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=2 * width, batch_first=True, dropout=0.0)
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x))
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output.float(), target)
+
+
+def cases() -> dict[str, tuple]:
+    images, labels = ex.load_digits()
+    digits = [(images[i : i + 64], labels[i : i + 64]) for i in range(0, 64 * 20, 64)]
+    generator = torch.Generator().manual_seed(0)
+    sequences = [(torch.randn(32, 32, 128, generator=generator), torch.randn(32, 32, 128, generator=generator)) for _ in range(20)]
+    return {
+        "digits CNN, bf16": (ex.DigitsCNN, digits, nn.functional.cross_entropy, "bf16"),
+        "digits CNN, fp16": (ex.DigitsCNN, digits, nn.functional.cross_entropy, "fp16"),
+        "transformer layer d=128, bf16": (TransformerRegressor, sequences, mse, "bf16"),
+    }
+
+
+def hand_written(model, optimizer, scaler, dtype, loss_fn, batches) -> None:
+    for x, y in batches:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+
+def measure(name: str, make_model, batches, loss_fn, mode: str, rounds: int, block: int) -> dict:
+    torch.manual_seed(0)
+    reference = make_model()
+    model_a, model_b = copy.deepcopy(reference), copy.deepcopy(reference)
+    opt_a = torch.optim.Adam(model_a.parameters(), lr=1e-3)
+    opt_b = torch.optim.Adam(model_b.parameters(), lr=1e-3)
+    dtype = torch.float16 if mode == "fp16" else torch.bfloat16
+    scaler = torch.amp.GradScaler("cpu", enabled=mode == "fp16")
+    dashboard = LiveDashboard(name)
+    trainer = mpnb.Trainer(model_b, opt_b, loss_fn, mode=mode, device="cpu", dashboard=dashboard)
+    hand_times, trainer_times = [], []
+    for round_index in range(rounds + 1):  # round 0 warms both up
+        chunk = [batches[(round_index * block + i) % len(batches)] for i in range(block)]
+        start = time.perf_counter()
+        hand_written(model_a, opt_a, scaler, dtype, loss_fn, chunk)
+        middle = time.perf_counter()
+        trainer.fit(chunk, epochs=1)
+        end = time.perf_counter()
+        if round_index:
+            hand_times.append((middle - start) / block)
+            trainer_times.append((end - middle) / block)
+    hand, ours = statistics.median(hand_times), statistics.median(trainer_times)
+    return {
+        "case": name,
+        "median_step_s_hand_written": hand,
+        "median_step_s_trainer": ours,
+        "ratio_trainer_over_hand": ours / hand,
+        "steps_each": rounds * block,
+        "dashboard_redraws": dashboard.redraws,
+        "recorder_host_transfers": trainer.amp.recorder.host_transfers,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--block", type=int, default=10)
+    args = parser.parse_args()
+    results = []
+    for name, (make_model, batches, loss_fn, mode) in cases().items():
+        row = measure(name, make_model, batches, loss_fn, mode, args.rounds, args.block)
+        results.append(row)
+        print(
+            f"{name:32s} hand {row['median_step_s_hand_written'] * 1e3:7.2f} ms  "
+            f"Trainer {row['median_step_s_trainer'] * 1e3:7.2f} ms  ratio {row['ratio_trainer_over_hand']:.3f}"
+        )
+    worst = max(row["ratio_trainer_over_hand"] for row in results)
+    print(f"worst ratio {worst:.3f} (target <= {TARGET})")
+    out = pathlib.Path(__file__).parent / "results" / "training_overhead.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "training_overhead",
+                "target_ratio": TARGET,
+                "worst_ratio": worst,
+                "results": results,
+                "torch": torch.__version__,
+                "machine": platform.processor() or platform.machine(),
+                "threads": torch.get_num_threads(),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    main()
