@@ -211,10 +211,10 @@ def test_interrupt_stops_after_the_step_keeps_history_and_resume_matches_an_unin
 
     trainer, _, _ = ex.example_trainer("fp16", "cpu", widths=(4, 8), batch_size=256, dashboard=None, init_scale=2.0**8)
     handler = signal.getsignal(signal.SIGINT)
-    with pytest.raises(mpnb.FitInterrupted, match="fit stopped after step 4 .epoch 0, batch 4.") as stopped:
+    with pytest.raises(mpnb.FitInterrupted, match="fit stopped after step 3 .epoch 0, batch 3.") as stopped:
         trainer.fit(InterruptingBatches(train, at=3), epochs=2)
     assert signal.getsignal(signal.SIGINT) is handler
-    assert len(stopped.value.history) == 4 and stopped.value.history.step == [1, 2, 3, 4]
+    assert len(stopped.value.history) == 3 and stopped.value.history.step == [1, 2, 3]
     assert [e["kind"] for e in trainer.history.events] == ["interrupt"]
     history = trainer.fit(train)  # no epochs: finish the interrupted run
     assert history.step == full.history.step
@@ -264,3 +264,18 @@ def test_example_model_learns_the_digits():
     trainer, train, test = ex.example_trainer("bf16", "cpu", widths=(16, 32), dashboard=None)
     trainer.fit(train, epochs=3)
     assert ex.accuracy(trainer.model, test) > 0.8
+
+
+def test_max_steps_ending_an_epoch_completes_it_and_the_next_fit_starts_a_new_one():
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), batch_size=512, dashboard=None)
+    assert len(train) == 3
+    trainer.fit(train, max_steps=3)
+    history = trainer.fit(train)
+    assert history.step == [1, 2, 3, 4, 5, 6] and history.epoch == [0, 0, 0, 1, 1, 1]
+
+
+def test_interrupt_waits_for_the_end_of_an_accumulation_window():
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), batch_size=128, dashboard=None, accumulate=4)
+    with pytest.raises(mpnb.FitInterrupted, match="fit stopped after step 2 .epoch 0, batch 8."):
+        trainer.fit(InterruptingBatches(train, at=5))
+    assert trainer.amp.between_steps and all(p.grad is None for p in trainer.model.parameters())

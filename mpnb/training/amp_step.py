@@ -203,6 +203,11 @@ class AmpStep:
         if self._window_start is None:
             self._window_start = time.perf_counter()
 
+    @property
+    def between_steps(self) -> bool:
+        """True when no micro-batch of an unfinished accumulation window is pending."""
+        return self._micro_batches == 0
+
     def restart_clock(self) -> None:
         """Forget the time since the last step (call after a pause, before the next batch)."""
         self._window_start = None

@@ -147,14 +147,11 @@ class Trainer:
                 data.set_epoch(self._epoch)
             self.amp.epoch = self._epoch
             for batch in itertools.islice(data, self._batch, None):
-                window_done = self._train_batch(batch)
-                self._batch += 1
-                if not window_done:
-                    continue
-                if steps_left is not None:
-                    steps_left -= 1
-                if stop.requested or steps_left == 0:
+                if self.amp.between_steps and (stop.requested or steps_left == 0):
                     return False
+                if self._train_batch(batch) and steps_left is not None:
+                    steps_left -= 1
+                self._batch += 1
             self._epoch, self._batch = self._epoch + 1, 0
         return True
 
