@@ -279,3 +279,22 @@ def test_interrupt_waits_for_the_end_of_an_accumulation_window():
     with pytest.raises(mpnb.FitInterrupted, match="fit stopped after step 2 .epoch 0, batch 8."):
         trainer.fit(InterruptingBatches(train, at=5))
     assert trainer.amp.between_steps and all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_an_error_mid_window_drops_the_partial_window_and_fit_resumes_at_its_start():
+    calls = []
+
+    def failing_once(output, target):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("bad batch")
+        return nn.functional.cross_entropy(output, target)
+
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), batch_size=128, dashboard=None, accumulate=4)
+    trainer.loss_fn = failing_once
+    with pytest.raises(RuntimeError, match="bad batch"):
+        trainer.fit(train)
+    assert trainer.amp.between_steps and all(p.grad is None for p in trainer.model.parameters())
+    assert len(trainer.history) == 1 and trainer._batch == 4
+    history = trainer.fit(train)
+    assert history.step == [1, 2, 3] and len(calls) == 6 + 8

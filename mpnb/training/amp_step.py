@@ -203,6 +203,11 @@ class AmpStep:
         if self._window_start is None:
             self._window_start = time.perf_counter()
 
+    def discard_window(self) -> None:
+        """Drop the micro-batches of an unfinished accumulation window (their gradients too)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._loss_sum, self._micro_batches, self._samples = None, 0, 0
+
     @property
     def between_steps(self) -> bool:
         """True when no micro-batch of an unfinished accumulation window is pending."""

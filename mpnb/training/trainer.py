@@ -79,6 +79,7 @@ class Trainer:
         self.dashboard = dashboard
         self._epoch, self._batch = 0, 0  # position: next batch to train on
         self._end_epoch: int | None = None  # set while a planned run is unfinished
+        self._window_start = (0, 0)  # position of the current accumulation window's first batch
 
     @property
     def history(self) -> History:
@@ -107,22 +108,26 @@ class Trainer:
 
         Interrupting (Ctrl-C, the kernel's stop button) finishes the current optimizer step,
         keeps its telemetry, then raises :class:`FitInterrupted` (a KeyboardInterrupt);
-        a second interrupt stops at once.
+        a second interrupt stops at once. An error in the middle of an accumulation window
+        drops that window's gradients, and the next ``fit(data)`` starts it again.
         """
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be a positive number, got {epochs}")
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps must be a positive number, got {max_steps}")
+        sinks = _dashboard_sinks(self.dashboard, self.describe())
         if epochs is not None or self._end_epoch is None:
             self._end_epoch = self._epoch + (epochs or 1)  # a partly trained epoch counts as one
         self.history.meta.update(model=self.describe(), device=str(self.device), mode=self.mode.value)
-        sinks = _dashboard_sinks(self.dashboard, self.describe())
         self.amp.recorder.sinks.extend(sinks)
         self.amp.restart_clock()
         self.model.train()
         try:
             with self.amp.precision.math_scope(), StopRequest() as stop:
                 finished = self._run(data, stop, max_steps)
+        except BaseException:
+            self._drop_unfinished_window()
+            raise
         finally:
             self.amp.close()
             for sink in sinks:
@@ -147,13 +152,21 @@ class Trainer:
                 data.set_epoch(self._epoch)
             self.amp.epoch = self._epoch
             for batch in itertools.islice(data, self._batch, None):
-                if self.amp.between_steps and (stop.requested or steps_left == 0):
-                    return False
+                if self.amp.between_steps:
+                    if stop.requested or steps_left == 0:
+                        return False
+                    self._window_start = (self._epoch, self._batch)
                 if self._train_batch(batch) and steps_left is not None:
                     steps_left -= 1
                 self._batch += 1
             self._epoch, self._batch = self._epoch + 1, 0
         return True
+
+    def _drop_unfinished_window(self) -> None:
+        """After an error mid-window: drop its gradients and go back to the window's first batch."""
+        if not self.amp.between_steps:
+            self.amp.discard_window()
+            self._epoch, self._batch = self._window_start
 
     def _train_batch(self, batch: Sequence[Any]) -> bool:
         inputs, targets = (_to_device(part, self.device) for part in batch)
