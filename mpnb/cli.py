@@ -48,7 +48,7 @@ def _train(args: argparse.Namespace) -> int:
     summary = history.summary()
     print(
         f"{trainer.describe()}: test accuracy {test_accuracy:.1%}, final loss {summary['final_loss']:.4f}, "
-        f"{summary['skipped']} skipped steps, peak memory {format_bytes(int(summary['peak_memory']))}, "
+        f"{summary['skipped']} skipped steps, peak memory {format_bytes(summary['peak_memory'])}, "
         f"median step {summary['median_step_time'] * 1e3:.2f} ms"
     )
     os.makedirs(args.out, exist_ok=True)

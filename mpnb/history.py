@@ -176,14 +176,13 @@ class History:
     def summary_rows(self) -> list[tuple[str, str]]:
         """:meth:`summary` as (label, formatted value) pairs, for tables."""
         s = self.summary()
-        peak = s["peak_memory"]
         return [
             ("steps", f"{s['steps']} ({s['skipped']} skipped)"),
             ("final loss", f"{s['final_loss']:.4g}"),
             ("final loss scale", f"{s['final_loss_scale']:g}"),
             ("median step time", f"{s['median_step_time'] * 1e3:.2f} ms"),
             ("median throughput", f"{s['median_samples_per_s']:.0f} samples/s"),
-            ("peak memory", format_bytes(int(peak)) if math.isfinite(peak) else "-"),
+            ("peak memory", format_bytes(s["peak_memory"])),
             ("modes", ", ".join(s["modes"]) or "-"),
         ]
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from mpnb.errors import InvalidChoiceError
 from mpnb.oplists import OpLists, aten_overloads
 
 __all__ = ["OpListOverride", "AUTOCAST_KEYS"]
@@ -89,8 +90,6 @@ class OpListOverride:
         self.device_types = list(device_types)
         unknown = [d for d in self.device_types if d not in AUTOCAST_KEYS]
         if unknown:
-            from mpnb.errors import InvalidChoiceError
-
             raise InvalidChoiceError("device type", unknown[0], AUTOCAST_KEYS)
         self._libraries: list[torch.library.Library] = []
 

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import torch
@@ -21,9 +22,14 @@ from mpnb.modes import Fp32Math
 __all__ = ["Backend", "MemorySnapshot", "format_bytes"]
 
 
-def format_bytes(size: int | None) -> str:
-    """``1536`` -> ``"1.5 KiB"``; None -> ``"-"``."""
-    if size is None:
+def format_bytes(size: float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; None or NaN (a device that reports nothing) -> ``"-"``.
+
+    Example:
+        >>> format_bytes(1536), format_bytes(float("nan"))
+        ('1.5 KiB', '-')
+    """
+    if size is None or not math.isfinite(size):
         return "-"
     value = float(size)
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -67,5 +67,5 @@ def progress_line(history: History) -> str:
         f"step {history.step[last]}  epoch {history.epoch[last]}  loss {history.loss[last]:.4g}  "
         f"scale {history.loss_scale[last]:g}  skipped {len(history.skipped_steps)}  "
         f"{'-' if math.isnan(rate) else f'{rate:,.0f}'} samples/s  "
-        f"mem {format_bytes(int(used)) if math.isfinite(used) else '-'}"
+        f"mem {format_bytes(used)}"
     )
