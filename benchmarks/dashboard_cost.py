@@ -84,19 +84,27 @@ def main() -> None:
     time_ratio = results[-1]["median_update_s"] / results[0]["median_update_s"]
     bytes_ratio = results[-1]["max_update_bytes"] / results[0]["max_update_bytes"]
     worst_bytes = max(row["max_update_bytes"] for row in results)
-    print(f"100k/1k ratio: time {time_ratio:.2f}, bytes {bytes_ratio:.2f}; largest update {worst_bytes / 1024:.1f} KB "
-          f"(target <= {TARGET_BYTES // 1024} KB)")
+    print(
+        f"100k/1k ratio: time {time_ratio:.2f}, bytes {bytes_ratio:.2f}; largest update {worst_bytes / 1024:.1f} KB "
+        f"(target <= {TARGET_BYTES // 1024} KB)"
+    )
     out = pathlib.Path(__file__).parent / "results" / "dashboard_cost.json"
-    out.write_text(json.dumps({
-        "benchmark": "dashboard_cost",
-        "chunk_steps_per_update": CHUNK,
-        "results": results,
-        "time_ratio_100k_over_1k": time_ratio,
-        "bytes_ratio_100k_over_1k": bytes_ratio,
-        "largest_update_bytes": worst_bytes,
-        "target_bytes": TARGET_BYTES,
-        "numpy": np.__version__,
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "dashboard_cost",
+                "chunk_steps_per_update": CHUNK,
+                "results": results,
+                "time_ratio_100k_over_1k": time_ratio,
+                "bytes_ratio_100k_over_1k": bytes_ratio,
+                "largest_update_bytes": worst_bytes,
+                "target_bytes": TARGET_BYTES,
+                "numpy": np.__version__,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"-> {out}")
 
 

@@ -60,20 +60,28 @@ def main() -> None:
             plain.append(plain_time)
             listed.append(listed_time)
     ratio = statistics.median(listed) / statistics.median(plain)
-    print(f"digits CNN bf16: plain autocast {statistics.median(plain) * 1e3:.2f} ms, with '{args.preset}' lists "
-          f"{statistics.median(listed) * 1e3:.2f} ms, ratio {ratio:.3f} (target <= {TARGET})")
+    print(
+        f"digits CNN bf16: plain autocast {statistics.median(plain) * 1e3:.2f} ms, with '{args.preset}' lists "
+        f"{statistics.median(listed) * 1e3:.2f} ms, ratio {ratio:.3f} (target <= {TARGET})"
+    )
     out = pathlib.Path(__file__).parent / "results" / "oplist_overhead.json"
-    out.write_text(json.dumps({
-        "benchmark": "oplist_overhead",
-        "mechanism": "python kernels on the AutocastCPU dispatch key (torch.library, allow_override)",
-        "preset": args.preset,
-        "median_step_s_plain": statistics.median(plain),
-        "median_step_s_lists": statistics.median(listed),
-        "ratio_lists_over_plain": ratio,
-        "target_ratio": TARGET,
-        "steps_each": args.rounds * args.block,
-        "torch": torch.__version__,
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "oplist_overhead",
+                "mechanism": "python kernels on the AutocastCPU dispatch key (torch.library, allow_override)",
+                "preset": args.preset,
+                "median_step_s_plain": statistics.median(plain),
+                "median_step_s_lists": statistics.median(listed),
+                "ratio_lists_over_plain": ratio,
+                "target_ratio": TARGET,
+                "steps_each": args.rounds * args.block,
+                "torch": torch.__version__,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"-> {out}")
 
 

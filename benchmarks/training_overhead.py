@@ -34,7 +34,9 @@ class TransformerRegressor(nn.Module):
 
     def __init__(self, width: int = 128) -> None:
         super().__init__()
-        self.layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=2 * width, batch_first=True, dropout=0.0)
+        self.layer = nn.TransformerEncoderLayer(
+            width, nhead=4, dim_feedforward=2 * width, batch_first=True, dropout=0.0
+        )
         self.head = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +51,10 @@ def cases() -> dict[str, tuple]:
     images, labels = ex.load_digits()
     digits = [(images[i : i + 64], labels[i : i + 64]) for i in range(0, 64 * 20, 64)]
     generator = torch.Generator().manual_seed(0)
-    sequences = [(torch.randn(32, 32, 128, generator=generator), torch.randn(32, 32, 128, generator=generator)) for _ in range(20)]
+    sequences = [
+        (torch.randn(32, 32, 128, generator=generator), torch.randn(32, 32, 128, generator=generator))
+        for _ in range(20)
+    ]
     return {
         "digits CNN, bf16": (ex.DigitsCNN, digits, nn.functional.cross_entropy, "bf16"),
         "digits CNN, fp16": (ex.DigitsCNN, digits, nn.functional.cross_entropy, "fp16"),

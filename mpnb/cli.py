@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=_positive_int, default=64, help="examples per step (default 64)")
     train.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
     train.add_argument("--seed", type=int, default=0, help="seed of the model and the data order (default 0)")
-    train.add_argument("--out", default="mpnb-train", help="folder for history.csv and dashboard.html (default ./mpnb-train)")
+    train.add_argument(
+        "--out", default="mpnb-train", help="folder for history.csv and dashboard.html (default ./mpnb-train)"
+    )
     train.set_defaults(run=_train)
     return parser
 

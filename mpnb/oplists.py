@@ -117,7 +117,9 @@ class OpLists:
         return lists
 
     @classmethod
-    def from_files(cls, lower_path: str | os.PathLike[str] | None = None, fp32_path: str | os.PathLike[str] | None = None) -> OpLists:
+    def from_files(
+        cls, lower_path: str | os.PathLike[str] | None = None, fp32_path: str | os.PathLike[str] | None = None
+    ) -> OpLists:
         """Read Habana-format files: one op per line, ``#`` starts a comment.
 
         Raises:
@@ -131,7 +133,9 @@ class OpLists:
 
     def _list(self, which: str) -> dict[str, str]:
         if which not in LIST_NAMES:
-            raise InvalidChoiceError("list", which, LIST_NAMES, "lower = run in the autocast dtype; fp32 = run in fp32.")
+            raise InvalidChoiceError(
+                "list", which, LIST_NAMES, "lower = run in the autocast dtype; fp32 = run in fp32."
+            )
         return self.lower if which == "lower" else self.fp32
 
     def add(self, which: str, ops: Iterable[str], source: str = "user") -> None:

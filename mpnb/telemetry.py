@@ -71,7 +71,9 @@ class MemorySampler:
         """``(used, peak, reserved)`` in bytes; NaN for what the device cannot report."""
         if now - self._last_read >= self.interval:
             snapshot = self.backend.memory(self.device.index)
-            self._sample = tuple(math.nan if v is None else float(v) for v in (snapshot.used, snapshot.peak, snapshot.reserved))
+            self._sample = tuple(
+                math.nan if v is None else float(v) for v in (snapshot.used, snapshot.peak, snapshot.reserved)
+            )
             self._last_read = now
         return self._sample
 
@@ -176,4 +178,3 @@ class Recorder:
             for (name, index, _), value in zip(entries, host_values):
                 kind = COLUMNS[name][0]
                 columns[name][index] = bool(value) if kind is bool else int(value) if kind is int else value
-

@@ -93,7 +93,9 @@ def test_accumulation_and_clipping_equal_the_hand_written_recipe_exactly():
     reference.load_state_dict(model.state_dict())
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    amp = mpnb.AmpStep(optimizer, mode="fp16", device="cpu", accumulate=accumulate, clip_grad_norm=clip, init_scale=2.0**10)
+    amp = mpnb.AmpStep(
+        optimizer, mode="fp16", device="cpu", accumulate=accumulate, clip_grad_norm=clip, init_scale=2.0**10
+    )
     history = run_amp_step(model, data, amp, overflow_at={5})
 
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -129,7 +131,14 @@ def test_record_grad_norm_without_clipping_leaves_gradients_alone():
 
 def test_min_scale_alarm_warns_once_and_notes_the_step():
     model, data = linear_problem(steps=8)
-    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="fp16", device="cpu", init_scale=8.0, min_scale=1.0, flush_every=2)
+    amp = mpnb.AmpStep(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mode="fp16",
+        device="cpu",
+        init_scale=8.0,
+        min_scale=1.0,
+        flush_every=2,
+    )
     with pytest.warns(RuntimeWarning, match="loss scale fell to 0.5 at step 5") as caught:
         history = run_amp_step(model, data, amp, overflow_at=set(range(1, 9)))
     assert len([w for w in caught if "loss scale fell" in str(w.message)]) == 1
@@ -166,7 +175,14 @@ def test_trainer_takes_mode_from_the_session_and_sets_fp32_math_only_during_fit(
     mpnb.set_mode("bf16", device="cpu")
     assert mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, dashboard=None).mode is mpnb.Mode.BF16
     mpnb.set_mode("off")
-    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_reading_flags, mode="tf32", device="cpu", dashboard=None)
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_reading_flags,
+        mode="tf32",
+        device="cpu",
+        dashboard=None,
+    )
     before = torch.get_float32_matmul_precision()
     trainer.fit(data)
     assert seen == ["medium", "medium"] and torch.get_float32_matmul_precision() == before

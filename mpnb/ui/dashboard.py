@@ -39,7 +39,9 @@ def make_dashboard(kind: str, title: str = "") -> Sink:
     from mpnb.ui.text import TextProgress
 
     if kind not in DASHBOARD_KINDS:
-        raise InvalidChoiceError("dashboard", kind, DASHBOARD_KINDS, "Pass one of these, None for no display, or a Sink.")
+        raise InvalidChoiceError(
+            "dashboard", kind, DASHBOARD_KINDS, "Pass one of these, None for no display, or a Sink."
+        )
     if kind == "text" or (kind == "auto" and not in_notebook_kernel()):
         return TextProgress(title)
     try:

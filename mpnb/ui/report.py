@@ -37,7 +37,9 @@ def report_html(history: History, title: str, extra_rows: Sequence[tuple[str, st
     )
 
 
-def write_report(path: str | os.PathLike[str], history: History, title: str, extra_rows: Sequence[tuple[str, str]] = ()) -> None:
+def write_report(
+    path: str | os.PathLike[str], history: History, title: str, extra_rows: Sequence[tuple[str, str]] = ()
+) -> None:
     """Write :func:`report_html` to ``path``."""
     with open(path, "w", encoding="utf-8") as file:
         file.write(report_html(history, title, extra_rows))
