@@ -21,9 +21,16 @@ from torch import nn
 
 def small_cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
     )
 
 
@@ -68,8 +75,10 @@ def main() -> None:
     out = pathlib.Path(__file__).parent / "results" / "cast_cache.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"median step: cache on {cached * 1e3:.2f} ms, cache off {uncached * 1e3:.2f} ms, "
-          f"ratio off/on {uncached / cached:.3f}  -> {out}")
+    print(
+        f"median step: cache on {cached * 1e3:.2f} ms, cache off {uncached * 1e3:.2f} ms, "
+        f"ratio off/on {uncached / cached:.3f}  -> {out}"
+    )
 
 
 if __name__ == "__main__":

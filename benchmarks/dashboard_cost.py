@@ -23,9 +23,9 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from mpnb.history import History  # noqa: E402
-from mpnb.ui.live import LiveDashboard  # noqa: E402
-from tests.wire import recording_wire  # noqa: E402
+from mpnb.history import History
+from mpnb.ui.live import LiveDashboard
+from tests.wire import recording_wire
 
 SIZES = (1_000, 10_000, 100_000)
 CHUNK = 64

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import mpnb.examples as ex
-from mpnb.opoverride import OpListOverride
 from mpnb.oplists import OpLists
+from mpnb.opoverride import OpListOverride
 
 TARGET = 1.05
 

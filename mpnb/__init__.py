@@ -10,6 +10,9 @@ Plain Python::
     mpnb.devices()                       # what this machine can do
     trainer = mpnb.Trainer(model, optimizer, loss_fn)   # AMP training with telemetry
     history = trainer.fit(data)          # live dashboard in a notebook, text elsewhere
+    mpnb.set_oplists(mpnb.OpLists.preset("hmp"))        # per-op precision lists, live
+    with mpnb.trace() as t:              # which op ran in which dtype, in which module
+        loss = loss_fn(model(x), y)
 
 IPython / Jupyter::
 
@@ -17,18 +20,22 @@ IPython / Jupyter::
     %amp bf16          # every following cell runs under bf16 autocast
     %%autocast -d fp16 # one cell under fp16 autocast
     %tf32 on           # reduced-precision fp32 math
+    %oplist add fp32 layer_norm        # per-op precision lists
 
 ``import mpnb`` imports torch but never IPython, ipywidgets or plotly.
 """
 
 from __future__ import annotations
 
-from mpnb import examples
+from mpnb import examples, hmp
 from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
-from mpnb.modes import Mode
-from mpnb.policy import autocast, get_mode, set_mode, tf32
 from mpnb.history import History
+from mpnb.modes import Mode
+from mpnb.oplists import OpLists
+from mpnb.opoverride import OpListOverride
+from mpnb.policy import autocast, get_mode, get_oplists, set_mode, set_oplists, tf32
 from mpnb.status import DeviceReport, Status, devices, status
+from mpnb.trace import Trace, trace
 from mpnb.training import AmpStep, FitInterrupted, Trainer
 
 __version__ = "0.1.0"
@@ -47,6 +54,13 @@ __all__ = [
     "AmpStep",
     "History",
     "FitInterrupted",
+    "OpLists",
+    "OpListOverride",
+    "set_oplists",
+    "get_oplists",
+    "trace",
+    "Trace",
+    "hmp",
     "examples",
     "MpnbError",
     "InvalidChoiceError",

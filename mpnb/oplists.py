@@ -27,11 +27,17 @@ from collections.abc import Iterable
 
 import torch
 
-from mpnb.errors import InvalidChoiceError
+from mpnb.errors import InvalidChoiceError, MpnbError
 
-__all__ = ["OpLists", "PRESETS", "LIST_NAMES", "aten_overloads"]
+__all__ = ["OpLists", "PRESETS", "LIST_NAMES", "aten_overloads", "canonical_name", "check_op", "read_op_file"]
 
 LIST_NAMES = ("lower", "fp32")
+
+# Habana called the lower-precision list the BF16 list; both names work.
+LIST_ALIASES = {"bf16": "lower"}
+
+# Prefixes users write before an op name: aten's, torch's Python namespaces.
+_PREFIXES = ("torch.ops.aten.", "aten::", "aten.", "torch.nn.functional.", "nn.functional.", "F.", "torch.")
 
 # Names users write (Python / Habana) that differ from the aten operators they mean.
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -66,27 +72,74 @@ def _is_tensor_op(packet: object) -> bool:
     return isinstance(packet, torch._ops.OpOverloadPacket)
 
 
+def canonical_name(name: str) -> str:
+    """The list entry for a name as users write it.
+
+    Example:
+        >>> [canonical_name(n) for n in ("aten::addmm", "F.softmax", "torch.nn.functional.linear", "softmax.int")]
+        ['addmm', 'softmax', 'linear', 'softmax.int']
+    """
+    name = name.strip()
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def _overloads_of(aten_name: str) -> list[torch._ops.OpOverload]:
+    base, _, only = aten_name.partition(".")
+    packet = getattr(torch.ops.aten, base, None)
+    if not _is_tensor_op(packet):
+        return []
+    names = packet.overloads()
+    if only:
+        names = [n for n in names if n == only]
+    return [getattr(packet, n) for n in names]
+
+
+def _functional_on_tensors(overload: torch._ops.OpOverload) -> bool:
+    schema = overload._schema
+    return any("Tensor" in str(arg.type) for arg in schema.arguments) and not schema.is_mutable
+
+
 def aten_overloads(name: str) -> list[torch._ops.OpOverload]:
-    """The functional aten overloads behind a list entry (out= and scalar-only variants left out)."""
-    overloads = []
-    for aten_name in ALIASES.get(name, (name,)):
-        packet = getattr(torch.ops.aten, aten_name, None)
-        if not _is_tensor_op(packet):
-            continue
-        for overload_name in packet.overloads():
-            overload = getattr(packet, overload_name)
-            schema = overload._schema
-            takes_tensor = any("Tensor" in str(arg.type) for arg in schema.arguments)
-            if takes_tensor and not schema.is_mutable:
-                overloads.append(overload)
-    return overloads
+    """The functional aten overloads behind a list entry (out= and scalar-only variants left out).
+
+    Example:
+        >>> [str(op) for op in aten_overloads("softmax")]
+        ['aten.softmax.int']
+    """
+    name = canonical_name(name)
+    return [
+        overload
+        for aten_name in ALIASES.get(name, (name,))
+        for overload in _overloads_of(aten_name)
+        if _functional_on_tensors(overload)
+    ]
 
 
-def _check_op(name: str) -> None:
-    if not aten_overloads(name):
-        known = sorted({n for n in dir(torch.ops.aten) if not n.startswith("_")} | set(ALIASES))
-        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-        raise InvalidChoiceError("op", name, close, "Any other aten operator name (torch.ops.aten.<name>) works too.")
+def check_op(name: str) -> str:
+    """The canonical entry for ``name``, or an error that says why it cannot be on a list.
+
+    Raises:
+        InvalidChoiceError: an unknown name or overload, with close matches.
+        MpnbError: an operator autocast never sees, because it takes no tensors.
+    """
+    entry = canonical_name(name)
+    if aten_overloads(entry):
+        return entry
+    if _overloads_of(entry):
+        raise MpnbError(
+            f"op {name!r} cannot be on a list: aten::{entry} takes no input tensors (or only writes to out=), "
+            "so autocast never casts it"
+        )
+    base, dot, overload = entry.partition(".")
+    if dot and aten_overloads(base):
+        valid = [f"{base}.{op._schema.overload_name or 'default'}" for op in aten_overloads(base)]
+        raise InvalidChoiceError(f"overload of {base}", overload, valid, f"Or write just {base!r} for all of them.")
+    known = sorted({n for n in dir(torch.ops.aten) if not n.startswith("_")} | set(ALIASES))
+    close = difflib.get_close_matches(entry, known, n=3, cutoff=0.6)
+    raise InvalidChoiceError("op", name, close, "Any other aten operator name (torch.ops.aten.<name>) works too.")
 
 
 @dataclasses.dataclass
@@ -117,6 +170,23 @@ class OpLists:
         return lists
 
     @classmethod
+    def of(cls, lower: Iterable[str] = (), fp32: Iterable[str] = (), source: str = "user") -> OpLists:
+        """Lists from two name collections; an op named on both is an error.
+
+        Example:
+            >>> OpLists.of(lower=["F.softmax"], fp32=["aten::linear"])
+            OpLists(lower={'softmax': 'user'}, fp32={'linear': 'user'})
+        """
+        lower, fp32 = list(lower), list(fp32)
+        both = sorted({canonical_name(n) for n in lower} & {canonical_name(n) for n in fp32})
+        if both:
+            raise MpnbError(f"op {both[0]!r} is on both the lower and the fp32 list; name each op on one list")
+        lists = cls()
+        lists.add("lower", lower, source)
+        lists.add("fp32", fp32, source)
+        return lists
+
+    @classmethod
     def from_files(
         cls, lower_path: str | os.PathLike[str] | None = None, fp32_path: str | os.PathLike[str] | None = None
     ) -> OpLists:
@@ -132,19 +202,18 @@ class OpLists:
         return lists
 
     def _list(self, which: str) -> dict[str, str]:
-        if which not in LIST_NAMES:
+        name = LIST_ALIASES.get(which.strip().lower(), which.strip().lower())
+        if name not in LIST_NAMES:
             raise InvalidChoiceError(
-                "list", which, LIST_NAMES, "lower = run in the autocast dtype; fp32 = run in fp32."
+                "list", which, LIST_NAMES, "lower (alias bf16) = run in the autocast dtype; fp32 = run in fp32."
             )
-        return self.lower if which == "lower" else self.fp32
+        return self.lower if name == "lower" else self.fp32
 
     def add(self, which: str, ops: Iterable[str], source: str = "user") -> None:
         """Put ``ops`` on list ``which`` (taking them off the other list). All names are checked
         first: one bad name changes nothing."""
         target = self._list(which)
-        names = list(ops)
-        for name in names:
-            _check_op(name)
+        names = [check_op(name) for name in ops]
         other = self.fp32 if target is self.lower else self.lower
         for name in names:
             other.pop(name, None)
@@ -157,7 +226,7 @@ class OpLists:
             InvalidChoiceError: an op that is not on the list (nothing is removed).
         """
         target = self._list(which)
-        names = list(ops)
+        names = [canonical_name(name) for name in ops]
         for name in names:
             if name not in target:
                 raise InvalidChoiceError(f"op on the {which} list", name, sorted(target) or ["(the list is empty)"])
@@ -166,7 +235,7 @@ class OpLists:
 
     def source(self, which: str, name: str) -> str:
         """Where an entry came from."""
-        return self._list(which)[name]
+        return self._list(which)[canonical_name(name)]
 
     def save(self, directory: str | os.PathLike[str]) -> tuple[str, str]:
         """Write ``lower_list.txt`` and ``fp32_list.txt`` into ``directory``; return their paths."""

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from mpnb.backends import Backend, backend_for, resolve_device
-from mpnb.errors import DeviceUnavailableError, InvalidChoiceError
+from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
 from mpnb.fp32math import Fp32MathSwitch
 from mpnb.modes import Fp32Math, Mode, dtype_name, parse_dtype, parse_mode
+from mpnb.oplists import OpLists
+from mpnb.opoverride import OpListOverride
+from mpnb.session_oplists import SessionOpLists
 
 __all__ = [
     "AutocastSettings",
@@ -36,6 +39,8 @@ __all__ = [
     "set_mode",
     "get_mode",
     "tf32",
+    "set_oplists",
+    "get_oplists",
 ]
 
 
@@ -85,20 +90,24 @@ def check_autocast_dtype(backend: Backend, device: torch.device, dtype: torch.dt
 
 
 class Session:
-    """The process's precision policy: mode, device and the fp32-math switch.
+    """The process's precision policy: mode, device, the fp32-math switch and the op lists.
 
     Attributes:
         mode: the current precision mode.
         device: the device named by the user, or None to auto-detect each time.
         fp32_math: the switch that owns the reduced-precision fp32 math flags.
+        oplists: the op lists enforced wherever autocast is on.
         cell_hooks: True while the IPython extension applies the mode to every cell.
+        reset_callbacks: undo functions of other switches (``mpnb.hmp.convert``), run by reset.
     """
 
     def __init__(self) -> None:
         self.mode = Mode.OFF
         self.device: torch.device | None = None
         self.fp32_math = Fp32MathSwitch()
+        self.oplists = SessionOpLists()
         self.cell_hooks = False
+        self.reset_callbacks: list[Callable[[], None]] = []
 
     def resolved_device(self) -> torch.device:
         """The device the session runs on now."""
@@ -176,8 +185,11 @@ class Session:
             yield
 
     def reset(self) -> None:
-        """Mode off, device auto-detected, every fp32-math flag as mpnb found it."""
+        """Mode off, device auto-detected, no op lists, every fp32-math flag as mpnb found it."""
+        for undo in reversed(self.reset_callbacks[:]):
+            undo()
         self.fp32_math.release()
+        self.oplists.reset()
         self.mode, self.device = Mode.OFF, None
 
     def warnings(self) -> list[str]:
@@ -218,11 +230,16 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
         device: ``"cpu"``, ``"cuda"``, ``"hpu"``... Default: the session device.
         enabled: False runs the block with autocast off.
         cache: keep cast weight copies for the whole block (see AutocastSettings).
+        fp32: ops to run in fp32 in this block (they win over the session's op lists).
+        lower: ops to run in the autocast dtype in this block (likewise).
 
     Example:
         >>> with autocast("bf16", device="cpu"):
         ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
         torch.bfloat16
+        >>> with autocast("bf16", device="cpu", fp32=["linear"]):
+        ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
+        torch.float32
     """
 
     def __init__(
@@ -232,18 +249,25 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
         *,
         enabled: bool = True,
         cache: bool = False,
+        fp32: Iterable[str] = (),
+        lower: Iterable[str] = (),
     ) -> None:
         self.settings = session.autocast_settings(dtype, device, enabled=enabled, cache=cache)
-        self._contexts: list[torch.autocast] = []
+        self.oplists = OpLists.of(lower, fp32, source="this block")
+        if self.oplists and not enabled:
+            raise MpnbError("op lists act only under autocast; this block has autocast off (drop the lists or --off)")
+        self._scopes: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> AutocastSettings:
-        context = self.settings.context()
-        context.__enter__()
-        self._contexts.append(context)
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(self.settings.context())
+            if self.oplists:
+                scope.enter_context(OpListOverride(self.oplists, [self.settings.device.type]))
+            self._scopes.append(scope.pop_all())
         return self.settings
 
     def __exit__(self, *exc_info: object) -> None:
-        self._contexts.pop().__exit__(*exc_info)
+        self._scopes.pop().__exit__(*exc_info)
 
     def __repr__(self) -> str:
         return f"mpnb.autocast({self.settings.describe()})"
@@ -306,3 +330,28 @@ class tf32:  # noqa: N801 - a switch that is also a context manager, like torch.
             session.fp32_math.release()
         else:
             session.fp32_math.set(backend, level)
+
+
+def set_oplists(lists: OpLists) -> OpLists:
+    """Make ``lists`` the session's op lists, live wherever autocast is on (``%oplist`` in IPython).
+
+    Example:
+        >>> _ = set_oplists(OpLists.preset("resnet50"))
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     torch.log_softmax(torch.randn(3), 0).dtype
+        torch.float32
+        >>> _ = set_oplists(OpLists())
+    """
+    for note in session.oplists.replace(lists):
+        print(f"mpnb: {note}")
+    return get_oplists()
+
+
+def get_oplists() -> OpLists:
+    """A copy of the session's op lists.
+
+    Example:
+        >>> get_oplists()
+        OpLists(lower={}, fp32={})
+    """
+    return session.oplists.lists.copy()

@@ -79,9 +79,12 @@ class Status(_Renders):
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        return "<div class='mpnb-status'><b>mpnb status</b>" + html_table(["", ""], self.rows()) + html_list(
-            list(self.warnings), "mpnb-warnings"
-        ) + "</div>"
+        return (
+            "<div class='mpnb-status'><b>mpnb status</b>"
+            + html_table(["", ""], self.rows())
+            + html_list(list(self.warnings), "mpnb-warnings")
+            + "</div>"
+        )
 
 
 def _active_autocast(device_type: str) -> str:

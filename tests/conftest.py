@@ -9,14 +9,35 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from mpnb.fp32math import read_flags
+from mpnb.oplists import PRESETS, aten_overloads
 from mpnb.policy import session
 
 DEVICE_TYPES = ("cpu", "cuda", "hpu")
 
+# Every operator a test puts on a list: its dispatcher entry must be as torch made it after each test.
+_LISTED_IN_TESTS = "linear softmax matmul addmm conv2d log_softmax mul layer_norm gelu"
+WATCHED_OPS = sorted(
+    {
+        f"{op._schema.name}.{op._schema.overload_name}".rstrip(".")
+        for text in [_LISTED_IN_TESTS, *(lower + " " + fp32 for lower, fp32, _ in PRESETS.values())]
+        for name in text.split()
+        for op in aten_overloads(name)
+    }
+)
+
+
+def dispatcher_state() -> dict[str, str]:
+    """The dispatcher's table (every key's kernel) for each watched operator."""
+    return {name: torch._C._dispatch_dump(name) for name in WATCHED_OPS}
+
 
 def torch_state() -> dict[str, object]:
     """Autocast state per device type, the cast-cache flag, and every fp32-math getter."""
-    state: dict[str, object] = {"autocast cache": torch.is_autocast_cache_enabled(), **read_flags()}
+    state: dict[str, object] = {
+        "autocast cache": torch.is_autocast_cache_enabled(),
+        **read_flags(),
+        **dispatcher_state(),
+    }
     for device_type in DEVICE_TYPES:
         state[f"{device_type} autocast enabled"] = torch.is_autocast_enabled(device_type)
         state[f"{device_type} autocast dtype"] = torch.get_autocast_dtype(device_type)
@@ -25,7 +46,7 @@ def torch_state() -> dict[str, object]:
 
 def policy_state() -> tuple[object, ...]:
     """The session's own state, for 'bad input changes nothing' checks."""
-    return (session.mode, session.device, session.fp32_math.level, torch_state())
+    return (session.mode, session.device, session.fp32_math.level, session.oplists.lists.copy(), torch_state())
 
 
 @pytest.fixture(autouse=True)

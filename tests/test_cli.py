@@ -43,7 +43,9 @@ def test_train_prints_progress_and_summary_and_writes_history_and_dashboard(tmp_
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.startswith("training DigitsCNN, fp16 on cpu, 21,386 parameters\nstep 1  epoch 0  loss ")
-    summary = re.search(r"test accuracy ([\d.]+)%, final loss ([\d.]+), (\d+) skipped steps, peak memory .+, median step", out)
+    summary = re.search(
+        r"test accuracy ([\d.]+)%, final loss ([\d.]+), (\d+) skipped steps, peak memory .+, median step", out
+    )
     assert summary, out
     history = History.load(tmp_path / "mpnb-train" / "history.csv")
     assert len(history) == 30 and set(history.mode) == {"fp16"}

@@ -10,10 +10,41 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
+from mpnb.oplists import PRESETS, aten_overloads
 from tests.conftest import policy_state
 
-VALID_WORDS = ["bf16", "fp16", "fp32", "tf32", "off", "half", "bfloat16", "status", "on", "cpu", "cpu:0",
-               "--device", "--dtype", "-d", "--off", "--cache", "--no-cache"]
+VALID_WORDS = [
+    "bf16",
+    "fp16",
+    "fp32",
+    "tf32",
+    "off",
+    "half",
+    "bfloat16",
+    "status",
+    "on",
+    "cpu",
+    "cpu:0",
+    "--device",
+    "--dtype",
+    "-d",
+    "--off",
+    "--cache",
+    "--no-cache",
+    "--fp32",
+    "--lower",
+    "--trace",
+    "linear",
+    "softmax,mm",
+    "show",
+    "add",
+    "remove",
+    "preset",
+    "hmp",
+    "load",
+    "reset",
+    "lower",
+]
 junk = st.text(alphabet=string.ascii_letters + string.digits + "._:", min_size=1, max_size=8)
 word = st.one_of(st.sampled_from(VALID_WORDS), junk, st.text(max_size=6))
 line = st.lists(word, max_size=5).map(" ".join)
@@ -23,6 +54,7 @@ MAGICS = {
     "amp": lambda ip, args: ip.run_line_magic("amp", args),
     "tf32": lambda ip, args: ip.run_line_magic("tf32", args),
     "autocast": lambda ip, args: ip.run_cell_magic("autocast", args, "probe = 1"),
+    "oplist": lambda ip, args: ip.run_line_magic("oplist", args),
 }
 
 
@@ -37,17 +69,37 @@ def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(ip, 
         assert policy_state() == before
     finally:
         ip.run_line_magic("amp", "off")
+        ip.run_line_magic("oplist", "reset")
         capsys.readouterr()
 
 
 _ALL_VALID = set(VALID_WORDS) | {"float16", "float32", "float", "cuda", "hpu"}
-garbage = junk.filter(lambda w: w.lower() not in _ALL_VALID and not w.lower().startswith(("cuda", "hpu", "cpu")))
+garbage = junk.filter(
+    lambda w: w.lower() not in _ALL_VALID
+    and not w.lower().startswith(("cuda", "hpu", "cpu"))
+    and not aten_overloads(w)
+    and w.lower() not in PRESETS
+)
 
 
 @pytest.mark.parametrize(
     "magic, template",
-    [("amp", "{}"), ("amp", "bf16 {}"), ("amp", "bf16 --device {}"), ("tf32", "{}"), ("tf32", "on {}"),
-     ("autocast", "-d {}"), ("autocast", "--device {}"), ("autocast", "-d bf16 {}")],
+    [
+        ("amp", "{}"),
+        ("amp", "bf16 {}"),
+        ("amp", "bf16 --device {}"),
+        ("tf32", "{}"),
+        ("tf32", "on {}"),
+        ("autocast", "-d {}"),
+        ("autocast", "--device {}"),
+        ("autocast", "-d bf16 {}"),
+        ("autocast", "-d bf16 --fp32 {}"),
+        ("autocast", "--lower linear {}"),
+        ("oplist", "{}"),
+        ("oplist", "add fp32 linear {}"),
+        ("oplist", "remove {} linear"),
+        ("oplist", "preset {}"),
+    ],
 )
 @fuzz
 @given(bad=garbage)

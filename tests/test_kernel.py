@@ -11,7 +11,6 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 
-
 @pytest.fixture(scope="module")
 def kernel():
     manager, client = start_new_kernel(kernel_name="python3", startup_timeout=60)
@@ -59,15 +58,19 @@ def test_modes_persist_across_kernel_cells_and_unload_restores(kernel):
 def test_kernel_interrupt_inside_an_autocast_cell_restores_state(kernel):
     manager, client = kernel
     execute(client, "%load_ext mpnb\nimport torch, time")
-    before = execute(client, "print(torch.is_autocast_enabled('cpu'), torch.get_autocast_dtype('cpu'), "
-                             "torch.is_autocast_cache_enabled())")[1]
+    before = execute(
+        client,
+        "print(torch.is_autocast_enabled('cpu'), torch.get_autocast_dtype('cpu'), torch.is_autocast_cache_enabled())",
+    )[1]
     threading.Timer(2.0, manager.interrupt_kernel).start()
     started = time.monotonic()
     reply, _ = execute(client, "%%autocast -d fp16 --cache\nwhile True:\n    time.sleep(0.05)")
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
     assert time.monotonic() - started < 30
-    after = execute(client, "print(torch.is_autocast_enabled('cpu'), torch.get_autocast_dtype('cpu'), "
-                            "torch.is_autocast_cache_enabled())")[1]
+    after = execute(
+        client,
+        "print(torch.is_autocast_enabled('cpu'), torch.get_autocast_dtype('cpu'), torch.is_autocast_cache_enabled())",
+    )[1]
     assert after == before
     execute(client, "%unload_ext mpnb")
 
@@ -75,7 +78,9 @@ def test_kernel_interrupt_inside_an_autocast_cell_restores_state(kernel):
 def execute_collecting(client, code: str, timeout: float = 120) -> tuple[dict, list[tuple[float, dict]]]:
     """Run a cell; return the reply content and every iopub message with its arrival time."""
     messages: list[tuple[float, dict]] = []
-    reply = client.execute_interactive(code, output_hook=lambda m: messages.append((time.monotonic(), m)), timeout=timeout)
+    reply = client.execute_interactive(
+        code, output_hook=lambda m: messages.append((time.monotonic(), m)), timeout=timeout
+    )
     return reply["content"], messages
 
 
@@ -85,7 +90,9 @@ def wire_size(message: dict) -> int:
 
 def test_live_dashboard_updates_reach_the_frontend_while_the_cell_runs(kernel):
     _, client = kernel
-    execute(client, "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('bf16', 'cpu', widths=(8, 16))")
+    execute(
+        client, "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('bf16', 'cpu', widths=(8, 16))"
+    )
     reply, messages = execute_collecting(client, "history = trainer.fit(train, epochs=6)")
     assert reply["status"] == "ok", reply
     views = [m for _, m in messages if m["msg_type"] == "display_data"]
@@ -100,26 +107,40 @@ def test_live_dashboard_updates_reach_the_frontend_while_the_cell_runs(kernel):
 
 def test_kernel_interrupt_during_fit_keeps_history_and_fit_continues(kernel):
     manager, client = kernel
-    execute(client, "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('fp16', 'cpu', widths=(8, 16))")
+    execute(
+        client, "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('fp16', 'cpu', widths=(8, 16))"
+    )
     threading.Timer(3.0, manager.interrupt_kernel).start()
     reply, printed = execute(client, "trainer.fit(train, epochs=500)")
     assert reply["status"] == "error" and reply["ename"] == "FitInterrupted", reply
     assert "trainer.history keeps every finished step" in printed
     steps = int(execute(client, "print(len(trainer.history))")[1])
     assert steps > 0
-    assert execute(client, "print(trainer.history.step == list(range(1, len(trainer.history) + 1)))")[1].strip() == "True"
+    assert (
+        execute(client, "print(trainer.history.step == list(range(1, len(trainer.history) + 1)))")[1].strip() == "True"
+    )
     reply, _ = execute(client, "h = trainer.fit(train, max_steps=3)")
     assert reply["status"] == "ok"
     assert int(execute(client, "print(len(h))")[1]) == steps + 3
-    assert execute(client, "import signal\nprint(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")[1].strip() == "True"
+    assert (
+        execute(client, "import signal\nprint(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")[
+            1
+        ].strip()
+        == "True"
+    )
 
 
 def test_without_widget_libraries_fit_warns_once_and_prints_text_progress(kernel):
     _, client = kernel
-    execute(client, "import sys\nhidden = {n: sys.modules.pop(n) for n in ['mpnb.ui.live'] if n in sys.modules}\n"
-                    "sys.modules['plotly'] = None")
+    execute(
+        client,
+        "import sys\nhidden = {n: sys.modules.pop(n) for n in ['mpnb.ui.live'] if n in sys.modules}\n"
+        "sys.modules['plotly'] = None",
+    )
     try:
-        execute(client, "import mpnb.examples as ex\ntrainer, train, _ = ex.example_trainer('bf16', 'cpu', widths=(4, 8))")
+        execute(
+            client, "import mpnb.examples as ex\ntrainer, train, _ = ex.example_trainer('bf16', 'cpu', widths=(4, 8))"
+        )
         reply, printed = execute(client, "trainer.fit(train, max_steps=5)\nNone")
         assert reply["status"] == "ok"
         assert printed.count("pip install ipywidgets plotly anywidget") == 1

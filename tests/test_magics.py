@@ -36,9 +36,16 @@ def test_autocast_cache_option(ip):
     assert run(ip, "%%autocast --cache\ntorch.is_autocast_cache_enabled()") is True
 
 
-@pytest.mark.parametrize("mode, expected", [("bf16", (BF16, BF16, F32)), ("fp16", (F16, F16, F32)),
-                                            ("fp32", (F32, F32, F32)), ("tf32", (F32, F32, F32)),
-                                            ("off", (F32, F32, F32))])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("bf16", (BF16, BF16, F32)),
+        ("fp16", (F16, F16, F32)),
+        ("fp32", (F32, F32, F32)),
+        ("tf32", (F32, F32, F32)),
+        ("off", (F32, F32, F32)),
+    ],
+)
 def test_amp_mode_applies_to_every_following_cell(ip, mode, expected):
     run(ip, f"%amp {mode}")
     assert run(ip, OUTPUTS) == expected

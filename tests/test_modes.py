@@ -7,8 +7,17 @@ from mpnb.modes import Fp32Math, Mode, parse_dtype, parse_mode
 
 @pytest.mark.parametrize(
     "name, mode",
-    [("fp32", Mode.FP32), ("float32", Mode.FP32), ("TF32", Mode.TF32), ("half", Mode.FP16),
-     ("float16", Mode.FP16), ("bfloat16", Mode.BF16), (" bf16 ", Mode.BF16), ("off", Mode.OFF), (Mode.FP16, Mode.FP16)],
+    [
+        ("fp32", Mode.FP32),
+        ("float32", Mode.FP32),
+        ("TF32", Mode.TF32),
+        ("half", Mode.FP16),
+        ("float16", Mode.FP16),
+        ("bfloat16", Mode.BF16),
+        (" bf16 ", Mode.BF16),
+        ("off", Mode.OFF),
+        (Mode.FP16, Mode.FP16),
+    ],
 )
 def test_mode_names_and_aliases(name, mode):
     assert parse_mode(name) is mode
@@ -27,7 +36,9 @@ def test_modes_carry_their_autocast_dtype_and_fp32_math():
     assert Mode.BF16.fp32_math is None
 
 
-@pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("half", torch.float16), (torch.float16, torch.float16)])
+@pytest.mark.parametrize(
+    "name, dtype", [("bf16", torch.bfloat16), ("half", torch.float16), (torch.float16, torch.float16)]
+)
 def test_dtype_names(name, dtype):
     assert parse_dtype(name) is dtype
 

@@ -7,8 +7,8 @@ import torch
 
 import mpnb.examples as ex
 from mpnb.errors import InvalidChoiceError
-from mpnb.opoverride import OpListOverride
 from mpnb.oplists import OpLists, aten_overloads
+from mpnb.opoverride import OpListOverride
 
 LISTED = ("linear", "softmax", "matmul", "addmm", "conv2d", "log_softmax", "mul")
 
@@ -38,8 +38,8 @@ def test_add_moves_between_lists_and_bad_names_change_nothing():
     with pytest.raises(InvalidChoiceError, match="unknown op 'lineer'; valid: linear"):
         lists.add("fp32", ["matmul", "lineer"])
     assert "matmul" not in lists.fp32
-    with pytest.raises(InvalidChoiceError, match="unknown list 'bf16'; valid: lower, fp32"):
-        lists.add("bf16", ["mm"])
+    with pytest.raises(InvalidChoiceError, match="unknown list 'bf8'; valid: lower, fp32"):
+        lists.add("bf8", ["mm"])
     with pytest.raises(InvalidChoiceError, match="unknown op on the fp32 list 'mm'; valid: softmax"):
         lists.remove("fp32", ["mm"])
     lists.remove("fp32", ["softmax"])
@@ -86,7 +86,7 @@ def test_override_is_released_when_the_block_raises():
     before = dispatcher_state()
     with pytest.raises(ZeroDivisionError):
         with OpListOverride(OpLists.preset("hmp"), ["cpu"]):
-            1 / 0
+            _ = 1 / 0
     assert dispatcher_state() == before
 
 

@@ -68,7 +68,9 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     parsed = device if isinstance(device, torch.device) else _parse(device)
     backend = backend_for(parsed)
     if not backend.is_available():
-        raise DeviceUnavailableError(f"device {str(device)!r}: {backend.unavailable_reason()}", available_device_types())
+        raise DeviceUnavailableError(
+            f"device {str(device)!r}: {backend.unavailable_reason()}", available_device_types()
+        )
     if parsed.index is not None and parsed.index >= backend.device_count():
         raise DeviceUnavailableError(
             f"device {str(device)!r}: this machine has {backend.device_count()} {backend.label}(s)",

@@ -25,7 +25,7 @@ def run_cell_body(shell, body: str) -> object:
     Returns:
         The value of a final bare expression, as a normal cell would show it; else None.
     """
-    __tracebackhide__ = True  # noqa: F841 - read by IPython's traceback formatter
+    __tracebackhide__ = True
     source = shell.transform_cell(body)
     # One leading newline so that traceback line numbers count the magic's own line too.
     source = "\n" + source

@@ -1,15 +1,17 @@
-"""The IPython magics: ``%%autocast``, ``%amp`` and ``%tf32``.
+"""The IPython magics: ``%%autocast``, ``%amp``, ``%tf32`` and ``%oplist``.
 
 Each magic parses its arguments and calls one core function; anything a magic does, the
-Python API does too (``mpnb.autocast``, ``mpnb.set_mode``, ``mpnb.tf32``, ``mpnb.status``).
-Bad input raises UsageError naming the bad value and the valid ones, and changes nothing.
+Python API does too (``mpnb.autocast``, ``mpnb.set_mode``, ``mpnb.tf32``, ``mpnb.status``,
+``mpnb.oplists``, ``mpnb.trace``). Bad input raises UsageError naming the bad value and the
+valid ones, and changes nothing.
 
 Example (in IPython)::
 
     %load_ext mpnb
     %amp bf16
-    %%autocast --dtype fp16 --device cpu
+    %%autocast --dtype fp16 --device cpu --fp32 softmax --trace
     %tf32 status
+    %oplist add fp32 layer_norm
 """
 
 from __future__ import annotations
@@ -21,17 +23,34 @@ from collections.abc import Iterator
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
 
 from mpnb.backends import backend_for
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.modes import DTYPE_NAMES, MODE_NAMES
+from mpnb.oplists import PRESETS
 from mpnb.policy import autocast, session, tf32
+from mpnb.session_oplists import SEMANTICS
 from mpnb.status import status
+from mpnb.trace import trace
 from mpnb.ui.cell_runner import run_cell_body
 
 __all__ = ["PrecisionMagics"]
 
 _TF32_STATES = ("on", "off", "status")
+_OPLIST_ACTIONS = ("show", "add", "remove", "preset", "load", "save", "reset")
+TRACE_VARIABLE = "_trace"
+
+
+def _with_semantics(func):
+    """Append the op-list semantics to a magic's help (read by ``%magic?``)."""
+    func.__doc__ = f"{func.__doc__}\n{SEMANTICS}\n"
+    return func
+
+
+def _op_names(values: list[list[str]] | None) -> list[str]:
+    """``--fp32 linear,addmm --fp32 mm`` -> ``["linear", "addmm", "mm"]``."""
+    return [name for group in values or [] for value in group for name in value.split(",") if name]
 
 
 @contextlib.contextmanager
@@ -70,26 +89,50 @@ class PrecisionMagics(Magics):
         help="keep cast copies of weights for the whole cell. Off by default: a cell that runs "
         "optimizer steps under a cached autocast keeps using the first step's weights.",
     )
+    @argument("--fp32", nargs="+", action="append", metavar="OP", help="ops to run in fp32 in this cell")
+    @argument("--lower", nargs="+", action="append", metavar="OP", help="ops to run in the autocast dtype in this cell")
+    @argument(
+        "--trace",
+        action="store_true",
+        help=f"record which op ran in which dtype and module; shown after the cell and kept in {TRACE_VARIABLE}",
+    )
+    @_with_semantics
     @cell_magic
     def autocast(self, line: str, cell: str) -> object:
         """Run this cell under torch.autocast; autocast state is restored exactly afterwards.
 
         The dtype and device are checked first: a combination torch would silently run in
         fp32 is an error here. The cell's own exceptions and interrupts reach you as usual.
+        ``--fp32`` / ``--lower`` change single ops for this cell only (see below).
 
         Example::
 
-            %%autocast --dtype bf16
+            %%autocast --dtype bf16 --fp32 layer_norm --trace
             out = model(x)
         """
-        __tracebackhide__ = True  # noqa: F841 - show the cell's frames, not the magic's
+        __tracebackhide__ = True
         args = _parse(self.autocast, line)
         if args.off and args.dtype:
             raise UsageError(f"--off runs the cell without autocast; it takes no --dtype (got {args.dtype!r})")
         with _as_usage_error():
-            context = autocast(args.dtype, args.device, enabled=not args.off, cache=args.cache)
-        with context:
-            return run_cell_body(self.shell, cell)
+            context = autocast(
+                args.dtype,
+                args.device,
+                enabled=not args.off,
+                cache=args.cache,
+                fp32=_op_names(args.fp32),
+                lower=_op_names(args.lower),
+            )
+        if not args.trace:
+            with context:
+                return run_cell_body(self.shell, cell)
+        recorder = trace()
+        try:
+            with context, recorder:
+                return run_cell_body(self.shell, cell)
+        finally:
+            self.shell.user_ns[TRACE_VARIABLE] = recorder.result
+            display(recorder.result)
 
     @magic_arguments()
     @argument(
@@ -149,3 +192,97 @@ class PrecisionMagics(Magics):
             device = session.resolved_device() if args.device is None else args.device
             print(f"mpnb: fp32 math on {device}: {backend_for(device).describe_fp32_math()}")
         return None
+
+    @magic_arguments()
+    @argument(
+        "action",
+        nargs="?",
+        default="show",
+        help="show (the default), add LIST OP..., remove LIST OP..., preset NAME, load BF16_FILE [FP32_FILE], "
+        "save DIR, or reset. LIST is lower (alias bf16) or fp32; a file may be '-' for an empty list.",
+    )
+    @argument("values", nargs="*", help="the list and op names, the preset, the files or the directory")
+    @_with_semantics
+    @line_magic
+    def oplist(self, line: str) -> None:
+        """Show or change the session's op lists: ops that always run in fp32 or in the autocast dtype.
+
+        Changes are live from the next op, wherever autocast is on (``%amp`` and
+        ``%%autocast`` cells, and your own ``with torch.autocast(...)`` blocks). Presets: torch
+        (no lists), hmp (Habana's default lists), resnet50 (Habana's ResNet50 lists). Files are
+        Habana's format: one op per line, ``#`` comments.
+
+        Example::
+
+            %oplist preset hmp
+            %oplist add fp32 layer_norm
+            %oplist show
+        """
+        args = _parse(self.oplist, line)
+        action = args.action.strip().lower()
+        if action not in _OPLIST_ACTIONS:
+            raise UsageError(str(InvalidChoiceError("%oplist action", args.action, _OPLIST_ACTIONS)))
+        with _as_usage_error():
+            notes = _OPLIST_HANDLERS[action](args.values)
+        for note in notes:
+            print(note)
+
+
+def _expect(action: str, values: list[str], usage: str, counts: range) -> None:
+    if len(values) not in counts:
+        raise UsageError(f"%oplist {action} takes {usage}; got {' '.join(values) or 'nothing'}")
+
+
+def _show(values: list[str]) -> list[str]:
+    _expect("show", values, "no arguments", range(1))
+    return [session.oplists.describe(session.resolved_device().type)]
+
+
+def _add(values: list[str]) -> list[str]:
+    _expect("add", values, "a list (lower, bf16 or fp32) and op names", range(2, 1 << 16))
+    return session.oplists.add(values[0], values[1:]) + [session.oplists.summary()]
+
+
+def _remove(values: list[str]) -> list[str]:
+    _expect("remove", values, "a list (lower, bf16 or fp32) and op names", range(2, 1 << 16))
+    return session.oplists.remove(values[0], values[1:]) + [session.oplists.summary()]
+
+
+def _preset(values: list[str]) -> list[str]:
+    _expect("preset", values, f"one preset name ({', '.join(PRESETS)})", range(1, 2))
+    return session.oplists.preset(values[0]) + [session.oplists.summary()]
+
+
+def _load(values: list[str]) -> list[str]:
+    _expect("load", values, "a BF16 file and optionally an FP32 file ('-' for none)", range(1, 3))
+    lower_path, fp32_path = [None if value == "-" else value for value in [*values, "-"][:2]]
+    try:
+        notes = session.oplists.load(lower_path, fp32_path)
+    except OSError as error:
+        raise UsageError(f"cannot read op list file: {error}") from None
+    return notes + [session.oplists.summary()]
+
+
+def _save(values: list[str]) -> list[str]:
+    _expect("save", values, "one directory", range(1, 2))
+    try:
+        paths = session.oplists.save(values[0])
+    except OSError as error:
+        raise UsageError(f"cannot save op lists: {error}") from None
+    return [f"mpnb: wrote {' and '.join(paths)}"]
+
+
+def _reset(values: list[str]) -> list[str]:
+    _expect("reset", values, "no arguments", range(1))
+    return session.oplists.reset() + [session.oplists.summary()]
+
+
+_OPLIST_HANDLERS = {
+    "show": _show,
+    "add": _add,
+    "remove": _remove,
+    "preset": _preset,
+    "load": _load,
+    "save": _save,
+    "reset": _reset,
+}

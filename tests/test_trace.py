@@ -1,0 +1,101 @@
+"""The op dtype trace: ops, modules and dtypes of a known model, forward and backward."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import re
+
+import torch
+import torch.nn.functional as F
+
+import mpnb
+import mpnb.examples as ex
+
+
+def model_and_batch():
+    torch.manual_seed(0)
+    return ex.DigitsCNN(widths=(4, 8)), torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+
+
+def train_step(model, images, labels, **autocast_options):
+    with mpnb.autocast("bf16", "cpu", **autocast_options):
+        loss = F.cross_entropy(model(images), labels)
+    loss.backward()
+    return loss
+
+
+def test_trace_lists_ops_modules_and_dtypes_forward_and_backward():
+    model, images, labels = model_and_batch()
+    with mpnb.trace() as trace:
+        train_step(model, images, labels)
+    forward = {(row.module, row.op): row for row in trace.filter(phase="forward").ops()}
+    assert forward["DigitsCNN.features.0", "convolution"].output == "bf16"
+    assert forward["DigitsCNN.features.0", "convolution"].inputs == "bf16, bf16, bf16"
+    assert forward["DigitsCNN.features.1", "relu"].output == "bf16"
+    assert forward["DigitsCNN.classifier", "addmm"].output == "bf16"
+    assert forward["(top level)", "_log_softmax"].inputs == "fp32"  # cross_entropy is on torch's fp32 list
+    assert forward["(top level)", "nll_loss_forward"].inputs == "fp32, int64"
+    backward = {(row.module, row.op) for row in trace.filter(phase="backward").ops()}
+    assert {
+        ("DigitsCNN.features.0", "convolution_backward"),
+        ("DigitsCNN.features.3", "convolution_backward"),
+        ("DigitsCNN.classifier", "mm"),
+        ("(top level)", "nll_loss_backward"),
+    } <= backward
+    casts = {(row.phase, row.module, row.inputs, row.output, row.count) for row in trace.rows if row.kind == "cast"}
+    assert ("forward", "DigitsCNN.features.0", "fp32", "bf16", 3) in casts  # input, weight, bias
+    assert ("backward", "DigitsCNN.features.0", "bf16", "fp32", 2) in casts  # weight and bias grads back to fp32
+    assert re.fullmatch(r"\d+ ops: \d+% bf16, \d+% fp32, \d+ casts", trace.summary())
+
+
+def test_trace_follows_the_op_lists_and_marks_user_casts_as_ops():
+    model, images, labels = model_and_batch()
+    with mpnb.trace(model) as trace:
+        train_step(model, images, labels, fp32=["linear"])
+        images.to(torch.bfloat16)
+    classifier = trace.filter(module="classifier", phase="forward")
+    assert {row.op: row.output for row in classifier.ops()}["addmm"] == "fp32"
+    assert [row.inputs for row in classifier.rows if row.kind == "cast"] == ["bf16"]  # the bf16 activations, back up
+    user_casts = trace.filter(op="aten::_to_copy", module="(top level)").rows
+    assert [(row.kind, row.output) for row in user_casts] == [("op", "bf16")]
+
+
+def test_tracing_changes_no_result():
+    model, images, labels = model_and_batch()
+    twin = copy.deepcopy(model)
+    plain = train_step(model, images, labels)
+    with mpnb.trace():
+        traced = train_step(twin, images, labels)
+    assert torch.equal(plain, traced)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_trace_views_and_export(tmp_path):
+    model, images, labels = model_and_batch()
+    with mpnb.trace() as trace:
+        train_step(model, images, labels)
+    text = str(trace)
+    assert text.splitlines()[0] == trace.summary() and "convolution_backward" in text
+    html = trace._repr_html_()
+    assert html.count("<tr>") == len(trace.rows) + 1 and "DigitsCNN.features.0" in html
+    trace.to_csv(tmp_path / "trace.csv")
+    with open(tmp_path / "trace.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == len(trace.rows) and int(rows[0]["count"]) == trace.rows[0].count
+    assert trace.filter(op="nothing").summary() == "0 ops, 0 casts"
+
+
+def test_trace_removes_its_hooks_when_the_block_raises():
+    model, images, _ = model_and_batch()
+    hooks = torch.nn.modules.module
+    before = (len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks))
+    try:
+        with mpnb.trace() as trace:
+            model(images)
+            raise KeyError("stop")
+    except KeyError:
+        pass
+    assert (len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks)) == before
+    assert trace.ops() and not torch._C._is_torch_function_mode_enabled()
