@@ -69,6 +69,14 @@ def _parse(magic, line: str) -> argparse.Namespace:
         raise UsageError(f"cannot parse {line!r}: {error}") from None
 
 
+def _choice(what: str, value: str, valid: tuple[str, ...]) -> str:
+    """``value`` normalised, if it is one of ``valid``; else a UsageError naming both."""
+    chosen = value.strip().lower()
+    if chosen not in valid:
+        raise UsageError(str(InvalidChoiceError(what, value, valid)))
+    return chosen
+
+
 @magics_class
 class PrecisionMagics(Magics):
     """Precision-mode magics; see each magic's ``?`` help."""
@@ -183,9 +191,7 @@ class PrecisionMagics(Magics):
             %tf32 status
         """
         args = _parse(self.tf32, line)
-        state = args.state.strip().lower()
-        if state not in _TF32_STATES:
-            raise UsageError(str(InvalidChoiceError("%tf32 state", args.state, _TF32_STATES)))
+        state = _choice("%tf32 state", args.state, _TF32_STATES)
         with _as_usage_error():
             if state != "status":
                 tf32(state == "on", args.device)
@@ -219,9 +225,7 @@ class PrecisionMagics(Magics):
             %oplist show
         """
         args = _parse(self.oplist, line)
-        action = args.action.strip().lower()
-        if action not in _OPLIST_ACTIONS:
-            raise UsageError(str(InvalidChoiceError("%oplist action", args.action, _OPLIST_ACTIONS)))
+        action = _choice("%oplist action", args.action, _OPLIST_ACTIONS)
         with _as_usage_error():
             notes = _OPLIST_HANDLERS[action](args.values)
         for note in notes:
