@@ -7,6 +7,7 @@ Plain Python::
         out = model(x)
     mpnb.set_mode("bf16")                # the session mode
     mpnb.status()                        # where the session stands
+    mpnb.panel()                         # the same switches as widgets (in Jupyter)
     mpnb.devices()                       # what this machine can do
     trainer = mpnb.Trainer(model, optimizer, loss_fn)   # AMP training with telemetry
     history = trainer.fit(data)          # live dashboard in a notebook, text elsewhere
@@ -58,6 +59,7 @@ __all__ = [
     "OpListOverride",
     "set_oplists",
     "get_oplists",
+    "panel",
     "trace",
     "Trace",
     "hmp",
@@ -68,6 +70,16 @@ __all__ = [
     "load_ipython_extension",
     "unload_ipython_extension",
 ]
+
+
+def panel():
+    """Show the control panel (ipywidgets): mode, device, fp32 math and op lists, in sync with the magics.
+
+    Returns the :class:`mpnb.ui.panel.ControlPanel`.
+    """
+    from mpnb.ui.panel import panel as show_panel
+
+    return show_panel()
 
 
 def load_ipython_extension(ipython) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -99,15 +100,34 @@ class Session:
         oplists: the op lists enforced wherever autocast is on.
         cell_hooks: True while the IPython extension applies the mode to every cell.
         reset_callbacks: undo functions of other switches (``mpnb.hmp.convert``), run by reset.
+
+    Views (the control panel, a running fit) :meth:`subscribe` to hear of every change.
     """
 
     def __init__(self) -> None:
         self.mode = Mode.OFF
         self.device: torch.device | None = None
         self.fp32_math = Fp32MathSwitch()
-        self.oplists = SessionOpLists()
+        self._fp32_wanted: tuple[Backend, Fp32Math] | None = None
+        self.oplists = SessionOpLists(on_change=lambda: self.notify("oplists"))
         self.cell_hooks = False
         self.reset_callbacks: list[Callable[[], None]] = []
+        self._listeners: list[Callable[[str], None]] = []
+
+    def subscribe(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener(what)`` after each change; ``what`` is ``"mode"``, ``"fp32_math"``,
+        ``"oplists"``, ``"reset"`` or ``"unloaded"``. Returns the function that unsubscribes."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def notify(self, what: str) -> None:
+        """Tell every listener that ``what`` changed. A failing listener is reported, not raised:
+        the change itself has happened."""
+        for listener in list(self._listeners):
+            try:
+                listener(what)
+            except Exception as error:  # a broken view must not undo a switch
+                warnings.warn(f"mpnb: a listener failed on {what!r}: {error!r}", RuntimeWarning, stacklevel=2)
 
     def resolved_device(self) -> torch.device:
         """The device the session runs on now."""
@@ -127,6 +147,7 @@ class Session:
             check_autocast_dtype(backend, target, new_mode.autocast_dtype)
         self._apply_fp32_math(new_mode, backend)
         self.mode, self.device = new_mode, new_device
+        self.notify("mode")
         return new_mode
 
     def set_tf32(self, enabled: bool, device: str | torch.device | None = None) -> None:
@@ -140,16 +161,27 @@ class Session:
         backend = backend_for(target)
         if self.mode in (Mode.FP32, Mode.TF32):
             self.set_mode(Mode.TF32 if enabled else Mode.FP32, device)
-        elif enabled:
-            self.fp32_math.set(backend, Fp32Math.REDUCED)
         else:
-            self.fp32_math.release()
+            self.want_fp32_math(backend, Fp32Math.REDUCED if enabled else None)
+            self.notify("fp32_math")
 
     def _apply_fp32_math(self, mode: Mode, backend: Backend) -> None:
         if mode.fp32_math is not None:
-            self.fp32_math.set(backend, mode.fp32_math)
+            self.want_fp32_math(backend, mode.fp32_math)
         elif mode is Mode.OFF:
+            self.want_fp32_math(None, None)
+
+    def want_fp32_math(self, backend: Backend | None, level: Fp32Math | None) -> None:
+        """Make ``level`` on ``backend`` the session's fp32-math wish (None: the flags as found) and apply it."""
+        self._fp32_wanted = (backend, level) if backend is not None and level is not None else None
+        self.apply_fp32_wish()
+
+    def apply_fp32_wish(self) -> None:
+        """Put the fp32-math flags where the session wants them (after a fit borrowed the switch)."""
+        if self._fp32_wanted is None:
             self.fp32_math.release()
+        else:
+            self.fp32_math.set(*self._fp32_wanted)
 
     def autocast_settings(
         self,
@@ -188,9 +220,10 @@ class Session:
         """Mode off, device auto-detected, no op lists, every fp32-math flag as mpnb found it."""
         for undo in reversed(self.reset_callbacks[:]):
             undo()
-        self.fp32_math.release()
+        self.want_fp32_math(None, None)
         self.oplists.reset()
         self.mode, self.device = Mode.OFF, None
+        self.notify("reset")
 
     def warnings(self) -> list[str]:
         """What the user should know about the current policy on this machine."""
@@ -326,10 +359,8 @@ class tf32:  # noqa: N801 - a switch that is also a context manager, like torch.
     def __exit__(self, *exc_info: object) -> None:
         mode, device, backend, level = self._previous
         session.mode, session.device = mode, device
-        if level is None:
-            session.fp32_math.release()
-        else:
-            session.fp32_math.set(backend, level)
+        session.want_fp32_math(backend, level)
+        session.notify("mode")
 
 
 def set_oplists(lists: OpLists) -> OpLists:

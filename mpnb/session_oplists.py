@@ -87,17 +87,20 @@ class SessionOpLists:
     Args:
         hpu_present: whether a Gaudi is here (asked on each change).
         hpu_directory: where Habana's list files go.
+        on_change: called after each change.
     """
 
     def __init__(
         self,
         hpu_present: Callable[[], bool] = lambda: BACKENDS["hpu"].is_available(),
         hpu_directory: str | os.PathLike[str] | None = None,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.lists = OpLists()
         self._override: OpListOverride | None = None
         self._hpu_present = hpu_present
         self.hpu_directory = hpu_directory or _default_hpu_directory()
+        self._on_change = on_change
 
     @property
     def active(self) -> bool:
@@ -113,7 +116,9 @@ class SessionOpLists:
         if old is not None:
             old.release()
         self.lists = lists.copy()
-        return self._export_for_hpu() if self._hpu_present() else []
+        notes = self._export_for_hpu() if self._hpu_present() else []
+        self._on_change()
+        return notes
 
     def _export_for_hpu(self) -> list[str]:
         variables = export_for_hpu(self.lists, self.hpu_directory)

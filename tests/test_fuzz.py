@@ -75,10 +75,12 @@ def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(ip, 
 
 _ALL_VALID = set(VALID_WORDS) | {"float16", "float32", "float", "cuda", "hpu"}
 garbage = junk.filter(
-    lambda w: w.lower() not in _ALL_VALID
-    and not w.lower().startswith(("cuda", "hpu", "cpu"))
-    and not aten_overloads(w)
-    and w.lower() not in PRESETS
+    lambda w: (
+        w.lower() not in _ALL_VALID
+        and not w.lower().startswith(("cuda", "hpu", "cpu"))
+        and not aten_overloads(w)
+        and w.lower() not in PRESETS
+    )
 )
 
 

@@ -93,7 +93,7 @@ def test_live_dashboard_updates_reach_the_frontend_while_the_cell_runs(kernel):
     execute(
         client, "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('bf16', 'cpu', widths=(8, 16))"
     )
-    reply, messages = execute_collecting(client, "history = trainer.fit(train, epochs=6)")
+    reply, messages = execute_collecting(client, "history = trainer.fit(train, epochs=12)")
     assert reply["status"] == "ok", reply
     views = [m for _, m in messages if m["msg_type"] == "display_data"]
     assert any("application/vnd.jupyter.widget-view+json" in m["content"]["data"] for m in views)
@@ -102,7 +102,7 @@ def test_live_dashboard_updates_reach_the_frontend_while_the_cell_runs(kernel):
     cell_time = messages[-1][0] - messages[0][0]
     assert updates[-1][0] - updates[0][0] > 0.5 * cell_time  # spread over the run, not sent at the end
     assert max(wire_size(m) for _, m in updates) <= 64 * 1024
-    assert execute(client, "print(len(history), history.skipped_steps)")[1].strip() == "138 []"
+    assert execute(client, "print(len(history), history.skipped_steps)")[1].strip() == "276 []"
 
 
 def test_kernel_interrupt_during_fit_keeps_history_and_fit_continues(kernel):
@@ -146,4 +146,65 @@ def test_without_widget_libraries_fit_warns_once_and_prints_text_progress(kernel
         assert printed.count("pip install ipywidgets plotly anywidget") == 1
         assert "Traceback" not in printed and "finished: step 5" in printed
     finally:
-        execute(client, "import plotly.graph_objects\nsys.modules.update(hidden)")
+        execute(client, "del sys.modules['plotly']\nimport plotly.graph_objects\nsys.modules.update(hidden)")
+
+
+def widget_comms(messages: list[tuple[float, dict]]) -> dict[str, dict]:
+    """comm id -> the state a widget was opened with, from a cell's iopub messages."""
+    return {
+        m["content"]["comm_id"]: m["content"]["data"]["state"]
+        for _, m in messages
+        if m["msg_type"] == "comm_open" and "state" in m["content"].get("data", {})
+    }
+
+
+def send_comm(client, comm_id: str, data: dict) -> None:
+    """What the browser sends when a widget is clicked or changed."""
+    client.shell_channel.send(client.session.msg("comm_msg", {"comm_id": comm_id, "data": data}))
+
+
+def test_panel_and_stop_clicks_reach_a_running_fit(kernel):
+    _, client = kernel
+    reply, messages = execute_collecting(
+        client,
+        "%load_ext mpnb\nimport mpnb, mpnb.examples as ex\n"
+        "trainer, train, test = ex.example_trainer('bf16', 'cpu', widths=(8, 16))\n_ = mpnb.panel()",
+    )
+    assert reply["status"] == "ok", reply
+    panel_modes = next(cid for cid, st in widget_comms(messages).items() if st["_model_name"] == "ToggleButtonsModel")
+    options = next(st for st in widget_comms(messages).values() if st["_model_name"] == "ToggleButtonsModel")
+    fp16_index = list(options["_options_labels"]).index("fp16")
+
+    msg_id = client.execute("history = trainer.fit(train, epochs=200)")
+    stop_button, updates, queued = None, 0, None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        message = client.get_iopub_msg(timeout=30)
+        if message["parent_header"].get("msg_id") != msg_id:
+            continue
+        if message["msg_type"] == "comm_open":
+            state = message["content"]["data"].get("state", {})
+            if state.get("_model_name") == "ButtonModel" and state.get("description") == "Stop":
+                stop_button = message["content"]["comm_id"]
+        if message["msg_type"] == "comm_msg" and message.get("buffers"):
+            updates += 1  # a dashboard redraw: training is running
+            if updates == 2:
+                send_comm(client, panel_modes, {"method": "update", "state": {"index": fp16_index}, "buffer_paths": []})
+                queued = client.execute("queued = len(history)")  # a cell queued meanwhile runs after this one
+            if updates == 6:
+                send_comm(client, stop_button, {"method": "custom", "content": {"event": "click"}})
+        if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+            break
+    reply = client.get_shell_msg(timeout=30)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = client.get_shell_msg(timeout=30)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert stop_button is not None and queued is not None, (stop_button, updates, queued)
+    printed = execute(
+        client,
+        "print(len(history) < 200 * len(train), history.events[-1]['message'], sorted(set(history.mode)), "
+        "[e['message'] for e in history.events if e['kind'] == 'switch'])",
+    )[1]
+    assert printed.strip() == "True stopped ['bf16', 'fp16'] ['mode bf16 -> fp16']"
+    assert execute(client, "print(queued == len(history))")[1].strip() == "True"
+    execute(client, "%unload_ext mpnb")

@@ -96,14 +96,14 @@ class AmpStep:
         self.precision = TrainingPrecision.resolve(mode, device)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.accumulate, self.clip_grad_norm, self.record_grad_norm = accumulate, clip_grad_norm, record_grad_norm
-        self.scaler = torch.amp.GradScaler(
-            self.precision.device.type,
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            enabled=self.precision.needs_scaler,
-        )
+        self._scaler_options = {
+            "init_scale": init_scale,
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": growth_interval,
+        }
+        self._scalers: dict[bool, torch.amp.GradScaler] = {}
+        self.scaler = self._scaler(self.precision.needs_scaler)
         all_sinks = [*sinks, *([MinScaleAlarm(min_scale)] if min_scale is not None else [])]
         self.recorder = Recorder(history, flush_every=flush_every, sinks=all_sinks)
         self.memory = MemorySampler(backend_for(self.precision.device), self.precision.device)
@@ -161,7 +161,31 @@ class AmpStep:
         self._record(scale_before, grad_norm, lr)
         return True
 
+    def set_precision(self, precision: TrainingPrecision) -> None:
+        """Switch mode between two optimizer steps (from a widget while a fit runs, say).
+
+        Switching to fp16 brings a real GradScaler (the one used before, if any, so its scale
+        carries on); leaving fp16 keeps that scaler for a return and uses a disabled one.
+
+        Raises:
+            RuntimeError: in the middle of an accumulation window.
+            ValueError: another device: the model and optimizer state live on this one.
+        """
+        if not self.between_steps:
+            raise RuntimeError("the precision can change only between optimizer steps")
+        if precision.device != self.precision.device:
+            raise ValueError(f"a run cannot move from {self.precision.device} to {precision.device}")
+        self.precision = precision
+        self.scaler = self._scaler(precision.needs_scaler)
+
     # -- helpers -----------------------------------------------------------------------
+
+    def _scaler(self, enabled: bool) -> torch.amp.GradScaler:
+        if enabled not in self._scalers:
+            self._scalers[enabled] = torch.amp.GradScaler(
+                self.precision.device.type, enabled=enabled, **self._scaler_options
+            )
+        return self._scalers[enabled]
 
     def _unscale_and_clip(self) -> torch.Tensor | float:
         if self.clip_grad_norm is None and not self.record_grad_norm:

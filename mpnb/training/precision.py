@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import torch
 
 from mpnb.backends import backend_for
-from mpnb.fp32math import Fp32MathSwitch
 from mpnb.modes import Mode, parse_mode
 from mpnb.policy import AutocastSettings, session
 
@@ -59,17 +58,21 @@ class TrainingPrecision:
 
     @contextlib.contextmanager
     def math_scope(self) -> Iterator[None]:
-        """Set the mode's fp32-math flags (fp32: exact, tf32: reduced) for a block; restore after."""
+        """Set the mode's fp32-math flags (fp32: exact, tf32: reduced) for a block.
+
+        The block borrows the session's one fp32-math switch; afterwards the flags are where
+        the session wants them, including a wish made during the block (``%tf32 on`` from a
+        widget while a fit runs).
+        """
         level = self.mode.fp32_math
         if level is None:
             yield
             return
-        switch = Fp32MathSwitch()
-        switch.set(backend_for(self.device), level)
+        session.fp32_math.set(backend_for(self.device), level)
         try:
             yield
         finally:
-            switch.release()
+            session.apply_fp32_wish()
 
     def describe(self) -> str:
         """``"bf16 on cpu"``."""

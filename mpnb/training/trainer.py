@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -21,11 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpnb.errors import MpnbError
 from mpnb.history import History
 from mpnb.interrupts import StopRequest
 from mpnb.modes import Mode
+from mpnb.policy import session
 from mpnb.telemetry import Sink
 from mpnb.training.amp_step import AmpStep
+from mpnb.training.control import FitControl
+from mpnb.training.precision import TrainingPrecision
 
 __all__ = ["Trainer", "FitInterrupted"]
 
@@ -59,6 +64,7 @@ class Trainer:
     Attributes:
         history: every step of every ``fit`` call so far.
         amp: the step helper (``trainer.amp.scaler`` is the GradScaler).
+        control: stop / pause / resume the running fit (the live dashboard's buttons use it).
     """
 
     def __init__(
@@ -80,6 +86,8 @@ class Trainer:
         self._epoch, self._batch = 0, 0  # position: next batch to train on
         self._end_epoch: int | None = None  # set while a planned run is unfinished
         self._window_start = (0, 0)  # position of the current accumulation window's first batch
+        self.control = FitControl()
+        self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
 
     @property
     def history(self) -> History:
@@ -115,20 +123,23 @@ class Trainer:
             raise ValueError(f"epochs must be a positive number, got {epochs}")
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps must be a positive number, got {max_steps}")
-        sinks = _dashboard_sinks(self.dashboard, self.describe())
+        sinks = _dashboard_sinks(self.dashboard, self.describe(), self.control)
         if epochs is not None or self._end_epoch is None:
             self._end_epoch = self._epoch + (epochs or 1)  # a partly trained epoch counts as one
         self.history.meta.update(model=self.describe(), device=str(self.device), mode=self.mode.value)
         self.amp.recorder.sinks.extend(sinks)
         self.amp.restart_clock()
         self.model.train()
+        self.control.begin()
         try:
-            with self.amp.precision.math_scope(), StopRequest() as stop:
+            with self._math, StopRequest() as stop:
+                self._math.enter_context(self.amp.precision.math_scope())
                 finished = self._run(data, stop, max_steps)
         except BaseException:
             self._drop_unfinished_window()
             raise
         finally:
+            self.control.end()
             self.amp.close()
             for sink in sinks:
                 self.amp.recorder.sinks.remove(sink)
@@ -141,6 +152,8 @@ class Trainer:
             )
             self.history.note("interrupted", kind="interrupt")
             raise FitInterrupted(message, self.history)
+        if self.control.stop_requested and not finished:
+            self.history.note("stopped", kind="stop")
         return self.history
 
     def _run(self, data: Iterable[Sequence[Any]], stop: StopRequest, max_steps: int | None) -> bool:
@@ -153,7 +166,11 @@ class Trainer:
             self.amp.epoch = self._epoch
             for batch in itertools.islice(data, self._batch, None):
                 if self.amp.between_steps:
-                    if stop.requested or steps_left == 0:
+                    checkpoint = self.control.checkpoint(interrupted=lambda: stop.requested)
+                    self._follow_session(checkpoint.changed)
+                    if checkpoint.paused_s:
+                        self.amp.restart_clock()  # the pause is not step time
+                    if stop.requested or checkpoint.stop or steps_left == 0:
                         return False
                     self._window_start = (self._epoch, self._batch)
                 if self._train_batch(batch) and steps_left is not None:
@@ -161,6 +178,36 @@ class Trainer:
                 self._batch += 1
             self._epoch, self._batch = self._epoch + 1, 0
         return True
+
+    def _follow_session(self, changed: tuple[str, ...]) -> None:
+        """Apply switches made while the fit runs (from the panel or a widget) before the next step."""
+        if not changed:
+            return
+        next_step = self.amp.steps + 1
+        if {"mode", "reset", "unloaded"} & set(changed):
+            try:
+                self._switch_to(TrainingPrecision.resolve(None, self.device), next_step)
+            except MpnbError as error:
+                self.history.note(f"mode not switched: {error}", kind="switch", step=next_step)
+        if "fp32_math" in changed:
+            level = session.fp32_math.level
+            if self.mode in (Mode.FP32, Mode.TF32):  # the fit's mode owns the flags: move between the two
+                self._switch_to(TrainingPrecision.resolve(Mode.TF32 if level else Mode.FP32, self.device), next_step)
+            else:
+                self.history.note(f"fp32 math {level.value if level else 'as found'}", kind="switch", step=next_step)
+        if "oplists" in changed:
+            lists = session.oplists.lists
+            text = f"lower {len(lists.lower)}, fp32 {len(lists.fp32)}" if lists else "none"
+            self.history.note(f"op lists: {text}", kind="switch", step=next_step)
+
+    def _switch_to(self, precision: TrainingPrecision, next_step: int) -> None:
+        if precision.mode is self.mode:
+            return
+        message = f"mode {self.mode.value} -> {precision.mode.value}"
+        self._math.close()
+        self.amp.set_precision(precision)
+        self._math.enter_context(precision.math_scope())
+        self.history.note(message, kind="switch", step=next_step)
 
     def _drop_unfinished_window(self) -> None:
         """After an error mid-window: drop its gradients and go back to the window's first batch."""
@@ -227,11 +274,11 @@ def _batch_size(inputs: Any) -> int | None:
     return len(inputs) if isinstance(inputs, torch.Tensor) and inputs.dim() else None
 
 
-def _dashboard_sinks(dashboard: str | Sink | None, title: str) -> list[Sink]:
+def _dashboard_sinks(dashboard: str | Sink | None, title: str, control: FitControl) -> list[Sink]:
     if dashboard is None:
         return []
     if isinstance(dashboard, Sink):
         return [dashboard]
     from mpnb.ui.dashboard import make_dashboard
 
-    return [make_dashboard(dashboard, title)]
+    return make_dashboard(dashboard, title, control)

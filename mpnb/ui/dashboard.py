@@ -1,8 +1,8 @@
 """Choose how a training run is shown: live widget in a notebook, text progress elsewhere.
 
 Example:
-    >>> type(make_dashboard("text", "demo")).__name__
-    'TextProgress'
+    >>> [type(sink).__name__ for sink in make_dashboard("text", "demo")]
+    ['TextProgress']
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import warnings
 
 from mpnb.errors import InvalidChoiceError
 from mpnb.telemetry import Sink
+from mpnb.training.control import FitControl
 
-__all__ = ["make_dashboard", "DASHBOARD_KINDS", "WIDGETS_INSTALL"]
+__all__ = ["DASHBOARD_KINDS", "WIDGETS_INSTALL", "make_dashboard"]
 
 DASHBOARD_KINDS = ("auto", "live", "text")
 WIDGETS_INSTALL = "pip install ipywidgets plotly anywidget"
@@ -26,11 +27,12 @@ def in_notebook_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-def make_dashboard(kind: str, title: str = "") -> Sink:
-    """A sink for ``kind``: ``"live"`` (FigureWidget, displayed now), ``"text"``, or ``"auto"``.
+def make_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> list[Sink]:
+    """Sinks for ``kind``: ``"live"`` (FigureWidget, displayed now), ``"text"``, or ``"auto"``.
 
     ``"auto"`` picks live in a notebook kernel and text elsewhere; if the widget libraries
-    are missing it warns once, naming the install command, and falls back to text.
+    are missing it warns once, naming the install command, and falls back to text. With a
+    ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot.
 
     Raises:
         InvalidChoiceError: an unknown kind.
@@ -43,7 +45,7 @@ def make_dashboard(kind: str, title: str = "") -> Sink:
             "dashboard", kind, DASHBOARD_KINDS, "Pass one of these, None for no display, or a Sink."
         )
     if kind == "text" or (kind == "auto" and not in_notebook_kernel()):
-        return TextProgress(title)
+        return [TextProgress(title)]
     try:
         from IPython.display import display
 
@@ -55,7 +57,15 @@ def make_dashboard(kind: str, title: str = "") -> Sink:
             f"no live dashboard ({error}); showing text progress instead. For the live plot: {WIDGETS_INSTALL}",
             stacklevel=3,
         )
-        return TextProgress(title)
+        return [TextProgress(title)]
     dashboard = LiveDashboard(title)
-    display(dashboard.figure)
-    return dashboard
+    if control is None:
+        display(dashboard.figure)
+        return [dashboard]
+    from ipywidgets import VBox
+
+    from mpnb.ui.fit_controls import FitButtons
+
+    buttons = FitButtons(control)
+    display(VBox([buttons.widget, dashboard.figure]))
+    return [dashboard, buttons]

@@ -85,3 +85,4 @@ def unload(shell) -> None:
     manager.registry.pop(type(magics).__name__, None)
     session.reset()
     session.cell_hooks = bool(_hooks)
+    session.notify("unloaded")

@@ -24,7 +24,7 @@ from plotly.subplots import make_subplots
 
 from mpnb.history import History
 
-__all__ = ["TRACES", "empty_figure", "dashboard_figure", "trace_points"]
+__all__ = ["TRACES", "dashboard_figure", "empty_figure", "mark_switch", "switch_events", "trace_points"]
 
 MIB = 2.0**20
 
@@ -86,10 +86,34 @@ def trace_points(history: History, start: int = 0) -> dict[str, tuple[list[float
     }
 
 
+def switch_events(history: History, start: int = 0) -> list[dict]:
+    """The history's switch events (a mode, fp32-math or op-list change during a run), ``start`` onwards."""
+    return [event for event in history.events[start:] if event.get("kind") == "switch"]
+
+
+def mark_switch(figure: go.Figure, event: dict) -> None:
+    """A dotted vertical line on every panel where a switch took effect, labelled on the loss panel."""
+    x = event["step"] - 0.5  # between the last step before the switch and the first after it
+    figure.add_vline(x=x, line={"dash": "dot", "color": "#555", "width": 1}, row="all", col="all")
+    figure.add_annotation(
+        x=x,
+        y=1,
+        yref="y domain",
+        text=event["message"],
+        showarrow=False,
+        xanchor="left",
+        font={"size": 10},
+        row=1,
+        col=1,
+    )
+
+
 def dashboard_figure(history: History, title: str | None = None) -> go.Figure:
     """A static dashboard of a whole history (every point; no decimation)."""
     figure = empty_figure(history.meta.get("model", "") if title is None else title)
     for trace, (xs, ys) in zip(figure.data, trace_points(history).values()):
         trace.x = np.asarray(xs, dtype=np.float64)
         trace.y = np.asarray([v if math.isfinite(v) else math.nan for v in ys], dtype=np.float64)
+    for event in switch_events(history):
+        mark_switch(figure, event)
     return figure

@@ -4,7 +4,8 @@ Redraws are throttled (at most one per ``min_interval`` seconds, plus a final on
 never more often than keeps redrawing under ``max_share`` of the run's time) and batched
 (one widget message per redraw). Each trace is decimated by streaming min/max
 buckets, so a redraw sends at most ``max_points`` points per trace: message size and
-redraw time stay flat however long the run. The full history stays in the recorder.
+redraw time stay flat however long the run. The full history stays in the recorder. A switch made during the run (mode, fp32 math, op
+lists) is drawn as a labelled vertical line where it took effect.
 
 Example:
     >>> from mpnb.history import History
@@ -26,7 +27,7 @@ import plotly.graph_objects as go
 from mpnb.decimate import MinMaxSeries
 from mpnb.history import History
 from mpnb.telemetry import Sink
-from mpnb.ui.figure import TRACES, empty_figure, trace_points
+from mpnb.ui.figure import TRACES, empty_figure, mark_switch, switch_events, trace_points
 
 __all__ = ["LiveDashboard"]
 
@@ -55,6 +56,7 @@ class LiveDashboard(Sink):
         self.redraws = 0
         self._series = {name: MinMaxSeries(max_points) for name in TRACES}
         self._seen = 0
+        self._events_seen = 0
         self._last_redraw = -math.inf
 
     def due(self, now: float) -> bool:
@@ -73,6 +75,9 @@ class LiveDashboard(Sink):
         for name, (xs, ys) in trace_points(history, self._seen).items():
             self._series[name].extend(xs, ys)
         self._seen = len(history)
+        for event in switch_events(history, self._events_seen):
+            mark_switch(self.figure, event)
+        self._events_seen = len(history.events)
 
     def redraw(self) -> None:
         """Send every trace's decimated points in one message."""

@@ -147,7 +147,8 @@ class PrecisionMagics(Magics):
         "mode",
         nargs="?",
         default="status",
-        help=f"one of {', '.join(MODE_NAMES)} (aliases float32, float16/half, bfloat16), or status (the default)",
+        help=f"one of {', '.join(MODE_NAMES)} (aliases float32, float16/half, bfloat16), status (the default), "
+        "or panel (a control panel with every switch)",
     )
     @argument("--device", help="cpu, cuda, cuda:N or hpu. Default: cuda > hpu > cpu.")
     @line_magic
@@ -161,11 +162,17 @@ class PrecisionMagics(Magics):
 
             %amp bf16
             %amp status
+            %amp panel
         """
         args = _parse(self.amp, line)
-        if args.mode.strip().lower() == "status":
+        if args.mode.strip().lower() in ("status", "panel"):
             if args.device:
-                raise UsageError(f"--device goes with a mode, not with status (got --device {args.device!r})")
+                raise UsageError(f"--device goes with a mode, not with {args.mode} (got --device {args.device!r})")
+            if args.mode.strip().lower() == "panel":
+                from mpnb.ui.panel import panel
+
+                panel()
+                return None
             return status()
         with _as_usage_error():
             mode = session.set_mode(args.mode, args.device)

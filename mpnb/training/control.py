@@ -1,0 +1,121 @@
+"""Control of a running fit: stop, pause / resume, and switches that take effect between steps.
+
+A :class:`FitControl` belongs to a :class:`~mpnb.Trainer`. Buttons (the live dashboard's
+Stop and Pause) and code call :meth:`~FitControl.stop`, :meth:`~FitControl.pause` and
+:meth:`~FitControl.resume`; the training loop calls :meth:`~FitControl.checkpoint` between
+optimizer steps, where nothing is half-updated. A checkpoint first runs the *pollers*,
+functions that deliver pending user-interface events (the notebook layer adds one that
+processes widget messages waiting in the kernel), waits there while paused, and reports
+whether the session's precision changed since the last one.
+
+Example:
+    >>> control = FitControl()
+    >>> control.stop()
+    >>> control.checkpoint().stop
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from mpnb.policy import session
+
+__all__ = ["FitControl", "Checkpoint"]
+
+PAUSE_POLL_S = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """What the loop must do at a step boundary.
+
+    Attributes:
+        stop: end the fit now (every finished step kept).
+        changed: what changed in the session since the last checkpoint (``"mode"``, ``"oplists"``...).
+        paused_s: how long the loop waited while paused.
+    """
+
+    stop: bool
+    changed: tuple[str, ...]
+    paused_s: float
+
+
+class FitControl:
+    """Stop, pause and resume requests for a fit, and the session changes made meanwhile.
+
+    Attributes:
+        pollers: called at every checkpoint, and repeatedly while paused.
+        state: ``"idle"``, ``"running"``, ``"paused"`` or ``"stopping"``; views show it.
+        on_state: called with the new state after each change of :attr:`state`.
+    """
+
+    def __init__(self) -> None:
+        self.pollers: list[Callable[[], None]] = []
+        self.on_state: list[Callable[[str], None]] = []
+        self.state = "idle"
+        self._stop = False
+        self._paused = False
+        self._changed: list[str] = []
+        self._unsubscribe: Callable[[], None] | None = None
+
+    def stop(self) -> None:
+        """Finish the current step, then end the fit and return its history."""
+        self._stop = True
+        self._set_state("stopping")
+
+    def pause(self) -> None:
+        """Hold the fit at the next step boundary until :meth:`resume` (or :meth:`stop`)."""
+        if not self._stop:
+            self._paused = True
+            self._set_state("paused")
+
+    def resume(self) -> None:
+        """Let a paused fit go on."""
+        self._paused = False
+        if self.state == "paused":
+            self._set_state("running")
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop
+
+    def begin(self) -> None:
+        """A fit starts: listen to the session; earlier requests are forgotten."""
+        self._stop, self._paused, self._changed = False, False, []
+        self._unsubscribe = session.subscribe(self._changed.append)
+        self._set_state("running")
+
+    def end(self) -> None:
+        """The fit ended, however it ended."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        self._paused = False
+        self._set_state("idle")
+
+    def checkpoint(self, interrupted: Callable[[], bool] = lambda: False) -> Checkpoint:
+        """Deliver pending events, wait while paused, and say whether to stop and what changed.
+
+        Args:
+            interrupted: ends a pause too (the fit's Ctrl-C check).
+        """
+        self._poll()
+        waited_from = time.perf_counter()
+        while self._paused and not self._stop and not interrupted():
+            time.sleep(PAUSE_POLL_S)
+            self._poll()
+        changed = tuple(dict.fromkeys(self._changed))
+        self._changed.clear()
+        return Checkpoint(self._stop, changed, time.perf_counter() - waited_from)
+
+    def _poll(self) -> None:
+        for poll in self.pollers:
+            poll()
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        for callback in list(self.on_state):
+            callback(state)
