@@ -22,7 +22,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DigitsCNN", "Batches", "digits", "load_digits", "accuracy", "example_trainer"]
+__all__ = [
+    "MODELS",
+    "Batches",
+    "DigitsCNN",
+    "DigitsMLP",
+    "DigitsTransformer",
+    "accuracy",
+    "digits",
+    "example_trainer",
+    "load_digits",
+]
 
 TEST_FRACTION = 0.2
 
@@ -135,6 +145,58 @@ class DigitsCNN(nn.Module):
         return self.classifier(self.features(images).flatten(1))
 
 
+class DigitsMLP(nn.Module):
+    """Two hidden layers on the flattened 8x8 image.
+
+    Example:
+        >>> DigitsMLP(widths=(16, 16))(torch.zeros(2, 1, 8, 8)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, widths: tuple[int, int] = (256, 128), classes: int = 10, image_size: int = 8) -> None:
+        super().__init__()
+        first, second = widths
+        self.layers = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(image_size * image_size, first),
+            nn.ReLU(),
+            nn.Linear(first, second),
+            nn.ReLU(),
+            nn.Linear(second, classes),
+        )
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.layers(images)
+
+
+class DigitsTransformer(nn.Module):
+    """A one-layer transformer encoder reading the image's rows as a sequence of tokens.
+
+    Args:
+        widths: model width and feed-forward width.
+
+    Example:
+        >>> DigitsTransformer(widths=(16, 32))(torch.zeros(2, 1, 8, 8)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, widths: tuple[int, int] = (64, 128), classes: int = 10, image_size: int = 8) -> None:
+        super().__init__()
+        width, feed_forward = widths
+        self.embed = nn.Linear(image_size, width)
+        self.position = nn.Parameter(torch.zeros(image_size, width))
+        self.encoder = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=feed_forward, batch_first=True)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(images.flatten(1, 2)) + self.position
+        return self.head(self.encoder(tokens).mean(dim=1))
+
+
+#: The example models by name, for the lab and ``compare``.
+MODELS: dict[str, type[nn.Module]] = {"cnn": DigitsCNN, "mlp": DigitsMLP, "transformer": DigitsTransformer}
+
+
 @torch.no_grad()
 def accuracy(model: nn.Module, batches: Batches, device: str | torch.device = "cpu") -> float:
     """Share of correctly classified examples, computed in fp32 with the model in eval mode."""
@@ -163,13 +225,16 @@ def example_trainer(
     batch_size: int = 64,
     lr: float = 3e-3,
     seed: int = 0,
-    widths: tuple[int, int] = (32, 64),
+    widths: tuple[int, int] | None = None,
+    model: str = "cnn",
     **trainer_options: Any,
 ) -> tuple[Any, Batches, Batches]:
     """The embedded default, ready to fit: ``(trainer, train_batches, test_batches)``.
 
-    A :class:`DigitsCNN` seeded with ``seed``, Adam at ``lr``, cross-entropy, in ``mode``
-    (default: the session mode). ``trainer_options`` go to :class:`mpnb.Trainer`.
+    An example model (``"cnn"``, the default :class:`DigitsCNN`; ``"mlp"``; ``"transformer"``)
+    seeded with ``seed``, Adam at ``lr``, cross-entropy, in ``mode`` (default: the session
+    mode). ``widths`` sizes the model (its class's default if None). ``trainer_options``
+    go to :class:`mpnb.Trainer`.
 
     Example:
         >>> trainer, train, test = example_trainer("bf16", "cpu", dashboard=None)
@@ -178,9 +243,13 @@ def example_trainer(
     """
     from mpnb.training import Trainer
 
+    if model not in MODELS:
+        from mpnb.errors import InvalidChoiceError
+
+        raise InvalidChoiceError("example model", model, MODELS)
     train, test = digits(batch_size, seed=seed)
     torch.manual_seed(seed)
-    model = DigitsCNN(widths)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    trainer = Trainer(model, optimizer, nn.functional.cross_entropy, mode=mode, device=device, **trainer_options)
+    network = MODELS[model](widths) if widths is not None else MODELS[model]()
+    optimizer = torch.optim.Adam(network.parameters(), lr=lr)
+    trainer = Trainer(network, optimizer, nn.functional.cross_entropy, mode=mode, device=device, **trainer_options)
     return trainer, train, test

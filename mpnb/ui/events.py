@@ -49,7 +49,6 @@ class _MainShellQueue:
         self.kernel = shell.kernel
         self.socket = self.kernel.shell_channel_thread.manager.get_shell_channel_to_subshell_pair(None).to_socket
         self.deferred: list[Any] = []
-        shell.events.register("post_run_cell", self._replay)
 
     def poll(self, limit: int) -> None:
         for _ in range(limit):
@@ -77,14 +76,12 @@ class _MainShellQueue:
         finally:
             kernel.set_parent(parent_ident, parent, channel="shell")
 
-    def _replay(self, *args: Any) -> None:
-        self.shell.events.unregister("post_run_cell", self._replay)
+    def close(self) -> None:
+        """Hand the held-back requests to the kernel's event loop, in order: they run once the
+        current cell (or widget callback) returns, as they would have without the pump."""
         for frames in self.deferred:
             self.kernel.io_loop.add_callback(self.kernel.shell_main, None, frames)
         self.deferred = []
-
-    def close(self) -> None:
-        """Nothing to undo: deferred requests are replayed when the cell ends."""
 
 
 class _UiPoll:
