@@ -39,27 +39,21 @@ class PrecisionLab:
     def __init__(self) -> None:
         self.model = widgets.Dropdown(options=list(ex.MODELS), value="cnn", description="model")
         self.device = widgets.Dropdown(options=available_device_types(), description="device")
-        self.modes = widgets.SelectMultiple(options=MODE_NAMES, value=("fp32", "bf16"), description="modes", rows=4)
+        choices = tuple(name for name in MODE_NAMES if name != "off")
+        self.modes = widgets.SelectMultiple(options=choices, value=("fp32", "bf16"), description="modes", rows=4)
         self.batch_size = widgets.IntSlider(value=64, min=16, max=512, step=16, description="batch size")
         self.steps = widgets.IntSlider(value=60, min=5, max=1000, step=5, description="steps")
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         self.status = widgets.HTML()
         self.output = widgets.Output()
         self.table = widgets.HTML()
-        self.widget = widgets.VBox(
+        controls = widgets.HBox(
             [
-                widgets.HTML("<h3>mpnb precision lab</h3>"),
-                widgets.HBox(
-                    [
-                        widgets.VBox([self.model, self.device, self.modes]),
-                        widgets.VBox([self.batch_size, self.steps, self.run_button]),
-                    ]
-                ),
-                self.status,
-                self.output,
-                self.table,
+                widgets.VBox([self.model, self.device, self.modes]),
+                widgets.VBox([self.batch_size, self.steps, self.run_button]),
             ]
         )
+        self.widget = widgets.VBox([controls, self.status, self.table, self.output])
         self.comparison: Comparison | None = None
         self.dashboard: str | None = "live"
         self.run_button.on_click(lambda _: self.run())

@@ -36,7 +36,7 @@ from mpnb.policy import Session, session
 
 __all__ = ["ControlPanel", "PanelState", "panel"]
 
-_MODES = ("off", *MODE_NAMES)
+_MODES = MODE_NAMES  # off, fp32, tf32, fp16, bf16
 
 
 class PanelState(traitlets.HasTraits):
