@@ -22,6 +22,7 @@ VALID_WORDS = [
     "half",
     "bfloat16",
     "status",
+    "panel",
     "on",
     "cpu",
     "cpu:0",

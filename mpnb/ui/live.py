@@ -19,7 +19,9 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 import time
 
 import plotly.graph_objects as go
@@ -39,8 +41,9 @@ class LiveDashboard(Sink):
         title: shown above the panels.
         min_interval: seconds between redraws (0.25 = at most 4 per second).
         max_points: points per trace in one redraw.
-        max_share: the interval also stretches to redraw cost / max_share, so redrawing
-            takes at most this share of the training loop's time.
+        max_share: the interval also stretches to redraw cost / max_share (the median of the
+            last five redraws after the first), so redrawing takes at most about this share
+            of the training loop's time.
 
     Attributes:
         figure: the FigureWidget; display it to see it (``make_dashboard`` does).
@@ -58,6 +61,7 @@ class LiveDashboard(Sink):
         self._seen = 0
         self._events_seen = 0
         self._last_redraw = -math.inf
+        self._costs: collections.deque[float] = collections.deque(maxlen=5)
 
     def due(self, now: float) -> bool:
         return now - self._last_redraw >= self.interval
@@ -88,5 +92,7 @@ class LiveDashboard(Sink):
         )
         self.redraws += 1
         self._last_redraw = time.perf_counter()
-        cost = self._last_redraw - started
-        self.interval = max(self.min_interval, cost / self.max_share if self.max_share else 0.0)
+        if self.redraws > 1:  # the first redraw pays one-time costs (imports, the widget's first sync)
+            self._costs.append(self._last_redraw - started)
+            cost = statistics.median(self._costs)
+            self.interval = max(self.min_interval, cost / self.max_share if self.max_share else 0.0)
