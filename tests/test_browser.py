@@ -137,7 +137,14 @@ def notebook(cells: list[str]) -> str:
     return json.dumps(
         {
             "cells": [
-                {"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [], "source": c}
+                {
+                    "cell_type": "code",
+                    "execution_count": None,
+                    "id": f"c{i}",
+                    "metadata": {},
+                    "outputs": [],
+                    "source": c,
+                }
                 for i, c in enumerate(cells)
             ],
             "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
