@@ -1,8 +1,8 @@
 """Real browser tests: JupyterLab and Voila served on loopback, driven by Debian's Chromium
 through Playwright. Screenshots go to test-artifacts/ at the repository root.
 
-Needs the ``chromium`` binary (``apt-get install chromium``) and the ``browser`` extra
-(JupyterLab, Voila, Playwright); skipped without them, except in CI, where they must be there.
+Needs the ``chromium`` binary (``apt-get install chromium``) and JupyterLab, Notebook 7, Voila
+and Playwright (the ``test`` extra); skipped without them, except in CI, where they must be there.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ CHROMIUM_FLAGS = [
 def _missing() -> str | None:
     if shutil.which("chromium") is None:
         return "needs Debian's chromium (apt-get install chromium)"
-    for module in ("playwright", "jupyterlab", "voila"):
+    for module in ("playwright", "jupyterlab", "notebook", "voila"):
         try:
             __import__(module)
         except ImportError:
-            return f"needs {module} (pip install '.[browser]')"
+            return f"needs {module} (pip install '.[test]')"
     return None
 
 
@@ -47,6 +47,11 @@ _reason = _missing()
 if _reason and os.environ.get("CI"):
     raise RuntimeError(f"browser tests cannot run in CI: {_reason}")
 pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+
+
+# Notebook 7's JupyterLab extension does not load inside Voila ("The getter for the shared module
+# is not a function"): where both are installed, leave it out, as the README says.
+VOILA_WITHOUT_NOTEBOOK7 = '--VoilaConfiguration.extension_denylist=["@jupyter-notebook/lab-extension"]'
 
 
 def free_port() -> int:
@@ -121,14 +126,14 @@ def console_errors(page) -> list[str]:
 
     def on_console(message) -> None:
         if message.type == "error" and "ERR_NAME_NOT_RESOLVED" not in message.text:
-            errors.append(message.text)
+            errors.append(f"{message.text} (at {message.location.get('url', '?')})")
 
     def on_failed(request) -> None:
         if request.url.startswith("http://127.0.0.1"):
             errors.append(f"request failed: {request.url}")
 
     page.on("console", on_console)
-    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("pageerror", lambda error: errors.append(f"{error} | {(error.stack or '')[:300]}"))
     page.on("requestfailed", on_failed)
     return errors
 
@@ -154,6 +159,18 @@ def notebook(cells: list[str]) -> str:
     )
 
 
+def wait_for_idle_kernel(port: int, timeout: float = 90) -> None:
+    """Until the page's notebook has a kernel that reports idle (the server's own view)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/sessions", timeout=5) as answer:
+            sessions = json.load(answer)
+        if any(s.get("kernel", {}).get("execution_state") == "idle" for s in sessions):
+            return
+        time.sleep(0.5)
+    raise TimeoutError("the notebook's kernel did not become idle")
+
+
 def plotted_points(page) -> int:
     """Points in the live dashboard's loss trace, as the browser holds them."""
     return page.evaluate(
@@ -161,7 +178,17 @@ def plotted_points(page) -> int:
     )
 
 
-def test_jupyterlab_panel_and_live_dashboard_control_a_running_fit(tmp_path, jupyter_env, browser):
+FRONTENDS = {
+    "jupyterlab": ("lab", "/lab/workspaces/mpnb-test/tree/live.ipynb?reset"),
+    "notebook7": ("notebook", "/notebooks/live.ipynb"),
+}
+# Notebook 7.6 throws this from its own notebook_core bundle on opening any notebook here, a plain
+# "1+1" notebook with nothing of mpnb loaded included: not ours to fix, so not counted against us.
+KNOWN_FRONTEND_ERRORS = {"notebook7": ("Cannot read properties of undefined (reading 'schema')",)}
+
+
+@pytest.mark.parametrize("frontend", list(FRONTENDS))
+def test_panel_and_live_dashboard_control_a_running_fit(tmp_path, jupyter_env, browser, frontend):
     ARTIFACTS.mkdir(exist_ok=True)
     work = tmp_path / "work"
     work.mkdir()
@@ -175,19 +202,20 @@ def test_jupyterlab_panel_and_live_dashboard_control_a_running_fit(tmp_path, jup
             ]
         )
     )
+    app, path = FRONTENDS[frontend]
     port = free_port()
     command = [
-        sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
+        sys.executable, "-m", "jupyter", app, "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
         "--ServerApp.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
     ]  # fmt: skip
-    process, log = serve(command, work, jupyter_env, f"http://127.0.0.1:{port}/lab", tmp_path / "lab.log")
+    process, log = serve(command, work, jupyter_env, f"http://127.0.0.1:{port}/api/status", tmp_path / "server.log")
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         errors = console_errors(page)
-        page.goto(f"http://127.0.0.1:{port}/lab/workspaces/mpnb-test/tree/live.ipynb?reset")
+        page.goto(f"http://127.0.0.1:{port}{path}")
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        wait_for_idle_kernel(port)
         page.locator(".jp-Notebook").first.click()
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
@@ -198,15 +226,16 @@ def test_jupyterlab_panel_and_live_dashboard_control_a_running_fit(tmp_path, jup
         page.wait_for_timeout(2500)
         grown = plotted_points(page)
         assert grown > first > 0, (first, grown)  # the dashboard grows while the cell runs
-        page.screenshot(path=str(ARTIFACTS / "jupyterlab-running-fit.png"))
+        page.screenshot(path=str(ARTIFACTS / f"{frontend}-running-fit.png"))
         page.locator(".widget-toggle-buttons button", has_text="fp16").first.click()
         page.wait_for_timeout(1500)
         page.locator("button", has_text="Stop").first.click()
         result = page.locator(".jp-OutputArea-output", has_text="RESULT")
         result.wait_for(timeout=90_000)
-        page.screenshot(path=str(ARTIFACTS / "jupyterlab-after-stop.png"))
+        page.screenshot(path=str(ARTIFACTS / f"{frontend}-after-stop.png"))
         assert result.inner_text().strip() == "RESULT ['bf16', 'fp16'] stopped True"  # seen from the kernel
-        assert not [e for e in errors if "favicon" not in e], errors
+        known = KNOWN_FRONTEND_ERRORS.get(frontend, ())
+        assert not [e for e in errors if not e.startswith(known)], errors
     finally:
         stop(process, log)
 
@@ -216,7 +245,7 @@ def test_voila_serves_the_precision_lab_and_run_produces_the_table(tmp_path, jup
     port = free_port()
     command = [
         sys.executable, "-m", "voila", str(ROOT / "widgets" / "precision_lab.ipynb"), "--no-browser",
-        f"--port={port}", "--Voila.ip=127.0.0.1",
+        f"--port={port}", "--Voila.ip=127.0.0.1", VOILA_WITHOUT_NOTEBOOK7,
     ]  # fmt: skip
     process, log = serve(command, ROOT, jupyter_env, f"http://127.0.0.1:{port}/", tmp_path / "voila.log")
     try:
@@ -234,6 +263,6 @@ def test_voila_serves_the_precision_lab_and_run_produces_the_table(tmp_path, jup
         assert rows.count() == 2 and rows.nth(0).inner_text().startswith("fp32")
         assert "1.00x" in rows.nth(0).inner_text()
         page.screenshot(path=str(ARTIFACTS / "voila-lab-result.png"))
-        assert not [e for e in errors if "favicon" not in e], errors
+        assert not errors, errors
     finally:
         stop(process, log)
