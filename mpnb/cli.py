@@ -2,6 +2,8 @@
 
 Example (shell)::
 
+    $ mpnb compare                  # the example CNN in every mode; table + self-contained HTML report
+    $ mpnb compare --modes fp32,bf16 --steps 50 --out runs/compare
     $ mpnb train                    # the example CNN on the bundled digits, in the device's best AMP mode
     $ mpnb train --mode fp16 --steps 100 --out runs/fp16
     $ mpnb devices                  # capability report, with a tiny autocast check per dtype
@@ -59,6 +61,47 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    import os
+
+    from mpnb.backends import resolve_device
+    from mpnb.compare import compare
+    from mpnb.errors import InvalidChoiceError
+    from mpnb.examples import MODELS, accuracy, example_trainer
+    from mpnb.status import devices
+    from mpnb.ui.compare_report import write_comparison_report
+
+    if args.model not in MODELS:
+        raise InvalidChoiceError("example model", args.model, MODELS)
+    device = resolve_device(args.device)
+    modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+
+    def make_run(mode: str):
+        print(f"-- {mode} on {device}", flush=True)
+        trainer, train, test = example_trainer(
+            mode, device, model=args.model, batch_size=args.batch_size, seed=args.seed, dashboard="text"
+        )
+        return trainer, train, lambda fitted: accuracy(fitted.model, test, device)
+
+    def report(result) -> None:
+        if result.skipped_reason:
+            print(f"-- {result.mode}: not run: {result.skipped_reason}", flush=True)
+
+    comparison = compare(
+        make_run, modes, steps=args.steps, warmup=args.warmup, on_result=report, metric_name="test accuracy"
+    )
+    print()
+    print(comparison)
+    os.makedirs(args.out, exist_ok=True)
+    paths = [os.path.join(args.out, name) for name in ("comparison.csv", "comparison.json", "report.html")]
+    comparison.to_csv(paths[0])
+    comparison.to_json(paths[1])
+    title = f"mpnb compare: example {args.model} on the bundled digits, {device}"
+    write_comparison_report(paths[2], comparison, title, devices(check=False).to_text())
+    print(f"wrote {', '.join(paths)}")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -74,6 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print the report as JSON")
     report.add_argument("--no-check", action="store_true", help="skip running a tiny Linear under each dtype")
     report.set_defaults(run=_devices)
+    comparing = commands.add_parser(
+        "compare",
+        help="train the example model once per precision mode; print the comparison, write CSV, JSON and HTML report",
+    )
+    comparing.add_argument(
+        "--modes", default="fp32,tf32,fp16,bf16", help="comma-separated modes (default fp32,tf32,fp16,bf16)"
+    )
+    comparing.add_argument("--steps", type=_positive_int, default=100, help="timed steps per mode (default 100)")
+    comparing.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    comparing.add_argument("--model", default="cnn", help="cnn, mlp or transformer (default cnn)")
+    comparing.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
+    comparing.add_argument("--batch-size", type=_positive_int, default=64, help="examples per step (default 64)")
+    comparing.add_argument("--seed", type=int, default=0, help="seed of the model and the data order (default 0)")
+    comparing.add_argument("--out", default="mpnb-compare", help="folder for the results (default ./mpnb-compare)")
+    comparing.set_defaults(run=_compare)
     train = commands.add_parser(
         "train",
         help="train the example CNN on the bundled 8x8 digits; print progress, write history CSV and HTML dashboard",

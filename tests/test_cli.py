@@ -61,3 +61,42 @@ def test_train_rejects_bad_input_naming_the_valid_values(tmp_path):
     result = mpnb("train", "--steps", "0", cwd=tmp_path)
     assert result.returncode == 2 and "must be a positive integer, got 0" in result.stderr
     assert not (tmp_path / "mpnb-train").exists()
+
+
+def test_compare_end_to_end_writes_table_csv_json_and_a_self_contained_report(tmp_path):
+    from html.parser import HTMLParser
+
+    result = mpnb(
+        "compare", "--modes", "fp32,bf16,fp16", "--steps", "4", "--warmup", "1", "--model", "mlp", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    table = result.stdout[result.stdout.index("mode  median step") :].splitlines()
+    assert [line.split()[0] for line in table[1:4]] == ["fp32", "bf16", "fp16"] and "1.00x" in table[1]
+    out = tmp_path / "mpnb-compare"
+    assert [m["mode"] for m in json.loads((out / "comparison.json").read_text())["modes"]] == ["fp32", "bf16", "fp16"]
+    assert (out / "comparison.csv").read_text().splitlines()[0].startswith("mode,")
+
+    class Page(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.cells, self.remote_scripts, self.tag = [], [], None
+
+        def handle_starttag(self, tag, attrs):
+            self.tag = tag
+            if tag == "script" and dict(attrs).get("src", "").startswith("http"):
+                self.remote_scripts.append(dict(attrs)["src"])
+
+        def handle_data(self, data):
+            if self.tag in ("td", "th"):
+                self.cells.append(data.strip())
+
+    page = Page()
+    page.feed((out / "report.html").read_text())
+    assert {"speedup vs fp32", "test accuracy", "fp32", "bf16", "fp16"} <= set(page.cells)
+    assert page.remote_scripts == [] and "Plotly.newPlot" in (out / "report.html").read_text()
+
+
+def test_compare_rejects_bad_input_before_running():
+    for args, bad in ((["--modes", "fp32,fp8"], "'fp8'"), (["--model", "resnet"], "'resnet'")):
+        result = mpnb("compare", *args)
+        assert result.returncode == 2 and bad in result.stderr and "valid:" in result.stderr
