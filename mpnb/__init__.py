@@ -8,6 +8,8 @@ Plain Python::
     mpnb.set_mode("bf16")                # the session mode
     mpnb.status()                        # where the session stands
     mpnb.panel()                         # the same switches as widgets (in Jupyter)
+    mpnb.compare(make_run, modes=["fp32", "bf16"])      # the same run in several modes, side by side
+    mpnb.advise(model, (x, y), loss_fn)  # fp16 overflow / underflow per module, and what to do
     mpnb.devices()                       # what this machine can do
     trainer = mpnb.Trainer(model, optimizer, loss_fn)   # AMP training with telemetry
     history = trainer.fit(data)          # live dashboard in a notebook, text elsewhere
@@ -29,9 +31,11 @@ IPython / Jupyter::
 from __future__ import annotations
 
 from mpnb import examples, hmp
+from mpnb.compare import Comparison, compare
 from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
 from mpnb.history import History
 from mpnb.modes import Mode
+from mpnb.numerics import Advice, advise
 from mpnb.oplists import OpLists
 from mpnb.opoverride import OpListOverride
 from mpnb.policy import autocast, get_mode, get_oplists, set_mode, set_oplists, tf32
@@ -60,6 +64,10 @@ __all__ = [
     "set_oplists",
     "get_oplists",
     "panel",
+    "compare",
+    "Comparison",
+    "advise",
+    "Advice",
     "trace",
     "Trace",
     "hmp",
