@@ -62,42 +62,34 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    import os
 
     from mpnb.backends import resolve_device
     from mpnb.compare import compare
     from mpnb.errors import InvalidChoiceError
     from mpnb.examples import MODELS, accuracy, example_trainer
+    from mpnb.modes import parse_mode
     from mpnb.status import devices
-    from mpnb.ui.compare_report import write_comparison_report
+    from mpnb.ui.compare_report import write_comparison_files
 
     if args.model not in MODELS:
         raise InvalidChoiceError("example model", args.model, MODELS)
     device = resolve_device(args.device)
-    modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    modes = [parse_mode(mode.strip()).value for mode in args.modes.split(",") if mode.strip()]
 
     def make_run(mode: str):
-        print(f"-- {mode} on {device}", flush=True)
         trainer, train, test = example_trainer(
-            mode, device, model=args.model, batch_size=args.batch_size, seed=args.seed, dashboard="text"
+            mode, device, model=args.model, batch_size=args.batch_size, seed=args.seed, dashboard=None
         )
         return trainer, train, lambda fitted: accuracy(fitted.model, test, device)
 
-    def report(result) -> None:
-        if result.skipped_reason:
-            print(f"-- {result.mode}: not run: {result.skipped_reason}", flush=True)
-
+    print(f"comparing {', '.join(modes)} on {device}: {args.warmup} warm-up + {args.steps} timed steps each")
     comparison = compare(
-        make_run, modes, steps=args.steps, warmup=args.warmup, on_result=report, metric_name="test accuracy"
+        make_run, modes, steps=args.steps, warmup=args.warmup, progress="text", metric_name="test accuracy"
     )
     print()
     print(comparison)
-    os.makedirs(args.out, exist_ok=True)
-    paths = [os.path.join(args.out, name) for name in ("comparison.csv", "comparison.json", "report.html")]
-    comparison.to_csv(paths[0])
-    comparison.to_json(paths[1])
     title = f"mpnb compare: example {args.model} on the bundled digits, {device}"
-    write_comparison_report(paths[2], comparison, title, devices(check=False).to_text())
+    paths = write_comparison_files(args.out, comparison, title, devices(check=False).to_text())
     print(f"wrote {', '.join(paths)}")
     return 0
 

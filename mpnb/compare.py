@@ -11,7 +11,7 @@ Example:
     >>> def make_run(mode):
     ...     trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
     ...     return trainer, train
-    >>> result = compare(make_run, modes=["fp32", "bf16"], steps=3, warmup=1)
+    >>> result = compare(make_run, modes=["fp32", "bf16"], steps=3, warmup=1, progress=None)
     >>> [row["mode"] for row in result.rows()], result.results[1].history.mode[-1]
     (['fp32', 'bf16'], 'bf16')
 """
@@ -34,8 +34,9 @@ from mpnb.backends import format_bytes
 from mpnb.errors import MpnbError
 from mpnb.history import History
 from mpnb.modes import parse_mode
+from mpnb.telemetry import Sink
 
-__all__ = ["Comparison", "ModeResult", "compare"]
+__all__ = ["Comparison", "ComparisonProgress", "ModeResult", "compare", "compare_runs", "mode_result"]
 
 #: ``make_run(mode)`` returns ``(trainer, train_data)`` or ``(trainer, train_data, metric)``,
 #: where ``metric(trainer) -> float`` is measured after training (test accuracy, say).
@@ -177,6 +178,34 @@ def _number(value: float, pattern: str) -> str:
     return pattern.format(value) if isinstance(value, (int, float)) and math.isfinite(value) else "-"
 
 
+class ComparisonProgress:
+    """How :func:`compare` shows its progress; this base class shows nothing.
+
+    ``sink_for(mode, steps, warmup)`` gives the telemetry sink that watches one mode's run
+    of ``steps`` steps, the first ``warmup`` of them untimed;
+    ``finished(result)`` hears each mode's end, ``close(comparison)`` the whole result.
+    """
+
+    def sink_for(self, mode: str, steps: int, warmup: int = 0) -> Sink | None:
+        return None
+
+    def finished(self, result: ModeResult) -> None:
+        pass
+
+    def close(self, comparison: Comparison) -> None:
+        pass
+
+
+def _progress_view(progress: str | ComparisonProgress | None, modes: list[str], title: str) -> ComparisonProgress:
+    if progress is None:
+        return ComparisonProgress()
+    if isinstance(progress, ComparisonProgress):
+        return progress
+    from mpnb.ui.compare_progress import make_comparison_progress
+
+    return make_comparison_progress(progress, modes, title)
+
+
 def _notes(mode: str, trainer: Any) -> list[str]:
     has_convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in trainer.model.modules())
     if mode == "fp16" and trainer.device.type == "cpu" and has_convolutions:
@@ -184,11 +213,62 @@ def _notes(mode: str, trainer: Any) -> list[str]:
     return []
 
 
+def mode_result(name: str, trainer: Any, warmup: int, metric: float = math.nan) -> ModeResult:
+    """The result of a finished run: ``trainer``'s history with the first ``warmup`` steps untimed."""
+    history = trainer.history
+    return ModeResult(
+        name, history, timed_from=min(warmup, max(len(history) - 1, 0)), metric=metric, notes=_notes(name, trainer)
+    )
+
+
+#: ``run_mode(mode, sink)`` trains one mode, showing progress in ``sink``, and returns its result;
+#: an :class:`~mpnb.errors.MpnbError` means the mode cannot run here.
+RunMode = Callable[[str, "Sink | None"], ModeResult]
+
+
+def compare_runs(
+    run_mode: RunMode,
+    modes: Iterable[str],
+    steps: int,
+    warmup: int,
+    *,
+    progress: str | ComparisonProgress | None = "auto",
+    on_result: Callable[[ModeResult], None] | None = None,
+    metric_name: str = "metric",
+    title: str = "",
+) -> Comparison:
+    """The loop behind :func:`compare` and ``%%compare``: check every mode, run each, collect.
+
+    Raises:
+        InvalidChoiceError: an unknown mode name.
+        ValueError: steps < 1 or warmup < 0.
+    """
+    names = [parse_mode(mode).value for mode in modes]
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    view = _progress_view(progress, names, title)
+    results = []
+    for name in names:
+        try:
+            result = run_mode(name, view.sink_for(name, warmup + steps, warmup))
+        except MpnbError as error:
+            result = ModeResult(name, skipped_reason=str(error))
+        results.append(result)
+        view.finished(result)
+        if on_result is not None:
+            on_result(result)
+    comparison = Comparison(results, steps, warmup, metric_name)
+    view.close(comparison)
+    return comparison
+
+
 def compare(
     make_run: MakeRun,
     modes: Iterable[str] = ("fp32", "tf32", "fp16", "bf16"),
     steps: int = 200,
     warmup: int = 5,
+    *,
+    progress: str | ComparisonProgress | None = "auto",
     on_result: Callable[[ModeResult], None] | None = None,
     metric_name: str = "metric",
 ) -> Comparison:
@@ -199,35 +279,41 @@ def compare(
         modes: mode names; every name is checked before anything runs.
         steps: timed optimizer steps per mode.
         warmup: steps run first and left out of the timing.
-        on_result: called after each mode (a progress view).
+        progress: ``"auto"`` (live overlaid curves in a notebook, a progress line per mode
+            elsewhere), ``"live"``, ``"text"``, a :class:`ComparisonProgress`, or None to
+            leave each run's own dashboard in charge.
+        on_result: called after each mode.
         metric_name: the table's name for the metric column.
 
     Raises:
         InvalidChoiceError: an unknown mode name.
         ValueError: steps < 1 or warmup < 0.
     """
-    names = [parse_mode(mode).value for mode in modes]
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    results = []
-    for name in names:
-        try:
-            trainer, data, *metric = make_run(name)
-        except MpnbError as error:
-            result = ModeResult(name, skipped_reason=str(error))
-        else:
-            result = _run(name, trainer, data, metric[0] if metric else None, steps, warmup)
-        results.append(result)
-        if on_result is not None:
-            on_result(result)
-    return Comparison(results, steps, warmup, metric_name)
+
+    def run_mode(name: str, sink: Sink | None) -> ModeResult:
+        trainer, data, *metric = make_run(name)
+        return _run(name, trainer, data, metric[0] if metric else None, steps, warmup, sink, progress is not None)
+
+    return compare_runs(run_mode, modes, steps, warmup, progress=progress, on_result=on_result, metric_name=metric_name)
 
 
-def _run(name: str, trainer: Any, data: Any, metric: Callable | None, steps: int, warmup: int) -> ModeResult:
+def _run(
+    name: str,
+    trainer: Any,
+    data: Any,
+    metric: Callable | None,
+    steps: int,
+    warmup: int,
+    sink: Sink | None,
+    replace_dashboard: bool,
+) -> ModeResult:
     total = warmup + steps
     epochs = math.ceil(total / len(data)) if hasattr(data, "__len__") and len(data) else None
-    history = trainer.fit(data, epochs=epochs, max_steps=total)
-    value = float(metric(trainer)) if metric is not None else math.nan
-    return ModeResult(
-        name, history, timed_from=min(warmup, len(history) - 1), metric=value, notes=_notes(name, trainer)
-    )
+    own_dashboard = trainer.dashboard
+    if replace_dashboard:
+        trainer.dashboard = sink
+    try:
+        trainer.fit(data, epochs=epochs, max_steps=total)
+    finally:
+        trainer.dashboard = own_dashboard
+    return mode_result(name, trainer, warmup, float(metric(trainer)) if metric is not None else math.nan)

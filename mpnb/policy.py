@@ -207,6 +207,22 @@ class Session:
         return AutocastSettings(target, chosen, enabled, cache)
 
     @contextlib.contextmanager
+    def mode_scope(self, mode: str | Mode, device: str | torch.device | None = None) -> Iterator[Mode]:
+        """The session in ``mode`` for one block; mode, device and fp32-math flags restored on any exit.
+
+        Raises:
+            MpnbError: as :meth:`set_mode` (nothing changed then).
+        """
+        saved = (self.mode, self.device, self._fp32_wanted)
+        new_mode = self.set_mode(mode, device)
+        try:
+            yield new_mode
+        finally:
+            (self.mode, self.device, self._fp32_wanted) = saved
+            self.apply_fp32_wish()
+            self.notify("mode")
+
+    @contextlib.contextmanager
     def cell_scope(self) -> Iterator[None]:
         """Apply the session mode to one block (a notebook cell); restore on any exit."""
         dtype = self.mode.autocast_dtype

@@ -118,7 +118,7 @@ def test_redraw_interval_stretches_so_redrawing_stays_a_small_share_of_the_run()
     dashboard = LiveDashboard("", min_interval=0.0, max_share=0.01)
     history = synthetic_history(2000)
     dashboard.update(history)
-    assert dashboard.redraws == 1 and dashboard.interval == 0.0  # the first redraw's one-time costs do not count
+    assert dashboard.redraws == 1 and dashboard.pacer.interval == 0.0  # the first redraw's one-time costs do not count
     dashboard.update(history)
-    assert dashboard.redraws == 2 and dashboard.interval > 0.0  # min_interval 0, stretched to 100 x the cost
+    assert dashboard.redraws == 2 and dashboard.pacer.interval > 0.0  # min_interval 0, stretched to 100 x the cost
     assert not dashboard.due(time.perf_counter())

@@ -29,6 +29,7 @@ from mpnb.modes import Mode
 from mpnb.policy import session
 from mpnb.telemetry import Sink
 from mpnb.training.amp_step import AmpStep
+from mpnb.training.capture import FitCapture, active_capture
 from mpnb.training.control import FitControl
 from mpnb.training.precision import TrainingPrecision
 
@@ -118,12 +119,21 @@ class Trainer:
         keeps its telemetry, then raises :class:`FitInterrupted` (a KeyboardInterrupt);
         a second interrupt stops at once. An error in the middle of an accumulation window
         drops that window's gradients, and the next ``fit(data)`` starts it again.
+
+        Inside :func:`~mpnb.training.capture.capture_fits` (what ``%%compare`` uses) the fit
+        trains in the captured mode, within the captured step budget, reporting to its sink.
         """
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be a positive number, got {epochs}")
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps must be a positive number, got {max_steps}")
-        sinks = _dashboard_sinks(self.dashboard, self.describe(), self.control)
+        capture = active_capture()
+        if capture is not None:
+            max_steps = self._join(capture, max_steps)
+            if max_steps == 0:
+                return self.history
+        sinks = self._sinks(capture)
+        steps_before = self.amp.steps
         if epochs is not None or self._end_epoch is None:
             self._end_epoch = self._epoch + (epochs or 1)  # a partly trained epoch counts as one
         self.history.meta.update(model=self.describe(), device=str(self.device), mode=self.mode.value)
@@ -143,6 +153,8 @@ class Trainer:
             self.amp.close()
             for sink in sinks:
                 self.amp.recorder.sinks.remove(sink)
+            if capture is not None:
+                capture.steps_taken += self.amp.steps - steps_before
         if finished:
             self._end_epoch = None
         if stop.requested and not finished:
@@ -155,6 +167,18 @@ class Trainer:
         if self.control.stop_requested and not finished:
             self.history.note("stopped", kind="stop")
         return self.history
+
+    def _join(self, capture: FitCapture, max_steps: int | None) -> int:
+        """Train in the capture's mode, within its step budget: the steps this fit may take."""
+        capture.adopt(self)
+        if self.mode is not capture.mode:
+            self.amp.set_precision(TrainingPrecision.resolve(capture.mode, self.device))
+        return capture.steps_allowed(max_steps)
+
+    def _sinks(self, capture: FitCapture | None) -> list[Sink]:
+        if capture is not None:
+            return [capture.sink] if capture.sink is not None else []
+        return _dashboard_sinks(self.dashboard, self.describe(), self.control)
 
     def _run(self, data: Iterable[Sequence[Any]], stop: StopRequest, max_steps: int | None) -> bool:
         """Train until the planned end, ``max_steps`` or a stop request; True when the plan is done."""

@@ -18,45 +18,51 @@ from __future__ import annotations
 
 import html
 import os
+from collections.abc import Sequence
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mpnb.compare import Comparison
 
-__all__ = ["comparison_figure", "comparison_html", "write_comparison_report"]
+__all__ = [
+    "MODE_COLORS",
+    "comparison_figure",
+    "comparison_html",
+    "empty_comparison_figure",
+    "write_comparison_files",
+    "write_comparison_report",
+]
 
-_COLORS = {"fp32": "#1f77b4", "tf32": "#9467bd", "fp16": "#d62728", "bf16": "#2ca02c", "off": "#7f7f7f"}
+#: A fixed colour per mode, the same in the live view and in the report.
+MODE_COLORS = {"fp32": "#1f77b4", "tf32": "#9467bd", "fp16": "#d62728", "bf16": "#2ca02c", "off": "#7f7f7f"}
+
+
+def empty_comparison_figure(modes: Sequence[str], title: str = "") -> go.Figure:
+    """Loss and step-time panels with two empty lines per mode: traces ``2 * i`` and ``2 * i + 1``."""
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("loss", "step time (ms)"), horizontal_spacing=0.1)
+    for mode in modes:
+        style = {"line": {"color": MODE_COLORS.get(mode)}, "legendgroup": mode, "mode": "lines"}
+        figure.add_trace(go.Scatter(x=[], y=[], name=mode, **style), row=1, col=1)
+        figure.add_trace(go.Scatter(x=[], y=[], name=mode, showlegend=False, **style), row=1, col=2)
+    figure.update_xaxes(title_text="step")
+    figure.update_layout(
+        title={"text": title, "font": {"size": 14}},
+        height=380,
+        template="plotly_white",
+        margin={"l": 50, "r": 20, "t": 70 if title else 50, "b": 40},
+    )
+    return figure
 
 
 def comparison_figure(comparison: Comparison) -> go.Figure:
-    """Loss and step time per step, one line per mode that ran."""
-    figure = make_subplots(rows=1, cols=2, subplot_titles=("loss", "step time (ms)"), horizontal_spacing=0.1)
-    for result in comparison.results:
-        if result.history is None:
-            continue
-        style = {"color": _COLORS.get(result.mode)}
-        history = result.history
-        figure.add_trace(
-            go.Scatter(x=history.step, y=history.loss, name=result.mode, line=style, legendgroup=result.mode),
-            row=1,
-            col=1,
-        )
-        timed = slice(result.timed_from, None)
-        figure.add_trace(
-            go.Scatter(
-                x=history.step[timed],
-                y=[t * 1e3 for t in history.step_time[timed]],
-                name=result.mode,
-                line=style,
-                legendgroup=result.mode,
-                showlegend=False,
-            ),
-            row=1,
-            col=2,
-        )
-    figure.update_xaxes(title_text="step")
-    figure.update_layout(height=380, template="plotly_white", margin={"l": 50, "r": 20, "t": 50, "b": 40})
+    """Loss per step and step time per timed step, one colour per mode that ran."""
+    ran = [result for result in comparison.results if result.history is not None]
+    figure = empty_comparison_figure([result.mode for result in ran])
+    for index, result in enumerate(ran):
+        history, timed = result.history, slice(result.timed_from, None)
+        figure.data[2 * index].update(x=history.step, y=history.loss)
+        figure.data[2 * index + 1].update(x=history.step[timed], y=[t * 1e3 for t in history.step_time[timed]])
     return figure
 
 
@@ -81,3 +87,19 @@ def write_comparison_report(
     """Write :func:`comparison_html` to ``path``."""
     with open(path, "w", encoding="utf-8") as file:
         file.write(comparison_html(comparison, title, device_report))
+
+
+def write_comparison_files(
+    folder: str | os.PathLike[str], comparison: Comparison, title: str, device_report: str = ""
+) -> list[str]:
+    """Write comparison.csv, comparison.json and report.html into ``folder`` (made if missing).
+
+    Returns:
+        The three paths written.
+    """
+    os.makedirs(folder, exist_ok=True)
+    paths = [os.path.join(folder, name) for name in ("comparison.csv", "comparison.json", "report.html")]
+    comparison.to_csv(paths[0])
+    comparison.to_json(paths[1])
+    write_comparison_report(paths[2], comparison, title, device_report)
+    return paths

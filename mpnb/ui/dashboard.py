@@ -14,7 +14,7 @@ from mpnb.errors import InvalidChoiceError
 from mpnb.telemetry import Sink
 from mpnb.training.control import FitControl
 
-__all__ = ["DASHBOARD_KINDS", "WIDGETS_INSTALL", "make_dashboard"]
+__all__ = ["DASHBOARD_KINDS", "WIDGETS_INSTALL", "display_kind", "make_dashboard"]
 
 DASHBOARD_KINDS = ("auto", "live", "text")
 WIDGETS_INSTALL = "pip install ipywidgets plotly anywidget"
@@ -27,37 +27,48 @@ def in_notebook_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-def make_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> list[Sink]:
-    """Sinks for ``kind``: ``"live"`` (FigureWidget, displayed now), ``"text"``, or ``"auto"``.
+def display_kind(kind: str, what: str = "dashboard") -> str:
+    """``"live"`` or ``"text"``: how to show progress for ``kind`` (``"auto"``, ``"live"``, ``"text"``).
 
     ``"auto"`` picks live in a notebook kernel and text elsewhere; if the widget libraries
-    are missing it warns once, naming the install command, and falls back to text. With a
-    ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot.
+    are missing it warns once, naming the install command, and falls back to text.
 
     Raises:
         InvalidChoiceError: an unknown kind.
         ImportError: ``"live"`` without ipywidgets / plotly / anywidget.
     """
-    from mpnb.ui.text import TextProgress
-
     if kind not in DASHBOARD_KINDS:
-        raise InvalidChoiceError(
-            "dashboard", kind, DASHBOARD_KINDS, "Pass one of these, None for no display, or a Sink."
-        )
+        raise InvalidChoiceError(what, kind, DASHBOARD_KINDS, "Pass one of these, None for no display, or a Sink.")
     if kind == "text" or (kind == "auto" and not in_notebook_kernel()):
-        return [TextProgress(title)]
+        return "text"
     try:
-        from IPython.display import display
-
-        from mpnb.ui.live import LiveDashboard
+        import anywidget  # noqa: F401  (plotly's FigureWidget needs it)
+        import ipywidgets  # noqa: F401
+        import plotly  # noqa: F401
     except ImportError as error:
         if kind == "live":
-            raise ImportError(f"the live dashboard needs widgets: {WIDGETS_INSTALL} ({error})") from error
+            raise ImportError(f"the live {what} needs widgets: {WIDGETS_INSTALL} ({error})") from error
         warnings.warn(
-            f"no live dashboard ({error}); showing text progress instead. For the live plot: {WIDGETS_INSTALL}",
-            stacklevel=3,
+            f"no live {what} ({error}); showing text progress instead. For the live plot: {WIDGETS_INSTALL}",
+            stacklevel=4,
         )
+        return "text"
+    return "live"
+
+
+def make_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> list[Sink]:
+    """Sinks for ``kind`` (see :func:`display_kind`); a live dashboard is displayed now.
+
+    With a ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot.
+    """
+    from mpnb.ui.text import TextProgress
+
+    if display_kind(kind) == "text":
         return [TextProgress(title)]
+    from IPython.display import display
+
+    from mpnb.ui.live import LiveDashboard
+
     dashboard = LiveDashboard(title)
     if control is None:
         display(dashboard.figure)

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import contextlib
 
+from IPython.core.magic import Magics
+
 from mpnb.policy import session
+from mpnb.ui.compare_magic import CompareMagics
 from mpnb.ui.magics import PrecisionMagics
 
 __all__ = ["load", "unload", "CellModeHook"]
@@ -54,15 +57,16 @@ class CellModeHook:
             self.shell.events.unregister("post_run_cell", self.post_run_cell)
 
 
-_hooks: dict[int, tuple[CellModeHook, PrecisionMagics]] = {}
+_hooks: dict[int, tuple[CellModeHook, list[Magics]]] = {}
 
 
 def load(shell) -> None:
     """Register mpnb's magics and cell hook on ``shell``."""
     if id(shell) in _hooks:
         return
-    magics = PrecisionMagics(shell)
-    shell.register_magics(magics)
+    magics = [PrecisionMagics(shell), CompareMagics(shell)]
+    for instance in magics:
+        shell.register_magics(instance)
     hook = CellModeHook(shell)
     hook.install()
     _hooks[id(shell)] = (hook, magics)
@@ -76,13 +80,18 @@ def unload(shell) -> None:
         return
     hook, magics = entry
     hook.remove()
-    manager = shell.magics_manager
+    for instance in magics:
+        _unregister(shell.magics_manager, instance)
+    session.reset()
+    session.cell_hooks = bool(_hooks)
+    session.notify("unloaded")
+
+
+def _unregister(manager, magics: Magics) -> None:
+    """Remove the magics of ``magics`` (only where they are still its own) from ``manager``."""
     for kind, names in magics.magics.items():
         for name in names:
             registered = manager.magics[kind].get(name)
             if getattr(registered, "__self__", None) is magics:
                 del manager.magics[kind][name]
     manager.registry.pop(type(magics).__name__, None)
-    session.reset()
-    session.cell_hooks = bool(_hooks)
-    session.notify("unloaded")

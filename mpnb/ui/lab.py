@@ -1,8 +1,8 @@
 """The precision lab: pick a model, the modes, batch size and steps, press Run, compare.
 
 A widget app for JupyterLab and for Voila (``voila widgets/precision_lab.ipynb``). Run trains
-the chosen example model once per mode with :func:`mpnb.compare.compare`, shows each run's
-live dashboard while it trains, and ends with the comparison table (step time, speedup vs
+the chosen example model once per mode with :func:`mpnb.compare.compare`, draws the modes'
+loss and step-time curves overlaid while they train, and ends with the comparison table (step time, speedup vs
 fp32, throughput, peak memory, final loss, test accuracy, skipped steps).
 
 Example:
@@ -23,6 +23,7 @@ import mpnb.examples as ex
 from mpnb.backends import available_device_types
 from mpnb.compare import Comparison, ModeResult, compare
 from mpnb.modes import MODE_NAMES
+from mpnb.ui.compare_progress import LiveComparison
 
 __all__ = ["PrecisionLab"]
 
@@ -33,7 +34,7 @@ class PrecisionLab:
     Attributes:
         widget: the whole app, to display.
         comparison: the last Run's :class:`~mpnb.compare.Comparison`, or None.
-        dashboard: passed to each run's Trainer (``"live"`` in the app; None for no plot).
+        dashboard: ``"live"``: the modes' curves overlaid live while they train; None: no plot.
     """
 
     def __init__(self) -> None:
@@ -74,6 +75,7 @@ class PrecisionLab:
                     self.modes.value,
                     steps=self.steps.value,
                     warmup=min(5, self.steps.value),
+                    progress=self._live_view(),
                     on_result=lambda result: self._progress(done, result),
                     metric_name="test accuracy",
                 )
@@ -86,9 +88,19 @@ class PrecisionLab:
     def _make_run(self, mode: str):
         self.status.value = f"training in {html.escape(mode)}..."
         trainer, train, test = ex.example_trainer(
-            mode, self.device.value, model=self.model.value, batch_size=self.batch_size.value, dashboard=self.dashboard
+            mode, self.device.value, model=self.model.value, batch_size=self.batch_size.value, dashboard=None
         )
         return trainer, train, lambda fitted: ex.accuracy(fitted.model, test, fitted.device)
+
+    def _live_view(self) -> LiveComparison | None:
+        """The overlaid live curves, shown in the output area (None when ``dashboard`` is None)."""
+        if self.dashboard is None:
+            return None
+        from IPython.display import display
+
+        view = LiveComparison(self.modes.value, show_table=False)
+        display(view.widget)
+        return view
 
     def _progress(self, done: list[str], result: ModeResult) -> None:
         done.append(result.mode)

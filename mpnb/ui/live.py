@@ -19,9 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
-import math
-import statistics
 import time
 
 import plotly.graph_objects as go
@@ -30,6 +27,7 @@ from mpnb.decimate import MinMaxSeries
 from mpnb.history import History
 from mpnb.telemetry import Sink
 from mpnb.ui.figure import TRACES, empty_figure, mark_switch, switch_events, trace_points
+from mpnb.ui.pacing import RedrawPacer
 
 __all__ = ["LiveDashboard"]
 
@@ -41,9 +39,8 @@ class LiveDashboard(Sink):
         title: shown above the panels.
         min_interval: seconds between redraws (0.25 = at most 4 per second).
         max_points: points per trace in one redraw.
-        max_share: the interval also stretches to redraw cost / max_share (the median of the
-            last five redraws after the first), so redrawing takes at most about this share
-            of the training loop's time.
+        max_share: redrawing takes at most about this share of the training loop's time
+            (see :class:`~mpnb.ui.pacing.RedrawPacer`).
 
     Attributes:
         figure: the FigureWidget; display it to see it (``make_dashboard`` does).
@@ -54,17 +51,17 @@ class LiveDashboard(Sink):
         self, title: str = "", *, min_interval: float = 0.25, max_points: int = 500, max_share: float = 0.01
     ) -> None:
         self.figure = go.FigureWidget(empty_figure(title))
-        self.min_interval, self.max_share = min_interval, max_share
-        self.interval = min_interval
-        self.redraws = 0
+        self.pacer = RedrawPacer(min_interval, max_share)
         self._series = {name: MinMaxSeries(max_points) for name in TRACES}
         self._seen = 0
         self._events_seen = 0
-        self._last_redraw = -math.inf
-        self._costs: collections.deque[float] = collections.deque(maxlen=5)
+
+    @property
+    def redraws(self) -> int:
+        return self.pacer.redraws
 
     def due(self, now: float) -> bool:
-        return now - self._last_redraw >= self.interval
+        return self.pacer.due(now)
 
     def update(self, history: History) -> None:
         self._ingest(history)
@@ -90,9 +87,4 @@ class LiveDashboard(Sink):
         self.figure.plotly_restyle(
             {"x": [x for x, _ in points], "y": [y for _, y in points]}, trace_indexes=list(range(len(points)))
         )
-        self.redraws += 1
-        self._last_redraw = time.perf_counter()
-        if self.redraws > 1:  # the first redraw pays one-time costs (imports, the widget's first sync)
-            self._costs.append(self._last_redraw - started)
-            cost = statistics.median(self._costs)
-            self.interval = max(self.min_interval, cost / self.max_share if self.max_share else 0.0)
+        self.pacer.record(started, time.perf_counter())

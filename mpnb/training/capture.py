@@ -1,0 +1,77 @@
+"""Capture the ``Trainer.fit`` calls a block of code makes, to run that code once per mode.
+
+``%%compare`` runs a cell's training code once per precision mode. Inside
+:func:`capture_fits`, every ``Trainer.fit`` trains in the captured mode (whatever mode the
+trainer was built with), stops when the block's step budget is spent, reports to the
+capture's sink instead of the trainer's own dashboard, and leaves its trainer in
+``capture.trainers``.
+
+Example:
+    >>> import mpnb.examples as ex
+    >>> with capture_fits("bf16", max_steps=3) as capture:
+    ...     trainer, train, _ = ex.example_trainer("fp32", "cpu", widths=(4, 8), dashboard=None)
+    ...     _ = trainer.fit(train, epochs=5)
+    >>> len(capture.trainers[0].history), capture.trainers[0].mode.value
+    (3, 'bf16')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from mpnb.modes import Mode, parse_mode
+from mpnb.telemetry import Sink
+
+__all__ = ["FitCapture", "active_capture", "capture_fits"]
+
+
+@dataclasses.dataclass
+class FitCapture:
+    """The fits made inside one :func:`capture_fits` block.
+
+    Attributes:
+        mode: the mode every fit trains in.
+        max_steps: optimizer steps allowed over all fits of the block.
+        sink: where each fit reports progress (None: no display).
+        trainers: the trainers that fitted, in order of their first fit.
+        steps_taken: optimizer steps taken so far.
+    """
+
+    mode: Mode
+    max_steps: int
+    sink: Sink | None = None
+    trainers: list[Any] = dataclasses.field(default_factory=list)
+    steps_taken: int = 0
+
+    def steps_allowed(self, asked: int | None) -> int:
+        """How many steps a fit that asked for ``asked`` (None: no limit) may take now."""
+        left = self.max_steps - self.steps_taken
+        return left if asked is None else min(asked, left)
+
+    def adopt(self, trainer: Any) -> None:
+        """Note ``trainer`` as one of the block's."""
+        if trainer not in self.trainers:
+            self.trainers.append(trainer)
+
+
+_active: contextvars.ContextVar[FitCapture | None] = contextvars.ContextVar("mpnb_fit_capture", default=None)
+
+
+def active_capture() -> FitCapture | None:
+    """The capture in force, or None."""
+    return _active.get()
+
+
+@contextlib.contextmanager
+def capture_fits(mode: str | Mode, max_steps: int, sink: Sink | None = None) -> Iterator[FitCapture]:
+    """Make every ``Trainer.fit`` in the block train in ``mode``, ``max_steps`` steps in all."""
+    capture = FitCapture(parse_mode(mode), max_steps, sink)
+    token = _active.set(capture)
+    try:
+        yield capture
+    finally:
+        _active.reset(token)

@@ -1,0 +1,50 @@
+"""When a live plot may redraw: not too often, and never for more than a small share of the run.
+
+Example:
+    >>> pacer = RedrawPacer(min_interval=0.25, max_share=0.01)
+    >>> pacer.due(now=0.0)
+    True
+    >>> pacer.record(started=0.0, finished=0.001); pacer.due(now=0.1)
+    False
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+
+__all__ = ["RedrawPacer"]
+
+
+class RedrawPacer:
+    """Paces redraws: at most one per ``min_interval`` seconds, stretched to cost / ``max_share``.
+
+    The cost is the median of the last five redraws after the first (the first pays one-time
+    costs: imports, the widget's first sync), so redrawing takes at most about ``max_share``
+    of the training loop's time however slow the front end is.
+
+    Attributes:
+        interval: seconds the next redraw waits for.
+        redraws: how many redraws were recorded.
+    """
+
+    def __init__(self, min_interval: float = 0.25, max_share: float = 0.01) -> None:
+        self.min_interval, self.max_share = min_interval, max_share
+        self.interval = min_interval
+        self.redraws = 0
+        self._last = -math.inf
+        self._costs: collections.deque[float] = collections.deque(maxlen=5)
+
+    def due(self, now: float) -> bool:
+        """True when a redraw at ``now`` (``time.perf_counter()``) keeps to the pace."""
+        return now - self._last >= self.interval
+
+    def record(self, started: float, finished: float) -> None:
+        """A redraw ran from ``started`` to ``finished``."""
+        self.redraws += 1
+        self._last = finished
+        if self.redraws > 1:
+            self._costs.append(finished - started)
+            cost = statistics.median(self._costs)
+            self.interval = max(self.min_interval, cost / self.max_share if self.max_share else 0.0)
