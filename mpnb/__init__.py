@@ -9,6 +9,7 @@ Plain Python::
     mpnb.status()                        # where the session stands
     mpnb.panel()                         # the same switches as widgets (in Jupyter)
     mpnb.compare(make_run, modes=["fp32", "bf16"])      # the same run in several modes, side by side
+    mpnb.max_batch_size(make_run, modes=["fp32", "bf16"])  # the largest batch that fits, per mode
     mpnb.advise(model, (x, y), loss_fn)  # fp16 overflow / underflow per module, and what to do
     mpnb.devices()                       # what this machine can do
     trainer = mpnb.Trainer(model, optimizer, loss_fn)   # AMP training with telemetry
@@ -31,6 +32,7 @@ IPython / Jupyter::
 from __future__ import annotations
 
 from mpnb import examples, hmp
+from mpnb.batch_size import BatchSizeReport, max_batch_size
 from mpnb.compare import Comparison, compare
 from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
 from mpnb.history import History
@@ -66,6 +68,8 @@ __all__ = [
     "panel",
     "compare",
     "Comparison",
+    "max_batch_size",
+    "BatchSizeReport",
     "advise",
     "Advice",
     "trace",

@@ -45,6 +45,13 @@ VALID_WORDS = [
     "load",
     "reset",
     "lower",
+    "--modes",
+    "fp32,bf16",
+    "--steps",
+    "--warmup",
+    "2",
+    "--progress",
+    "none",
 ]
 junk = st.text(alphabet=string.ascii_letters + string.digits + "._:", min_size=1, max_size=8)
 word = st.one_of(st.sampled_from(VALID_WORDS), junk, st.text(max_size=6))
@@ -56,6 +63,7 @@ MAGICS = {
     "tf32": lambda ip, args: ip.run_line_magic("tf32", args),
     "autocast": lambda ip, args: ip.run_cell_magic("autocast", args, "probe = 1"),
     "oplist": lambda ip, args: ip.run_line_magic("oplist", args),
+    "compare": lambda ip, args: ip.run_cell_magic("compare", args, "probe = 1"),
 }
 
 
@@ -102,6 +110,9 @@ garbage = junk.filter(
         ("oplist", "add fp32 linear {}"),
         ("oplist", "remove {} linear"),
         ("oplist", "preset {}"),
+        ("compare", "--modes {}"),
+        ("compare", "--modes fp32,{}"),
+        ("compare", "--progress {}"),
     ],
 )
 @fuzz

@@ -101,6 +101,13 @@ class Backend:
         """Memory in use on the device."""
         return MemorySnapshot(source=f"{self.label} reports no memory statistics")
 
+    def reset_peak_memory(self, index: int | None = None) -> bool:
+        """Start a new peak: ``memory().peak`` counts from now. False if this device cannot."""
+        return False
+
+    def release_cached_memory(self) -> None:
+        """Give memory the allocator keeps cached back to the device (between measurements)."""
+
     def capabilities(self) -> dict[str, object]:
         """What the hardware offers for mixed precision, by name."""
         return {}

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import resource
 import sys
@@ -26,6 +27,33 @@ __all__ = ["CpuBackend"]
 FP16_CONV_SLOWDOWN = 47
 
 _BF16_UNITS = ("amx_bf16", "avx512_bf16")
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes (Linux), else None."""
+    try:
+        with open("/proc/self/status") as file:
+            for line in file:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def release_freed_heap() -> None:
+    """Hand freed heap memory back to the system where the C library can (glibc), so RSS is honest."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,15 +89,30 @@ class CpuBackend(Backend):
         return notes
 
     def memory(self, index: int | None = None) -> MemorySnapshot:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         used = psutil.Process().memory_info().rss
-        peak_bytes = peak if sys.platform == "darwin" else peak * 1024
+        peak = _proc_status_bytes("VmHWM")
+        if peak is None:
+            maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            peak = maxrss if sys.platform == "darwin" else maxrss * 1024
         return MemorySnapshot(
             source="process resident memory (psutil)",
             used=used,
-            peak=max(peak_bytes, used),
+            peak=max(peak, used),
             limit=psutil.virtual_memory().total,
         )
+
+    def reset_peak_memory(self, index: int | None = None) -> bool:
+        """Return freed heap to the system (glibc ``malloc_trim``), then reset Linux's peak RSS."""
+        release_freed_heap()
+        try:
+            with open("/proc/self/clear_refs", "w") as file:
+                file.write("5")  # "5": reset the peak resident set size (Linux 4.0+)
+        except OSError:
+            return False
+        return True
+
+    def release_cached_memory(self) -> None:
+        release_freed_heap()
 
     def capabilities(self) -> dict[str, object]:
         caps = _cpu_capabilities()

@@ -67,6 +67,16 @@ class CudaBackend(Backend):
             limit=torch.cuda.get_device_properties(index or 0).total_memory,
         )
 
+    def reset_peak_memory(self, index: int | None = None) -> bool:
+        if not self.is_available():
+            return False
+        torch.cuda.reset_peak_memory_stats(index)
+        return True
+
+    def release_cached_memory(self) -> None:
+        if self.is_available():
+            torch.cuda.empty_cache()
+
     def capabilities(self) -> dict[str, object]:
         if not self.is_available():
             return {}

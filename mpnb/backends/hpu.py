@@ -85,6 +85,13 @@ class HpuBackend(Backend):
             limit=hpu.memory_reserved(index),
         )
 
+    def reset_peak_memory(self, index: int | None = None) -> bool:
+        hpu = self._module() if self.is_available() else None
+        if hpu is None or not hasattr(hpu, "reset_peak_memory_stats"):
+            return False
+        hpu.reset_peak_memory_stats(index)
+        return True
+
     def capabilities(self) -> dict[str, object]:
         if not self.is_available():
             return {}

@@ -167,7 +167,9 @@ class LiveComparison(ComparisonProgress):
 class _LiveLines(Sink):
     """One mode's two lines in a :class:`LiveComparison` figure: loss, and step time after warm-up."""
 
-    def __init__(self, figure, first_trace: int, warmup: int, *, min_interval: float, max_share: float, max_points: int) -> None:
+    def __init__(
+        self, figure, first_trace: int, warmup: int, *, min_interval: float, max_share: float, max_points: int
+    ) -> None:
         from mpnb.decimate import MinMaxSeries
         from mpnb.ui.pacing import RedrawPacer
 
