@@ -209,3 +209,31 @@ def test_panel_and_stop_clicks_reach_a_running_fit(kernel):
     assert printed.strip() == "True stopped ['bf16', 'fp16'] ['mode bf16 -> fp16']"
     assert execute(client, "print(queued == len(history))")[1].strip() == "True"
     execute(client, "%unload_ext mpnb")
+
+
+def _restyled_traces(message: dict) -> list[int] | None:
+    state = message["content"]["data"].get("state", {})
+    restyle = state.get("_py2js_restyle")
+    return restyle.get("restyle_traces") or restyle.get("trace_indexes") if isinstance(restyle, dict) else None
+
+
+def test_compare_cell_draws_each_mode_live_then_the_table(kernel):
+    _, client = kernel
+    execute(client, "%load_ext mpnb\nimport mpnb")
+    reply, messages = execute_collecting(
+        client,
+        "%%compare --modes fp32,bf16 --steps 150 --warmup 2\n"
+        "trainer, train, test = mpnb.examples.example_trainer(widths=(8, 16), dashboard='text')\n"
+        "trainer.fit(train, epochs=20)",
+    )
+    assert reply["status"] == "ok", reply
+    restyles = [(t, _restyled_traces(m)) for t, m in messages if m["msg_type"] == "comm_msg" and _restyled_traces(m)]
+    fp32 = [t for t, traces in restyles if traces == [0, 1]]
+    bf16 = [t for t, traces in restyles if traces == [2, 3]]
+    assert len(fp32) >= 2 and len(bf16) >= 2, [traces for _, traces in restyles]
+    assert max(fp32) < min(bf16)  # fp32's lines drawn while it trained, bf16's after
+    assert not any("training" in m["content"].get("text", "") for _, m in messages if m["msg_type"] == "stream")
+    tables = [m for _, m in messages if m["msg_type"] == "comm_msg" and "speedup vs fp32" in json.dumps(m["content"])]
+    assert tables, "the table reaches the front end"
+    assert execute(client, "print([len(r.history) for r in _comparison.results])")[1].strip() == "[152, 152]"
+    execute(client, "%unload_ext mpnb")
