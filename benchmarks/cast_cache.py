@@ -10,12 +10,11 @@ Writes benchmarks/results/cast_cache.json.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
 import time
 
 import torch
+from results_file import write_results
 from torch import nn
 
 
@@ -62,22 +61,18 @@ def main() -> None:
             times[cache].append(step_time(model, optimizer, x, y, cache))
     cached, uncached = statistics.median(times[True]), statistics.median(times[False])
     result = {
-        "benchmark": "cast_cache",
         "model": "small CNN (2 conv, 2 linear), bf16 autocast on CPU",
         "batch": args.batch,
         "steps": args.steps,
         "median_step_s_cache_on": cached,
         "median_step_s_cache_off": uncached,
         "ratio_off_over_on": uncached / cached,
-        "torch": torch.__version__,
         "cpu": torch.cpu.get_capabilities().get("cpu_name") if hasattr(torch.cpu, "get_capabilities") else None,
     }
-    out = pathlib.Path(__file__).parent / "results" / "cast_cache.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results("cast_cache", result)
     print(
         f"median step: cache on {cached * 1e3:.2f} ms, cache off {uncached * 1e3:.2f} ms, "
-        f"ratio off/on {uncached / cached:.3f}  -> {out}"
+        f"ratio off/on {uncached / cached:.3f}"
     )
 
 

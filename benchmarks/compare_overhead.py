@@ -16,14 +16,12 @@ Writes benchmarks/results/compare_overhead.json.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
-import platform
 import statistics
 import time
 
 import torch
-from training_overhead import TransformerRegressor, mse
+from results_file import write_results
+from training_overhead import TransformerRegressor, digit_batches, mse, sequence_batches
 
 import mpnb
 import mpnb.examples as ex
@@ -34,22 +32,9 @@ MODES = ("fp32", "bf16")
 
 
 def cases() -> dict[str, dict]:
-    images, labels = ex.load_digits()
-    digits = [(images[i : i + 64], labels[i : i + 64]) for i in range(0, 64 * 20, 64)]
-    generator = torch.Generator().manual_seed(0)
-    sequences = [
-        (torch.randn(32, 32, 128, generator=generator), torch.randn(32, 32, 128, generator=generator))
-        for _ in range(10)
-    ]
-    return {
-        "digits CNN": {
-            "model": ex.DigitsCNN,
-            "batches": digits,
-            "loss": torch.nn.functional.cross_entropy,
-            "steps": 40,
-        },
-        "transformer layer d=128": {"model": TransformerRegressor, "batches": sequences, "loss": mse, "steps": 30},
-    }
+    cnn = {"model": ex.DigitsCNN, "batches": digit_batches(), "loss": torch.nn.functional.cross_entropy, "steps": 40}
+    layer = {"model": TransformerRegressor, "batches": sequence_batches(10), "loss": mse, "steps": 30}
+    return {"digits CNN": cnn, "transformer layer d=128": layer}
 
 
 def fresh(case: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -138,25 +123,15 @@ def main() -> None:
     worst = max(abs(ratio - 1) for ratio in ratios)
     print(f"largest disagreement {worst:.1%} (target <= {TOLERANCE:.0%})")
     capabilities = backend_for(torch.device("cpu")).capabilities()
-    out = pathlib.Path(__file__).parent / "results" / "compare_overhead.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "compare_overhead",
-                "tolerance": TOLERANCE,
-                "largest_disagreement": worst,
-                "results": results,
-                "torch": torch.__version__,
-                "machine": platform.processor() or platform.machine(),
-                "cpu": capabilities,
-                "threads": torch.get_num_threads(),
-            },
-            indent=2,
-        )
-        + "\n"
+    write_results(
+        "compare_overhead",
+        {
+            "tolerance": TOLERANCE,
+            "largest_disagreement": worst,
+            "results": results,
+            "cpu": capabilities,
+        },
     )
-    print(f"-> {out}")
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ Writes benchmarks/results/dashboard_cost.json.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
 import time
 
 import numpy as np
+from results_file import write_results
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -88,24 +88,18 @@ def main() -> None:
         f"100k/1k ratio: time {time_ratio:.2f}, bytes {bytes_ratio:.2f}; largest update {worst_bytes / 1024:.1f} KB "
         f"(target <= {TARGET_BYTES // 1024} KB)"
     )
-    out = pathlib.Path(__file__).parent / "results" / "dashboard_cost.json"
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "dashboard_cost",
-                "chunk_steps_per_update": CHUNK,
-                "results": results,
-                "time_ratio_100k_over_1k": time_ratio,
-                "bytes_ratio_100k_over_1k": bytes_ratio,
-                "largest_update_bytes": worst_bytes,
-                "target_bytes": TARGET_BYTES,
-                "numpy": np.__version__,
-            },
-            indent=2,
-        )
-        + "\n"
+    write_results(
+        "dashboard_cost",
+        {
+            "chunk_steps_per_update": CHUNK,
+            "results": results,
+            "time_ratio_100k_over_1k": time_ratio,
+            "bytes_ratio_100k_over_1k": bytes_ratio,
+            "largest_update_bytes": worst_bytes,
+            "target_bytes": TARGET_BYTES,
+            "numpy": np.__version__,
+        },
     )
-    print(f"-> {out}")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 
 from jupyter_client.manager import start_new_kernel
+from results_file import write_results
 
 TARGET = 1.02
 
@@ -75,24 +75,18 @@ def main() -> None:
         f"{result['without'] * 1e3:.2f} ms/step, ratio {ratio:.3f} (target <= {TARGET}); "
         f"{result['polls']} kernel polls in {result['pump_calls']} step boundaries"
     )
-    out = pathlib.Path(__file__).parent / "results" / "live_control_overhead.json"
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "live_control_overhead",
-                "median_step_s_with_live_control": result["with"],
-                "median_step_s_without": result["without"],
-                "ratio": ratio,
-                "target_ratio": TARGET,
-                "steps_each": result["steps_each"],
-                "kernel_polls": result["polls"],
-                "step_boundaries": result["pump_calls"],
-            },
-            indent=2,
-        )
-        + "\n"
+    write_results(
+        "live_control_overhead",
+        {
+            "median_step_s_with_live_control": result["with"],
+            "median_step_s_without": result["without"],
+            "ratio": ratio,
+            "target_ratio": TARGET,
+            "steps_each": result["steps_each"],
+            "kernel_polls": result["polls"],
+            "step_boundaries": result["pump_calls"],
+        },
     )
-    print(f"-> {out}")
 
 
 if __name__ == "__main__":

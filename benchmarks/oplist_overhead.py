@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import pathlib
 import statistics
 import time
 
 import torch
+from results_file import write_results
 from torch import nn
 
 import mpnb.examples as ex
@@ -66,25 +65,18 @@ def main() -> None:
         f"digits CNN bf16: plain autocast {statistics.median(plain) * 1e3:.2f} ms, with '{args.preset}' lists "
         f"{statistics.median(listed) * 1e3:.2f} ms, ratio {ratio:.3f} (target <= {TARGET})"
     )
-    out = pathlib.Path(__file__).parent / "results" / "oplist_overhead.json"
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "oplist_overhead",
-                "mechanism": "session op lists: python kernels on every Autocast dispatch key (torch.library, allow_override)",
-                "preset": args.preset,
-                "median_step_s_plain": statistics.median(plain),
-                "median_step_s_lists": statistics.median(listed),
-                "ratio_lists_over_plain": ratio,
-                "target_ratio": TARGET,
-                "steps_each": args.rounds * args.block,
-                "torch": torch.__version__,
-            },
-            indent=2,
-        )
-        + "\n"
+    write_results(
+        "oplist_overhead",
+        {
+            "mechanism": "session op lists: python kernels on every Autocast dispatch key (torch.library, allow_override)",
+            "preset": args.preset,
+            "median_step_s_plain": statistics.median(plain),
+            "median_step_s_lists": statistics.median(listed),
+            "ratio_lists_over_plain": ratio,
+            "target_ratio": TARGET,
+            "steps_each": args.rounds * args.block,
+        },
     )
-    print(f"-> {out}")
 
 
 if __name__ == "__main__":

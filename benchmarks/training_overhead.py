@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import pathlib
-import platform
 import statistics
 import time
 
 import torch
+from results_file import write_results
 from torch import nn
 
 import mpnb
@@ -47,14 +45,23 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output.float(), target)
 
 
-def cases() -> dict[str, tuple]:
+def digit_batches(count: int = 20) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` batches of 64 bundled digits."""
     images, labels = ex.load_digits()
-    digits = [(images[i : i + 64], labels[i : i + 64]) for i in range(0, 64 * 20, 64)]
+    return [(images[i : i + 64], labels[i : i + 64]) for i in range(0, 64 * count, 64)]
+
+
+def sequence_batches(count: int = 20) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` seeded batches of 32 random sequences (length 32, width 128) and targets."""
     generator = torch.Generator().manual_seed(0)
-    sequences = [
+    return [
         (torch.randn(32, 32, 128, generator=generator), torch.randn(32, 32, 128, generator=generator))
-        for _ in range(20)
+        for _ in range(count)
     ]
+
+
+def cases() -> dict[str, tuple]:
+    digits, sequences = digit_batches(), sequence_batches()
     return {
         "digits CNN, bf16": (ex.DigitsCNN, digits, nn.functional.cross_entropy, "bf16"),
         "digits CNN, fp16": (ex.DigitsCNN, digits, nn.functional.cross_entropy, "fp16"),
@@ -120,24 +127,14 @@ def main() -> None:
         )
     worst = max(row["ratio_trainer_over_hand"] for row in results)
     print(f"worst ratio {worst:.3f} (target <= {TARGET})")
-    out = pathlib.Path(__file__).parent / "results" / "training_overhead.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "training_overhead",
-                "target_ratio": TARGET,
-                "worst_ratio": worst,
-                "results": results,
-                "torch": torch.__version__,
-                "machine": platform.processor() or platform.machine(),
-                "threads": torch.get_num_threads(),
-            },
-            indent=2,
-        )
-        + "\n"
+    write_results(
+        "training_overhead",
+        {
+            "target_ratio": TARGET,
+            "worst_ratio": worst,
+            "results": results,
+        },
     )
-    print(f"-> {out}")
 
 
 if __name__ == "__main__":

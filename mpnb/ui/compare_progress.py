@@ -29,6 +29,7 @@ from typing import TextIO
 from mpnb.compare import Comparison, ComparisonProgress, ModeResult
 from mpnb.history import History
 from mpnb.telemetry import Sink
+from mpnb.ui.pacing import PacedPlot
 
 __all__ = ["LiveComparison", "TextComparison", "make_comparison_progress"]
 
@@ -164,31 +165,18 @@ class LiveComparison(ComparisonProgress):
             self.table.value = comparison._repr_html_()
 
 
-class _LiveLines(Sink):
+class _LiveLines(PacedPlot):
     """One mode's two lines in a :class:`LiveComparison` figure: loss, and step time after warm-up."""
 
     def __init__(
         self, figure, first_trace: int, warmup: int, *, min_interval: float, max_share: float, max_points: int
     ) -> None:
         from mpnb.decimate import MinMaxSeries
-        from mpnb.ui.pacing import RedrawPacer
 
+        super().__init__(min_interval, max_share)
         self.figure, self.traces = figure, [first_trace, first_trace + 1]
-        self.pacer = RedrawPacer(min_interval, max_share)
         self.loss, self.step_time = MinMaxSeries(max_points), MinMaxSeries(max_points)
         self._seen, self.warmup = 0, warmup
-
-    def due(self, now: float) -> bool:
-        return self.pacer.due(now)
-
-    def update(self, history: History) -> None:
-        self._ingest(history)
-        if self.due(time.perf_counter()):
-            self.redraw()
-
-    def close(self, history: History) -> None:
-        self._ingest(history)
-        self.redraw()
 
     def _ingest(self, history: History) -> None:
         steps = history.step[self._seen :]
@@ -197,8 +185,6 @@ class _LiveLines(Sink):
         self.step_time.extend(history.step[timed:], [seconds * 1e3 for seconds in history.step_time[timed:]])
         self._seen = len(history)
 
-    def redraw(self) -> None:
-        started = time.perf_counter()
+    def _draw(self) -> None:
         (loss_x, loss_y), (time_x, time_y) = self.loss.points(), self.step_time.points()
         self.figure.plotly_restyle({"x": [loss_x, time_x], "y": [loss_y, time_y]}, trace_indexes=self.traces)
-        self.pacer.record(started, time.perf_counter())

@@ -19,20 +19,17 @@ Example:
 
 from __future__ import annotations
 
-import time
-
 import plotly.graph_objects as go
 
 from mpnb.decimate import MinMaxSeries
 from mpnb.history import History
-from mpnb.telemetry import Sink
 from mpnb.ui.figure import TRACES, empty_figure, mark_switch, switch_events, trace_points
-from mpnb.ui.pacing import RedrawPacer
+from mpnb.ui.pacing import PacedPlot
 
 __all__ = ["LiveDashboard"]
 
 
-class LiveDashboard(Sink):
+class LiveDashboard(PacedPlot):
     """A telemetry sink that draws into a FigureWidget.
 
     Args:
@@ -51,26 +48,10 @@ class LiveDashboard(Sink):
         self, title: str = "", *, min_interval: float = 0.25, max_points: int = 500, max_share: float = 0.01
     ) -> None:
         self.figure = go.FigureWidget(empty_figure(title))
-        self.pacer = RedrawPacer(min_interval, max_share)
+        super().__init__(min_interval, max_share)
         self._series = {name: MinMaxSeries(max_points) for name in TRACES}
         self._seen = 0
         self._events_seen = 0
-
-    @property
-    def redraws(self) -> int:
-        return self.pacer.redraws
-
-    def due(self, now: float) -> bool:
-        return self.pacer.due(now)
-
-    def update(self, history: History) -> None:
-        self._ingest(history)
-        if self.due(time.perf_counter()):
-            self.redraw()
-
-    def close(self, history: History) -> None:
-        self._ingest(history)
-        self.redraw()
 
     def _ingest(self, history: History) -> None:
         for name, (xs, ys) in trace_points(history, self._seen).items():
@@ -80,11 +61,9 @@ class LiveDashboard(Sink):
             mark_switch(self.figure, event)
         self._events_seen = len(history.events)
 
-    def redraw(self) -> None:
+    def _draw(self) -> None:
         """Send every trace's decimated points in one message."""
-        started = time.perf_counter()
         points = [series.points() for series in self._series.values()]
         self.figure.plotly_restyle(
             {"x": [x for x, _ in points], "y": [y for _, y in points]}, trace_indexes=list(range(len(points)))
         )
-        self.pacer.record(started, time.perf_counter())

@@ -13,8 +13,12 @@ from __future__ import annotations
 import collections
 import math
 import statistics
+import time
 
-__all__ = ["RedrawPacer"]
+from mpnb.history import History
+from mpnb.telemetry import Sink
+
+__all__ = ["PacedPlot", "RedrawPacer"]
 
 
 class RedrawPacer:
@@ -48,3 +52,43 @@ class RedrawPacer:
             self._costs.append(finished - started)
             cost = statistics.median(self._costs)
             self.interval = max(self.min_interval, cost / self.max_share if self.max_share else 0.0)
+
+
+class PacedPlot(Sink):
+    """A telemetry sink that takes in every new row and redraws at the :class:`RedrawPacer`'s pace.
+
+    Subclasses say how rows are taken in (``_ingest``) and drawn (``_draw``); the last
+    redraw happens at ``close``, whatever the pace.
+    """
+
+    def __init__(self, min_interval: float = 0.25, max_share: float = 0.01) -> None:
+        self.pacer = RedrawPacer(min_interval, max_share)
+
+    @property
+    def redraws(self) -> int:
+        """How many redraws were sent."""
+        return self.pacer.redraws
+
+    def due(self, now: float) -> bool:
+        return self.pacer.due(now)
+
+    def update(self, history: History) -> None:
+        self._ingest(history)
+        if self.due(time.perf_counter()):
+            self.redraw()
+
+    def close(self, history: History) -> None:
+        self._ingest(history)
+        self.redraw()
+
+    def redraw(self) -> None:
+        """Draw now, and let the pacer know what it cost."""
+        started = time.perf_counter()
+        self._draw()
+        self.pacer.record(started, time.perf_counter())
+
+    def _ingest(self, history: History) -> None:
+        raise NotImplementedError
+
+    def _draw(self) -> None:
+        raise NotImplementedError
