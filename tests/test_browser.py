@@ -178,6 +178,28 @@ def plotted_points(page) -> int:
     )
 
 
+def start_jupyter(app: str, work: pathlib.Path, env: dict, tmp_path: pathlib.Path):
+    """``jupyter lab`` / ``jupyter notebook`` serving ``work`` on a free loopback port, no token."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "jupyter", app, "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
+        "--ServerApp.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
+        "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]  # fmt: skip
+    process, log = serve(command, work, env, f"http://127.0.0.1:{port}/api/status", tmp_path / "server.log")
+    return process, log, port
+
+
+def run_all_cells(page, port: int, path: str) -> None:
+    """Open the notebook at ``path``, wait for its kernel, and choose Run > Run All Cells."""
+    page.goto(f"http://127.0.0.1:{port}{path}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    wait_for_idle_kernel(port)
+    page.locator(".jp-Notebook").first.click()
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+
+
 FRONTENDS = {
     "jupyterlab": ("lab", "/lab/workspaces/mpnb-test/tree/live.ipynb?reset"),
     "notebook7": ("notebook", "/notebooks/live.ipynb"),
@@ -203,22 +225,11 @@ def test_panel_and_live_dashboard_control_a_running_fit(tmp_path, jupyter_env, b
         )
     )
     app, path = FRONTENDS[frontend]
-    port = free_port()
-    command = [
-        sys.executable, "-m", "jupyter", app, "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
-        "--ServerApp.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
-        "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-    ]  # fmt: skip
-    process, log = serve(command, work, jupyter_env, f"http://127.0.0.1:{port}/api/status", tmp_path / "server.log")
+    process, log, port = start_jupyter(app, work, jupyter_env, tmp_path)
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         errors = console_errors(page)
-        page.goto(f"http://127.0.0.1:{port}{path}")
-        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-        wait_for_idle_kernel(port)
-        page.locator(".jp-Notebook").first.click()
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        run_all_cells(page, port, path)
         page.wait_for_selector(".widget-toggle-buttons", timeout=90_000)
         page.wait_for_selector(".js-plotly-plot", timeout=90_000)
         page.wait_for_function("() => document.querySelector('.js-plotly-plot').data[0].x.length > 0", timeout=60_000)
@@ -236,6 +247,38 @@ def test_panel_and_live_dashboard_control_a_running_fit(tmp_path, jupyter_env, b
         assert result.inner_text().strip() == "RESULT ['bf16', 'fp16'] stopped True"  # seen from the kernel
         known = KNOWN_FRONTEND_ERRORS.get(frontend, ())
         assert not [e for e in errors if not e.startswith(known)], errors
+    finally:
+        stop(process, log)
+
+
+def test_the_quickstart_notebook_runs_in_jupyterlab_with_panel_and_growing_dashboard(tmp_path, jupyter_env, browser):
+    ARTIFACTS.mkdir(exist_ok=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", work / "quickstart.ipynb")
+    process, log, port = start_jupyter("lab", work, jupyter_env, tmp_path)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = console_errors(page)
+        run_all_cells(page, port, "/lab/workspaces/mpnb-quickstart/tree/quickstart.ipynb?reset")
+        page.wait_for_selector(".widget-toggle-buttons", timeout=90_000)  # the panel
+        page.wait_for_selector(".js-plotly-plot", timeout=90_000)  # the live dashboard
+        seen = set()
+        finished = page.locator(".jp-OutputArea-output", has_text="test accuracy after")
+        deadline = time.monotonic() + 120
+        while not finished.count() and time.monotonic() < deadline:
+            seen.add(plotted_points(page))
+            page.wait_for_timeout(150)
+        finished.wait_for(timeout=10_000)
+        final = plotted_points(page)
+        page.screenshot(path=str(ARTIFACTS / "quickstart.png"), full_page=True)
+        growing = sorted(points for points in seen if 0 < points < final)
+        assert growing, (seen, final)  # drawn while training ran, not only at the end
+        assert page.locator(".jp-OutputArea-output", has_text="torch.bfloat16 torch.float32").count() == 1
+        assert not page.locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']", has_text="Error"
+        ).count()
+        assert not errors, errors
     finally:
         stop(process, log)
 

@@ -70,6 +70,7 @@ def test_compare_end_to_end_writes_table_csv_json_and_a_self_contained_report(tm
         "compare", "--modes", "fp32,bf16,fp16", "--steps", "4", "--warmup", "1", "--model", "mlp", cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
+    assert "bf16  done: 5 steps, median " in result.stdout  # a progress bar per mode, then its end
     table = result.stdout[result.stdout.index("mode  median step") :].splitlines()
     assert [line.split()[0] for line in table[1:4]] == ["fp32", "bf16", "fp16"] and "1.00x" in table[1]
     out = tmp_path / "mpnb-compare"

@@ -1,0 +1,106 @@
+"""binder/ agrees with pyproject.toml, and its set-up steps leave an environment that runs the quickstart."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+from packaging.requirements import Requirement
+
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BINDER = ROOT / "binder"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def binder_lines() -> list[str]:
+    lines = (BINDER / "requirements.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def binder_requirements() -> dict[str, Requirement]:
+    requirements = (Requirement(line) for line in binder_lines() if not line.startswith("-"))
+    return {requirement.name.lower(): requirement for requirement in requirements}
+
+
+def project_requirements() -> dict[str, Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {Requirement(text).name.lower(): Requirement(text) for text in project["dependencies"]}
+
+
+def test_binder_installs_every_runtime_dependency_with_the_same_versions():
+    binder, project = binder_requirements(), project_requirements()
+    assert set(project) <= set(binder), f"missing from binder/requirements.txt: {set(project) - set(binder)}"
+    for name, requirement in project.items():
+        if name != "torch":
+            assert binder[name].specifier == requirement.specifier, name
+    assert {"jupyterlab", "voila"} <= set(binder)
+
+
+def test_binder_torch_is_a_pinned_cpu_build_that_pyproject_accepts():
+    (pin,) = binder_requirements()["torch"].specifier
+    assert pin.operator == "==" and pin.version.endswith("+cpu")
+    assert project_requirements()["torch"].specifier.contains(pin.version.split("+")[0])
+    assert f"--extra-index-url {CPU_INDEX}" in binder_lines()
+
+
+def test_postbuild_installs_mpnb_itself_and_the_readme_links_exist():
+    post_build = BINDER / "postBuild"
+    assert os.access(post_build, os.X_OK) and "pip install --no-deps ." in post_build.read_text()
+    readme = (ROOT / "README.md").read_text()
+    for target in ("notebooks/01_quickstart.ipynb", "widgets/precision_lab.ipynb"):
+        assert (ROOT / target).exists() and target.replace("/", "%2F") in readme, target
+
+
+def _venv_python(venv: pathlib.Path) -> pathlib.Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def test_binder_setup_in_a_fresh_venv_runs_the_quickstart(tmp_path):
+    """What Binder does, with torch already installed: requirements, postBuild, then the quickstart."""
+    repo = tmp_path / "repo"
+    shutil.copytree(
+        ROOT,
+        repo,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "test-artifacts", "build", "*.egg-info", "__pycache__", "mpnb-*"
+        ),
+    )
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = _venv_python(venv)
+    env = {**os.environ, "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(venv)}
+    env.pop("PYTHONPATH", None)
+
+    def step(*command: str) -> None:
+        result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+    step(str(python), "-m", "pip", "install", "--quiet", "torch==2.13.0")  # "torch already installed"
+    step(str(python), "-m", "pip", "install", "--quiet", "-r", "binder/requirements.txt")
+    step("bash", "binder/postBuild")
+    executed = tmp_path / "quickstart.ipynb"
+    step(
+        str(python),
+        "-m",
+        "jupyter",
+        "nbconvert",
+        "--to",
+        "notebook",
+        "--execute",
+        "--ExecutePreprocessor.timeout=120",
+        "--output",
+        str(executed),
+        "notebooks/01_quickstart.ipynb",
+    )
+    cells = json.loads(executed.read_text())["cells"]
+    errors = [o for cell in cells for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+    printed = "".join(o.get("text", "") for cell in cells for o in cell.get("outputs", []))
+    assert "torch.bfloat16 torch.float32" in printed and "test accuracy after" in printed
