@@ -133,10 +133,10 @@ def check_op(name: str) -> str:
             f"op {name!r} cannot be on a list: aten::{entry} takes no input tensors (or only writes to out=), "
             "so autocast never casts it"
         )
-    base, dot, overload = entry.partition(".")
+    base, dot, _ = entry.partition(".")
     if dot and aten_overloads(base):
         valid = [f"{base}.{op._schema.overload_name or 'default'}" for op in aten_overloads(base)]
-        raise InvalidChoiceError(f"overload of {base}", overload, valid, f"Or write just {base!r} for all of them.")
+        raise InvalidChoiceError(f"overload of {base}", name, valid, f"Or write just {base!r} for all of them.")
     known = sorted({n for n in dir(torch.ops.aten) if not n.startswith("_")} | set(ALIASES))
     close = difflib.get_close_matches(entry, known, n=3, cutoff=0.6)
     raise InvalidChoiceError("op", name, close, "Any other aten operator name (torch.ops.aten.<name>) works too.")

@@ -105,3 +105,11 @@ def test_training_under_habanas_lists_learns():
     with OpListOverride(OpLists.preset("hmp"), ["cpu"]):
         history = trainer.fit(train, max_steps=15)
     assert history.loss[-1] < history.loss[0]
+
+
+@pytest.mark.parametrize("name", ["t.0", "aten::softmax.nope"])
+def test_an_unknown_overload_is_named_whole_with_the_valid_ones(name):
+    with pytest.raises(InvalidChoiceError) as error:
+        OpLists.of(fp32=[name])
+    message = str(error.value)
+    assert repr(name) in message and "valid: " in message and "Or write just" in message
