@@ -232,12 +232,10 @@ class _Search:
         self.trials: list[Trial] = []
 
     def run(self, start: int, limit: int, trial_seconds: float) -> ModeBatchSize:
-        good, bad = 0, None
-        size = start
+        good, size = 0, start
         while True:
             trial = self.trial(size)
             if not trial.fits:
-                bad = size
                 break
             good = size
             if size >= limit:
@@ -245,7 +243,7 @@ class _Search:
             if trial.seconds > trial_seconds and len(self.trials) >= _MIN_TRIALS_FOR_A_LINE:
                 return self._extrapolate(good, limit)
             size = min(size * 2, limit)
-        low = 0 if good == 0 else good
+        low, bad = good, size
         while bad - low > max(1, low // 32):
             middle = (low + bad) // 2
             if self.trial(middle).fits:

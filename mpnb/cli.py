@@ -62,7 +62,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-
     from mpnb.backends import resolve_device
     from mpnb.compare import compare
     from mpnb.errors import InvalidChoiceError

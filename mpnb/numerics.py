@@ -170,8 +170,7 @@ def _pass(
     with watch.watching(), torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         loss = loss_fn(model(inputs), targets)
     loss.float().backward()
-    grads = [p.grad.abs().max().item() for p in model.parameters() if p.grad is not None and p.grad.numel()]
-    watch.largest_parameter_gradient = max(grads, default=0.0)
+    watch.largest_parameter_gradient = max((_largest(p.grad) for p in model.parameters()), default=0.0)
     model.zero_grad(set_to_none=True)
     return watch
 
@@ -238,28 +237,27 @@ def advise(
 
 
 def _findings(rows: list[ModuleNumerics], parameter_gradient: float, label: str, device_type: str) -> Advice:
-    overflow = [
-        r.module
+    overflowing = [
+        r
         for r in rows
         if r.max_activation > FP16_MAX or r.max_gradient > FP16_MAX or math.isinf(r.output_error.get("fp16", 0.0))
     ]
-    underflow = [r.module for r in rows if r.underflow_share > UNDERFLOW_ALARM]
+    underflowing = [r for r in rows if r.underflow_share > UNDERFLOW_ALARM]
+    overflow, underflow = [r.module for r in overflowing], [r.module for r in underflowing]
     largest_gradient = max([parameter_gradient, *(r.max_gradient for r in rows)])
     init_scale = 2.0**16
     if largest_gradient > 0:
         init_scale = min(2.0**16, 2.0 ** math.floor(math.log2(FP16_MAX / (2 * largest_gradient))))
     advice = []
-    for name in overflow:
-        row = next(r for r in rows if r.module == name)
+    for row in overflowing:
         peak = max(row.max_activation, row.max_gradient)
         advice.append(
-            f"fp16 overflow in {name} ({row.kind}): values reach {peak:.3g} > {FP16_MAX:.0f}. Use bf16, or put "
+            f"fp16 overflow in {row.module} ({row.kind}): values reach {peak:.3g} > {FP16_MAX:.0f}. Use bf16, or put "
             f"{row.kind}'s ops on the FP32 list (%oplist add fp32 ...) so that module stays in fp32."
         )
-    for name in underflow:
-        row = next(r for r in rows if r.module == name)
+    for row in underflowing:
         advice.append(
-            f"fp16 gradient underflow in {name} ({row.kind}): {row.underflow_share:.0%} of its gradient values are "
+            f"fp16 gradient underflow in {row.module} ({row.kind}): {row.underflow_share:.0%} of its gradient values are "
             f"below 2^-24 and would become 0 in fp16; loss scaling (torch.amp.GradScaler) fixes it."
         )
     if largest_gradient > 0:

@@ -213,14 +213,22 @@ class Session:
         Raises:
             MpnbError: as :meth:`set_mode` (nothing changed then).
         """
-        saved = (self.mode, self.device, self._fp32_wanted)
+        saved = self.snapshot()
         new_mode = self.set_mode(mode, device)
         try:
             yield new_mode
         finally:
-            (self.mode, self.device, self._fp32_wanted) = saved
-            self.apply_fp32_wish()
-            self.notify("mode")
+            self.restore(saved)
+
+    def snapshot(self) -> tuple[Mode, torch.device | None, tuple[Backend, Fp32Math] | None]:
+        """Mode, device and fp32-math wish, for :meth:`restore`."""
+        return self.mode, self.device, self._fp32_wanted
+
+    def restore(self, snapshot: tuple[Mode, torch.device | None, tuple[Backend, Fp32Math] | None]) -> None:
+        """Put mode, device and the fp32-math flags back as a :meth:`snapshot` found them."""
+        self.mode, self.device, self._fp32_wanted = snapshot
+        self.apply_fp32_wish()
+        self.notify("mode")
 
     @contextlib.contextmanager
     def cell_scope(self) -> Iterator[None]:
@@ -366,17 +374,14 @@ class tf32:  # noqa: N801 - a switch that is also a context manager, like torch.
     """
 
     def __init__(self, enabled: bool = True, device: str | torch.device | None = None) -> None:
-        self._previous = (session.mode, session.device, session.fp32_math.backend, session.fp32_math.level)
+        self._previous = session.snapshot()
         session.set_tf32(enabled, device)
 
     def __enter__(self) -> tf32:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        mode, device, backend, level = self._previous
-        session.mode, session.device = mode, device
-        session.want_fp32_math(backend, level)
-        session.notify("mode")
+        session.restore(self._previous)
 
 
 def set_oplists(lists: OpLists) -> OpLists:
