@@ -25,7 +25,7 @@ from training_overhead import TransformerRegressor, digit_batches, mse, sequence
 
 import mpnb
 import mpnb.examples as ex
-from mpnb.backends import backend_for
+from mpnb.precision.backends import backend_for
 
 TOLERANCE = 0.03
 MODES = ("fp32", "bf16")

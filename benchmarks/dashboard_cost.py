@@ -23,8 +23,8 @@ from results_file import write_results
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from mpnb.history import History
-from mpnb.ui.live import LiveDashboard
+from mpnb.training.history import History
+from mpnb.ui.plots.live import LiveDashboard
 from tests.wire import recording_wire
 
 SIZES = (1_000, 10_000, 100_000)

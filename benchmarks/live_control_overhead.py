@@ -23,8 +23,8 @@ KERNEL_CODE = """
 import json, statistics
 import mpnb.examples as ex
 from IPython.display import display
-from mpnb.ui.events import KernelEventPump
-from mpnb.ui.live import LiveDashboard
+from mpnb.ui.widgets.events import KernelEventPump
+from mpnb.ui.plots.live import LiveDashboard
 
 polls = []
 original_call = KernelEventPump.__call__

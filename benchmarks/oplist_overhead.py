@@ -20,7 +20,7 @@ from results_file import write_results
 from torch import nn
 
 import mpnb.examples as ex
-from mpnb.policy import session
+from mpnb.precision.policy import session
 
 TARGET = 1.05
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import mpnb
 import mpnb.examples as ex
-from mpnb.ui.live import LiveDashboard
+from mpnb.ui.plots.live import LiveDashboard
 
 TARGET = 1.03
 

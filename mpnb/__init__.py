@@ -31,19 +31,18 @@ IPython / Jupyter::
 
 from __future__ import annotations
 
-from mpnb import examples, hmp
-from mpnb.batch_size import BatchSizeReport, max_batch_size
-from mpnb.compare import Comparison, compare
+from mpnb import examples
+from mpnb.analysis import Advice, BatchSizeReport, Comparison, advise, compare, max_batch_size
 from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
-from mpnb.history import History
-from mpnb.modes import Mode
-from mpnb.numerics import Advice, advise
-from mpnb.oplists import OpLists
-from mpnb.opoverride import OpListOverride
-from mpnb.policy import autocast, get_mode, get_oplists, set_mode, set_oplists, tf32
-from mpnb.status import DeviceReport, Status, devices, status
-from mpnb.trace import Trace, trace
-from mpnb.training import AmpStep, FitInterrupted, Trainer
+from mpnb.oplists import OpListOverride, OpLists
+from mpnb.oplists.trace import Trace, trace
+from mpnb.precision import Mode, autocast, get_mode, get_oplists, hmp, set_mode, set_oplists, tf32
+from mpnb.precision.status import DeviceReport, Status, devices, status
+from mpnb.training import AmpStep, FitInterrupted, History, Trainer
+from mpnb.ui.views import install as _install_ui_views
+
+# The core asks mpnb.views for its dashboards and figures; the Jupyter ones are the default.
+_install_ui_views()
 
 __version__ = "0.1.0"
 
@@ -87,22 +86,22 @@ __all__ = [
 def panel():
     """Show the control panel (ipywidgets): mode, device, fp32 math and op lists, in sync with the magics.
 
-    Returns the :class:`mpnb.ui.panel.ControlPanel`.
+    Returns the :class:`mpnb.ui.widgets.panel.ControlPanel`.
     """
-    from mpnb.ui.panel import panel as show_panel
+    from mpnb.ui.widgets.panel import panel as show_panel
 
     return show_panel()
 
 
 def load_ipython_extension(ipython) -> None:
     """Called by ``%load_ext mpnb``: registers the magics and the per-cell mode hook."""
-    from mpnb.ui.extension import load
+    from mpnb.ui.magics.extension import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
     """Called by ``%unload_ext mpnb``: removes every hook and restores every switch."""
-    from mpnb.ui.extension import unload
+    from mpnb.ui.magics.extension import unload
 
     unload(ipython)

@@ -1,9 +1,11 @@
-"""Small helpers that render result objects as text and as HTML tables.
+"""Small helpers that render result objects: tables as text and HTML, dtypes by short name.
 
 Example:
     >>> print(text_table(["mode", "dtype"], [["bf16", "bfloat16"]]))
     mode  dtype
     bf16  bfloat16
+    >>> dtype_name(torch.bfloat16), dtype_name(torch.int64), dtype_name(None)
+    ('bf16', 'torch.int64', '-')
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-__all__ = ["text_table", "html_table", "html_list"]
+import torch
+
+__all__ = ["text_table", "html_table", "html_list", "dtype_name"]
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -36,3 +40,10 @@ def html_list(items: Sequence[str], css_class: str) -> str:
     if not items:
         return ""
     return f"<ul class='{css_class}'>" + "".join(f"<li>{html.escape(i)}</li>" for i in items) + "</ul>"
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """Short name of a dtype: ``torch.bfloat16`` -> ``"bf16"``; None -> ``"-"``."""
+    if dtype is None:
+        return "-"
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))

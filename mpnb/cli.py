@@ -23,7 +23,7 @@ __all__ = ["main"]
 
 
 def _devices(args: argparse.Namespace) -> int:
-    from mpnb.status import devices
+    from mpnb.precision.status import devices
 
     report = devices(check=not args.no_check)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
@@ -34,11 +34,11 @@ def _train(args: argparse.Namespace) -> int:
     import math
     import os
 
-    from mpnb.backends import backend_for, resolve_device
-    from mpnb.backends.base import format_bytes
+    from mpnb._render import dtype_name
     from mpnb.examples import accuracy, example_trainer
-    from mpnb.modes import dtype_name
-    from mpnb.ui.report import write_report
+    from mpnb.precision.backends import backend_for, resolve_device
+    from mpnb.precision.backends.base import format_bytes
+    from mpnb.ui.plots.report import write_report
 
     device = resolve_device(args.device)
     mode = args.mode or dtype_name(backend_for(device).preferred_dtype())
@@ -62,13 +62,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from mpnb.backends import resolve_device
-    from mpnb.compare import compare
+    from mpnb.analysis.comparison import compare
     from mpnb.errors import InvalidChoiceError
     from mpnb.examples import MODELS, accuracy, example_trainer
-    from mpnb.modes import parse_mode
-    from mpnb.status import devices
-    from mpnb.ui.compare_report import write_comparison_files
+    from mpnb.precision.backends import resolve_device
+    from mpnb.precision.modes import parse_mode
+    from mpnb.precision.status import devices
+    from mpnb.ui.plots.compare_report import write_comparison_files
 
     if args.model not in MODELS:
         raise InvalidChoiceError("example model", args.model, MODELS)

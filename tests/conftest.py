@@ -8,9 +8,9 @@ import torch
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from mpnb.fp32math import read_flags
-from mpnb.oplists import PRESETS, aten_overloads
-from mpnb.policy import session
+from mpnb.oplists.lists import PRESETS, aten_overloads
+from mpnb.precision.fp32math import read_flags
+from mpnb.precision.policy import session
 
 DEVICE_TYPES = ("cpu", "cuda", "hpu")
 

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from mpnb.history import History
+from mpnb.training.history import History
 
 
 def mpnb(*args: str, cwd=None) -> subprocess.CompletedProcess:

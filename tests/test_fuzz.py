@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
-from mpnb.oplists import PRESETS, aten_overloads
+from mpnb.oplists.lists import PRESETS, aten_overloads
 from tests.conftest import policy_state
 
 VALID_WORDS = [

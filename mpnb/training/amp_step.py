@@ -12,7 +12,7 @@ For people who keep their own loop::
 
 It is torch.autocast and torch.amp.GradScaler, nothing re-implemented: fp16 gets a real
 scaler, every other mode a disabled one (which passes everything through). Telemetry is
-recorded without host-device synchronisation (see :mod:`mpnb.telemetry`).
+recorded without host-device synchronisation (see :mod:`mpnb.training.telemetry`).
 
 Example:
     >>> import torch
@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from mpnb.backends import backend_for
-from mpnb.history import History
-from mpnb.modes import Mode
-from mpnb.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink
-from mpnb.training.precision import TrainingPrecision
+from mpnb.precision.backends import backend_for
+from mpnb.precision.modes import Mode
+from mpnb.training.history import History
+from mpnb.training.step_precision import TrainingPrecision
+from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink
 
 __all__ = ["AmpStep"]
 

@@ -23,8 +23,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from mpnb.modes import Mode, parse_mode
-from mpnb.telemetry import Sink
+from mpnb.precision.modes import Mode, parse_mode
+from mpnb.training.telemetry import Sink
 
 __all__ = ["FitCapture", "active_capture", "capture_fits"]
 

@@ -21,7 +21,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from mpnb.policy import session
+from mpnb.precision.policy import session
 
 __all__ = ["FitControl", "Checkpoint"]
 

@@ -22,16 +22,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpnb import views
 from mpnb.errors import MpnbError
-from mpnb.history import History
-from mpnb.interrupts import StopRequest
-from mpnb.modes import Mode
-from mpnb.policy import session
-from mpnb.telemetry import Sink
+from mpnb.precision.modes import Mode
+from mpnb.precision.policy import session
 from mpnb.training.amp_step import AmpStep
 from mpnb.training.capture import FitCapture, active_capture
 from mpnb.training.control import FitControl
-from mpnb.training.precision import TrainingPrecision
+from mpnb.training.history import History
+from mpnb.training.interrupts import StopRequest
+from mpnb.training.step_precision import TrainingPrecision
+from mpnb.training.telemetry import Sink
 
 __all__ = ["Trainer", "FitInterrupted"]
 
@@ -57,7 +58,7 @@ class Trainer:
             mode (``%amp``). fp32/tf32 set their fp32-math flags only while ``fit`` runs.
         device: default the session device (auto-detected: cuda, hpu, else cpu).
         dashboard: ``"auto"`` (live plot in a notebook, text progress elsewhere), ``"live"``,
-            ``"text"``, None for no display, or a :class:`~mpnb.telemetry.Sink`.
+            ``"text"``, None for no display, or a :class:`~mpnb.training.telemetry.Sink`.
         **amp_options: passed to :class:`~mpnb.training.amp_step.AmpStep` (scheduler,
             accumulate, clip_grad_norm, record_grad_norm, init_scale, growth_factor,
             backoff_factor, growth_interval, min_scale, flush_every).
@@ -303,6 +304,4 @@ def _dashboard_sinks(dashboard: str | Sink | None, title: str, control: FitContr
         return []
     if isinstance(dashboard, Sink):
         return [dashboard]
-    from mpnb.ui.dashboard import make_dashboard
-
-    return make_dashboard(dashboard, title, control)
+    return views.view("dashboard")(dashboard, title, control)

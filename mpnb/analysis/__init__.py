@@ -1,0 +1,24 @@
+"""Analysis: the same run in several modes, the largest batch per mode, and the numerics advisor.
+
+- :mod:`~mpnb.analysis.comparison`: :func:`compare` and its :class:`Comparison` table.
+- :mod:`~mpnb.analysis.batch_size`: :func:`max_batch_size`, doubling then bisection per mode.
+- :mod:`~mpnb.analysis.advisor`: :func:`advise`, fp16 overflow and underflow per module.
+
+Each shows its progress through the view the UI provides (:mod:`mpnb.views`), never by
+importing the UI.
+"""
+
+from mpnb.analysis.advisor import Advice, advise
+from mpnb.analysis.batch_size import BatchSizeReport, max_batch_size
+from mpnb.analysis.comparison import Comparison, ComparisonProgress, ModeResult, compare
+
+__all__ = [
+    "compare",
+    "Comparison",
+    "ComparisonProgress",
+    "ModeResult",
+    "max_batch_size",
+    "BatchSizeReport",
+    "advise",
+    "Advice",
+]

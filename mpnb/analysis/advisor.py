@@ -1,0 +1,281 @@
+"""The numerics advisor: will this model overflow or underflow in fp16, and what to do about it.
+
+:func:`advise` runs one forward and backward pass in fp32 as the reference and again under
+fp16 and bf16 autocast, watching every leaf module's output and the gradient that flows
+back into it. Per module it reports the largest |activation| and |gradient| against fp16's
+range, the share of gradient values fp16 would flush to zero without loss scaling, and the
+relative error of outputs and gradients against fp32. From these it writes concrete advice:
+which dtype, which modules' ops to put on the FP32 list, and a GradScaler ``init_scale``
+that avoids the first-step overflow. (HF transformers' DebugUnderflowOverflow watches the
+forward pass only and prints text; this covers backward too and says what to change.)
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
+    >>> report = advise(model, batch, torch.nn.functional.cross_entropy, device="cpu")
+    >>> [row.module for row in report.rows]
+    ['0', '1', '2']
+    >>> report.fp16_overflow, report.recommended_dtype
+    ([], 'bf16')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpnb._render import html_list, html_table, text_table
+from mpnb.precision.backends import backend_for, resolve_device
+
+__all__ = ["Advice", "ModuleNumerics", "advise"]
+
+FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
+FP16_TINY = 2.0**-24  # smallest fp16 subnormal: smaller magnitudes become 0
+UNDERFLOW_ALARM = 0.01  # share of a module's nonzero gradients lost to underflow that deserves advice
+_METRICS = ("max |activation|", "max |gradient|", "fp16 underflow share", "fp16 output error", "bf16 output error")
+
+
+@dataclasses.dataclass
+class ModuleNumerics:
+    """What one leaf module does to the numbers.
+
+    Attributes:
+        module: its path in the model.
+        kind: its class name.
+        max_activation: largest |output| in fp32.
+        max_gradient: largest |gradient of the loss w.r.t. its output| in fp32 (unscaled).
+        underflow_share: share of the nonzero gradient values below fp16's smallest subnormal.
+        output_error: relative error of its output per low dtype (``"fp16"``, ``"bf16"``) vs fp32.
+        gradient_error: the same for the gradient w.r.t. its output.
+    """
+
+    module: str
+    kind: str
+    max_activation: float = 0.0
+    max_gradient: float = 0.0
+    underflow_share: float = 0.0
+    output_error: dict[str, float] = dataclasses.field(default_factory=dict)
+    gradient_error: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def values(self) -> list[float]:
+        """The metrics in the order of the table and heatmap columns."""
+        return [
+            self.max_activation,
+            self.max_gradient,
+            self.underflow_share,
+            self.output_error.get("fp16", math.nan),
+            self.output_error.get("bf16", math.nan),
+        ]
+
+
+@dataclasses.dataclass
+class Advice:
+    """The advisor's findings: per-module numbers and what to do.
+
+    Attributes:
+        rows: one per leaf module, in forward order.
+        fp16_overflow: modules whose activations or gradients exceed fp16's range.
+        underflow: modules whose gradients fp16 would flush to zero without loss scaling.
+        init_scale: a GradScaler ``init_scale`` whose first step does not overflow.
+        recommended_dtype: ``"bf16"`` or ``"fp16"``.
+        advice: the recommendations, as sentences.
+    """
+
+    rows: list[ModuleNumerics]
+    fp16_overflow: list[str]
+    underflow: list[str]
+    init_scale: float
+    recommended_dtype: str
+    advice: list[str]
+
+    def __str__(self) -> str:
+        table = text_table(("module", "kind", *_METRICS), [_row_cells(r) for r in self.rows])
+        return table + "\n\n" + "\n".join(f"- {line}" for line in self.advice)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        table = html_table(("module", "kind", *_METRICS), [_row_cells(r) for r in self.rows])
+        return f"<b>mpnb numerics advice</b>{html_list(self.advice, 'mpnb-advice')}{table}"
+
+    def figure(self):
+        """A heatmap, modules x metrics, each column scaled to its own maximum (plotly)."""
+        import plotly.graph_objects as go
+
+        columns = list(zip(*(row.values() for row in self.rows))) if self.rows else []
+        scaled = []
+        for column in columns:
+            finite = [v for v in column if math.isfinite(v)]
+            top = max(finite, default=0.0) or 1.0
+            scaled.append([v / top if math.isfinite(v) else math.nan for v in column])
+        z = [list(values) for values in zip(*scaled)] if scaled else []
+        text = [[f"{v:.3g}" for v in row.values()] for row in self.rows]
+        heatmap = go.Heatmap(
+            z=z, x=list(_METRICS), y=[r.module for r in self.rows], text=text, texttemplate="%{text}", colorscale="Reds"
+        )
+        figure = go.Figure(heatmap)
+        figure.update_layout(
+            title="numerics per module (colour: share of the column's maximum)", height=120 + 28 * len(self.rows)
+        )
+        return figure
+
+
+def _row_cells(row: ModuleNumerics) -> list[str]:
+    return [row.module, row.kind, *[f"{value:.3g}" for value in row.values()]]
+
+
+class _Watch:
+    """Records each leaf module's output and the gradient flowing back into it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.leaves = [(name, module) for name, module in model.named_modules() if not list(module.children())]
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.gradients: dict[str, torch.Tensor] = {}
+        self.largest_parameter_gradient = 0.0
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        handles = [module.register_forward_hook(self._hook(name)) for name, module in self.leaves]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _hook(self, name: str) -> Callable:
+        def record(module: nn.Module, inputs: Any, output: Any) -> None:
+            if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+                return
+            self.outputs[name] = output.detach().float().clone()
+            if output.requires_grad:
+                output.register_hook(lambda grad: self.gradients.__setitem__(name, grad.detach().float().clone()))
+
+        return record
+
+
+def _pass(
+    model: nn.Module, batch: Sequence[Any], loss_fn: Callable, device: torch.device, dtype: torch.dtype | None
+) -> _Watch:
+    inputs, targets = (part.to(device) if isinstance(part, torch.Tensor) else part for part in batch)
+    watch = _Watch(model)
+    model.zero_grad(set_to_none=True)
+    with watch.watching(), torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss = loss_fn(model(inputs), targets)
+    loss.float().backward()
+    watch.largest_parameter_gradient = max((_largest(p.grad) for p in model.parameters()), default=0.0)
+    model.zero_grad(set_to_none=True)
+    return watch
+
+
+def _relative_error(value: torch.Tensor | None, reference: torch.Tensor | None) -> float:
+    if value is None or reference is None:
+        return math.nan
+    if not torch.isfinite(value).all():
+        return math.inf
+    scale = reference.norm().item()
+    return (value - reference).norm().item() / scale if scale else 0.0
+
+
+def _largest(tensor: torch.Tensor | None) -> float:
+    return tensor.abs().max().item() if tensor is not None and tensor.numel() else 0.0
+
+
+def _underflow_share(gradient: torch.Tensor | None) -> float:
+    if gradient is None:
+        return 0.0
+    nonzero = gradient[gradient != 0].abs()
+    return (nonzero < FP16_TINY).float().mean().item() if nonzero.numel() else 0.0
+
+
+def advise(
+    model: nn.Module,
+    batch: Sequence[Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    device: str | torch.device | None = None,
+) -> Advice:
+    """Find where fp16 and bf16 would hurt this model on this batch, and say what to do.
+
+    Args:
+        model: left as it was (its gradients are cleared; its weights are not changed).
+        batch: ``(inputs, targets)``.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar``.
+        device: where to run; default the model's device.
+    """
+    target = resolve_device(device) if device is not None else next(model.parameters()).device
+    model = model.to(target)
+    reference = _pass(model, batch, loss_fn, target, None)
+    low = {
+        name: _pass(model, batch, loss_fn, target, dtype)
+        for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))
+    }
+    rows = []
+    for name, module in reference.leaves:
+        if name not in reference.outputs:
+            continue
+        out, grad = reference.outputs[name], reference.gradients.get(name)
+        rows.append(
+            ModuleNumerics(
+                module=name,
+                kind=type(module).__name__,
+                max_activation=_largest(out),
+                max_gradient=_largest(grad),
+                underflow_share=_underflow_share(grad),
+                output_error={k: _relative_error(w.outputs.get(name), out) for k, w in low.items()},
+                gradient_error={k: _relative_error(w.gradients.get(name), grad) for k, w in low.items()},
+            )
+        )
+    return _findings(rows, reference.largest_parameter_gradient, backend_for(target).label, target.type)
+
+
+def _findings(rows: list[ModuleNumerics], parameter_gradient: float, label: str, device_type: str) -> Advice:
+    overflowing = [
+        r
+        for r in rows
+        if r.max_activation > FP16_MAX or r.max_gradient > FP16_MAX or math.isinf(r.output_error.get("fp16", 0.0))
+    ]
+    underflowing = [r for r in rows if r.underflow_share > UNDERFLOW_ALARM]
+    overflow, underflow = [r.module for r in overflowing], [r.module for r in underflowing]
+    largest_gradient = max([parameter_gradient, *(r.max_gradient for r in rows)])
+    init_scale = 2.0**16
+    if largest_gradient > 0:
+        init_scale = min(2.0**16, 2.0 ** math.floor(math.log2(FP16_MAX / (2 * largest_gradient))))
+    advice = []
+    for row in overflowing:
+        peak = max(row.max_activation, row.max_gradient)
+        advice.append(
+            f"fp16 overflow in {row.module} ({row.kind}): values reach {peak:.3g} > {FP16_MAX:.0f}. Use bf16, or put "
+            f"{row.kind}'s ops on the FP32 list (%oplist add fp32 ...) so that module stays in fp32."
+        )
+    for row in underflowing:
+        advice.append(
+            f"fp16 gradient underflow in {row.module} ({row.kind}): {row.underflow_share:.0%} of its gradient values are "
+            f"below 2^-24 and would become 0 in fp16; loss scaling (torch.amp.GradScaler) fixes it."
+        )
+    if largest_gradient > 0:
+        advice.append(
+            f"GradScaler(init_scale={init_scale:g}) keeps the first scaled step below fp16's maximum "
+            f"(largest gradient {largest_gradient:.3g}); the default 65536 "
+            + ("would overflow on the first step." if init_scale < 2.0**16 else "is fine here.")
+        )
+    fast_fp16 = device_type == "cuda"
+    recommended = "fp16" if fast_fp16 and not overflow else "bf16"
+    reason = (
+        "fp16's range is exceeded"
+        if overflow
+        else "fp16 gives no speed here"
+        if not fast_fp16
+        else "no fp16 problem found"
+    )
+    advice.insert(0, f"Use {recommended} on this {label}: {reason}.")
+    if not overflow and not underflow:
+        advice.insert(1, "No fp16 overflow or gradient underflow found on this batch.")
+    return Advice(rows, overflow, underflow, init_scale, recommended, advice)

@@ -1,0 +1,262 @@
+"""Per-op precision lists: ops that always run in the autocast dtype, ops that always run in fp32.
+
+Habana's mixed-precision tool kept two such lists per model. An :class:`OpLists` holds
+them, with where each entry came from (a preset, a file, the user), and resolves each
+name to the aten operators it stands for (``cross_entropy`` is ``aten::cross_entropy_loss``).
+Unknown names are refused with suggestions. Enforcement lives in :mod:`mpnb.oplists.override`.
+
+Example:
+    >>> lists = OpLists.preset("resnet50")
+    >>> sorted(lists.fp32)[:3]
+    ['cross_entropy', 'log_softmax', 'nll_loss']
+    >>> lists.add("fp32", ["linear"], source="me")
+    >>> lists.source("fp32", "linear"), "linear" in lists.lower
+    ('me', False)
+    >>> lists.add("lower", ["softmx"])
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.InvalidChoiceError: unknown op 'softmx'; valid: softmax, log_softmax, ... Any other aten operator name ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Iterable
+
+import torch
+
+from mpnb.errors import InvalidChoiceError, MpnbError
+
+__all__ = ["OpLists", "PRESETS", "LIST_NAMES", "aten_overloads", "canonical_name", "check_op", "read_op_file"]
+
+LIST_NAMES = ("lower", "fp32")
+
+# Habana called the lower-precision list the BF16 list; both names work.
+LIST_ALIASES = {"bf16": "lower"}
+
+# Prefixes users write before an op name: aten's, torch's Python namespaces.
+_PREFIXES = ("torch.ops.aten.", "aten::", "aten.", "torch.nn.functional.", "nn.functional.", "F.", "torch.")
+
+# Names users write (Python / Habana) that differ from the aten operators they mean.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("cross_entropy_loss",),
+    "truediv": ("true_divide", "div"),
+    "divide": ("divide", "div"),
+    "nll_loss": ("nll_loss", "nll_loss_nd"),
+    "dropout": ("dropout", "feature_dropout"),
+}
+
+# Habana's default lists for its mixed-precision tool, and its ResNet50 example lists.
+_HMP_LOWER = (
+    "addmm batch_norm bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d dot dropout "
+    "group_norm instance_norm layer_norm leaky_relu linear matmul mm mul mv relu t"
+)
+_HMP_FP32 = (
+    "binary_cross_entropy binary_cross_entropy_with_logits cross_entropy div divide embedding embedding_bag log "
+    "log2 log_softmax nll_loss smooth_l1_loss softmax topk truediv"
+)
+PRESETS: dict[str, tuple[str, str, str]] = {
+    "torch": ("", "", "torch's own autocast rules, no overrides"),
+    "hmp": (_HMP_LOWER, _HMP_FP32, "Habana's default mixed-precision lists"),
+    "resnet50": (
+        "addmm avg_pool2d bmm conv2d dot max_pool2d mm mv relu t linear",
+        "cross_entropy log_softmax softmax nll_loss topk",
+        "Habana's custom lists for ResNet50",
+    ),
+}
+
+
+def _is_tensor_op(packet: object) -> bool:
+    return isinstance(packet, torch._ops.OpOverloadPacket)
+
+
+def canonical_name(name: str) -> str:
+    """The list entry for a name as users write it.
+
+    Example:
+        >>> [canonical_name(n) for n in ("aten::addmm", "F.softmax", "torch.nn.functional.linear", "softmax.int")]
+        ['addmm', 'softmax', 'linear', 'softmax.int']
+    """
+    name = name.strip()
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def _overloads_of(aten_name: str) -> list[torch._ops.OpOverload]:
+    base, _, only = aten_name.partition(".")
+    packet = getattr(torch.ops.aten, base, None)
+    if not _is_tensor_op(packet):
+        return []
+    names = packet.overloads()
+    if only:
+        names = [n for n in names if n == only]
+    return [getattr(packet, n) for n in names]
+
+
+def _functional_on_tensors(overload: torch._ops.OpOverload) -> bool:
+    schema = overload._schema
+    return any("Tensor" in str(arg.type) for arg in schema.arguments) and not schema.is_mutable
+
+
+def aten_overloads(name: str) -> list[torch._ops.OpOverload]:
+    """The functional aten overloads behind a list entry (out= and scalar-only variants left out).
+
+    Example:
+        >>> [str(op) for op in aten_overloads("softmax")]
+        ['aten.softmax.int']
+    """
+    name = canonical_name(name)
+    return [
+        overload
+        for aten_name in ALIASES.get(name, (name,))
+        for overload in _overloads_of(aten_name)
+        if _functional_on_tensors(overload)
+    ]
+
+
+def check_op(name: str) -> str:
+    """The canonical entry for ``name``, or an error that says why it cannot be on a list.
+
+    Raises:
+        InvalidChoiceError: an unknown name or overload, with close matches.
+        MpnbError: an operator autocast never sees, because it takes no tensors.
+    """
+    entry = canonical_name(name)
+    if aten_overloads(entry):
+        return entry
+    if _overloads_of(entry):
+        raise MpnbError(
+            f"op {name!r} cannot be on a list: aten::{entry} takes no input tensors (or only writes to out=), "
+            "so autocast never casts it"
+        )
+    base, dot, _ = entry.partition(".")
+    if dot and aten_overloads(base):
+        valid = [f"{base}.{op._schema.overload_name or 'default'}" for op in aten_overloads(base)]
+        raise InvalidChoiceError(f"overload of {base}", name, valid, f"Or write just {base!r} for all of them.")
+    known = sorted({n for n in dir(torch.ops.aten) if not n.startswith("_")} | set(ALIASES))
+    close = difflib.get_close_matches(entry, known, n=3, cutoff=0.6)
+    raise InvalidChoiceError("op", name, close, "Any other aten operator name (torch.ops.aten.<name>) works too.")
+
+
+@dataclasses.dataclass
+class OpLists:
+    """Two op lists with provenance: ``lower`` (run in the autocast dtype) and ``fp32``.
+
+    Attributes:
+        lower: op name -> where the entry came from.
+        fp32: op name -> where the entry came from.
+    """
+
+    lower: dict[str, str] = dataclasses.field(default_factory=dict)
+    fp32: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def preset(cls, name: str) -> OpLists:
+        """A named preset: ``torch`` (no overrides), ``hmp`` (Habana's defaults), ``resnet50``.
+
+        Raises:
+            InvalidChoiceError: an unknown preset.
+        """
+        if name not in PRESETS:
+            raise InvalidChoiceError("preset", name, PRESETS)
+        lower, fp32, _ = PRESETS[name]
+        lists = cls()
+        lists.add("lower", lower.split(), source=f"preset {name}")
+        lists.add("fp32", fp32.split(), source=f"preset {name}")
+        return lists
+
+    @classmethod
+    def of(cls, lower: Iterable[str] = (), fp32: Iterable[str] = (), source: str = "user") -> OpLists:
+        """Lists from two name collections; an op named on both is an error.
+
+        Example:
+            >>> OpLists.of(lower=["F.softmax"], fp32=["aten::linear"])
+            OpLists(lower={'softmax': 'user'}, fp32={'linear': 'user'})
+        """
+        lower, fp32 = list(lower), list(fp32)
+        both = sorted({canonical_name(n) for n in lower} & {canonical_name(n) for n in fp32})
+        if both:
+            raise MpnbError(f"op {both[0]!r} is on both the lower and the fp32 list; name each op on one list")
+        lists = cls()
+        lists.add("lower", lower, source)
+        lists.add("fp32", fp32, source)
+        return lists
+
+    @classmethod
+    def from_files(
+        cls, lower_path: str | os.PathLike[str] | None = None, fp32_path: str | os.PathLike[str] | None = None
+    ) -> OpLists:
+        """Read Habana-format files: one op per line, ``#`` starts a comment.
+
+        Raises:
+            InvalidChoiceError: a file names an unknown op (nothing is loaded).
+        """
+        lists = cls()
+        for which, path in (("lower", lower_path), ("fp32", fp32_path)):
+            if path is not None:
+                lists.add(which, read_op_file(path), source=os.path.basename(os.fspath(path)))
+        return lists
+
+    def _list(self, which: str) -> dict[str, str]:
+        name = LIST_ALIASES.get(which.strip().lower(), which.strip().lower())
+        if name not in LIST_NAMES:
+            raise InvalidChoiceError(
+                "list", which, LIST_NAMES, "lower (alias bf16) = run in the autocast dtype; fp32 = run in fp32."
+            )
+        return self.lower if name == "lower" else self.fp32
+
+    def add(self, which: str, ops: Iterable[str], source: str = "user") -> None:
+        """Put ``ops`` on list ``which`` (taking them off the other list). All names are checked
+        first: one bad name changes nothing."""
+        target = self._list(which)
+        names = [check_op(name) for name in ops]
+        other = self.fp32 if target is self.lower else self.lower
+        for name in names:
+            other.pop(name, None)
+            target[name] = source
+
+    def remove(self, which: str, ops: Iterable[str]) -> None:
+        """Take ``ops`` off list ``which``.
+
+        Raises:
+            InvalidChoiceError: an op that is not on the list (nothing is removed).
+        """
+        target = self._list(which)
+        names = [canonical_name(name) for name in ops]
+        for name in names:
+            if name not in target:
+                raise InvalidChoiceError(f"op on the {which} list", name, sorted(target) or ["(the list is empty)"])
+        for name in names:
+            del target[name]
+
+    def source(self, which: str, name: str) -> str:
+        """Where an entry came from."""
+        return self._list(which)[canonical_name(name)]
+
+    def save(self, directory: str | os.PathLike[str]) -> tuple[str, str]:
+        """Write ``lower_list.txt`` and ``fp32_list.txt`` into ``directory``; return their paths."""
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        for which in LIST_NAMES:
+            path = os.path.join(directory, f"{which}_list.txt")
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(f"# mpnb {which} op list\n" + "".join(f"{name}\n" for name in sorted(self._list(which))))
+            paths.append(path)
+        return paths[0], paths[1]
+
+    def copy(self) -> OpLists:
+        """An independent copy."""
+        return OpLists(dict(self.lower), dict(self.fp32))
+
+    def __bool__(self) -> bool:
+        return bool(self.lower or self.fp32)
+
+
+def read_op_file(path: str | os.PathLike[str]) -> list[str]:
+    """Op names from a file: one per line; blank lines and ``#`` comments ignored."""
+    with open(path, encoding="utf-8") as file:
+        return [line.split("#", 1)[0].strip() for line in file if line.split("#", 1)[0].strip()]

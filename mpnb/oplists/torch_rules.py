@@ -1,0 +1,180 @@
+"""torch's own autocast rules, read from the installed torch.
+
+torch.autocast keeps its op lists in C++ (``autocast_mode.cpp``) and has no public way to
+list them. The dispatcher knows which operators have a kernel on a device's Autocast key;
+what each kernel does is found by running it once: with fp32 inputs, a kernel that casts
+to the low dtype is on the lower-precision list; with low-precision inputs, one that casts
+to fp32 is on the fp32 list; the rest (``cat``, ``stack``: promote to the widest input)
+have some other rule. The probe stops each op right after autocast's casts, so shapes
+and values never matter and nothing is computed.
+
+Example:
+    >>> rules = autocast_rules("cpu")
+    >>> "mm" in rules.lower, "nll_loss" in rules.fp32, "cat" in rules.other
+    (True, True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpnb.oplists.override import AUTOCAST_KEYS
+
+__all__ = ["AutocastRules", "autocast_rules"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastRules:
+    """What torch.autocast does per op on one device type.
+
+    Attributes:
+        device_type: ``"cpu"``, ``"cuda"``...
+        lower: ops autocast runs in the low dtype.
+        fp32: ops autocast runs in fp32.
+        other: ops with some other autocast rule (promotion), or that could not be probed.
+        probed: False when the device is absent, so every op with a kernel is in ``other``.
+    """
+
+    device_type: str
+    lower: tuple[str, ...]
+    fp32: tuple[str, ...]
+    other: tuple[str, ...]
+    probed: bool
+
+
+class _CastsSeen(Exception):
+    """Raised by the probe at the first real op: autocast's casts are done by then."""
+
+
+class _CastProbe(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cast_to: list[torch.dtype] = []
+        self.op_dtype: torch.dtype | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default:
+            self.cast_to.append(kwargs.get("dtype"))
+            return func(*args, **kwargs)
+        self.op_dtype = kwargs.get("dtype")
+        raise _CastsSeen
+
+
+def _sample(type_text: str, device: str, dtype: torch.dtype) -> Any:
+    """A value of a schema type; optional arguments are left out (None)."""
+    if type_text.startswith("Optional[") or type_text.endswith("?"):
+        return None
+    samples = {
+        "Tensor": lambda: torch.ones(2, 2, 2, 2, device=device, dtype=dtype),
+        "List[Tensor]": lambda: [torch.ones(2, 2, device=device, dtype=dtype)] * 2,
+        "int": lambda: 1,
+        "SymInt": lambda: 1,
+        "float": lambda: 1.0,
+        "bool": lambda: False,
+        "number": lambda: 1,
+        "str": lambda: "fro",
+        "List[float]": lambda: [1.0],
+    }
+    if type_text.startswith(("List[int]", "List[SymInt]")):
+        return [1]
+    return samples[type_text]()
+
+
+def _casts(op: torch._ops.OpOverload, device: str, low: torch.dtype, inputs: torch.dtype) -> _CastProbe:
+    args, kwargs = [], {}
+    for argument in op._schema.arguments:
+        if argument.has_default_value():
+            continue
+        value = _sample(str(argument.type), device, inputs)
+        if argument.kwarg_only:
+            kwargs[argument.name] = value
+        else:
+            args.append(value)
+    probe = _CastProbe()
+    try:
+        with torch.autocast(device, dtype=low), probe:
+            op(*args, **kwargs)
+    except Exception:
+        pass
+    return probe
+
+
+def _rule(op: torch._ops.OpOverload, device: str, low: torch.dtype) -> str:
+    try:
+        if low in _casts(op, device, low, torch.float32).cast_to:
+            return "lower"
+        from_low = _casts(op, device, low, low)
+    except KeyError:  # an argument type the probe cannot make
+        return "other"
+    return "fp32" if torch.float32 in from_low.cast_to or from_low.op_dtype == torch.float32 else "other"
+
+
+def _overload(qualified_name: str) -> torch._ops.OpOverload:
+    base, _, overload = qualified_name.removeprefix("aten::").partition(".")
+    return getattr(getattr(torch.ops.aten, base), overload or "default")
+
+
+def _entry(qualified_name: str) -> str:
+    return qualified_name.removeprefix("aten::")
+
+
+@functools.cache
+def autocast_rules(device_type: str) -> AutocastRules:
+    """torch's autocast rules on ``device_type``, read once per process.
+
+    Call it while no op lists are applied (mpnb's session does): an override is a
+    kernel on the same key and would be read as torch's own.
+    """
+    key = AUTOCAST_KEYS[device_type]
+    names = sorted(
+        name
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+    )
+    if not _device_present(device_type):
+        return AutocastRules(device_type, (), (), tuple(_entry(n) for n in names), probed=False)
+    low = torch.get_autocast_dtype(device_type)
+    if low == torch.float32:
+        low = torch.bfloat16
+    found: dict[str, list[str]] = {"lower": [], "fp32": [], "other": []}
+    with torch.no_grad(), warnings.catch_warnings(), _c_stderr_silenced():
+        warnings.simplefilter("ignore")  # deprecation notes some probed ops print (torch.lu, torch.qr...)
+        for name in names:
+            found[_rule(_overload(name), device_type, low)].append(_entry(name))
+    return AutocastRules(device_type, tuple(found["lower"]), tuple(found["fp32"]), tuple(found["other"]), probed=True)
+
+
+@contextlib.contextmanager
+def _c_stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to the null device for a block.
+
+    Deprecated ops (``torch.lu``, ``torch.qr``...) print a one-time C++ warning straight to
+    the process's stderr, which Jupyter shows in the notebook; the probe is not a use of them.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _device_present(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    module = getattr(torch, device_type, None)
+    return bool(module is not None and getattr(module, "is_available", lambda: False)())

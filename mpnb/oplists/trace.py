@@ -1,0 +1,281 @@
+"""Which op ran in which dtype, in which module: a trace of forward and backward.
+
+:func:`trace` watches the aten operators that actually run (after autocast and the op
+lists have cast their inputs) with a ``TorchDispatchMode``, and records for each the
+phase, the module it ran in, its input dtypes and output dtype, and the casts autocast
+inserted. Modules are found with global forward hooks (forward) and by tagging each
+autograd node with the module that created it (backward), so no model needs changing.
+Tracing only observes: every op runs exactly as it would have. ``detach`` calls (autograd's
+own bookkeeping) are left out.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(dim=-1))
+    >>> x = torch.randn(2, 4)
+    >>> with trace() as t, torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     out = model(x)
+    >>> [(row.module, row.op, row.output) for row in t.ops()]
+    [('Sequential.0', 't', 'bf16'), ('Sequential.0', 'addmm', 'bf16'), ('Sequential.1', '_softmax', 'bf16')]
+    >>> t.summary()
+    '3 ops: 100% bf16, 3 casts'
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import dataclasses
+import html
+import os
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from mpnb._render import dtype_name
+
+__all__ = ["Trace", "TraceRow", "trace"]
+
+_MODULE_TAG = "mpnb.module"
+_TOP_LEVEL = "(top level)"
+_USER_CASTS = frozenset({"to", "type", "type_as", "half", "bfloat16", "float", "double"})
+_BOOKKEEPING = frozenset({torch.ops.aten.detach.default})
+_COLUMNS = ("phase", "module", "kind", "op", "inputs", "output", "count")
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRow:
+    """One kind of call: the same op, module, phase and dtypes, counted.
+
+    Attributes:
+        phase: ``"forward"`` or ``"backward"``.
+        module: the module path (``"DigitsCNN.features.0"``), or ``"(top level)"``.
+        kind: ``"op"``, or ``"cast"`` for a dtype change autocast (or an op list) inserted.
+        op: the aten operator name.
+        inputs: the dtypes of its tensor inputs, comma-separated.
+        output: the dtype of its first tensor output (``"-"`` when it has none).
+        count: how many times it ran.
+    """
+
+    phase: str
+    module: str
+    kind: str
+    op: str
+    inputs: str
+    output: str
+    count: int
+
+
+@dataclasses.dataclass
+class Trace:
+    """The recorded rows, in order of first appearance.
+
+    Example:
+        >>> t = Trace([TraceRow("forward", "Net.fc", "op", "addmm", "bf16, bf16, bf16", "bf16", 3)])
+        >>> str(t.filter(op="mm").summary())
+        '0 ops, 0 casts'
+    """
+
+    rows: list[TraceRow] = dataclasses.field(default_factory=list)
+
+    def ops(self) -> list[TraceRow]:
+        """The rows of real ops (casts left out)."""
+        return [row for row in self.rows if row.kind == "op"]
+
+    def casts(self) -> int:
+        """How many casts autocast and the op lists inserted."""
+        return sum(row.count for row in self.rows if row.kind == "cast")
+
+    def summary(self) -> str:
+        """``"412 ops: 58% bf16, 42% fp32, 37 casts"`` (shares by output dtype)."""
+        by_dtype: collections.Counter[str] = collections.Counter()
+        for row in self.ops():
+            by_dtype[row.output] += row.count
+        total = sum(by_dtype.values())
+        shares = ", ".join(f"{round(100 * count / total)}% {dtype}" for dtype, count in by_dtype.most_common())
+        return f"{total} ops{': ' + shares if shares else ''}, {self.casts()} casts"
+
+    def filter(self, module: str | None = None, op: str | None = None, phase: str | None = None) -> Trace:
+        """The rows whose module path contains ``module``, whose op is ``op`` and phase ``phase``."""
+        return Trace(
+            [
+                row
+                for row in self.rows
+                if (module is None or module in row.module)
+                and (op is None or row.op == op.removeprefix("aten::"))
+                and (phase is None or row.phase == phase)
+            ]
+        )
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write the rows as CSV with a header."""
+        with open(path, "w", newline="", encoding="utf-8") as file:
+            writer = csv.writer(file)
+            writer.writerow(_COLUMNS)
+            writer.writerows(dataclasses.astuple(row) for row in self.rows)
+
+    def __str__(self) -> str:
+        table = [_COLUMNS] + [tuple(str(value) for value in dataclasses.astuple(row)) for row in self.rows]
+        widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
+        lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
+        return "\n".join([self.summary(), *lines])
+
+    def __repr__(self) -> str:
+        return f"<mpnb.Trace {self.summary()}>"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{name}</th>" for name in _COLUMNS)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(value))}</td>" for value in dataclasses.astuple(row)) + "</tr>"
+            for row in self.rows
+        )
+        return (
+            f"<p><b>{html.escape(self.summary())}</b></p>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        )
+
+
+class _ModulePaths:
+    """The module stack during forward, and each module's path under the outermost one called."""
+
+    def __init__(self, root: torch.nn.Module | None) -> None:
+        self.fixed_root = root
+        self.stack: list[torch.nn.Module] = []
+        self._names: dict[int, str] = {}
+        self._roots: set[int] = set()
+
+    def enter(self, module: torch.nn.Module, *unused: Any) -> None:
+        root = self.fixed_root or (module if not self.stack else None)
+        if root is not None and id(root) not in self._roots:
+            self._roots.add(id(root))
+            prefix = type(root).__name__
+            for name, child in root.named_modules():
+                self._names.setdefault(id(child), f"{prefix}.{name}" if name else prefix)
+        self.stack.append(module)
+
+    def leave(self, module: torch.nn.Module, *unused: Any) -> None:
+        while self.stack and self.stack.pop() is not module:
+            pass
+
+    def current(self) -> str:
+        if not self.stack:
+            return _TOP_LEVEL
+        module = self.stack[-1]
+        return self._names.get(id(module), type(module).__name__)
+
+
+class _TagNodes(TorchFunctionMode):
+    """Tags the autograd nodes each torch call creates with the module it ran in; marks user casts."""
+
+    def __init__(self, paths: _ModulePaths, oldest_node: int) -> None:
+        super().__init__()
+        self.paths = paths
+        self.oldest_node = oldest_node
+        self.user_casts = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        user_cast = getattr(func, "__name__", "") in _USER_CASTS
+        self.user_casts += user_cast
+        try:
+            result = func(*args, **(kwargs or {}))
+        finally:
+            self.user_casts -= user_cast
+        module = self.paths.current()
+        for value in tree_leaves(result):
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                self._tag(value.grad_fn, module)
+        return result
+
+    def _tag(self, node: Any, module: str) -> None:
+        pending = [node]
+        while pending:
+            node = pending.pop()
+            if node is None or _MODULE_TAG in node.metadata or node._sequence_nr() <= self.oldest_node:
+                continue
+            if type(node).__name__ == "AccumulateGrad":
+                continue
+            node.metadata[_MODULE_TAG] = module
+            pending.extend(next_node for next_node, _ in node.next_functions)
+
+
+def _dtypes(values: Any) -> list[str]:
+    """Short dtype names of the tensors in ``values``: bf16, fp32, int64..."""
+    return [
+        dtype_name(value.dtype).removeprefix("torch.")
+        for value in tree_leaves(values)
+        if isinstance(value, torch.Tensor)
+    ]
+
+
+class _RecordOps(TorchDispatchMode):
+    """Counts every aten call by phase, module, op and dtypes."""
+
+    def __init__(self, paths: _ModulePaths, tags: _TagNodes) -> None:
+        super().__init__()
+        self.paths = paths
+        self.tags = tags
+        self.counts: collections.Counter[tuple[str, ...]] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _BOOKKEEPING:
+            return result
+        node = torch._C._current_autograd_node()
+        if node is None:
+            phase, module = "forward", self.paths.current()
+        else:
+            phase, module = "backward", node.metadata.get(_MODULE_TAG, _TOP_LEVEL)
+        inputs, outputs = _dtypes((args, kwargs)), _dtypes(result)
+        output = outputs[0] if outputs else "-"
+        is_cast = (
+            func is torch.ops.aten._to_copy.default
+            and not (phase == "forward" and self.tags.user_casts)
+            and args[0].is_floating_point()
+            and inputs[0] != output
+        )
+        name = func._schema.name.removeprefix("aten::")
+        self.counts[(phase, module, "cast" if is_cast else "op", name, ", ".join(inputs), output)] += 1
+        return result
+
+
+class trace:  # noqa: N801 - a context manager used like torch.autocast
+    """Record which aten op ran in which dtype and module, forward and backward.
+
+    Args:
+        model: the model whose module names to use. Default: the outermost module called.
+
+    ``with trace() as t:`` gives a :class:`Trace` that fills in when the block ends.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        self.model = model
+        self.result = Trace()
+
+    def __enter__(self) -> Trace:
+        seed = torch.zeros((), requires_grad=True)
+        oldest_node = (seed * 1).grad_fn._sequence_nr()  # nodes from before the trace keep no tag
+        paths = _ModulePaths(self.model)
+        tags = _TagNodes(paths, oldest_node)
+        self._recorder = _RecordOps(paths, tags)
+        hooks = torch.nn.modules.module
+        self._handles = [
+            hooks.register_module_forward_pre_hook(paths.enter),
+            hooks.register_module_forward_hook(paths.leave, always_call=True),
+        ]
+        self._modes = [tags, self._recorder]
+        for mode in self._modes:
+            mode.__enter__()
+        return self.result
+
+    def __exit__(self, *exc_info: object) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc_info)
+        for handle in self._handles:
+            handle.remove()
+        self.result.rows[:] = [TraceRow(*key, count) for key, count in self._recorder.counts.items()]

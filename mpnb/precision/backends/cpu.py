@@ -1,0 +1,159 @@
+"""The CPU backend: bf16/fp16 autocast, oneDNN's bf16 fp32 math, process memory via psutil.
+
+Example:
+    >>> from mpnb.precision.backends.cpu import CpuBackend
+    >>> CpuBackend().preferred_dtype()
+    torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import resource
+import sys
+
+import psutil
+import torch
+
+from mpnb.precision.backends.base import Backend, MemorySnapshot
+from mpnb.precision.fp32math import fine_grained, set_fine_grained
+from mpnb.precision.modes import Fp32Math
+
+__all__ = ["CpuBackend"]
+
+# Measured on a 2-core machine with AMX-bf16: a small CNN trains 47x slower under fp16
+# autocast than in fp32, because fp16 convolution backward has no fast CPU kernel.
+FP16_CONV_SLOWDOWN = 47
+
+_BF16_UNITS = ("amx_bf16", "avx512_bf16")
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes (Linux), else None."""
+    try:
+        with open("/proc/self/status") as file:
+            for line in file:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def release_freed_heap() -> None:
+    """Hand freed heap memory back to the system where the C library can (glibc), so RSS is honest."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_capabilities() -> dict[str, object]:
+    get = getattr(torch.cpu, "get_capabilities", None)
+    return dict(get()) if get else {}
+
+
+class CpuBackend(Backend):
+    """The host CPU. Always available."""
+
+    type = "cpu"
+    label = "CPU"
+
+    def is_available(self) -> bool:
+        return True
+
+    def autocast_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.bfloat16, torch.float16)
+
+    def dtype_warnings(self, dtype: torch.dtype) -> list[str]:
+        notes = []
+        if dtype == torch.float16:
+            notes.append(
+                "fp16 on CPU: convolution backward in fp16 has no fast CPU kernel "
+                f"(a small CNN measured {FP16_CONV_SLOWDOWN}x slower than fp32); use bf16 on CPU."
+            )
+        if dtype == torch.bfloat16 and not self._bf16_units():
+            notes.append(
+                f"this CPU ({self._name()}) has neither AMX-BF16 nor AVX512-BF16: "
+                "bf16 is emulated, so expect no speed-up over fp32."
+            )
+        return notes
+
+    def memory(self, index: int | None = None) -> MemorySnapshot:
+        used = psutil.Process().memory_info().rss
+        peak = _proc_status_bytes("VmHWM")
+        if peak is None:
+            maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            peak = maxrss if sys.platform == "darwin" else maxrss * 1024
+        return MemorySnapshot(
+            source="process resident memory (psutil)",
+            used=used,
+            peak=max(peak, used),
+            limit=psutil.virtual_memory().total,
+        )
+
+    def reset_peak_memory(self, index: int | None = None) -> bool:
+        """Return freed heap to the system (glibc ``malloc_trim``), then reset Linux's peak RSS."""
+        release_freed_heap()
+        try:
+            with open("/proc/self/clear_refs", "w") as file:
+                file.write("5")  # "5": reset the peak resident set size (Linux 4.0+)
+        except OSError:
+            return False
+        return True
+
+    def release_cached_memory(self) -> None:
+        release_freed_heap()
+
+    def capabilities(self) -> dict[str, object]:
+        caps = _cpu_capabilities()
+        return {
+            "name": self._name(),
+            "cores": psutil.cpu_count(logical=True),
+            **{unit: bool(caps.get(unit, False)) for unit in (*_BF16_UNITS, "amx_fp16", "avx512_fp16")},
+        }
+
+    def has_fast_fp32_math(self) -> bool:
+        return bool(self._bf16_units())
+
+    def apply_fp32_math(self, level: Fp32Math, legacy: bool = True) -> None:
+        math = "bf16" if level is Fp32Math.REDUCED else "ieee"
+        if legacy:
+            # "medium" is the legacy spelling of oneDNN bf16 matmul math.
+            torch.set_float32_matmul_precision("medium" if level is Fp32Math.REDUCED else "highest")
+            set_fine_grained({"mkldnn.conv": math})
+        else:
+            set_fine_grained({"mkldnn.matmul": math, "mkldnn.conv": math})
+
+    def describe_fp32_math(self) -> str:
+        matmul = fine_grained("mkldnn.matmul")
+        if matmul is None:  # torch before the fine-grained API
+            matmul = "bf16" if torch.get_float32_matmul_precision() == "medium" else "ieee"
+        if matmul != "bf16":
+            return "exact: fp32 matmuls and convolutions use full fp32 math (TF32 does not exist on CPUs)."
+        if self.has_fast_fp32_math():
+            units = " and ".join(u.upper().replace("_", "-") for u in self._bf16_units())
+            return (
+                "reduced: oneDNN computes fp32 matmuls and convolutions with bf16 math on this CPU's "
+                f"{units} units (faster; about 3 significant digits, relative error ~1e-3)."
+            )
+        return (
+            "reduced requested, but this CPU has neither AMX-BF16 nor AVX512-BF16, so oneDNN keeps "
+            "exact fp32 math: nothing changes here (TF32 itself does not exist on CPUs)."
+        )
+
+    def _bf16_units(self) -> list[str]:
+        caps = _cpu_capabilities()
+        return [unit for unit in _BF16_UNITS if caps.get(unit)]
+
+    def _name(self) -> str:
+        return str(_cpu_capabilities().get("cpu_name", "unknown CPU"))

@@ -1,0 +1,366 @@
+"""The session's precision policy and the context managers that apply it.
+
+One :class:`Session` per process holds the precision mode, the device and the
+fp32-math switch. Everything that changes torch's global state goes through a context
+manager or the switch, both of which restore exactly what they found.
+
+Example:
+    >>> import mpnb, torch
+    >>> with mpnb.autocast("bf16", device="cpu"):
+    ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
+    torch.bfloat16
+    >>> _ = mpnb.set_mode("fp32")
+    >>> mpnb.get_mode()
+    <Mode.FP32: 'fp32'>
+    >>> _ = mpnb.set_mode("off")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from mpnb._render import dtype_name
+from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
+from mpnb.oplists.lists import OpLists
+from mpnb.oplists.override import OpListOverride
+from mpnb.oplists.session_lists import SessionOpLists
+from mpnb.precision.autocast_settings import AutocastSettings, check_autocast_dtype
+from mpnb.precision.backends import Backend, backend_for, resolve_device
+from mpnb.precision.fp32math import Fp32MathSwitch
+from mpnb.precision.modes import Fp32Math, Mode, parse_dtype, parse_mode
+
+__all__ = [
+    "Session",
+    "session",
+    "autocast",
+    "set_mode",
+    "get_mode",
+    "tf32",
+    "set_oplists",
+    "get_oplists",
+]
+
+
+class Session:
+    """The process's precision policy: mode, device, the fp32-math switch and the op lists.
+
+    Attributes:
+        mode: the current precision mode.
+        device: the device named by the user, or None to auto-detect each time.
+        fp32_math: the switch that owns the reduced-precision fp32 math flags.
+        oplists: the op lists enforced wherever autocast is on.
+        cell_hooks: True while the IPython extension applies the mode to every cell.
+        reset_callbacks: undo functions of other switches (``mpnb.hmp.convert``), run by reset.
+
+    Views (the control panel, a running fit) :meth:`subscribe` to hear of every change.
+    """
+
+    def __init__(self) -> None:
+        self.mode = Mode.OFF
+        self.device: torch.device | None = None
+        self.fp32_math = Fp32MathSwitch()
+        self._fp32_wanted: tuple[Backend, Fp32Math] | None = None
+        self.oplists = SessionOpLists(
+            hpu_present=lambda: backend_for("hpu").is_available(), on_change=lambda: self.notify("oplists")
+        )
+        self.cell_hooks = False
+        self.reset_callbacks: list[Callable[[], None]] = []
+        self._listeners: list[Callable[[str], None]] = []
+
+    def subscribe(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener(what)`` after each change; ``what`` is ``"mode"``, ``"fp32_math"``,
+        ``"oplists"``, ``"reset"`` or ``"unloaded"``. Returns the function that unsubscribes."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def notify(self, what: str) -> None:
+        """Tell every listener that ``what`` changed. A failing listener is reported, not raised:
+        the change itself has happened."""
+        for listener in list(self._listeners):
+            try:
+                listener(what)
+            except Exception as error:  # a broken view must not undo a switch
+                warnings.warn(f"mpnb: a listener failed on {what!r}: {error!r}", RuntimeWarning, stacklevel=2)
+
+    def resolved_device(self) -> torch.device:
+        """The device the session runs on now."""
+        return resolve_device(self.device)
+
+    def set_mode(self, mode: str | Mode, device: str | torch.device | None = None) -> Mode:
+        """Switch the session to ``mode`` (on ``device`` if given). Invalid input changes nothing.
+
+        Raises:
+            MpnbError: unknown mode or device, or a dtype the device cannot autocast to.
+        """
+        new_mode = parse_mode(mode)
+        new_device = self.device if device is None else resolve_device(device)
+        target = resolve_device(new_device)
+        backend = backend_for(target)
+        if new_mode.autocast_dtype is not None:
+            check_autocast_dtype(backend, target, new_mode.autocast_dtype)
+        self._apply_fp32_math(new_mode, backend)
+        self.mode, self.device = new_mode, new_device
+        self.notify("mode")
+        return new_mode
+
+    def set_tf32(self, enabled: bool, device: str | torch.device | None = None) -> None:
+        """Turn reduced-precision fp32 math on or off.
+
+        In modes fp32 and tf32 the mode owns this switch, so this moves between those two
+        modes. Otherwise ``True`` switches reduced math on and ``False`` restores every flag
+        to what it was before mpnb changed it.
+        """
+        target = resolve_device(self.device if device is None else device)
+        backend = backend_for(target)
+        if self.mode in (Mode.FP32, Mode.TF32):
+            self.set_mode(Mode.TF32 if enabled else Mode.FP32, device)
+        else:
+            self.want_fp32_math(backend, Fp32Math.REDUCED if enabled else None)
+            self.notify("fp32_math")
+
+    def _apply_fp32_math(self, mode: Mode, backend: Backend) -> None:
+        if mode.fp32_math is not None:
+            self.want_fp32_math(backend, mode.fp32_math)
+        elif mode is Mode.OFF:
+            self.want_fp32_math(None, None)
+
+    def want_fp32_math(self, backend: Backend | None, level: Fp32Math | None) -> None:
+        """Make ``level`` on ``backend`` the session's fp32-math wish (None: the flags as found) and apply it."""
+        self._fp32_wanted = (backend, level) if backend is not None and level is not None else None
+        self.apply_fp32_wish()
+
+    def apply_fp32_wish(self) -> None:
+        """Put the fp32-math flags where the session wants them (after a fit borrowed the switch)."""
+        if self._fp32_wanted is None:
+            self.fp32_math.release()
+        else:
+            self.fp32_math.set(*self._fp32_wanted)
+
+    def autocast_settings(
+        self,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        *,
+        enabled: bool = True,
+        cache: bool = False,
+    ) -> AutocastSettings:
+        """Validate an autocast request, filling what is not given from the session.
+
+        Raises:
+            MpnbError: unknown dtype or device, or a dtype the device cannot autocast to.
+        """
+        target = resolve_device(self.device if device is None else device)
+        backend = backend_for(target)
+        if dtype is not None:
+            chosen = parse_dtype(dtype)
+        else:
+            chosen = self.mode.autocast_dtype or backend.preferred_dtype()
+        if enabled:
+            check_autocast_dtype(backend, target, chosen)
+        return AutocastSettings(target, chosen, enabled, cache)
+
+    @contextlib.contextmanager
+    def mode_scope(self, mode: str | Mode, device: str | torch.device | None = None) -> Iterator[Mode]:
+        """The session in ``mode`` for one block; mode, device and fp32-math flags restored on any exit.
+
+        Raises:
+            MpnbError: as :meth:`set_mode` (nothing changed then).
+        """
+        saved = self.snapshot()
+        new_mode = self.set_mode(mode, device)
+        try:
+            yield new_mode
+        finally:
+            self.restore(saved)
+
+    def snapshot(self) -> tuple[Mode, torch.device | None, tuple[Backend, Fp32Math] | None]:
+        """Mode, device and fp32-math wish, for :meth:`restore`."""
+        return self.mode, self.device, self._fp32_wanted
+
+    def restore(self, snapshot: tuple[Mode, torch.device | None, tuple[Backend, Fp32Math] | None]) -> None:
+        """Put mode, device and the fp32-math flags back as a :meth:`snapshot` found them."""
+        self.mode, self.device, self._fp32_wanted = snapshot
+        self.apply_fp32_wish()
+        self.notify("mode")
+
+    @contextlib.contextmanager
+    def cell_scope(self) -> Iterator[None]:
+        """Apply the session mode to one block (a notebook cell); restore on any exit."""
+        dtype = self.mode.autocast_dtype
+        if dtype is None:
+            yield
+            return
+        with AutocastSettings(self.resolved_device(), dtype).context():
+            yield
+
+    def reset(self) -> None:
+        """Mode off, device auto-detected, no op lists, every fp32-math flag as mpnb found it."""
+        for undo in reversed(self.reset_callbacks[:]):
+            undo()
+        self.want_fp32_math(None, None)
+        self.oplists.reset()
+        self.mode, self.device = Mode.OFF, None
+        self.notify("reset")
+
+    def warnings(self) -> list[str]:
+        """What the user should know about the current policy on this machine."""
+        notes: list[str] = []
+        try:
+            target = self.resolved_device()
+        except (InvalidChoiceError, DeviceUnavailableError) as error:
+            return [f"the session device is gone: {error}"]
+        backend = backend_for(target)
+        dtype = self.mode.autocast_dtype
+        if dtype is not None:
+            refusal = backend.autocast_probe(dtype)
+            if refusal:
+                notes.append(f"torch would disable {dtype_name(dtype)} autocast on {target}: {refusal}")
+            notes.extend(backend.dtype_warnings(dtype))
+            if not self.cell_hooks:
+                notes.append("outside IPython the mode applies inside `with mpnb.autocast():` blocks")
+        if dtype == torch.float16:
+            notes.append("fp16 training needs loss scaling: use torch.amp.GradScaler with it")
+        if self.fp32_math.level is Fp32Math.REDUCED and not backend.has_fast_fp32_math():
+            notes.append(f"reduced-precision fp32 math has no effect on this {backend.label}")
+        return notes
+
+
+session = Session()
+
+
+class autocast:  # noqa: N801 - named and used like torch.autocast
+    """Run a block under torch.autocast, validated first and restored exactly after.
+
+    Unlike torch.autocast, a dtype or device that cannot work raises a clear error
+    instead of warning and silently running in fp32.
+
+    Args:
+        dtype: ``"bf16"`` / ``"fp16"`` (or aliases, or a torch dtype). Default: the session
+            mode's dtype, else the device's preferred one.
+        device: ``"cpu"``, ``"cuda"``, ``"hpu"``... Default: the session device.
+        enabled: False runs the block with autocast off.
+        cache: keep cast weight copies for the whole block (see AutocastSettings).
+        fp32: ops to run in fp32 in this block (they win over the session's op lists).
+        lower: ops to run in the autocast dtype in this block (likewise).
+
+    Example:
+        >>> with autocast("bf16", device="cpu"):
+        ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
+        torch.bfloat16
+        >>> with autocast("bf16", device="cpu", fp32=["linear"]):
+        ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
+        torch.float32
+    """
+
+    def __init__(
+        self,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        *,
+        enabled: bool = True,
+        cache: bool = False,
+        fp32: Iterable[str] = (),
+        lower: Iterable[str] = (),
+    ) -> None:
+        self.settings = session.autocast_settings(dtype, device, enabled=enabled, cache=cache)
+        self.oplists = OpLists.of(lower, fp32, source="this block")
+        if self.oplists and not enabled:
+            raise MpnbError("op lists act only under autocast; this block has autocast off (drop the lists or --off)")
+        self._scopes: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> AutocastSettings:
+        with contextlib.ExitStack() as scope:
+            scope.enter_context(self.settings.context())
+            if self.oplists:
+                scope.enter_context(OpListOverride(self.oplists, [self.settings.device.type]))
+            self._scopes.append(scope.pop_all())
+        return self.settings
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._scopes.pop().__exit__(*exc_info)
+
+    def __repr__(self) -> str:
+        return f"mpnb.autocast({self.settings.describe()})"
+
+
+def set_mode(mode: str | Mode, device: str | torch.device | None = None) -> Mode:
+    """Set the session precision mode: ``"off"``, ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``.
+
+    In IPython (after ``%load_ext mpnb``) every following cell runs in the mode; in a
+    script, ``with mpnb.autocast():`` blocks follow it. Invalid input changes nothing.
+
+    Example:
+        >>> set_mode("bf16", device="cpu")
+        <Mode.BF16: 'bf16'>
+        >>> set_mode("off")
+        <Mode.OFF: 'off'>
+    """
+    return session.set_mode(mode, device)
+
+
+def get_mode() -> Mode:
+    """The session precision mode.
+
+    Example:
+        >>> get_mode()
+        <Mode.OFF: 'off'>
+    """
+    return session.mode
+
+
+class tf32:  # noqa: N801 - a switch that is also a context manager, like torch.set_grad_enabled
+    """Turn reduced-precision fp32 math (TF32 on GPUs, bf16 math on CPUs) on or off.
+
+    Called, it switches for the session. Used with ``with``, it switches for the block
+    and then restores the mode and every flag exactly, on errors and interrupts too.
+
+    Args:
+        enabled: True for reduced-precision math; False to restore the flags.
+        device: the device whose flags to set; default the session device.
+
+    Example:
+        >>> with tf32(True, device="cpu"):
+        ...     torch.get_float32_matmul_precision()
+        'medium'
+        >>> torch.get_float32_matmul_precision()
+        'highest'
+    """
+
+    def __init__(self, enabled: bool = True, device: str | torch.device | None = None) -> None:
+        self._previous = session.snapshot()
+        session.set_tf32(enabled, device)
+
+    def __enter__(self) -> tf32:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        session.restore(self._previous)
+
+
+def set_oplists(lists: OpLists) -> OpLists:
+    """Make ``lists`` the session's op lists, live wherever autocast is on (``%oplist`` in IPython).
+
+    Example:
+        >>> _ = set_oplists(OpLists.preset("resnet50"))
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     torch.log_softmax(torch.randn(3), 0).dtype
+        torch.float32
+        >>> _ = set_oplists(OpLists())
+    """
+    for note in session.oplists.replace(lists):
+        print(f"mpnb: {note}")
+    return get_oplists()
+
+
+def get_oplists() -> OpLists:
+    """A copy of the session's op lists.
+
+    Example:
+        >>> get_oplists()
+        OpLists(lower={}, fp32={})
+    """
+    return session.oplists.lists.copy()

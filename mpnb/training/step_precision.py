@@ -1,0 +1,80 @@
+"""The precision a training loop runs in: a mode on a device, validated once.
+
+Example:
+    >>> p = TrainingPrecision.resolve("bf16", "cpu")
+    >>> p.autocast.dtype, p.needs_scaler
+    (torch.bfloat16, False)
+    >>> TrainingPrecision.resolve("fp16", "cpu").needs_scaler
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from mpnb.precision.autocast_settings import AutocastSettings
+from mpnb.precision.backends import backend_for
+from mpnb.precision.modes import Mode, parse_mode
+from mpnb.precision.policy import session
+
+__all__ = ["TrainingPrecision"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingPrecision:
+    """A validated mode and device, and what they mean for a training step.
+
+    Attributes:
+        mode: fp16 / bf16 autocast the forward pass; fp32 / tf32 set the fp32-math flags for
+            the run; off runs in fp32 and touches no flag.
+        device: where the model and batches live.
+        autocast: the autocast to wrap forward passes in (disabled for fp32-like modes, so
+            a surrounding ``%amp`` cell cannot leak into them).
+    """
+
+    mode: Mode
+    device: torch.device
+    autocast: AutocastSettings
+
+    @classmethod
+    def resolve(cls, mode: str | Mode | None = None, device: str | torch.device | None = None) -> TrainingPrecision:
+        """Fill what is not given from the session (``%amp`` / ``mpnb.set_mode``) and validate.
+
+        Raises:
+            MpnbError: unknown mode or device, or a dtype the device cannot autocast to.
+        """
+        chosen = session.mode if mode is None else parse_mode(mode)
+        dtype = chosen.autocast_dtype
+        settings = session.autocast_settings(dtype, device, enabled=dtype is not None)
+        return cls(chosen, settings.device, settings)
+
+    @property
+    def needs_scaler(self) -> bool:
+        """Only fp16 needs loss scaling; bf16 has fp32's range."""
+        return self.mode is Mode.FP16
+
+    @contextlib.contextmanager
+    def math_scope(self) -> Iterator[None]:
+        """Set the mode's fp32-math flags (fp32: exact, tf32: reduced) for a block.
+
+        The block borrows the session's one fp32-math switch; afterwards the flags are where
+        the session wants them, including a wish made during the block (``%tf32 on`` from a
+        widget while a fit runs).
+        """
+        level = self.mode.fp32_math
+        if level is None:
+            yield
+            return
+        session.fp32_math.set(backend_for(self.device), level)
+        try:
+            yield
+        finally:
+            session.apply_fp32_wish()
+
+    def describe(self) -> str:
+        """``"bf16 on cpu"``."""
+        return f"{self.mode.value} on {self.device}"

@@ -1,0 +1,180 @@
+"""Per-step telemetry without per-step host-device synchronisation.
+
+The :class:`Recorder` takes each step's values as they are: Python numbers stay on the host,
+tensors (loss, loss scale, skipped flag, gradient norm) stay on the device. Pending tensors
+are copied to the host together, in one transfer, every ``flush_every`` steps or when a
+sink asks for fresh data (a dashboard due to redraw). On CUDA this keeps the training loop
+free of ``.item()`` stalls; everything lands in one :class:`~mpnb.training.history.History`.
+
+One recorder, many sinks: a :class:`Sink` is told when new rows arrive and when the run
+ends (live plot, text progress, alarms, test callbacks).
+
+Example:
+    >>> import torch
+    >>> rec = Recorder(flush_every=2)
+    >>> rec.record(step=1, loss=torch.tensor(0.5), skipped=torch.tensor(False))
+    >>> len(rec.history), rec.pending
+    (0, 1)
+    >>> rec.record(step=2, loss=torch.tensor(0.25), skipped=torch.tensor(True))
+    >>> rec.history.loss, rec.history.skipped_steps, rec.host_transfers
+    ([0.5, 0.25], [2], 1)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mpnb.precision.backends import Backend
+from mpnb.training.history import COLUMNS, History, column_default
+
+__all__ = ["Recorder", "Sink", "MemorySampler", "MinScaleAlarm"]
+
+
+class Sink:
+    """Receives telemetry from a :class:`Recorder`. Override what you need.
+
+    Example:
+        >>> class Printer(Sink):
+        ...     def update(self, history):
+        ...         print(len(history), "steps")
+    """
+
+    def due(self, now: float) -> bool:
+        """True when this sink wants the pending rows now (the recorder then flushes early)."""
+        return False
+
+    def update(self, history: History) -> None:
+        """New rows were appended to ``history``."""
+
+    def close(self, history: History) -> None:
+        """The run (or this ``fit`` call) ended; ``history`` is complete."""
+
+
+class MemorySampler:
+    """Device memory, re-read at most every ``interval`` seconds (a CPU read costs ~0.2 ms).
+
+    Between reads the last sample is reported again: rows are per step, samples are not.
+    """
+
+    def __init__(self, backend: Backend, device: torch.device, interval: float = 0.05) -> None:
+        self.backend, self.device, self.interval = backend, device, interval
+        self._last_read = -math.inf
+        self._sample = (math.nan, math.nan, math.nan)
+
+    def sample(self, now: float) -> tuple[float, float, float]:
+        """``(used, peak, reserved)`` in bytes; NaN for what the device cannot report."""
+        if now - self._last_read >= self.interval:
+            snapshot = self.backend.memory(self.device.index)
+            self._sample = tuple(
+                math.nan if v is None else float(v) for v in (snapshot.used, snapshot.peak, snapshot.reserved)
+            )
+            self._last_read = now
+        return self._sample
+
+
+class MinScaleAlarm(Sink):
+    """Warns once when the loss scale falls below ``min_scale`` (fp16 gradients keep overflowing).
+
+    A collapsing scale means the model produces inf/NaN gradients at any scale: usually an
+    op that overflows fp16 in the forward pass. Checked at each flush, never per step.
+    """
+
+    def __init__(self, min_scale: float) -> None:
+        self.min_scale = min_scale
+        self.fired = False
+        self._checked = 0
+
+    def update(self, history: History) -> None:
+        scales = history.loss_scale
+        for index in range(self._checked, len(scales)):
+            if not self.fired and scales[index] < self.min_scale:
+                self.fired = True
+                step = history.step[index]
+                message = (
+                    f"loss scale fell to {scales[index]:g} at step {step}, below min_scale={self.min_scale:g}: "
+                    "gradients overflow fp16 at every scale; try bf16, or keep the overflowing op in fp32"
+                )
+                history.note(message, kind="min-scale alarm")
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+        self._checked = len(scales)
+
+
+class Recorder:
+    """Collects telemetry rows; moves tensor values to the host in batches.
+
+    Args:
+        history: where rows go (a fresh History by default).
+        flush_every: pending steps that force a flush.
+        sinks: told about new rows at every flush and about the end of the run.
+
+    Attributes:
+        host_transfers: how many device-to-host copies the recorder has made (one per flush
+            with tensor values); tests and benchmarks read it.
+    """
+
+    def __init__(self, history: History | None = None, *, flush_every: int = 64, sinks: Iterable[Sink] = ()) -> None:
+        if flush_every < 1:
+            raise ValueError(f"flush_every must be at least 1, got {flush_every}")
+        self.history = history if history is not None else History()
+        self.flush_every = flush_every
+        self.sinks: list[Sink] = list(sinks)
+        self.host_transfers = 0
+        self._pending: list[dict[str, Any]] = []
+
+    @property
+    def pending(self) -> int:
+        """Rows recorded but not yet copied to the history."""
+        return len(self._pending)
+
+    def record(self, **row: Any) -> None:
+        """Add one step's row: History column names to Python numbers or 0-dim tensors.
+
+        Never reads a tensor; flushes when ``flush_every`` rows are pending or a sink is due.
+        """
+        self._pending.append(row)
+        if len(self._pending) >= self.flush_every or self._sink_due():
+            self.flush()
+
+    def _sink_due(self) -> bool:
+        if not self.sinks:
+            return False
+        now = time.perf_counter()
+        return any(sink.due(now) for sink in self.sinks)
+
+    def flush(self) -> None:
+        """Copy pending rows to the history (one device-to-host transfer) and tell the sinks."""
+        if not self._pending:
+            return
+        rows, self._pending = self._pending, []
+        columns = {name: [row.get(name, column_default(COLUMNS[name][0])) for row in rows] for name in COLUMNS}
+        self._to_host(columns)
+        self.history.extend(columns)
+        for sink in self.sinks:
+            sink.update(self.history)
+
+    def close(self) -> None:
+        """Flush what is pending and tell every sink the run ended."""
+        self.flush()
+        for sink in self.sinks:
+            sink.close(self.history)
+
+    def _to_host(self, columns: dict[str, list[Any]]) -> None:
+        """Replace every tensor in ``columns`` by its value, with one copy per device."""
+        by_device: dict[torch.device, list[tuple[str, int, torch.Tensor]]] = {}
+        for name, values in columns.items():
+            for index, value in enumerate(values):
+                if isinstance(value, torch.Tensor):
+                    by_device.setdefault(value.device, []).append((name, index, value))
+        for entries in by_device.values():
+            packed = torch.stack([tensor.detach().reshape(()).to(torch.float32) for _, _, tensor in entries])
+            host_values = packed.to("cpu", torch.float64).tolist()
+            self.host_transfers += 1
+            for (name, index, _), value in zip(entries, host_values):
+                kind = COLUMNS[name][0]
+                columns[name][index] = bool(value) if kind is bool else int(value) if kind is int else value

@@ -1,0 +1,171 @@
+"""The precision magics: ``%%autocast``, ``%amp`` and ``%tf32`` (``%oplist`` is in :mod:`.oplist`).
+
+Each magic parses its arguments and calls one core function; anything a magic does, the
+Python API does too (``mpnb.autocast``, ``mpnb.set_mode``, ``mpnb.tf32``, ``mpnb.status``,
+``mpnb.set_oplists``, ``mpnb.trace``). Bad input raises UsageError naming the bad value and the
+valid ones, and changes nothing.
+
+Example (in IPython)::
+
+    %load_ext mpnb
+    %amp bf16
+    %%autocast --dtype fp16 --device cpu --fp32 softmax --trace
+    %tf32 status
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display
+
+from mpnb.oplists.trace import trace
+from mpnb.precision.backends import backend_for
+from mpnb.precision.modes import DTYPE_NAMES, MODE_NAMES
+from mpnb.precision.policy import autocast, session, tf32
+from mpnb.precision.status import status
+from mpnb.ui.magics.arguments import as_usage_error, choice, parse_line, with_semantics
+from mpnb.ui.magics.cell_runner import run_cell_body
+
+__all__ = ["PrecisionMagics"]
+
+_TF32_STATES = ("on", "off", "status")
+TRACE_VARIABLE = "_trace"
+
+
+def _op_names(values: list[list[str]] | None) -> list[str]:
+    """``--fp32 linear,addmm --fp32 mm`` -> ``["linear", "addmm", "mm"]``."""
+    return [name for group in values or [] for value in group for name in value.split(",") if name]
+
+
+@magics_class
+class PrecisionMagics(Magics):
+    """Precision-mode magics; see each magic's ``?`` help."""
+
+    @magic_arguments()
+    @argument(
+        "-d",
+        "--dtype",
+        help=f"autocast dtype: {' or '.join(DTYPE_NAMES)} (aliases float16/half, bfloat16). "
+        "Default: the %%amp mode's dtype, else the device's preferred one (bf16 where supported).",
+    )
+    @argument("--device", help="cpu, cuda, cuda:N or hpu. Default: the session device, else cuda > hpu > cpu.")
+    @argument("--off", action="store_true", help="run the cell with autocast off (overrides %%amp for this cell)")
+    @argument(
+        "--cache",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="keep cast copies of weights for the whole cell. Off by default: a cell that runs "
+        "optimizer steps under a cached autocast keeps using the first step's weights.",
+    )
+    @argument("--fp32", nargs="+", action="append", metavar="OP", help="ops to run in fp32 in this cell")
+    @argument("--lower", nargs="+", action="append", metavar="OP", help="ops to run in the autocast dtype in this cell")
+    @argument(
+        "--trace",
+        action="store_true",
+        help=f"record which op ran in which dtype and module; shown after the cell and kept in {TRACE_VARIABLE}",
+    )
+    @with_semantics
+    @cell_magic
+    def autocast(self, line: str, cell: str) -> object:
+        """Run this cell under torch.autocast; autocast state is restored exactly afterwards.
+
+        The dtype and device are checked first: a combination torch would silently run in
+        fp32 is an error here. The cell's own exceptions and interrupts reach you as usual.
+        ``--fp32`` / ``--lower`` change single ops for this cell only (see below).
+
+        Example::
+
+            %%autocast --dtype bf16 --fp32 layer_norm --trace
+            out = model(x)
+        """
+        __tracebackhide__ = True
+        args = parse_line(self.autocast, line)
+        if args.off and args.dtype:
+            raise UsageError(f"--off runs the cell without autocast; it takes no --dtype (got {args.dtype!r})")
+        with as_usage_error():
+            context = autocast(
+                args.dtype,
+                args.device,
+                enabled=not args.off,
+                cache=args.cache,
+                fp32=_op_names(args.fp32),
+                lower=_op_names(args.lower),
+            )
+        if not args.trace:
+            with context:
+                return run_cell_body(self.shell, cell)
+        recorder = trace()
+        try:
+            with context, recorder:
+                return run_cell_body(self.shell, cell)
+        finally:
+            self.shell.user_ns[TRACE_VARIABLE] = recorder.result
+            display(recorder.result)
+
+    @magic_arguments()
+    @argument(
+        "mode",
+        nargs="?",
+        default="status",
+        help=f"one of {', '.join(MODE_NAMES)} (aliases float32, float16/half, bfloat16), status (the default), "
+        "or panel (a control panel with every switch)",
+    )
+    @argument("--device", help="cpu, cuda, cuda:N or hpu. Default: cuda > hpu > cpu.")
+    @line_magic
+    def amp(self, line: str) -> object:
+        """Set the session precision mode for every following cell, or show the status.
+
+        Modes: off (mpnb changes nothing), fp32 (exact fp32), tf32 (reduced-precision fp32
+        math), fp16 and bf16 (autocast). ``%%autocast`` overrides the mode for one cell.
+
+        Example::
+
+            %amp bf16
+            %amp status
+            %amp panel
+        """
+        args = parse_line(self.amp, line)
+        if args.mode.strip().lower() in ("status", "panel"):
+            if args.device:
+                raise UsageError(f"--device goes with a mode, not with {args.mode} (got --device {args.device!r})")
+            if args.mode.strip().lower() == "panel":
+                from mpnb.ui.widgets.panel import panel
+
+                panel()
+                return None
+            return status()
+        with as_usage_error():
+            mode = session.set_mode(args.mode, args.device)
+        print(f"mpnb: mode {mode.value} on {session.resolved_device()}: {mode.summary}")
+        for note in session.warnings():
+            print(f"mpnb warning: {note}")
+        return None
+
+    @magic_arguments()
+    @argument("state", nargs="?", default="status", help="on, off, or status (the default)")
+    @argument("--device", help="the device whose flags to switch. Default: the session device.")
+    @line_magic
+    def tf32(self, line: str) -> object:
+        """Switch reduced-precision fp32 math: TF32 on NVIDIA GPUs, oneDNN bf16 math on CPUs.
+
+        ``on`` lets fp32 matmuls and convolutions use faster, less precise math; ``off``
+        restores every flag to what it was before. In modes fp32 and tf32 the mode owns
+        this switch, so ``on``/``off`` move between those two modes.
+
+        Example::
+
+            %tf32 on
+            %tf32 status
+        """
+        args = parse_line(self.tf32, line)
+        state = choice("%tf32 state", args.state, _TF32_STATES)
+        with as_usage_error():
+            if state != "status":
+                tf32(state == "on", args.device)
+            device = session.resolved_device() if args.device is None else args.device
+            print(f"mpnb: fp32 math on {device}: {backend_for(device).describe_fp32_math()}")
+        return None

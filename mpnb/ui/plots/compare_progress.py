@@ -1,0 +1,190 @@
+"""Progress of a comparison while it runs: overlaid live curves in a notebook, a bar per mode elsewhere.
+
+:class:`LiveComparison` draws every mode's loss and step time into one FigureWidget as the
+modes train, one colour per mode, so the curves overlay as they arrive; the table appears
+under the plot when the last mode ends. :class:`TextComparison` prints a progress bar per
+mode (rewritten in place on a terminal, a line every few seconds in a log).
+
+Example:
+    >>> import io
+    >>> from mpnb.training.history import History
+    >>> out = io.StringIO()
+    >>> view = TextComparison(["bf16"], interval=0, stream=out)
+    >>> h = History()
+    >>> h.extend({"step": [1, 2], "loss": [0.9, 0.7], "step_time": [0.02, 0.01]})
+    >>> view.sink_for("bf16", 4, warmup=1).update(h)
+    >>> out.getvalue().splitlines()[-1]
+    'bf16  [##########----------]    2/4 steps  10.0 ms/step  loss 0.7'
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from mpnb.analysis.comparison import Comparison, ComparisonProgress, ModeResult
+from mpnb.training.history import History
+from mpnb.training.telemetry import Sink
+from mpnb.ui.plots.pacing import PacedPlot
+
+__all__ = ["LiveComparison", "TextComparison", "make_comparison_progress"]
+
+_BAR_WIDTH = 20
+
+
+def make_comparison_progress(kind: str, modes: Sequence[str], title: str = "") -> ComparisonProgress:
+    """The view for ``kind`` (``"auto"``, ``"live"``, ``"text"``); a live one is displayed now."""
+    from mpnb.ui.environment import display_kind
+
+    if display_kind(kind, "comparison") == "text":
+        return TextComparison(modes)
+    from IPython.display import display
+
+    view = LiveComparison(modes, title)
+    display(view.widget)
+    return view
+
+
+def _latest(history: History) -> tuple[int, float, float]:
+    last = len(history) - 1
+    return history.step[last], history.step_time[last], history.loss[last]
+
+
+class TextComparison(ComparisonProgress):
+    """A progress bar per mode, and a line when each mode ends.
+
+    Args:
+        modes: the modes in the order they run (for aligned names).
+        interval: seconds between lines when the stream is not a terminal.
+        stream: where to print (stdout).
+    """
+
+    def __init__(self, modes: Sequence[str], *, interval: float = 2.0, stream: TextIO | None = None) -> None:
+        self.width = max((len(mode) for mode in modes), default=4)
+        self.interval, self.stream = interval, stream
+
+    def _out(self) -> TextIO:
+        return self.stream or sys.stdout
+
+    def sink_for(self, mode: str, steps: int, warmup: int = 0) -> Sink:
+        return _TextBar(self, mode, steps)
+
+    def finished(self, result: ModeResult) -> None:
+        name = result.mode.ljust(self.width)
+        if result.skipped_reason:
+            line = f"{name}  not run: {result.skipped_reason}"
+        else:
+            line = f"{name}  done: {len(result.history)} steps, median {result.median_step_s * 1e3:.1f} ms/step"
+        print(line, file=self._out(), flush=True)
+
+
+class _TextBar(Sink):
+    def __init__(self, view: TextComparison, mode: str, steps: int) -> None:
+        self.view, self.mode, self.steps = view, mode, steps
+        self.tty = bool(getattr(view._out(), "isatty", lambda: False)())
+        self._last = -math.inf
+
+    def due(self, now: float) -> bool:
+        return self.tty or now - self._last >= self.view.interval
+
+    def update(self, history: History) -> None:
+        now = time.perf_counter()
+        if len(history) and self.due(now):
+            self._last = now
+            self._show(history)
+
+    def close(self, history: History) -> None:
+        if self.tty and len(history):
+            self._show(history)
+            print(file=self.view._out(), flush=True)
+
+    def _show(self, history: History) -> None:
+        step, step_time, loss = _latest(history)
+        filled = min(_BAR_WIDTH, round(_BAR_WIDTH * step / self.steps))
+        line = (
+            f"{self.mode.ljust(self.view.width)}  [{'#' * filled}{'-' * (_BAR_WIDTH - filled)}]  "
+            f"{step:>{len(str(self.steps))}}/{self.steps} steps  {step_time * 1e3:.1f} ms/step  loss {loss:.4g}"
+        )
+        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", file=self.view._out(), flush=True)
+
+
+class LiveComparison(ComparisonProgress):
+    """Loss and step time of every mode overlaid in one FigureWidget, drawn while the modes train.
+
+    Args:
+        modes: one pair of lines per mode, in this order.
+        title: shown above the plot.
+        min_interval, max_share: redraw pacing (see :class:`~mpnb.ui.plots.pacing.RedrawPacer`).
+        max_points: points per line in one redraw (streaming min/max decimation).
+        show_table: put the comparison table under the plot when the last mode ends.
+
+    Attributes:
+        widget: status line, figure and (at the end) the table; display it to see it.
+        figure: the FigureWidget; traces ``2 * i`` (loss) and ``2 * i + 1`` (step time) are mode ``i``'s.
+    """
+
+    def __init__(
+        self,
+        modes: Sequence[str],
+        title: str = "",
+        *,
+        min_interval: float = 0.25,
+        max_share: float = 0.01,
+        max_points: int = 500,
+        show_table: bool = True,
+    ) -> None:
+        import ipywidgets as widgets
+        import plotly.graph_objects as go
+
+        from mpnb.ui.plots.compare_report import empty_comparison_figure
+
+        self.figure = go.FigureWidget(empty_comparison_figure(modes, title))
+        self.modes = list(modes)
+        self.pacing = {"min_interval": min_interval, "max_share": max_share, "max_points": max_points}
+        self.status = widgets.HTML()
+        self.table = widgets.HTML()
+        self.show_table = show_table
+        self.widget = widgets.VBox([self.status, self.figure, self.table])
+
+    def sink_for(self, mode: str, steps: int, warmup: int = 0) -> Sink:
+        self.status.value = f"training <b>{html.escape(mode)}</b> ({steps} steps)"
+        return _LiveLines(self.figure, 2 * self.modes.index(mode), warmup, **self.pacing)
+
+    def finished(self, result: ModeResult) -> None:
+        if result.skipped_reason:
+            self.status.value = f"{html.escape(result.mode)} not run: {html.escape(result.skipped_reason)}"
+
+    def close(self, comparison: Comparison) -> None:
+        ran = sum(result.history is not None for result in comparison.results)
+        self.status.value = f"done: {ran} of {len(comparison.results)} mode(s) ran"
+        if self.show_table:
+            self.table.value = comparison._repr_html_()
+
+
+class _LiveLines(PacedPlot):
+    """One mode's two lines in a :class:`LiveComparison` figure: loss, and step time after warm-up."""
+
+    def __init__(
+        self, figure, first_trace: int, warmup: int, *, min_interval: float, max_share: float, max_points: int
+    ) -> None:
+        from mpnb.ui.plots.decimate import MinMaxSeries
+
+        super().__init__(min_interval, max_share)
+        self.figure, self.traces = figure, [first_trace, first_trace + 1]
+        self.loss, self.step_time = MinMaxSeries(max_points), MinMaxSeries(max_points)
+        self._seen, self.warmup = 0, warmup
+
+    def _ingest(self, history: History) -> None:
+        steps = history.step[self._seen :]
+        self.loss.extend(steps, history.loss[self._seen :])
+        timed = max(self._seen, self.warmup)
+        self.step_time.extend(history.step[timed:], [seconds * 1e3 for seconds in history.step_time[timed:]])
+        self._seen = len(history)
+
+    def _draw(self) -> None:
+        (loss_x, loss_y), (time_x, time_y) = self.loss.points(), self.step_time.points()
+        self.figure.plotly_restyle({"x": [loss_x, time_x], "y": [loss_y, time_y]}, trace_indexes=self.traces)

@@ -1,0 +1,119 @@
+"""The four-panel training dashboard as a plotly figure: loss, loss scale, memory, throughput.
+
+Used by the live widget (:mod:`mpnb.ui.plots.live`), by ``History.plot()`` and by the HTML
+report of ``mpnb train``: one layout, one mapping from history rows to traces.
+
+Example:
+    >>> from mpnb.training.history import History
+    >>> h = History()
+    >>> h.extend({"step": [1, 2], "loss": [1.0, 0.5], "loss_scale": [8.0, 4.0], "skipped": [True, False]})
+    >>> fig = dashboard_figure(h)
+    >>> [t.name for t in fig.data]
+    ['loss', 'loss scale', 'skipped step', 'memory in use', 'peak memory', 'samples/s']
+    >>> fig.data[2].x.tolist()
+    [1.0]
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from mpnb.training.history import History
+
+__all__ = ["TRACES", "dashboard_figure", "empty_figure", "mark_switch", "switch_events", "trace_points"]
+
+MIB = 2.0**20
+
+#: Trace name -> (row, column) of its panel.
+TRACES: dict[str, tuple[int, int]] = {
+    "loss": (1, 1),
+    "loss scale": (1, 2),
+    "skipped step": (1, 2),
+    "memory in use": (2, 1),
+    "peak memory": (2, 1),
+    "samples/s": (2, 2),
+}
+
+_STYLE = {
+    "loss": {"line": {"color": "#1f77b4"}},
+    "loss scale": {"line": {"color": "#2ca02c", "shape": "hv"}},
+    "skipped step": {"mode": "markers", "marker": {"color": "#d62728", "symbol": "x", "size": 9}},
+    "memory in use": {"line": {"color": "#9467bd"}},
+    "peak memory": {"line": {"color": "#9467bd", "dash": "dot"}},
+    "samples/s": {"line": {"color": "#ff7f0e"}},
+}
+
+
+def empty_figure(title: str = "") -> go.Figure:
+    """The dashboard layout with every trace present and empty."""
+    figure = make_subplots(
+        rows=2,
+        cols=2,
+        subplot_titles=("loss", "loss scale (x = skipped step)", "memory (MiB)", "throughput (samples/s)"),
+        horizontal_spacing=0.1,
+        vertical_spacing=0.16,
+    )
+    for name, (row, col) in TRACES.items():
+        figure.add_trace(go.Scatter(x=[], y=[], name=name, **{"mode": "lines", **_STYLE[name]}), row=row, col=col)
+    figure.update_yaxes(type="log", row=1, col=2)
+    figure.update_xaxes(title_text="step", row=2)
+    figure.update_layout(
+        title={"text": title, "font": {"size": 14}},
+        height=520,
+        margin={"l": 50, "r": 20, "t": 70, "b": 40},
+        legend={"orientation": "h", "y": -0.12},
+        template="plotly_white",
+    )
+    return figure
+
+
+def trace_points(history: History, start: int = 0) -> dict[str, tuple[list[float], list[float]]]:
+    """Per trace, the (x, y) points of history rows ``start`` onwards (steps on x)."""
+    steps = history.step[start:]
+    scales = history.loss_scale[start:]
+    skipped = history.skipped[start:]
+    return {
+        "loss": (steps, history.loss[start:]),
+        "loss scale": (steps, scales),
+        "skipped step": ([s for s, k in zip(steps, skipped) if k], [v for v, k in zip(scales, skipped) if k]),
+        "memory in use": (steps, [v / MIB for v in history.memory_used[start:]]),
+        "peak memory": (steps, [v / MIB for v in history.memory_peak[start:]]),
+        "samples/s": (steps, history.samples_per_s[start:]),
+    }
+
+
+def switch_events(history: History, start: int = 0) -> list[dict]:
+    """The history's switch events (a mode, fp32-math or op-list change during a run), ``start`` onwards."""
+    return [event for event in history.events[start:] if event.get("kind") == "switch"]
+
+
+def mark_switch(figure: go.Figure, event: dict) -> None:
+    """A dotted vertical line on every panel where a switch took effect, labelled on the loss panel."""
+    x = event["step"] - 0.5  # between the last step before the switch and the first after it
+    figure.add_vline(x=x, line={"dash": "dot", "color": "#555", "width": 1}, row="all", col="all")
+    figure.add_annotation(
+        x=x,
+        y=1,
+        yref="y domain",
+        text=event["message"],
+        showarrow=False,
+        xanchor="left",
+        font={"size": 10},
+        row=1,
+        col=1,
+    )
+
+
+def dashboard_figure(history: History, title: str | None = None) -> go.Figure:
+    """A static dashboard of a whole history (every point; no decimation)."""
+    figure = empty_figure(history.meta.get("model", "") if title is None else title)
+    for trace, (xs, ys) in zip(figure.data, trace_points(history).values()):
+        trace.x = np.asarray(xs, dtype=np.float64)
+        trace.y = np.asarray([v if math.isfinite(v) else math.nan for v in ys], dtype=np.float64)
+    for event in switch_events(history):
+        mark_switch(figure, event)
+    return figure

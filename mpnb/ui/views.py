@@ -1,0 +1,71 @@
+"""The UI's side of :mod:`mpnb.views`: the training dashboard, the history figure, compare progress.
+
+``import mpnb`` calls :func:`install`. Each factory imports its widget and plotting libraries
+only when it is called, so installing them keeps ``import mpnb`` free of IPython, ipywidgets
+and plotly.
+
+Example:
+    >>> [type(sink).__name__ for sink in make_dashboard("text", "demo")]
+    ['TextProgress']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from mpnb import views
+from mpnb.ui.environment import display_kind
+
+if TYPE_CHECKING:
+    from mpnb.analysis.comparison import ComparisonProgress
+    from mpnb.training.control import FitControl
+    from mpnb.training.history import History
+    from mpnb.training.telemetry import Sink
+
+__all__ = ["install", "make_dashboard", "history_figure", "comparison_progress"]
+
+
+def make_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> list[Sink]:
+    """Sinks for ``kind`` (see :func:`~mpnb.ui.environment.display_kind`); a live dashboard is displayed now.
+
+    With a ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot.
+    """
+    from mpnb.ui.plots.text import TextProgress
+
+    if display_kind(kind) == "text":
+        return [TextProgress(title)]
+    from IPython.display import display
+
+    from mpnb.ui.plots.live import LiveDashboard
+
+    dashboard = LiveDashboard(title)
+    if control is None:
+        display(dashboard.figure)
+        return [dashboard]
+    from ipywidgets import VBox
+
+    from mpnb.ui.widgets.fit_controls import FitButtons
+
+    buttons = FitButtons(control)
+    display(VBox([buttons.widget, dashboard.figure]))
+    return [dashboard, buttons]
+
+
+def history_figure(history: History) -> Any:
+    """A static plotly figure of a run: loss, loss scale with skipped steps, memory, throughput."""
+    from mpnb.ui.plots.figure import dashboard_figure
+
+    return dashboard_figure(history)
+
+
+def comparison_progress(kind: str, modes: Sequence[str], title: str = "") -> ComparisonProgress:
+    """Overlaid live curves in a notebook, a progress bar per mode elsewhere (see ``kind`` above)."""
+    from mpnb.ui.plots.compare_progress import make_comparison_progress
+
+    return make_comparison_progress(kind, modes, title)
+
+
+def install() -> None:
+    """Make these the views the core uses."""
+    views.provide(dashboard=make_dashboard, history_figure=history_figure, comparison_progress=comparison_progress)

@@ -1,0 +1,214 @@
+"""The control panel: the session's switches as ipywidgets, in sync with the magics both ways.
+
+The panel's state is a traitlets object (:class:`PanelState`); widgets are linked to it and
+each change of state calls the same core function a magic calls (``session.set_mode``,
+``session.set_tf32``, ``session.oplists.add`` ...). The panel listens to the session, so
+``%amp bf16`` in a cell moves the panel's buttons, and a click on the panel changes the mode
+the next cell runs in, or, while a fit runs, the mode of its next step. Invalid input is
+refused with a visible message and changes nothing; after ``%unload_ext mpnb`` the panel
+is disabled with a note.
+
+Example:
+    >>> from mpnb.precision.policy import session
+    >>> panel = ControlPanel()
+    >>> panel.mode.value = "bf16"          # a click on bf16
+    >>> session.mode.value
+    'bf16'
+    >>> _ = session.set_mode("fp32")       # what %amp fp32 does
+    >>> panel.mode.value
+    'fp32'
+    >>> panel.close(); session.reset()
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+
+import ipywidgets as widgets
+import traitlets
+
+from mpnb.errors import MpnbError
+from mpnb.oplists.lists import LIST_NAMES, PRESETS
+from mpnb.precision.backends import available_device_types
+from mpnb.precision.modes import MODE_NAMES, Fp32Math
+from mpnb.precision.policy import Session, session
+
+__all__ = ["ControlPanel", "PanelState", "panel"]
+
+_MODES = MODE_NAMES  # off, fp32, tf32, fp16, bf16
+
+
+class PanelState(traitlets.HasTraits):
+    """What the panel shows; widgets are linked to these traits."""
+
+    mode = traitlets.Unicode("off")
+    device = traitlets.Unicode("")
+    reduced_fp32_math = traitlets.Bool(False)
+    status = traitlets.Unicode("")
+    message = traitlets.Unicode("")
+    lists = traitlets.Unicode("")
+    enabled = traitlets.Bool(True)
+
+
+class ControlPanel:
+    """Precision mode, device, fp32 math and op lists for ``session``, as widgets.
+
+    Attributes:
+        state: the declarative state (:class:`PanelState`).
+        widget: the whole panel, to display.
+    """
+
+    def __init__(self, owner: Session = session) -> None:
+        self.session = owner
+        self.state = PanelState()
+        self._syncing = False
+        self.mode = widgets.ToggleButtons(options=_MODES, description="mode", style={"button_width": "64px"})
+        self.device = widgets.Dropdown(options=available_device_types(), description="device")
+        self.reduced_fp32_math = widgets.Checkbox(description="reduced-precision fp32 math (TF32 / bf16 math)")
+        self.list_name = widgets.Dropdown(options=LIST_NAMES, description="op list", layout={"width": "170px"})
+        self.op_names = widgets.Text(placeholder="linear, F.softmax, aten::addmm", layout={"width": "260px"})
+        self.add_button = widgets.Button(description="add", tooltip="put these ops on the list")
+        self.remove_button = widgets.Button(description="remove", tooltip="take these ops off the list")
+        self.preset = widgets.Dropdown(options=list(PRESETS), description="preset", layout={"width": "190px"})
+        self.preset_button = widgets.Button(description="load preset")
+        self.reset_button = widgets.Button(description="reset lists", tooltip="torch's own autocast rules")
+        self.lists_view = widgets.HTML()
+        self.status_view = widgets.HTML()
+        self.message_view = widgets.HTML()
+        self.widget = widgets.VBox(
+            [
+                self.mode,
+                widgets.HBox([self.device, self.reduced_fp32_math]),
+                widgets.HBox([self.list_name, self.op_names, self.add_button, self.remove_button]),
+                widgets.HBox([self.preset, self.preset_button, self.reset_button]),
+                self.lists_view,
+                self.status_view,
+                self.message_view,
+            ]
+        )
+        for name in ("mode", "device", "reduced_fp32_math"):
+            traitlets.link((getattr(self, name), "value"), (self.state, name))
+        traitlets.dlink((self.state, "status"), (self.status_view, "value"))
+        traitlets.dlink((self.state, "lists"), (self.lists_view, "value"))
+        traitlets.dlink((self.state, "message"), (self.message_view, "value"))
+        self.state.observe(self._on_enabled, "enabled")
+        self.state.observe(self._on_mode, "mode")
+        self.state.observe(self._on_device, "device")
+        self.state.observe(self._on_fp32_math, "reduced_fp32_math")
+        self.add_button.on_click(lambda _: self._edit_lists(self.session.oplists.add, self.list_name.value))
+        self.remove_button.on_click(lambda _: self._edit_lists(self.session.oplists.remove, self.list_name.value))
+        self.preset_button.on_click(lambda _: self._apply(lambda: self.session.oplists.preset(self.preset.value)))
+        self.reset_button.on_click(lambda _: self._apply(self.session.oplists.reset))
+        self._unsubscribe = owner.subscribe(self._on_session)
+        self.refresh()
+
+    # -- core -> panel -------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Show what the session holds now."""
+        self._syncing = True
+        try:
+            device = self.session.resolved_device()
+            if device.type not in self.device.options:
+                self.device.options = (*self.device.options, device.type)
+            self.state.mode = self.session.mode.value
+            self.state.device = device.type
+            self.state.reduced_fp32_math = self.session.fp32_math.level is Fp32Math.REDUCED
+            self.state.status = _status_html(self.session)
+            self.state.lists = _lists_html(self.session)
+        finally:
+            self._syncing = False
+
+    def _on_session(self, what: str) -> None:
+        if what == "unloaded":
+            self.state.enabled = False
+            self.state.message = _note(
+                "mpnb was unloaded: this panel is off. <code>%load_ext mpnb</code>, then a new panel."
+            )
+            return
+        self.refresh()
+
+    # -- panel -> core -------------------------------------------------------------------
+
+    def _apply(self, change: Callable[[], object]) -> bool:
+        """Run one core call; on bad input show why, change nothing, and show the session as it is."""
+        try:
+            notes = change()
+        except MpnbError as error:
+            self.state.message = _note(str(error), error=True)
+            self.refresh()
+            return False
+        self.state.message = _note("; ".join(notes)) if isinstance(notes, list) and notes else ""
+        self.refresh()
+        return True
+
+    def _on_mode(self, change: dict) -> None:
+        if not self._syncing:
+            self._apply(lambda: self.session.set_mode(change["new"], self.state.device))
+
+    def _on_device(self, change: dict) -> None:
+        if not self._syncing:
+            self._apply(lambda: self.session.set_mode(self.session.mode, change["new"]))
+
+    def _on_fp32_math(self, change: dict) -> None:
+        if not self._syncing:
+            self._apply(lambda: self.session.set_tf32(change["new"]))
+
+    def _edit_lists(self, edit: Callable[[str, list[str]], list[str]], which: str) -> None:
+        names = [name for name in self.op_names.value.replace(",", " ").split() if name]
+        if not names:
+            self.state.message = _note("type one or more op names first (e.g. linear, F.softmax)", error=True)
+            return
+        if self._apply(lambda: edit(which, names)):
+            self.op_names.value = ""
+
+    def _on_enabled(self, change: dict) -> None:
+        for child in (self.mode, self.device, self.reduced_fp32_math, self.list_name, self.op_names):
+            child.disabled = not change["new"]
+        for button in (self.add_button, self.remove_button, self.preset, self.preset_button, self.reset_button):
+            button.disabled = not change["new"]
+
+    def close(self) -> None:
+        """Stop listening to the session and close the widgets."""
+        self._unsubscribe()
+        pending = [self.widget]
+        while pending:
+            widget = pending.pop()
+            pending.extend(getattr(widget, "children", ()))
+            widget.close()
+
+    def __repr__(self) -> str:
+        return f"<mpnb.ControlPanel mode={self.state.mode} device={self.state.device}>"
+
+
+def _note(text: str, error: bool = False) -> str:
+    color = "#b00020" if error else "#555"
+    return f'<span style="color:{color}">{text if "<code>" in text else html.escape(text)}</span>'
+
+
+def _status_html(owner: Session) -> str:
+    mode = owner.mode
+    lines = [f"<b>{mode.value}</b> on {html.escape(str(owner.resolved_device()))}: {html.escape(mode.summary)}"]
+    lines += [f'<span style="color:#a15c00">warning: {html.escape(note)}</span>' for note in owner.warnings()]
+    return "<br>".join(lines)
+
+
+def _lists_html(owner: Session) -> str:
+    lists = owner.oplists.lists
+    if not lists:
+        return "op lists: none (torch's own autocast rules)"
+    parts = [
+        f"{which}: {html.escape(', '.join(sorted(entries))) or '-'}"
+        for which, entries in (("lower", lists.lower), ("fp32", lists.fp32))
+    ]
+    return "op lists: " + "; ".join(parts)
+
+
+def panel() -> ControlPanel:
+    """Show a control panel for the session and return it (``%amp panel`` does the same)."""
+    from IPython.display import display
+
+    control_panel = ControlPanel()
+    display(control_panel.widget)
+    return control_panel

@@ -1,0 +1,115 @@
+"""Op lists: presets, files, validation, and live enforcement on torch's autocast keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mpnb.examples as ex
+from mpnb.errors import InvalidChoiceError
+from mpnb.oplists.lists import OpLists, aten_overloads
+from mpnb.oplists.override import OpListOverride
+
+LISTED = ("linear", "softmax", "matmul", "addmm", "conv2d", "log_softmax", "mul")
+
+
+def dispatcher_state() -> dict[str, str]:
+    return {name: torch._C._dispatch_dump(f"aten::{name}") for name in LISTED}
+
+
+def test_presets_hold_habanas_lists():
+    hmp = OpLists.preset("hmp")
+    assert len(hmp.lower) == 22 and len(hmp.fp32) == 15
+    assert {"linear", "conv2d", "layer_norm", "t"} <= set(hmp.lower)
+    assert {"softmax", "cross_entropy", "truediv", "topk"} <= set(hmp.fp32)
+    assert set(hmp.lower.values()) == {"preset hmp"}
+    resnet = OpLists.preset("resnet50")
+    assert sorted(resnet.fp32) == ["cross_entropy", "log_softmax", "nll_loss", "softmax", "topk"]
+    assert not OpLists.preset("torch")
+    with pytest.raises(InvalidChoiceError, match="unknown preset 'bert'; valid: torch, hmp, resnet50"):
+        OpLists.preset("bert")
+
+
+def test_add_moves_between_lists_and_bad_names_change_nothing():
+    lists = OpLists()
+    lists.add("lower", ["linear", "softmax"])
+    lists.add("fp32", ["softmax"], source="cell")
+    assert dict(lists.lower) == {"linear": "user"} and dict(lists.fp32) == {"softmax": "cell"}
+    with pytest.raises(InvalidChoiceError, match="unknown op 'lineer'; valid: linear"):
+        lists.add("fp32", ["matmul", "lineer"])
+    assert "matmul" not in lists.fp32
+    with pytest.raises(InvalidChoiceError, match="unknown list 'bf8'; valid: lower, fp32"):
+        lists.add("bf8", ["mm"])
+    with pytest.raises(InvalidChoiceError, match="unknown op on the fp32 list 'mm'; valid: softmax"):
+        lists.remove("fp32", ["mm"])
+    lists.remove("fp32", ["softmax"])
+    assert not lists.fp32
+
+
+def test_aliases_resolve_to_the_aten_ops_they_mean():
+    assert {str(op) for op in aten_overloads("cross_entropy")} == {"aten.cross_entropy_loss.default"}
+    assert "aten.div.Tensor" in {str(op) for op in aten_overloads("truediv")}
+    assert all("out" not in str(op) for op in aten_overloads("softmax"))
+
+
+def test_files_round_trip_in_habanas_format(tmp_path):
+    (tmp_path / "bf16.txt").write_text("# ops that run in bf16\nlinear\n\nconv2d  # the convs\n")
+    (tmp_path / "fp32.txt").write_text("softmax\n")
+    lists = OpLists.from_files(tmp_path / "bf16.txt", tmp_path / "fp32.txt")
+    assert dict(lists.lower) == {"linear": "bf16.txt", "conv2d": "bf16.txt"} and list(lists.fp32) == ["softmax"]
+    lower_path, fp32_path = lists.save(tmp_path / "saved")
+    again = OpLists.from_files(lower_path, fp32_path)
+    assert sorted(again.lower) == ["conv2d", "linear"] and list(again.fp32) == ["softmax"]
+
+
+def test_override_changes_dtypes_only_inside_autocast_and_undoes_exactly():
+    linear, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    before = dispatcher_state()
+    lists = OpLists()
+    lists.add("fp32", ["linear"])
+    lists.add("lower", ["softmax"])
+    with OpListOverride(lists, ["cpu"]) as override:
+        assert override.active
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = linear(x)
+            soft = torch.softmax(x, dim=-1)
+        assert linear(x).dtype == torch.float32 and torch.softmax(x, -1).dtype == torch.float32
+        out.sum().backward()
+    assert out.dtype == torch.float32 and soft.dtype == torch.bfloat16
+    assert linear.weight.grad is not None and linear.weight.grad.dtype == torch.float32
+    assert dispatcher_state() == before
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(x).dtype == torch.bfloat16 and torch.softmax(x, -1).dtype == torch.float32
+
+
+def test_override_is_released_when_the_block_raises():
+    before = dispatcher_state()
+    with pytest.raises(ZeroDivisionError):
+        with OpListOverride(OpLists.preset("hmp"), ["cpu"]):
+            _ = 1 / 0
+    assert dispatcher_state() == before
+
+
+def test_lower_list_follows_the_current_autocast_dtype():
+    lists = OpLists()
+    lists.add("lower", ["softmax"])
+    x = torch.randn(3, 5)
+    with OpListOverride(lists, ["cpu"]):
+        for dtype in (torch.bfloat16, torch.float16):
+            with torch.autocast("cpu", dtype=dtype):
+                assert torch.softmax(x, -1).dtype == dtype
+
+
+def test_training_under_habanas_lists_learns():
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(8, 16), dashboard=None)
+    with OpListOverride(OpLists.preset("hmp"), ["cpu"]):
+        history = trainer.fit(train, max_steps=15)
+    assert history.loss[-1] < history.loss[0]
+
+
+@pytest.mark.parametrize("name", ["t.0", "aten::softmax.nope"])
+def test_an_unknown_overload_is_named_whole_with_the_valid_ones(name):
+    with pytest.raises(InvalidChoiceError) as error:
+        OpLists.of(fp32=[name])
+    message = str(error.value)
+    assert repr(name) in message and "valid: " in message and "Or write just" in message

@@ -1,0 +1,139 @@
+"""The fp32-math switch restores torch's flags exactly, from any starting state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpnb.precision.backends import backend_for
+from mpnb.precision.fp32math import Fp32MathSnapshot, Fp32MathSwitch, read_flags
+from mpnb.precision.modes import Fp32Math
+
+PRISTINE = Fp32MathSnapshot.capture()
+
+
+def _legacy_high():
+    torch.set_float32_matmul_precision("high")
+
+
+def _legacy_medium():
+    torch.set_float32_matmul_precision("medium")
+
+
+def _cudnn_off():
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _fine_grained_conv():
+    torch.backends.mkldnn.conv.fp32_precision = "bf16"
+
+
+def _fine_grained_matmul():  # leaves the legacy getters raising: the user's own doing
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+
+
+START_STATES = {
+    "torch defaults": lambda: None,
+    "legacy high": _legacy_high,
+    "legacy medium": _legacy_medium,
+    "cudnn tf32 off": _cudnn_off,
+    "fine-grained conv": _fine_grained_conv,
+    "fine-grained matmul": _fine_grained_matmul,
+}
+
+ACTIONS = {
+    "cpu reduced": [("cpu", Fp32Math.REDUCED)],
+    "cpu exact": [("cpu", Fp32Math.EXACT)],
+    "cuda reduced": [("cuda", Fp32Math.REDUCED)],
+    "cuda exact": [("cuda", Fp32Math.EXACT)],
+    "cpu reduced, then cuda exact": [("cpu", Fp32Math.REDUCED), ("cuda", Fp32Math.EXACT)],
+}
+
+
+@pytest.fixture
+def start_state(request):
+    START_STATES[request.param]()
+    yield request.param
+    PRISTINE.restore()
+
+
+def _raising(flags):
+    return {name for name, value in flags.items() if str(value).startswith("error:")}
+
+
+@pytest.mark.parametrize("start_state", list(START_STATES), indirect=True)
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_release_restores_every_getter_exactly(start_state, action):
+    before = read_flags()
+    switch = Fp32MathSwitch()
+    for device_type, level in ACTIONS[action]:
+        switch.set(backend_for(device_type), level)
+        # mpnb never makes a getter raise that did not raise before.
+        assert _raising(read_flags()) <= _raising(before)
+    switch.release()
+    assert read_flags() == before
+
+
+def test_pristine_flags_are_all_readable():
+    assert _raising(read_flags()) == set()
+
+
+def test_levels_set_the_documented_flags():
+    switch = Fp32MathSwitch()
+    switch.set(backend_for("cpu"), Fp32Math.REDUCED)
+    assert torch.get_float32_matmul_precision() == "medium"
+    assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+    assert torch.backends.mkldnn.conv.fp32_precision == "bf16"
+    assert (switch.level, switch.backend.type) == (Fp32Math.REDUCED, "cpu")
+    switch.set(backend_for("cuda"), Fp32Math.REDUCED)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert torch.backends.mkldnn.conv.fp32_precision == "none"  # the cpu level was undone first
+    switch.set(backend_for("cuda"), Fp32Math.EXACT)
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    switch.release()
+    assert switch.level is None and switch.backend is None
+
+
+def test_release_without_set_changes_nothing():
+    before = read_flags()
+    Fp32MathSwitch().release()
+    assert read_flags() == before
+
+
+def test_failed_apply_restores_and_reraises():
+    class Broken(type(backend_for("cpu"))):
+        def apply_fp32_math(self, level, legacy=True):
+            torch.set_float32_matmul_precision("medium")
+            raise KeyboardInterrupt
+
+    before = read_flags()
+    switch = Fp32MathSwitch()
+    with pytest.raises(KeyboardInterrupt):
+        switch.set(Broken(), Fp32Math.REDUCED)
+    assert read_flags() == before and switch.level is None
+
+
+@pytest.mark.skipif(not backend_for("cpu").has_fast_fp32_math(), reason="needs a CPU with AMX-BF16 or AVX512-BF16")
+def test_reduced_math_really_changes_cpu_matmul_results():
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    reference = a.double() @ b.double()
+    switch = Fp32MathSwitch()
+    exact_error = ((a @ b).double() - reference).abs().max() / reference.abs().max()
+    switch.set(backend_for("cpu"), Fp32Math.REDUCED)
+    reduced_error = ((a @ b).double() - reference).abs().max() / reference.abs().max()
+    switch.release()
+    assert reduced_error > 10 * exact_error
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tf32_changes_cuda_matmul_results_on_ampere():
+    if not backend_for("cuda").has_fast_fp32_math():
+        pytest.skip("needs an Ampere or newer GPU (TF32 units)")
+    a, b = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
+    reference = a.double() @ b.double()
+    switch = Fp32MathSwitch()
+    exact_error = ((a @ b).double() - reference).abs().max()
+    switch.set(backend_for("cuda"), Fp32Math.REDUCED)
+    reduced_error = ((a @ b).double() - reference).abs().max()
+    switch.release()
+    assert reduced_error > 10 * exact_error

@@ -1,0 +1,311 @@
+"""Real browser tests: JupyterLab and Voila served on loopback, driven by Debian's Chromium
+through Playwright. Screenshots go to test-artifacts/ at the repository root.
+
+Needs the ``chromium`` binary (``apt-get install chromium``) and JupyterLab, Notebook 7, Voila
+and Playwright (the ``test`` extra); skipped without them, except in CI, where they must be there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+def _missing() -> str | None:
+    if shutil.which("chromium") is None:
+        return "needs Debian's chromium (apt-get install chromium)"
+    for module in ("playwright", "jupyterlab", "notebook", "voila"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"needs {module} (pip install '.[test]')"
+    return None
+
+
+_reason = _missing()
+if _reason and os.environ.get("CI"):
+    raise RuntimeError(f"browser tests cannot run in CI: {_reason}")
+pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
+
+
+# Notebook 7's JupyterLab extension does not load inside Voila ("The getter for the shared module
+# is not a function"): where both are installed, leave it out, as the README says.
+VOILA_WITHOUT_NOTEBOOK7 = '--VoilaConfiguration.extension_denylist=["@jupyter-notebook/lab-extension"]'
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer in {timeout} s")
+
+
+@pytest.fixture
+def jupyter_env(tmp_path):
+    """Jupyter's config, data and runtime dirs inside a throwaway directory."""
+    env = dict(os.environ)
+    for name in ("CONFIG", "DATA", "RUNTIME"):
+        path = tmp_path / f"jupyter-{name.lower()}"
+        path.mkdir()
+        env[f"JUPYTER_{name}_DIR"] = str(path)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def serve(command: list[str], cwd: pathlib.Path, env: dict, url: str, log: pathlib.Path):
+    handle = open(log, "w")
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        wait_for_http(url, process)
+    except BaseException:
+        process.terminate()
+        handle.close()
+        raise RuntimeError(f"server failed to start; its log:\n{log.read_text()[-3000:]}") from None
+    return process, handle
+
+
+def stop(process: subprocess.Popen, handle) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    handle.close()
+
+
+@pytest.fixture
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()
+
+
+def console_errors(page) -> list[str]:
+    """Console errors, page errors and failed local requests, collected as the page runs.
+
+    This machine has no network: what a page asks of another host (Voila's template loads
+    Font Awesome from a CDN) fails here and is not the app's error, so it is left out.
+    """
+    errors: list[str] = []
+
+    def on_console(message) -> None:
+        if message.type == "error" and "ERR_NAME_NOT_RESOLVED" not in message.text:
+            errors.append(f"{message.text} (at {message.location.get('url', '?')})")
+
+    def on_failed(request) -> None:
+        if request.url.startswith("http://127.0.0.1"):
+            errors.append(f"request failed: {request.url}")
+
+    page.on("console", on_console)
+    page.on("pageerror", lambda error: errors.append(f"{error} | {(error.stack or '')[:300]}"))
+    page.on("requestfailed", on_failed)
+    return errors
+
+
+def notebook(cells: list[str]) -> str:
+    return json.dumps(
+        {
+            "cells": [
+                {
+                    "cell_type": "code",
+                    "execution_count": None,
+                    "id": f"c{i}",
+                    "metadata": {},
+                    "outputs": [],
+                    "source": c,
+                }
+                for i, c in enumerate(cells)
+            ],
+            "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+            "nbformat": 4,
+            "nbformat_minor": 5,
+        }
+    )
+
+
+def wait_for_idle_kernel(port: int, timeout: float = 90) -> None:
+    """Until the page's notebook has a kernel that reports idle (the server's own view)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/sessions", timeout=5) as answer:
+            sessions = json.load(answer)
+        if any(s.get("kernel", {}).get("execution_state") == "idle" for s in sessions):
+            return
+        time.sleep(0.5)
+    raise TimeoutError("the notebook's kernel did not become idle")
+
+
+def plotted_points(page) -> int:
+    """Points in the live dashboard's loss trace, as the browser holds them."""
+    return page.evaluate(
+        "() => { const p = document.querySelector('.js-plotly-plot'); return p && p.data ? p.data[0].x.length : -1; }"
+    )
+
+
+def start_jupyter(app: str, work: pathlib.Path, env: dict, tmp_path: pathlib.Path):
+    """``jupyter lab`` / ``jupyter notebook`` serving ``work`` on a free loopback port, no token."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "jupyter", app, "--no-browser", "--allow-root", f"--port={port}", "--ip=127.0.0.1",
+        "--ServerApp.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
+        "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]  # fmt: skip
+    process, log = serve(command, work, env, f"http://127.0.0.1:{port}/api/status", tmp_path / "server.log")
+    return process, log, port
+
+
+def run_all_cells(page, port: int, path: str) -> None:
+    """Open the notebook at ``path``, wait for its kernel, and choose Run > Run All Cells."""
+    page.goto(f"http://127.0.0.1:{port}{path}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    wait_for_idle_kernel(port)
+    page.locator(".jp-Notebook").first.click()
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+
+
+FRONTENDS = {
+    "jupyterlab": ("lab", "/lab/workspaces/mpnb-test/tree/live.ipynb?reset"),
+    "notebook7": ("notebook", "/notebooks/live.ipynb"),
+}
+# Notebook 7.6 throws this from its own notebook_core bundle on opening any notebook here, a plain
+# "1+1" notebook with nothing of mpnb loaded included: not ours to fix, so not counted against us.
+KNOWN_FRONTEND_ERRORS = {"notebook7": ("Cannot read properties of undefined (reading 'schema')",)}
+
+
+@pytest.mark.parametrize("frontend", list(FRONTENDS))
+def test_panel_and_live_dashboard_control_a_running_fit(tmp_path, jupyter_env, browser, frontend):
+    ARTIFACTS.mkdir(exist_ok=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "live.ipynb").write_text(
+        notebook(
+            [
+                "%load_ext mpnb\nimport mpnb, mpnb.examples as ex\npanel = mpnb.panel()",
+                "trainer, train, test = ex.example_trainer('bf16', 'cpu', widths=(8, 16))\n"
+                "history = trainer.fit(train, epochs=400)",
+                "print('RESULT', sorted(set(history.mode)), history.events[-1]['message'], len(history) < 400 * len(train))",
+            ]
+        )
+    )
+    app, path = FRONTENDS[frontend]
+    process, log, port = start_jupyter(app, work, jupyter_env, tmp_path)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = console_errors(page)
+        run_all_cells(page, port, path)
+        page.wait_for_selector(".widget-toggle-buttons", timeout=90_000)
+        page.wait_for_selector(".js-plotly-plot", timeout=90_000)
+        page.wait_for_function("() => document.querySelector('.js-plotly-plot').data[0].x.length > 0", timeout=60_000)
+        first = plotted_points(page)
+        page.wait_for_timeout(2500)
+        grown = plotted_points(page)
+        assert grown > first > 0, (first, grown)  # the dashboard grows while the cell runs
+        page.screenshot(path=str(ARTIFACTS / f"{frontend}-running-fit.png"))
+        page.locator(".widget-toggle-buttons button", has_text="fp16").first.click()
+        page.wait_for_timeout(1500)
+        page.locator("button", has_text="Stop").first.click()
+        result = page.locator(".jp-OutputArea-output", has_text="RESULT")
+        result.wait_for(timeout=90_000)
+        page.screenshot(path=str(ARTIFACTS / f"{frontend}-after-stop.png"))
+        assert result.inner_text().strip() == "RESULT ['bf16', 'fp16'] stopped True"  # seen from the kernel
+        known = KNOWN_FRONTEND_ERRORS.get(frontend, ())
+        assert not [e for e in errors if not e.startswith(known)], errors
+    finally:
+        stop(process, log)
+
+
+def test_the_quickstart_notebook_runs_in_jupyterlab_with_panel_and_growing_dashboard(tmp_path, jupyter_env, browser):
+    ARTIFACTS.mkdir(exist_ok=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", work / "quickstart.ipynb")
+    process, log, port = start_jupyter("lab", work, jupyter_env, tmp_path)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = console_errors(page)
+        run_all_cells(page, port, "/lab/workspaces/mpnb-quickstart/tree/quickstart.ipynb?reset")
+        page.wait_for_selector(".widget-toggle-buttons", timeout=90_000)  # the panel
+        page.wait_for_selector(".js-plotly-plot", timeout=90_000)  # the live dashboard
+        seen = set()
+        finished = page.locator(".jp-OutputArea-output", has_text="test accuracy after")
+        deadline = time.monotonic() + 120
+        while not finished.count() and time.monotonic() < deadline:
+            seen.add(plotted_points(page))
+            page.wait_for_timeout(150)
+        finished.wait_for(timeout=10_000)
+        final = plotted_points(page)
+        page.screenshot(path=str(ARTIFACTS / "quickstart.png"), full_page=True)
+        growing = sorted(points for points in seen if 0 < points < final)
+        assert growing, (seen, final)  # drawn while training ran, not only at the end
+        assert page.locator(".jp-OutputArea-output", has_text="torch.bfloat16 torch.float32").count() == 1
+        assert not page.locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']", has_text="Error"
+        ).count()
+        assert not errors, errors
+    finally:
+        stop(process, log)
+
+
+def test_voila_serves_the_precision_lab_and_run_produces_the_table(tmp_path, jupyter_env, browser):
+    ARTIFACTS.mkdir(exist_ok=True)
+    port = free_port()
+    command = [
+        sys.executable, "-m", "voila", str(ROOT / "widgets" / "precision_lab.ipynb"), "--no-browser",
+        f"--port={port}", "--Voila.ip=127.0.0.1", VOILA_WITHOUT_NOTEBOOK7,
+    ]  # fmt: skip
+    process, log = serve(command, ROOT, jupyter_env, f"http://127.0.0.1:{port}/", tmp_path / "voila.log")
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        errors = console_errors(page)
+        page.goto(f"http://127.0.0.1:{port}/", timeout=120_000)
+        run = page.locator("button", has_text="Run")
+        run.wait_for(timeout=120_000)
+        assert "from mpnb.ui.widgets.lab import" not in page.content()  # no code shown to the user
+        page.screenshot(path=str(ARTIFACTS / "voila-lab.png"))
+        run.click()
+        table = page.locator("table", has_text="speedup vs fp32")
+        table.wait_for(timeout=180_000)
+        rows = table.locator("tbody tr")
+        assert rows.count() == 2 and rows.nth(0).inner_text().startswith("fp32")
+        assert "1.00x" in rows.nth(0).inner_text()
+        page.screenshot(path=str(ARTIFACTS / "voila-lab-result.png"))
+        assert not errors, errors
+    finally:
+        stop(process, log)

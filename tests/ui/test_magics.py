@@ -1,0 +1,200 @@
+"""Every magic and option, through a real IPython InteractiveShell."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import mpnb
+from mpnb.precision.policy import session
+from tests.conftest import policy_state, run, run_expecting, torch_state, usage_error
+
+OUTPUTS = "(linear(x).dtype, torch.nn.Conv2d(3, 4, 3)(torch.randn(1, 3, 6, 6)).dtype, torch.softmax(x, -1).dtype)"
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ("", (BF16, BF16, F32)),
+        ("--dtype bf16", (BF16, BF16, F32)),
+        ("-d fp16", (F16, F16, F32)),
+        ("-d half --device cpu", (F16, F16, F32)),
+        ("--dtype bfloat16 --no-cache", (BF16, BF16, F32)),
+        ("--off", (F32, F32, F32)),
+    ],
+)
+def test_autocast_cell_output_dtypes(ip, options, expected):
+    assert run(ip, f"%%autocast {options}\n{OUTPUTS}") == expected
+    assert run(ip, OUTPUTS) == (F32, F32, F32)
+
+
+def test_autocast_cache_option(ip):
+    assert run(ip, "%%autocast\ntorch.is_autocast_cache_enabled()") is False
+    assert run(ip, "%%autocast --cache\ntorch.is_autocast_cache_enabled()") is True
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("bf16", (BF16, BF16, F32)),
+        ("fp16", (F16, F16, F32)),
+        ("fp32", (F32, F32, F32)),
+        ("tf32", (F32, F32, F32)),
+        ("off", (F32, F32, F32)),
+    ],
+)
+def test_amp_mode_applies_to_every_following_cell(ip, mode, expected):
+    run(ip, f"%amp {mode}")
+    assert run(ip, OUTPUTS) == expected
+    assert run(ip, OUTPUTS) == expected
+    assert not torch.is_autocast_enabled("cpu")  # between cells, nothing is left entered
+
+
+def test_autocast_cell_overrides_the_session_mode_for_that_cell_only(ip):
+    run(ip, "%amp bf16")
+    assert run(ip, "%%autocast -d fp16\nlinear(x).dtype") is F16
+    assert run(ip, "%%autocast --off\nlinear(x).dtype") is F32
+    assert run(ip, "linear(x).dtype") is BF16
+
+
+def test_amp_switch_takes_effect_from_the_next_cell(ip):
+    assert run(ip, "%amp bf16\nlinear(x).dtype") is F32
+    assert run(ip, "linear(x).dtype") is BF16
+
+
+@pytest.mark.parametrize("error", ["ZeroDivisionError", "KeyboardInterrupt"])
+@pytest.mark.parametrize("mode", ["off", "bf16"])
+def test_state_is_restored_after_a_failing_cell(ip, capsys, error, mode):
+    run(ip, f"%amp {mode}")
+    before = torch_state()
+    raised = run_expecting(ip, f"%%autocast -d fp16 --cache\ny = 1\nraise {error}('from the cell')", BaseException)
+    assert type(raised).__name__ == error
+    assert torch_state() == before
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    assert out.count(f"{error}: from the cell") == 1  # shown once, with the cell's own line
+    assert "line 3" in out
+
+
+def test_state_is_restored_after_a_failing_session_cell(ip):
+    run(ip, "%amp fp16")
+    before = torch_state()
+    run_expecting(ip, "linear(x)\nraise KeyboardInterrupt", KeyboardInterrupt)
+    assert torch_state() == before
+
+
+def test_cell_value_and_namespace(ip):
+    assert run(ip, "%%autocast\nz = linear(x)\nz.shape[0] + 1") == 5
+    assert run(ip, "z.dtype") is BF16
+    assert run(ip, "%%autocast\nw = 1") is None
+
+
+def test_autocast_cell_understands_ipython_syntax(ip):
+    assert run(ip, "%%autocast\nv = %amp status\nv.active_here") == "bf16 autocast on cpu"
+
+
+def test_nested_cells_keep_scopes_paired(ip):
+    run(ip, "%amp bf16")
+    assert run(ip, "%%capture\nr = linear(x).dtype\nget_ipython().run_cell('q = linear(x).dtype')") is None
+    assert run(ip, "(r, q)") == (BF16, BF16)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_amp_status_returns_the_status_object(ip):
+    assert run(ip, "%amp status").mode is mpnb.Mode.OFF
+    run(ip, "%amp half")
+    current = run(ip, "%amp")
+    assert current.mode is mpnb.Mode.FP16 and current.active_here == "fp16 autocast on cpu"
+
+
+def test_amp_prints_the_mode_and_warnings(ip, capsys):
+    run(ip, "%amp fp16 --device cpu")
+    out = capsys.readouterr().out
+    assert "mode fp16 on cpu" in out and "47x" in out
+
+
+def test_tf32_magic(ip, capsys):
+    run(ip, "%tf32 on")
+    assert torch.get_float32_matmul_precision() == "medium"
+    run(ip, "%tf32 status")
+    assert "fp32 math on cpu: reduced" in capsys.readouterr().out
+    run(ip, "%tf32 off")
+    assert torch.get_float32_matmul_precision() == "highest"
+    run(ip, "%tf32 --device cpu")
+    assert "exact" in capsys.readouterr().out
+
+
+def test_tf32_magic_in_fp32_mode_switches_mode(ip):
+    run(ip, "%amp fp32")
+    run(ip, "%tf32 on")
+    assert mpnb.get_mode() is mpnb.Mode.TF32
+
+
+@pytest.mark.parametrize(
+    "cell, words",
+    [
+        ("%amp fp8", "'fp8'"),
+        ("%amp bf16 extra", "extra"),
+        ("%amp bf16 --device tpu", "'tpu'"),
+        ("%amp status --device cpu", "--device goes with a mode"),
+        ("%amp --colour red", "--colour"),
+        ("%tf32 maybe", "'maybe'"),
+        ("%tf32 on --device tpu", "'tpu'"),
+        ("%tf32 on off", "off"),
+        ("%%autocast -d fp8\nlinear(x)", "'fp8'"),
+        ("%%autocast -d fp32\nlinear(x)", "turn autocast off"),
+        ("%%autocast --device tpu\nlinear(x)", "'tpu'"),
+        ("%%autocast --off -d bf16\nlinear(x)", "--off"),
+        ("%%autocast --bogus\nlinear(x)", "--bogus"),
+        ("%%autocast extra\nlinear(x)", "extra"),
+        ("%amp 'bf16", "bf16"),
+    ],
+)
+def test_bad_input_is_a_usage_error_that_changes_nothing(ip, cell, words):
+    run(ip, "%amp tf32")
+    run(ip, "ran = False")
+    before = policy_state()
+    message = usage_error(ip, cell.replace("linear(x)", "ran = True"))
+    assert words in message
+    assert policy_state() == before
+    assert run(ip, "ran") is False
+
+
+def test_unload_removes_everything_and_restores_every_switch(ip):
+    hooks_before = {e: list(ip.events.callbacks[e]) for e in ("pre_run_cell", "post_run_cell")}
+    run(ip, "%amp tf32")
+    run(ip, "%tf32 on")
+    run(ip, "%amp bf16")
+    run(ip, "%unload_ext mpnb")
+    assert mpnb.get_mode() is mpnb.Mode.OFF and torch.get_float32_matmul_precision() == "highest"
+    assert run(ip, "linear(x).dtype") is F32
+    for magic in ("%amp", "%tf32"):
+        assert "not found" in usage_error(ip, f"{magic} status")
+    assert "not found" in usage_error(ip, "%%autocast\n1")
+    loaded_hooks = {e: list(ip.events.callbacks[e]) for e in hooks_before}
+    assert all(len(loaded_hooks[e]) == len(hooks_before[e]) - 1 for e in hooks_before)
+    assert not session.cell_hooks
+
+
+def test_unload_inside_an_amp_cell_closes_that_cell_scope_at_its_end(ip):
+    run(ip, "%amp bf16")
+    assert run(ip, "%unload_ext mpnb\nlinear(x).dtype") is BF16  # the cell that unloads ends as it began
+    assert not torch.is_autocast_enabled("cpu")
+    assert run(ip, "linear(x).dtype") is F32
+
+
+def test_reload_and_double_load(ip):
+    run(ip, "%load_ext mpnb")
+    run(ip, "%amp bf16")
+    run(ip, "%reload_ext mpnb")
+    assert mpnb.get_mode() is mpnb.Mode.OFF
+    run(ip, "%amp bf16")
+    assert run(ip, "linear(x).dtype") is BF16
+
+
+def test_help_text_comes_from_the_docstrings_and_arguments(ip):
+    help_text = ip.magics_manager.magics["cell"]["autocast"].__doc__
+    assert "--dtype" in help_text and "--no-cache" in help_text and "--off" in help_text
+    assert "fp32, tf32, fp16, bf16" in ip.magics_manager.magics["line"]["amp"].__doc__
