@@ -10,6 +10,7 @@ Where they show something, they ask this module for a view factory:
   ``History.plot``.
 - ``comparison_progress(kind, modes, title) -> ComparisonProgress``: how ``compare`` shows
   its modes while they train.
+- ``advice_figure(advice) -> figure``: the numerics advisor's heatmap (``Advice.figure``).
 
 ``import mpnb`` installs the Jupyter implementations from :mod:`mpnb.ui.views` (they import
 their libraries only when called). Another front end, or a test, can :func:`provide` its own.
@@ -22,7 +23,7 @@ Example:
     >>> provide(nothing=print)
     Traceback (most recent call last):
     ...
-    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress
+    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from mpnb.errors import InvalidChoiceError, MpnbError
 __all__ = ["VIEW_NAMES", "provide", "provided", "view"]
 
 #: The views the core asks for.
-VIEW_NAMES = ("dashboard", "history_figure", "comparison_progress")
+VIEW_NAMES = ("dashboard", "history_figure", "comparison_progress", "advice_figure")
 
 _factories: dict[str, Callable[..., Any] | None] = dict.fromkeys(VIEW_NAMES)
 

@@ -31,15 +31,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpnb import views
 from mpnb._render import html_list, html_table, text_table
 from mpnb.precision.backends import backend_for, resolve_device
 
-__all__ = ["Advice", "ModuleNumerics", "advise"]
+__all__ = ["Advice", "METRICS", "ModuleNumerics", "advise"]
 
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: smaller magnitudes become 0
 UNDERFLOW_ALARM = 0.01  # share of a module's nonzero gradients lost to underflow that deserves advice
-_METRICS = ("max |activation|", "max |gradient|", "fp16 underflow share", "fp16 output error", "bf16 output error")
+METRICS = ("max |activation|", "max |gradient|", "fp16 underflow share", "fp16 output error", "bf16 output error")
 
 
 @dataclasses.dataclass
@@ -96,36 +97,19 @@ class Advice:
     advice: list[str]
 
     def __str__(self) -> str:
-        table = text_table(("module", "kind", *_METRICS), [_row_cells(r) for r in self.rows])
+        table = text_table(("module", "kind", *METRICS), [_row_cells(r) for r in self.rows])
         return table + "\n\n" + "\n".join(f"- {line}" for line in self.advice)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
-        table = html_table(("module", "kind", *_METRICS), [_row_cells(r) for r in self.rows])
+        table = html_table(("module", "kind", *METRICS), [_row_cells(r) for r in self.rows])
         return f"<b>mpnb numerics advice</b>{html_list(self.advice, 'mpnb-advice')}{table}"
 
     def figure(self):
-        """A heatmap, modules x metrics, each column scaled to its own maximum (plotly)."""
-        import plotly.graph_objects as go
-
-        columns = list(zip(*(row.values() for row in self.rows))) if self.rows else []
-        scaled = []
-        for column in columns:
-            finite = [v for v in column if math.isfinite(v)]
-            top = max(finite, default=0.0) or 1.0
-            scaled.append([v / top if math.isfinite(v) else math.nan for v in column])
-        z = [list(values) for values in zip(*scaled)] if scaled else []
-        text = [[f"{v:.3g}" for v in row.values()] for row in self.rows]
-        heatmap = go.Heatmap(
-            z=z, x=list(_METRICS), y=[r.module for r in self.rows], text=text, texttemplate="%{text}", colorscale="Reds"
-        )
-        figure = go.Figure(heatmap)
-        figure.update_layout(
-            title="numerics per module (colour: share of the column's maximum)", height=120 + 28 * len(self.rows)
-        )
-        return figure
+        """A heatmap, modules x metrics, each column scaled to its own maximum (the UI's ``advice_figure`` view)."""
+        return views.view("advice_figure")(self)
 
 
 def _row_cells(row: ModuleNumerics) -> list[str]:

@@ -1,4 +1,4 @@
-"""The UI's side of :mod:`mpnb.views`: the training dashboard, the history figure, compare progress.
+"""The UI's side of :mod:`mpnb.views`: the training dashboard, figures, compare progress.
 
 ``import mpnb`` calls :func:`install`. Each factory imports its widget and plotting libraries
 only when it is called, so installing them keeps ``import mpnb`` free of IPython, ipywidgets
@@ -18,12 +18,13 @@ from mpnb import views
 from mpnb.ui.environment import display_kind
 
 if TYPE_CHECKING:
+    from mpnb.analysis.advisor import Advice
     from mpnb.analysis.comparison import ComparisonProgress
     from mpnb.training.control import FitControl
     from mpnb.training.history import History
     from mpnb.training.telemetry import Sink
 
-__all__ = ["install", "make_dashboard", "history_figure", "comparison_progress"]
+__all__ = ["install", "make_dashboard", "history_figure", "comparison_progress", "advice_figure"]
 
 
 def make_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> list[Sink]:
@@ -66,6 +67,18 @@ def comparison_progress(kind: str, modes: Sequence[str], title: str = "") -> Com
     return make_comparison_progress(kind, modes, title)
 
 
+def advice_figure(advice: Advice) -> Any:
+    """The numerics advisor's heatmap (plotly)."""
+    from mpnb.ui.plots.advice_figure import advice_heatmap
+
+    return advice_heatmap(advice)
+
+
 def install() -> None:
     """Make these the views the core uses."""
-    views.provide(dashboard=make_dashboard, history_figure=history_figure, comparison_progress=comparison_progress)
+    views.provide(
+        dashboard=make_dashboard,
+        history_figure=history_figure,
+        comparison_progress=comparison_progress,
+        advice_figure=advice_figure,
+    )

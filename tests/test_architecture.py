@@ -1,0 +1,144 @@
+"""The rules of the house in ARCHITECTURE.md, checked against the code's own imports.
+
+Each module's imports are read with ``ast`` (all of them: top-level, inside functions and
+under ``TYPE_CHECKING``), so a lazy import that reaches the wrong way counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "mpnb"
+
+#: The core's layers, lowest first: each may import only itself and what stands before it.
+CORE_LAYERS = (
+    ("mpnb.errors", "mpnb._render", "mpnb.views"),
+    ("mpnb.oplists",),
+    ("mpnb.precision",),
+    ("mpnb.training",),
+    ("mpnb.analysis", "mpnb.examples"),
+)
+#: Inside ui/, lowest first.
+UI_LAYERS = (
+    ("mpnb.ui.environment",),
+    ("mpnb.ui.plots",),
+    ("mpnb.ui.widgets",),
+    ("mpnb.ui.views", "mpnb.ui.magics"),
+)
+#: The only modules outside ui/ that may import it: the package root wires the views and the
+#: extension hooks; the command line writes reports.
+MAY_IMPORT_UI = {"mpnb", "mpnb.cli"}
+UI_LIBRARIES = ("IPython", "ipywidgets", "plotly", "anywidget", "traitlets", "jupyter_ui_poll")
+MAX_LINES = 400
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str) -> Iterator[str]:
+    """Every module ``name`` imports, absolute (``from mpnb import views`` -> ``mpnb.views``)."""
+    tree = ast.parse(MODULES[name].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            if node.level:
+                package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{node.module}"
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES)
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _layer(name: str, layers: tuple[tuple[str, ...], ...]) -> int | None:
+    for index, members in enumerate(layers):
+        if any(_within(name, member) for member in members):
+            return index
+    return None
+
+
+def _mpnb_imports(name: str) -> set[str]:
+    return {target for target in _imports(name) if target in MODULES}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_only_the_package_root_and_the_cli_import_the_ui(name):
+    if _within(name, "mpnb.ui") or name in MAY_IMPORT_UI:
+        return
+    reaching_up = sorted(target for target in _mpnb_imports(name) if _within(target, "mpnb.ui"))
+    assert not reaching_up, f"{name} imports {reaching_up}: the core asks mpnb.views instead"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_the_core_never_imports_a_ui_library(name):
+    if _within(name, "mpnb.ui") or name in MAY_IMPORT_UI:
+        return
+    found = sorted(target for target in _imports(name) if target.split(".")[0] in UI_LIBRARIES)
+    assert not found, f"{name} imports {found}"
+
+
+@pytest.mark.parametrize(("layers", "scope"), [(CORE_LAYERS, "core"), (UI_LAYERS, "ui")])
+def test_layers_import_only_downwards(layers, scope):
+    wrong = []
+    for name in MODULES:
+        own = _layer(name, layers)
+        if own is None:
+            continue
+        for target in _mpnb_imports(name):
+            theirs = _layer(target, layers)
+            if theirs is not None and theirs > own:
+                wrong.append(f"{name} -> {target}")
+    assert not wrong, f"{scope} imports that run upwards: {wrong}"
+
+
+def test_every_module_has_a_layer():
+    """A new folder or top-level module must be placed in a layer above (and in ARCHITECTURE.md)."""
+    placed = {name for name in MODULES if _layer(name, CORE_LAYERS + UI_LAYERS) is not None}
+    unplaced = set(MODULES) - placed - {"mpnb", "mpnb.cli", "mpnb.__main__", "mpnb.ui"}
+    assert not unplaced
+
+
+def test_no_import_circles():
+    graph = {name: _mpnb_imports(name) - {name} for name in MODULES}
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph[node]):
+            # A package's __init__ importing its own submodules is how packages re-export.
+            if target.startswith(node + "."):
+                continue
+            if state.get(target) == "open":
+                return path[path.index(target) :] + [target]
+            if target not in state and (circle := visit(target)):
+                return circle
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (circle := visit(name)):
+            pytest.fail(f"import circle: {' -> '.join(circle)}")
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_stay_small(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines; split it by concern"
