@@ -51,7 +51,8 @@ def test_cpu_backend_reports_real_numbers():
     assert memory.used > 10 * 2**20 and memory.peak >= memory.used and memory.limit > memory.used
     caps = cpu.capabilities()
     assert set(caps) >= {"name", "cores", "amx_bf16", "avx512_bf16"}
-    assert cpu.has_fast_fp32_math() == (caps["amx_bf16"] or caps["avx512_bf16"])
+    # Measured, not read off the flags: a CPU with AVX512-BF16 but no AMX keeps exact fp32 math.
+    assert not cpu.has_fast_fp32_math() or caps["amx_bf16"] or caps["avx512_bf16"]
     assert cpu.autocast_dtypes() == (torch.bfloat16, torch.float16)
     assert "47x" in cpu.dtype_warnings(torch.float16)[0]
 
@@ -65,7 +66,7 @@ def test_cpu_fp32_math_is_described_for_students():
     if backend_for("cpu").has_fast_fp32_math():
         assert "with bf16 math" in reduced
     else:
-        assert "nothing changes here" in reduced
+        assert "no effect on this hardware" in reduced
 
 
 def test_autocast_probe_reports_what_torch_silently_disables():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mpnb
 from mpnb.precision.backends import backend_for
+from mpnb.precision.backends.cpu import probe_cpu_reduced_math
 from mpnb.precision.fp32math import Fp32MathSnapshot, Fp32MathSwitch, read_flags
 from mpnb.precision.modes import Fp32Math
 
@@ -113,8 +115,8 @@ def test_failed_apply_restores_and_reraises():
     assert read_flags() == before and switch.level is None
 
 
-@pytest.mark.skipif(not backend_for("cpu").has_fast_fp32_math(), reason="needs a CPU with AMX-BF16 or AVX512-BF16")
-def test_reduced_math_really_changes_cpu_matmul_results():
+def _cpu_matmul_errors() -> tuple[float, float]:
+    """Relative error of a 512x512 fp32 matmul against float64, with exact and with reduced math."""
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     reference = a.double() @ b.double()
     switch = Fp32MathSwitch()
@@ -122,7 +124,38 @@ def test_reduced_math_really_changes_cpu_matmul_results():
     switch.set(backend_for("cpu"), Fp32Math.REDUCED)
     reduced_error = ((a @ b).double() - reference).abs().max() / reference.abs().max()
     switch.release()
-    assert reduced_error > 10 * exact_error
+    return float(exact_error), float(reduced_error)
+
+
+def test_the_cpu_reduced_math_claim_is_what_this_cpu_really_does():
+    """On an AMX CPU reduced math changes results (~1e-3); on AVX512-BF16 alone, or neither, it does not."""
+    exact_error, reduced_error = _cpu_matmul_errors()
+    changes_results = reduced_error > 10 * exact_error
+    cpu = backend_for("cpu")
+    assert cpu.has_fast_fp32_math() == changes_results, (exact_error, reduced_error)
+    with mpnb.tf32(True, device="cpu"):
+        described = cpu.describe_fp32_math()
+        warnings = mpnb.status().warnings
+    if changes_results:
+        assert "with bf16 math" in described
+        assert not any("no effect" in note for note in warnings)
+    else:
+        assert "no effect on this hardware" in described and "bf16 math on" not in described
+        assert "reduced-precision fp32 math has no effect on this CPU" in warnings
+
+
+def test_the_measurement_leaves_flags_and_random_state_as_found():
+    probe_cpu_reduced_math.cache_clear()
+    pristine = Fp32MathSnapshot.capture()
+    torch.set_float32_matmul_precision("medium")  # a user's own setting, in force while mpnb measures
+    try:
+        flags, rng = read_flags(), torch.get_rng_state()
+        probe = probe_cpu_reduced_math()
+        assert read_flags() == flags and torch.equal(torch.get_rng_state(), rng)
+    finally:
+        pristine.restore()
+    assert probe.exact_error < 1e-5 and probe.has_effect == (probe.reduced_error > 10 * probe.exact_error)
+    assert probe_cpu_reduced_math() is probe  # measured once per process
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

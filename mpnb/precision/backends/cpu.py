@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import resource
 import sys
@@ -17,16 +18,19 @@ import psutil
 import torch
 
 from mpnb.precision.backends.base import Backend, MemorySnapshot
-from mpnb.precision.fp32math import fine_grained, set_fine_grained
+from mpnb.precision.fp32math import Fp32MathSnapshot, fine_grained, set_fine_grained
 from mpnb.precision.modes import Fp32Math
 
-__all__ = ["CpuBackend"]
+__all__ = ["CpuBackend", "ReducedMathProbe", "probe_cpu_reduced_math"]
 
 # Measured on a 2-core machine with AMX-bf16: a small CNN trains 47x slower under fp16
 # autocast than in fp32, because fp16 convolution backward has no fast CPU kernel.
 FP16_CONV_SLOWDOWN = 47
 
 _BF16_UNITS = ("amx_bf16", "avx512_bf16")
+
+# The probe's matmul: large enough that oneDNN takes its bf16 path where it has one (~10 ms).
+_PROBE_SIZE = 512
 
 
 def _proc_status_bytes(field: str) -> int | None:
@@ -123,7 +127,8 @@ class CpuBackend(Backend):
         }
 
     def has_fast_fp32_math(self) -> bool:
-        return bool(self._bf16_units())
+        """Measured, not read off the flags: oneDNN keeps exact fp32 on some CPUs with AVX512-BF16."""
+        return bool(self._bf16_units()) and probe_cpu_reduced_math().has_effect
 
     def apply_fp32_math(self, level: Fp32Math, legacy: bool = True) -> None:
         math = "bf16" if level is Fp32Math.REDUCED else "ieee"
@@ -140,15 +145,22 @@ class CpuBackend(Backend):
             matmul = "bf16" if torch.get_float32_matmul_precision() == "medium" else "ieee"
         if matmul != "bf16":
             return "exact: fp32 matmuls and convolutions use full fp32 math (TF32 does not exist on CPUs)."
+        units = " and ".join(u.upper().replace("_", "-") for u in self._bf16_units())
         if self.has_fast_fp32_math():
-            units = " and ".join(u.upper().replace("_", "-") for u in self._bf16_units())
             return (
                 "reduced: oneDNN computes fp32 matmuls and convolutions with bf16 math on this CPU's "
                 f"{units} units (faster; about 3 significant digits, relative error ~1e-3)."
             )
+        if units:
+            probe = probe_cpu_reduced_math()
+            return (
+                f"reduced requested, but oneDNN keeps exact fp32 math on this CPU ({units}; measured: "
+                f"relative error {probe.exact_error:.1e} exact, {probe.reduced_error:.1e} reduced): "
+                "no effect on this hardware (TF32 itself does not exist on CPUs)."
+            )
         return (
             "reduced requested, but this CPU has neither AMX-BF16 nor AVX512-BF16, so oneDNN keeps "
-            "exact fp32 math: nothing changes here (TF32 itself does not exist on CPUs)."
+            "exact fp32 math: no effect on this hardware (TF32 itself does not exist on CPUs)."
         )
 
     def _bf16_units(self) -> list[str]:
@@ -157,3 +169,48 @@ class CpuBackend(Backend):
 
     def _name(self) -> str:
         return str(_cpu_capabilities().get("cpu_name", "unknown CPU"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducedMathProbe:
+    """What oneDNN's reduced-precision fp32 math really does on this CPU.
+
+    Attributes:
+        exact_error: relative error of a seeded fp32 matmul against float64 with exact math.
+        reduced_error: the same with reduced (bf16) math requested.
+    """
+
+    exact_error: float
+    reduced_error: float
+
+    @property
+    def has_effect(self) -> bool:
+        """True where reduced math changes results (bf16 math is ~1e-3 off, exact fp32 ~1e-7)."""
+        return self.reduced_error > 10 * self.exact_error
+
+
+@functools.cache
+def probe_cpu_reduced_math() -> ReducedMathProbe:
+    """Measure once per process whether reduced-precision fp32 math changes a matmul here.
+
+    Runs one seeded matmul with exact and with reduced math against a float64 reference. The
+    flags are put back exactly as found and torch's global random state is not touched.
+
+    Example:
+        >>> probe = probe_cpu_reduced_math()
+        >>> probe.exact_error < 1e-5, probe.has_effect in (True, False)
+        (True, True)
+    """
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator)
+    b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator)
+    reference = a.double() @ b.double()
+    found = Fp32MathSnapshot.capture()
+    errors = []
+    try:
+        for level in (Fp32Math.EXACT, Fp32Math.REDUCED):
+            CpuBackend().apply_fp32_math(level, legacy=found.matmul_precision is not None)
+            errors.append(float(((a @ b).double() - reference).abs().max() / reference.abs().max()))
+    finally:
+        found.restore()
+    return ReducedMathProbe(*errors)
