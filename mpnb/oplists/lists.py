@@ -48,10 +48,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "dropout": ("dropout", "feature_dropout"),
 }
 
-# Habana's default lists for its mixed-precision tool, and its ResNet50 example lists.
+# Habana's default lists for its mixed-precision tool, and its ResNet50 example lists. Habana's
+# lower list also holds `t`: a transpose is a view, which keeps its input's dtype, so it is left out
+# here (the matmuls that consume it are on the list).
 _HMP_LOWER = (
     "addmm batch_norm bmm conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d dot dropout "
-    "group_norm instance_norm layer_norm leaky_relu linear matmul mm mul mv relu t"
+    "group_norm instance_norm layer_norm leaky_relu linear matmul mm mul mv relu"
 )
 _HMP_FP32 = (
     "binary_cross_entropy binary_cross_entropy_with_logits cross_entropy div divide embedding embedding_bag log "
@@ -61,7 +63,7 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "torch": ("", "", "torch's own autocast rules, no overrides"),
     "hmp": (_HMP_LOWER, _HMP_FP32, "Habana's default mixed-precision lists"),
     "resnet50": (
-        "addmm avg_pool2d bmm conv2d dot max_pool2d mm mv relu t linear",
+        "addmm avg_pool2d bmm conv2d dot max_pool2d mm mv relu linear",
         "cross_entropy log_softmax softmax nll_loss topk",
         "Habana's custom lists for ResNet50",
     ),
@@ -97,13 +99,26 @@ def _overloads_of(aten_name: str) -> list[torch._ops.OpOverload]:
     return [getattr(packet, n) for n in names]
 
 
-def _functional_on_tensors(overload: torch._ops.OpOverload) -> bool:
+def _not_castable_because(overload: torch._ops.OpOverload) -> str | None:
+    """Why autocast cannot cast this overload's inputs without changing what it means, or None.
+
+    torch.autocast itself only casts ops that take tensors and return new ones: casting the
+    input of an op that writes into it (in place, ``out=``) would lose the write, and casting
+    the input of a view op would turn the view into a copy.
+    """
     schema = overload._schema
-    return any("Tensor" in str(arg.type) for arg in schema.arguments) and not schema.is_mutable
+    if not any("Tensor" in str(arg.type) for arg in schema.arguments):
+        return "takes no tensors"
+    if schema.is_mutable:
+        return "writes into its input (in place or out=)"
+    if any(result.alias_info is not None for result in schema.returns):
+        return "returns a view of its input, and a view keeps its input's dtype"
+    return None
 
 
 def aten_overloads(name: str) -> list[torch._ops.OpOverload]:
-    """The functional aten overloads behind a list entry (out= and scalar-only variants left out).
+    """The aten overloads behind a list entry that autocast can cast (in-place, out=, view and
+    scalar-only variants left out).
 
     Example:
         >>> [str(op) for op in aten_overloads("softmax")]
@@ -114,7 +129,7 @@ def aten_overloads(name: str) -> list[torch._ops.OpOverload]:
         overload
         for aten_name in ALIASES.get(name, (name,))
         for overload in _overloads_of(aten_name)
-        if _functional_on_tensors(overload)
+        if _not_castable_because(overload) is None
     ]
 
 
@@ -123,20 +138,31 @@ def check_op(name: str) -> str:
 
     Raises:
         InvalidChoiceError: an unknown name or overload, with close matches.
-        MpnbError: an operator autocast never sees, because it takes no tensors.
+        MpnbError: an operator autocast must not cast: it takes no tensors, writes into its
+            input (in place, ``out=``) or returns a view of it.
     """
     entry = canonical_name(name)
     if aten_overloads(entry):
         return entry
-    if _overloads_of(entry):
-        raise MpnbError(
-            f"op {name!r} cannot be on a list: aten::{entry} takes no input tensors (or only writes to out=), "
-            "so autocast never casts it"
-        )
     base, dot, _ = entry.partition(".")
-    if dot and aten_overloads(base):
+    if dot and aten_overloads(base) and not _overloads_of(entry):
         valid = [f"{base}.{op._schema.overload_name or 'default'}" for op in aten_overloads(base)]
         raise InvalidChoiceError(f"overload of {base}", name, valid, f"Or write just {base!r} for all of them.")
+    refused = _overloads_of(entry) or (_overloads_of(base) if dot else [])
+    if refused:
+        # The reason of the op's own (not out=) variants: `arange` takes no tensors; `relu_` writes.
+        own = [op for op in refused if "out" not in op._schema.overload_name.split("_")] or refused
+        reason = " / ".join(sorted({_not_castable_because(op) for op in own}))
+        functional = base.rstrip("_")
+        hint = (
+            f" List {functional!r} for the op that returns a new tensor."
+            if functional != entry and aten_overloads(functional)
+            else ""
+        )
+        raise MpnbError(
+            f"op {name!r} cannot be on a list: aten::{entry} {reason}; torch.autocast never casts such ops, "
+            f"and a cast copy would lose what the op shares with its input.{hint}"
+        )
     known = sorted({n for n in dir(torch.ops.aten) if not n.startswith("_")} | set(ALIASES))
     close = difflib.get_close_matches(entry, known, n=3, cutoff=0.6)
     raise InvalidChoiceError("op", name, close, "Any other aten operator name (torch.ops.aten.<name>) works too.")

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,24 +47,76 @@ AUTOCAST_KEYS = {
 }
 
 
-def _caster(device_type: str, target: Callable[[], torch.dtype]) -> Callable[[Any], Any]:
-    def cast(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.device.type == device_type:
-            dtype = target()
-            return value if value.dtype == dtype else value.to(dtype)
-        return value
+@functools.cache
+def _state_argument_names() -> frozenset[str]:
+    """Argument names torch's schemas mark as written by ops that also return a new result.
 
-    return cast
+    ``aten::batch_norm`` updates ``running_mean`` and ``running_var`` through
+    ``_native_batch_norm_legit``, whose schema says ``Tensor(a!) running_mean``; its own schema
+    says nothing, and its CPU kernel writes without moving the version counter. Arguments with
+    these names are therefore compared after the call. ``self`` and ``out`` are left out: they
+    name the written tensor of in-place and out= ops, which cannot be listed at all.
+    """
+    names: set[str] = set()
+    for base in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, base, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            schema = getattr(packet, overload)._schema
+            names.update(
+                arg.name
+                for arg in schema.arguments
+                if arg.alias_info is not None and arg.alias_info.is_write and not arg.kwarg_only
+            )
+    return frozenset(names - {"self", "out"})
 
 
 def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool) -> Callable[..., Any]:
+    """The list kernel for ``op``: cast as torch.autocast casts, call below autocast, keep writes.
+
+    Only the tensors torch.autocast itself would cast are cast: floating, on the autocast
+    device, not float64 (``is_eligible`` in ATen/autocast_mode.h). What the op writes into a
+    cast copy is copied back into the caller's tensor: a copy whose version counter moved, and
+    a state argument (see :func:`_state_argument_names`) whose values changed. So module
+    statistics update as they do without lists, and are left bit for bit alone when unchanged.
+    """
     below_autocast = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-    cast = _caster(device_type, (lambda: torch.float32) if to_fp32 else (lambda: torch.get_autocast_dtype(device_type)))
+    target = (lambda: torch.float32) if to_fp32 else (lambda: torch.get_autocast_dtype(device_type))
+    state = [(index, arg.name) for index, arg in enumerate(op._schema.arguments) if arg.name in _state_argument_names()]
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = tree_map(cast, (args, kwargs))
+        dtype = target()
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+        def cast(value: Any) -> Any:
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dtype != dtype
+                and value.is_floating_point()
+                and value.dtype != torch.float64
+                and value.device.type == device_type
+            ):
+                copy = value.to(dtype)
+                copies.append((value, copy, copy._version))
+                return copy
+            return value
+
+        cast_args, cast_kwargs = tree_map(cast, (args, kwargs))
+        before = {}
+        for index, name in state:
+            given, used = (
+                (args[index], cast_args[index]) if index < len(args) else (kwargs.get(name), cast_kwargs.get(name))
+            )
+            if used is not given:
+                before[id(used)] = used.clone()
         with torch._C._ExcludeDispatchKeyGuard(below_autocast):
-            return op(*args, **kwargs)
+            result = op(*cast_args, **cast_kwargs)
+        for original, copy, version in copies:
+            if copy._version != version or (id(copy) in before and not torch.equal(before[id(copy)], copy)):
+                with torch.no_grad():
+                    original.copy_(copy)
+        return result
 
     return kernel
 

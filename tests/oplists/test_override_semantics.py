@@ -1,0 +1,96 @@
+"""List kernels keep torch's semantics: what an op writes reaches the caller, views stay views,
+and only the tensors torch.autocast itself would cast are cast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpnb.errors import MpnbError
+from mpnb.oplists import OpListOverride, OpLists
+
+
+def _lists_then_plain(module_factory, lists, x):
+    """Train-mode forward of two identical modules: one under the lists, one under plain autocast."""
+    torch.manual_seed(0)
+    listed, plain = module_factory(), module_factory()
+    plain.load_state_dict(listed.state_dict())
+    with OpListOverride(lists, ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        listed(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain(x)
+    return listed, plain
+
+
+@pytest.mark.parametrize(
+    "module_factory",
+    [
+        lambda: torch.nn.BatchNorm2d(3),
+        lambda: torch.nn.InstanceNorm2d(3, track_running_stats=True),
+        lambda: torch.nn.BatchNorm1d(3),
+    ],
+    ids=["batch_norm_2d", "instance_norm", "batch_norm_1d"],
+)
+@pytest.mark.parametrize("which", ["lower", "fp32"])
+def test_running_statistics_update_under_the_lists_as_without_them(module_factory, which):
+    x = torch.randn(4, 3, 5, 5) * 3 + 2
+    if isinstance(module_factory(), torch.nn.BatchNorm1d):
+        x = x[..., 0, 0]
+    names = ["batch_norm", "instance_norm"]
+    listed, plain = _lists_then_plain(module_factory, OpLists.of(**{which: names}), x)
+    assert listed.running_mean.abs().sum() > 0, "the statistics must move"
+    for name, buffer in plain.state_dict().items():
+        assert listed.state_dict()[name].dtype == buffer.dtype, name
+        if which == "fp32":  # torch runs batch_norm in fp32 on CPU too: same numbers exactly
+            assert torch.equal(listed.state_dict()[name], buffer), name
+        else:
+            torch.testing.assert_close(listed.state_dict()[name], buffer, atol=0.05, rtol=0.05)
+
+
+def test_the_hmp_preset_keeps_a_cnns_statistics():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    with OpListOverride(OpLists.preset("hmp"), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(8, 3, 6, 6) + 1)
+    assert model[1].num_batches_tracked == 1
+    assert model[1].running_mean.abs().min() > 0 and not torch.equal(model[1].running_var, torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("t", "returns a view of its input"),
+        ("transpose", "returns a view of its input"),
+        ("relu_", "writes into its input"),
+        ("add.out", "writes into its input"),
+        ("mul_", "writes into its input"),
+    ],
+)
+def test_ops_whose_results_alias_their_inputs_are_refused_with_the_reason(name, reason):
+    with pytest.raises(MpnbError, match=reason):
+        OpLists.of(lower=[name])
+
+
+def test_presets_hold_only_castable_ops_so_views_stay_views():
+    assert "t" not in OpLists.preset("hmp").lower
+    w = torch.randn(3, 4)
+    with OpListOverride(OpLists.preset("hmp"), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        view = w.t()
+    assert view._base is w and view.dtype == torch.float32
+
+
+@pytest.mark.parametrize("which", ["lower", "fp32"])
+def test_float64_and_integer_tensors_are_left_as_torch_autocast_leaves_them(which):
+    x64, ints = torch.randn(3, 3, dtype=torch.float64), torch.arange(9).reshape(3, 3)
+    with OpListOverride(OpLists.of(**{which: ["mm", "add"]}), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        listed = torch.mm(x64, x64), torch.add(ints, ints)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = torch.mm(x64, x64), torch.add(ints, ints)
+    assert [t.dtype for t in listed] == [t.dtype for t in plain] == [torch.float64, torch.int64]
+    assert all(torch.equal(a, b) for a, b in zip(listed, plain))
+
+
+def test_the_other_low_dtype_is_cast_as_torch_casts_it():
+    half = torch.randn(3, 3, dtype=torch.float16)
+    with OpListOverride(OpLists.of(lower=["add"], fp32=["mm"]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.add(half, half).dtype == torch.bfloat16
+        assert torch.mm(half, half).dtype == torch.float32
