@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mpnb
+from mpnb.oplists import OpListOverride, OpLists
 from mpnb.precision.backends import backend_for
 from mpnb.precision.backends.cpu import probe_cpu_reduced_math
 from mpnb.precision.fp32math import Fp32MathSnapshot, Fp32MathSwitch, read_flags
@@ -170,3 +171,18 @@ def test_tf32_changes_cuda_matmul_results_on_ampere():
     reduced_error = ((a @ b).double() - reference).abs().max()
     switch.release()
     assert reduced_error > 10 * exact_error
+
+
+def test_the_measurement_is_the_same_inside_an_autocast_cell_with_op_lists_and_a_trace():
+    """A first `%tf32 status` inside a `%amp bf16` cell must not measure bf16 autocast's matmul."""
+    probe_cpu_reduced_math.cache_clear()
+    plain = probe_cpu_reduced_math()
+    probe_cpu_reduced_math.cache_clear()
+    with (
+        OpListOverride(OpLists.preset("hmp"), ["cpu"]),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        mpnb.trace() as recorded,
+    ):
+        inside = probe_cpu_reduced_math()
+    assert inside == plain and inside.exact_error < 1e-5
+    assert len(recorded.rows) == 0, "the measurement is not the user's work: it stays out of a trace"

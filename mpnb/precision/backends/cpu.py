@@ -16,6 +16,7 @@ import sys
 
 import psutil
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from mpnb.precision.backends.base import Backend, MemorySnapshot
 from mpnb.precision.fp32math import Fp32MathSnapshot, fine_grained, set_fine_grained
@@ -193,24 +194,28 @@ class ReducedMathProbe:
 def probe_cpu_reduced_math() -> ReducedMathProbe:
     """Measure once per process whether reduced-precision fp32 math changes a matmul here.
 
-    Runs one seeded matmul with exact and with reduced math against a float64 reference. The
-    flags are put back exactly as found and torch's global random state is not touched.
+    Runs one seeded matmul with exact and with reduced math against a float64 reference, with
+    autocast off and no dispatch mode watching, whatever the caller has on. The flags are put
+    back exactly as found and torch's global random state is not touched.
 
     Example:
         >>> probe = probe_cpu_reduced_math()
         >>> probe.exact_error < 1e-5, probe.has_effect in (True, False)
         (True, True)
     """
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator)
-    b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator)
-    reference = a.double() @ b.double()
     found = Fp32MathSnapshot.capture()
     errors = []
-    try:
-        for level in (Fp32Math.EXACT, Fp32Math.REDUCED):
-            CpuBackend().apply_fp32_math(level, legacy=found.matmul_precision is not None)
-            errors.append(float(((a @ b).double() - reference).abs().max() / reference.abs().max()))
-    finally:
-        found.restore()
+    # Measure torch's plain fp32 matmul, whatever the caller has on: autocast (and so any op
+    # lists, which act only under it) off, and no dispatch mode (a trace) watching.
+    with torch.autocast("cpu", enabled=False), _disable_current_modes():
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator)
+        b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator)
+        reference = a.double() @ b.double()
+        try:
+            for level in (Fp32Math.EXACT, Fp32Math.REDUCED):
+                CpuBackend().apply_fp32_math(level, legacy=found.matmul_precision is not None)
+                errors.append(float(((a @ b).double() - reference).abs().max() / reference.abs().max()))
+        finally:
+            found.restore()
     return ReducedMathProbe(*errors)
