@@ -3,17 +3,25 @@
 Training and analysis run in plain scripts and never import IPython, ipywidgets or plotly.
 Where they show something, they ask this module for a view factory:
 
-- ``dashboard(kind, title, control) -> list[Sink]``: the sinks that show one training run
-  (``kind`` is ``"auto"``, ``"live"`` or ``"text"``; ``control`` is the run's
-  :class:`~mpnb.training.control.FitControl`, or None). Used by ``Trainer.fit``.
-- ``history_figure(history) -> figure``: a static figure of a finished run. Used by
-  ``History.plot``.
+- ``dashboard(kind, title, control) -> list[Sink]``: called once per ``Trainer.fit`` call
+  whose ``dashboard=`` is a string (``"auto"``, ``"live"`` or ``"text"``, passed on as
+  ``kind``; a factory should refuse other values). It displays whatever it shows, and returns
+  :class:`~mpnb.training.telemetry.Sink` objects: each gets ``update(history)`` as rows
+  arrive (sooner when its ``due(now)`` says so) and ``close(history)`` when that ``fit`` call
+  ends; they are dropped afterwards. ``control`` is the run's
+  :class:`~mpnb.training.control.FitControl`: buttons call its ``stop`` / ``pause`` /
+  ``resume``; to be heard while the fit holds the kernel, add a function that delivers your
+  UI's pending events to ``control.pollers``, and follow ``control.on_state`` to show the state.
+- ``history_figure(history) -> figure``: a static figure of a finished run (``History.plot``).
 - ``comparison_progress(kind, modes, title) -> ComparisonProgress``: how ``compare`` shows
-  its modes while they train.
+  its modes while they train; see :class:`~mpnb.analysis.comparison.ComparisonProgress`
+  (``sink_for(mode, steps, warmup)``, ``finished(result)``, ``close(comparison)``).
 - ``advice_figure(advice) -> figure``: the numerics advisor's heatmap (``Advice.figure``).
 
 ``import mpnb`` installs the Jupyter implementations from :mod:`mpnb.ui.views` (they import
-their libraries only when called). Another front end, or a test, can :func:`provide` its own.
+their libraries only when called; ``mpnb.ui.views.install()`` puts them back). A front end or
+a test can :func:`provide` its own for the whole process, or for one block with
+:func:`provided`.
 
 Example:
     >>> import mpnb
