@@ -145,6 +145,37 @@ class _Watch:
         return record
 
 
+@contextlib.contextmanager
+def _left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[[], None]]:
+    """Run the passes on ``device``; yields a function that resets the model and the random state
+    to how they were at the start. Afterwards model, device and random state are as found."""
+    home = next(model.parameters()).device
+    state = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    flags = [(module, module.training) for module in model.modules()]
+    grads = [(parameter, parameter.grad) for parameter in model.parameters()]
+    accelerator = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=accelerator, device_type=device.type if accelerator else "cuda"):
+        rng = torch.get_rng_state()
+        device_rng = torch.get_device_module(device.type).get_rng_state(device) if accelerator else None
+
+        def start_again() -> None:
+            model.load_state_dict(state)
+            for module, training in flags:
+                module.training = training
+            torch.set_rng_state(rng)
+            if accelerator:
+                torch.get_device_module(device.type).set_rng_state(device_rng, device)
+
+        try:
+            model.to(device)
+            yield start_again
+        finally:
+            model.to(home)
+            start_again()
+            for parameter, grad in grads:
+                parameter.grad = grad
+
+
 def _pass(
     model: nn.Module, batch: Sequence[Any], loss_fn: Callable, device: torch.device, dtype: torch.dtype | None
 ) -> _Watch:
@@ -189,18 +220,21 @@ def advise(
     """Find where fp16 and bf16 would hurt this model on this batch, and say what to do.
 
     Args:
-        model: left as it was (its gradients are cleared; its weights are not changed).
+        model: left exactly as found: weights, buffers (BatchNorm statistics), gradients,
+            each module's train/eval flag and its device. Every pass starts from that state
+            and from the same random state, so dropout draws the same masks in each.
         batch: ``(inputs, targets)``.
         loss_fn: ``loss_fn(outputs, targets) -> scalar``.
         device: where to run; default the model's device.
     """
     target = resolve_device(device) if device is not None else next(model.parameters()).device
-    model = model.to(target)
-    reference = _pass(model, batch, loss_fn, target, None)
-    low = {
-        name: _pass(model, batch, loss_fn, target, dtype)
-        for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16))
-    }
+    with _left_as_found(model, target) as start_again:
+        start_again()
+        reference = _pass(model, batch, loss_fn, target, None)
+        low = {}
+        for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+            start_again()
+            low[name] = _pass(model, batch, loss_fn, target, dtype)
     rows = []
     for name, module in reference.leaves:
         if name not in reference.outputs:

@@ -65,3 +65,44 @@ def test_views():
     assert str(report).splitlines()[0].startswith("module") and "<table>" in report._repr_html_()
     figure = report.figure()
     assert list(figure.data[0].y) == ["0", "1", "2"] and len(figure.data[0].x) == 5
+
+
+def _bn_dropout_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
+
+
+def test_the_model_and_torchs_random_state_are_left_exactly_as_found():
+    model = _bn_dropout_model()
+    model[4].eval()  # a mixed train/eval model: each flag must come back as it was
+    F.cross_entropy(model(BATCH[0]), BATCH[1]).backward()  # the user's own gradients
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad.clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    mpnb.advise(model, BATCH, F.cross_entropy, device="cpu")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items()), "buffers or weights changed"
+    assert [m.training for m in model] == [True, True, True, True, False]
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_every_pass_draws_the_same_dropout_masks_so_the_report_is_repeatable():
+    model = _bn_dropout_model()
+    first = mpnb.advise(model, BATCH, F.cross_entropy, device="cpu")
+    second = mpnb.advise(model, BATCH, F.cross_entropy, device="cpu")
+    assert [r.values() for r in first.rows] == [r.values() for r in second.rows]
+    dropout = next(r for r in first.rows if r.kind == "Dropout")
+    assert dropout.output_error["bf16"] < 0.02, "different masks per pass read as a 100% error"
+
+
+def test_gpt2s_low_precision_error_is_the_real_one_not_dropout_noise():
+    transformers = __import__("pytest").importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)  # dropout 0.1 everywhere, in training mode
+    ids = torch.randint(0, 96, (2, 12))
+    report = mpnb.advise(model, (ids, ids), lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()))
+    errors = [r.output_error["fp16"] for r in report.rows if math.isfinite(r.output_error["fp16"])]
+    assert errors and max(errors) < 0.05, max(errors)
