@@ -38,6 +38,11 @@ from mpnb._render import dtype_name
 
 __all__ = ["Trace", "TraceRow", "trace"]
 
+#: Output dtype names of floating ops, as the rows spell them.
+_FLOATING = {
+    dtype_name(dtype).removeprefix("torch.") for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+
 _MODULE_TAG = "mpnb.module"
 _TOP_LEVEL = "(top level)"
 _USER_CASTS = frozenset({"to", "type", "type_as", "half", "bfloat16", "float", "double"})
@@ -89,13 +94,22 @@ class Trace:
         return sum(row.count for row in self.rows if row.kind == "cast")
 
     def summary(self) -> str:
-        """``"412 ops: 58% bf16, 42% fp32, 37 casts"`` (shares by output dtype)."""
-        by_dtype: collections.Counter[str] = collections.Counter()
+        """``"412 ops: 58% bf16, 42% fp32, 37 casts"``: shares of the floating ops by output dtype.
+
+        Ops with other outputs (BatchNorm's int64 step counter, uint8 masks) are counted apart,
+        as ``" (+12 non-floating: int64 10, uint8 2)"``, so they do not dilute the shares.
+        """
+        floating: collections.Counter[str] = collections.Counter()
+        other: collections.Counter[str] = collections.Counter()
         for row in self.ops():
-            by_dtype[row.output] += row.count
-        total = sum(by_dtype.values())
-        shares = ", ".join(f"{round(100 * count / total)}% {dtype}" for dtype, count in by_dtype.most_common())
-        return f"{total} ops{': ' + shares if shares else ''}, {self.casts()} casts"
+            (floating if row.output in _FLOATING else other)[row.output] += row.count
+        total = sum(floating.values())
+        shares = ", ".join(f"{round(100 * count / total)}% {dtype}" for dtype, count in floating.most_common())
+        text = f"{total} ops{': ' + shares if shares else ''}, {self.casts()} casts"
+        if other:
+            listed = ", ".join(f"{dtype} {count}" for dtype, count in other.most_common())
+            text += f" (+{sum(other.values())} non-floating: {listed})"
+        return text
 
     def filter(self, module: str | None = None, op: str | None = None, phase: str | None = None) -> Trace:
         """The rows whose module path contains ``module``, whose op is ``op`` and phase ``phase``."""

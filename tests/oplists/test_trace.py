@@ -99,3 +99,15 @@ def test_trace_removes_its_hooks_when_the_block_raises():
         pass
     assert (len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks)) == before
     assert trace.ops() and not torch._C._is_torch_function_mode_enabled()
+
+
+def test_the_summary_shares_count_floating_ops_and_list_the_rest_apart():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    with mpnb.trace(model) as recorded, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(2, 3, 8, 8))  # BatchNorm's num_batches_tracked += 1 is an int64 op
+    summary = recorded.summary()
+    shares, _, rest = summary.partition(" (+")
+    assert "int64" not in shares and re.fullmatch(r"\d+ ops: (\d+% (bf16|fp32)(, )?)+, \d+ casts", shares), summary
+    assert re.fullmatch(r"\d+ non-floating: int64 \d+(, \w+ \d+)*\)", rest), summary
+    floating = sum(r.count for r in recorded.ops() if r.output in ("bf16", "fp32"))
+    assert shares.startswith(f"{floating} ops: ")
