@@ -32,7 +32,7 @@ from torch import nn
 from mpnb import views
 from mpnb._render import html_table, text_table
 from mpnb.errors import MpnbError
-from mpnb.precision.backends import format_bytes
+from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
@@ -209,6 +209,9 @@ def _notes(mode: str, trainer: Any) -> list[str]:
     has_convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in trainer.model.modules())
     if mode == "fp16" and trainer.device.type == "cpu" and has_convolutions:
         return ["fp16 convolutions have no fast CPU kernels: expect this to be slow"]
+    backend = backend_for(trainer.device)
+    if mode == "tf32" and not backend.has_fast_fp32_math():
+        return [f"tf32: {backend.describe_reduced_fp32_math()}"]
     return []
 
 

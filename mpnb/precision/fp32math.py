@@ -26,13 +26,25 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from mpnb.precision.modes import Fp32Math
 
 if TYPE_CHECKING:
     from mpnb.precision.backends.base import Backend
 
-__all__ = ["Fp32MathSnapshot", "Fp32MathSwitch", "read_flags", "set_fine_grained", "fine_grained"]
+__all__ = [
+    "Fp32MathSnapshot",
+    "Fp32MathSwitch",
+    "ReducedMathProbe",
+    "probe_reduced_math",
+    "read_flags",
+    "set_fine_grained",
+    "fine_grained",
+]
+
+# The probe's matmul: large enough that oneDNN takes its bf16 path where it has one (~10 ms on a CPU).
+_PROBE_SIZE = 512
 
 # Fine-grained fp32_precision settings, as attribute paths under torch.backends.
 _PRECISION_PATHS = (
@@ -189,3 +201,53 @@ class Fp32MathSwitch:
             self._baseline.restore()
         self._baseline = None
         self._held = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReducedMathProbe:
+    """What reduced-precision fp32 math (oneDNN bf16 math, TF32) really does on a device.
+
+    Attributes:
+        exact_error: relative error of a seeded fp32 matmul against float64 with exact math.
+        reduced_error: the same with reduced (bf16) math requested.
+    """
+
+    exact_error: float
+    reduced_error: float
+
+    @property
+    def has_effect(self) -> bool:
+        """True where reduced math changes results (bf16 math is ~1e-3 off, exact fp32 ~1e-7)."""
+        return self.reduced_error > 10 * self.exact_error
+
+
+@functools.cache
+def probe_reduced_math(backend: Backend, device: torch.device) -> ReducedMathProbe:
+    """Measure once per process and device whether reduced-precision fp32 math changes a matmul.
+
+    Runs one seeded matmul with exact and with reduced math against a float64 reference, with
+    autocast off and no dispatch mode watching, whatever the caller has on. The flags are put
+    back exactly as found and torch's global random state is not touched.
+
+    Example:
+        >>> from mpnb.precision.backends import backend_for
+        >>> probe = probe_reduced_math(backend_for("cpu"), torch.device("cpu"))
+        >>> probe.exact_error < 1e-5, probe.has_effect in (True, False)
+        (True, True)
+    """
+    found = Fp32MathSnapshot.capture()
+    errors = []
+    # Measure torch's plain fp32 matmul, whatever the caller has on: autocast (and so any op
+    # lists, which act only under it) off, and no dispatch mode (a trace) watching.
+    with torch.autocast(device.type, enabled=False), _disable_current_modes():
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator).to(device)
+        b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator).to(device)
+        reference = a.double() @ b.double()
+        try:
+            for level in (Fp32Math.EXACT, Fp32Math.REDUCED):
+                backend.apply_fp32_math(level, legacy=found.matmul_precision is not None)
+                errors.append(float(((a @ b).double() - reference).abs().max() / reference.abs().max()))
+        finally:
+            found.restore()
+    return ReducedMathProbe(*errors)

@@ -125,12 +125,21 @@ class DeviceInfo:
     autocast_dtypes: tuple[str, ...]
     verified: dict[str, str]
     fp32_math: str
+    reduced_fp32_math: str
     capabilities: dict[str, object]
     memory: str
 
     def to_dict(self) -> dict[str, object]:
         """Plain data, for JSON."""
         return dataclasses.asdict(self)
+
+    def notes(self) -> list[str]:
+        """The lines under the table: fp32 math now, what reduced fp32 math does here, memory."""
+        return [
+            f"{self.type} fp32 math: {self.fp32_math}",
+            f"{self.type} reduced fp32 math: {self.reduced_fp32_math}",
+            f"{self.type} memory: {self.memory}",
+        ]
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -161,11 +170,11 @@ class DeviceReport(_Renders):
         lines = [text_table(self._HEADERS, self.rows()), ""]
         for info in self.devices:
             if info.available:
-                lines += [f"{info.type} fp32 math: {info.fp32_math}", f"{info.type} memory: {info.memory}"]
+                lines += [f"{note}" for note in info.notes()]
         return "\n".join(lines).rstrip()
 
     def _repr_html_(self) -> str:
-        notes = [f"{i.type} fp32 math: {i.fp32_math}" for i in self.devices if i.available]
+        notes = [note for info in self.devices if info.available for note in info.notes()]
         return html_table(self._HEADERS, self.rows()) + html_list(notes, "mpnb-notes")
 
     def to_dict(self) -> dict[str, object]:
@@ -182,7 +191,7 @@ def _verify(backend: Backend, dtype: torch.dtype) -> str:
 
 def _device_info(backend: Backend, check: bool) -> DeviceInfo:
     if not backend.is_available():
-        return DeviceInfo(backend.type, backend.label, False, backend.unavailable_reason(), (), {}, "", {}, "")
+        return DeviceInfo(backend.type, backend.label, False, backend.unavailable_reason(), (), {}, "", "", {}, "")
     dtypes = backend.autocast_dtypes()
     caps = backend.capabilities()
     detail = ", ".join(f"{k}={v}" for k, v in caps.items())
@@ -195,6 +204,7 @@ def _device_info(backend: Backend, check: bool) -> DeviceInfo:
         autocast_dtypes=tuple(dtype_name(d) for d in dtypes),
         verified=verified,
         fp32_math=backend.describe_fp32_math(),
+        reduced_fp32_math=backend.describe_reduced_fp32_math(),
         capabilities=caps,
         memory=str(backend.memory()),
     )

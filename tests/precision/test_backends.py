@@ -132,3 +132,29 @@ def test_cuda_backend_on_a_gpu():
     assert caps["count"] >= 1 and "." in caps["compute_capability"]
     assert torch.float16 in cuda.autocast_dtypes()
     assert cuda.memory().limit > 0
+
+
+def _no_effect_here() -> bool:
+    return not backend_for("cpu").has_fast_fp32_math()
+
+
+def test_the_device_report_says_what_reduced_fp32_math_does_here():
+    report = mpnb.devices()
+    said = report["cpu"].reduced_fp32_math
+    assert said == backend_for("cpu").describe_reduced_fp32_math()
+    assert ("no effect on this hardware" in said) == _no_effect_here()
+    assert f"cpu reduced fp32 math: {said}" in report.to_text() and said in report._repr_html_()
+    assert report.to_dict()["devices"][-1]["reduced_fp32_math"] == said
+
+
+def test_comparisons_tf32_row_says_when_it_has_no_effect():
+    import mpnb.examples as ex
+
+    def make_run(mode):
+        trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), batch_size=32, dashboard=None)
+        return trainer, train
+
+    result = mpnb.compare(make_run, modes=["fp32", "tf32"], steps=2, warmup=1, progress=None)
+    tf32_notes = " ".join(result.result("tf32").notes)
+    assert ("no effect on this hardware" in tf32_notes) == _no_effect_here()
+    assert not result.result("fp32").notes

@@ -8,8 +8,7 @@ import torch
 import mpnb
 from mpnb.oplists import OpListOverride, OpLists
 from mpnb.precision.backends import backend_for
-from mpnb.precision.backends.cpu import probe_cpu_reduced_math
-from mpnb.precision.fp32math import Fp32MathSnapshot, Fp32MathSwitch, read_flags
+from mpnb.precision.fp32math import Fp32MathSnapshot, Fp32MathSwitch, probe_reduced_math, read_flags
 from mpnb.precision.modes import Fp32Math
 
 PRISTINE = Fp32MathSnapshot.capture()
@@ -116,6 +115,10 @@ def test_failed_apply_restores_and_reraises():
     assert read_flags() == before and switch.level is None
 
 
+def _cpu_probe():
+    return probe_reduced_math(backend_for("cpu"), torch.device("cpu"))
+
+
 def _cpu_matmul_errors() -> tuple[float, float]:
     """Relative error of a 512x512 fp32 matmul against float64, with exact and with reduced math."""
     a, b = torch.randn(512, 512), torch.randn(512, 512)
@@ -146,17 +149,17 @@ def test_the_cpu_reduced_math_claim_is_what_this_cpu_really_does():
 
 
 def test_the_measurement_leaves_flags_and_random_state_as_found():
-    probe_cpu_reduced_math.cache_clear()
+    probe_reduced_math.cache_clear()
     pristine = Fp32MathSnapshot.capture()
     torch.set_float32_matmul_precision("medium")  # a user's own setting, in force while mpnb measures
     try:
         flags, rng = read_flags(), torch.get_rng_state()
-        probe = probe_cpu_reduced_math()
+        probe = _cpu_probe()
         assert read_flags() == flags and torch.equal(torch.get_rng_state(), rng)
     finally:
         pristine.restore()
     assert probe.exact_error < 1e-5 and probe.has_effect == (probe.reduced_error > 10 * probe.exact_error)
-    assert probe_cpu_reduced_math() is probe  # measured once per process
+    assert _cpu_probe() is probe  # measured once per process
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -175,14 +178,14 @@ def test_tf32_changes_cuda_matmul_results_on_ampere():
 
 def test_the_measurement_is_the_same_inside_an_autocast_cell_with_op_lists_and_a_trace():
     """A first `%tf32 status` inside a `%amp bf16` cell must not measure bf16 autocast's matmul."""
-    probe_cpu_reduced_math.cache_clear()
-    plain = probe_cpu_reduced_math()
-    probe_cpu_reduced_math.cache_clear()
+    probe_reduced_math.cache_clear()
+    plain = _cpu_probe()
+    probe_reduced_math.cache_clear()
     with (
         OpListOverride(OpLists.preset("hmp"), ["cpu"]),
         torch.autocast("cpu", dtype=torch.bfloat16),
         mpnb.trace() as recorded,
     ):
-        inside = probe_cpu_reduced_math()
+        inside = _cpu_probe()
     assert inside == plain and inside.exact_error < 1e-5
     assert len(recorded.rows) == 0, "the measurement is not the user's work: it stays out of a trace"

@@ -210,3 +210,11 @@ def test_switches_are_drawn_as_labelled_lines():
     for figure in (live.figure, dashboard_figure(history)):
         assert [shape.x0 for shape in figure.layout.shapes] == [2.5] * 4
         assert figure.layout.annotations[-1].text == "mode bf16 -> fp16"
+
+
+def test_the_fp32_math_switch_says_when_it_has_no_effect_here(panel):
+    from mpnb.precision.backends import backend_for
+
+    no_effect = not backend_for("cpu").has_fast_fp32_math()
+    assert ("no effect on this hardware" in panel.reduced_fp32_math.description) == no_effect
+    assert panel.reduced_fp32_math.tooltip == backend_for("cpu").describe_reduced_fp32_math()

@@ -9,29 +9,24 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import resource
 import sys
 
 import psutil
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from mpnb.precision.backends.base import Backend, MemorySnapshot
-from mpnb.precision.fp32math import Fp32MathSnapshot, fine_grained, set_fine_grained
+from mpnb.precision.fp32math import fine_grained, probe_reduced_math, set_fine_grained
 from mpnb.precision.modes import Fp32Math
 
-__all__ = ["CpuBackend", "ReducedMathProbe", "probe_cpu_reduced_math"]
+__all__ = ["CpuBackend"]
 
 # Measured on a 2-core machine with AMX-bf16: a small CNN trains 47x slower under fp16
 # autocast than in fp32, because fp16 convolution backward has no fast CPU kernel.
 FP16_CONV_SLOWDOWN = 47
 
 _BF16_UNITS = ("amx_bf16", "avx512_bf16")
-
-# The probe's matmul: large enough that oneDNN takes its bf16 path where it has one (~10 ms).
-_PROBE_SIZE = 512
 
 
 def _proc_status_bytes(field: str) -> int | None:
@@ -129,7 +124,7 @@ class CpuBackend(Backend):
 
     def has_fast_fp32_math(self) -> bool:
         """Measured, not read off the flags: oneDNN keeps exact fp32 on some CPUs with AVX512-BF16."""
-        return bool(self._bf16_units()) and probe_cpu_reduced_math().has_effect
+        return bool(self._bf16_units()) and probe_reduced_math(self, torch.device("cpu")).has_effect
 
     def apply_fp32_math(self, level: Fp32Math, legacy: bool = True) -> None:
         math = "bf16" if level is Fp32Math.REDUCED else "ieee"
@@ -153,7 +148,7 @@ class CpuBackend(Backend):
                 f"{units} units (faster; about 3 significant digits, relative error ~1e-3)."
             )
         if units:
-            probe = probe_cpu_reduced_math()
+            probe = probe_reduced_math(self, torch.device("cpu"))
             return (
                 f"reduced requested, but oneDNN keeps exact fp32 math on this CPU ({units}; measured: "
                 f"relative error {probe.exact_error:.1e} exact, {probe.reduced_error:.1e} reduced): "
@@ -170,52 +165,3 @@ class CpuBackend(Backend):
 
     def _name(self) -> str:
         return str(_cpu_capabilities().get("cpu_name", "unknown CPU"))
-
-
-@dataclasses.dataclass(frozen=True)
-class ReducedMathProbe:
-    """What oneDNN's reduced-precision fp32 math really does on this CPU.
-
-    Attributes:
-        exact_error: relative error of a seeded fp32 matmul against float64 with exact math.
-        reduced_error: the same with reduced (bf16) math requested.
-    """
-
-    exact_error: float
-    reduced_error: float
-
-    @property
-    def has_effect(self) -> bool:
-        """True where reduced math changes results (bf16 math is ~1e-3 off, exact fp32 ~1e-7)."""
-        return self.reduced_error > 10 * self.exact_error
-
-
-@functools.cache
-def probe_cpu_reduced_math() -> ReducedMathProbe:
-    """Measure once per process whether reduced-precision fp32 math changes a matmul here.
-
-    Runs one seeded matmul with exact and with reduced math against a float64 reference, with
-    autocast off and no dispatch mode watching, whatever the caller has on. The flags are put
-    back exactly as found and torch's global random state is not touched.
-
-    Example:
-        >>> probe = probe_cpu_reduced_math()
-        >>> probe.exact_error < 1e-5, probe.has_effect in (True, False)
-        (True, True)
-    """
-    found = Fp32MathSnapshot.capture()
-    errors = []
-    # Measure torch's plain fp32 matmul, whatever the caller has on: autocast (and so any op
-    # lists, which act only under it) off, and no dispatch mode (a trace) watching.
-    with torch.autocast("cpu", enabled=False), _disable_current_modes():
-        generator = torch.Generator().manual_seed(0)
-        a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator)
-        b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator)
-        reference = a.double() @ b.double()
-        try:
-            for level in (Fp32Math.EXACT, Fp32Math.REDUCED):
-                CpuBackend().apply_fp32_math(level, legacy=found.matmul_precision is not None)
-                errors.append(float(((a @ b).double() - reference).abs().max() / reference.abs().max()))
-        finally:
-            found.restore()
-    return ReducedMathProbe(*errors)

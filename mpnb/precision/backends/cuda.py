@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mpnb.precision.backends.base import Backend, MemorySnapshot
-from mpnb.precision.fp32math import fine_grained, set_fine_grained
+from mpnb.precision.fp32math import fine_grained, probe_reduced_math, set_fine_grained
 from mpnb.precision.modes import Fp32Math
 
 __all__ = ["CudaBackend"]
@@ -90,7 +90,10 @@ class CudaBackend(Backend):
         }
 
     def has_fast_fp32_math(self) -> bool:
-        return self.is_available() and torch.cuda.get_device_capability() >= _AMPERE
+        """Ampere or newer, and TF32 measurably changes a matmul on the current GPU."""
+        if not self.is_available() or torch.cuda.get_device_capability() < _AMPERE:
+            return False
+        return probe_reduced_math(self, torch.device("cuda", torch.cuda.current_device())).has_effect
 
     def apply_fp32_math(self, level: Fp32Math, legacy: bool = True) -> None:
         reduced = level is Fp32Math.REDUCED

@@ -30,13 +30,14 @@ import traitlets
 
 from mpnb.errors import MpnbError
 from mpnb.oplists.lists import LIST_NAMES, PRESETS
-from mpnb.precision.backends import available_device_types
+from mpnb.precision.backends import available_device_types, backend_for
 from mpnb.precision.modes import MODE_NAMES, Fp32Math
 from mpnb.precision.policy import Session, session
 
 __all__ = ["ControlPanel", "PanelState", "panel"]
 
 _MODES = MODE_NAMES  # off, fp32, tf32, fp16, bf16
+_FP32_MATH_LABEL = "reduced-precision fp32 math (TF32 / bf16 math)"
 
 
 class PanelState(traitlets.HasTraits):
@@ -65,7 +66,7 @@ class ControlPanel:
         self._syncing = False
         self.mode = widgets.ToggleButtons(options=_MODES, description="mode", style={"button_width": "64px"})
         self.device = widgets.Dropdown(options=available_device_types(), description="device")
-        self.reduced_fp32_math = widgets.Checkbox(description="reduced-precision fp32 math (TF32 / bf16 math)")
+        self.reduced_fp32_math = widgets.Checkbox(description=_FP32_MATH_LABEL)
         self.list_name = widgets.Dropdown(options=LIST_NAMES, description="op list", layout={"width": "170px"})
         self.op_names = widgets.Text(placeholder="linear, F.softmax, aten::addmm", layout={"width": "260px"})
         self.add_button = widgets.Button(description="add", tooltip="put these ops on the list")
@@ -115,6 +116,11 @@ class ControlPanel:
             self.state.mode = self.session.mode.value
             self.state.device = device.type
             self.state.reduced_fp32_math = self.session.fp32_math.level is Fp32Math.REDUCED
+            effect = backend_for(device).describe_reduced_fp32_math()
+            self.reduced_fp32_math.tooltip = effect
+            self.reduced_fp32_math.description = _FP32_MATH_LABEL + (
+                " (no effect on this hardware)" if not backend_for(device).has_fast_fp32_math() else ""
+            )
             self.state.status = _status_html(self.session)
             self.state.lists = _lists_html(self.session)
         finally:
