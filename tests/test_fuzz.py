@@ -82,7 +82,7 @@ def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(ip, 
         capsys.readouterr()
 
 
-_ALL_VALID = set(VALID_WORDS) | {"float16", "float32", "float", "cuda", "hpu"}
+_ALL_VALID = set(VALID_WORDS) | {"float16", "float32", "float", "cuda", "hpu", "auto", "live", "text"}
 garbage = junk.filter(
     lambda w: (
         w.lower() not in _ALL_VALID
