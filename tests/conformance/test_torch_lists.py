@@ -15,7 +15,13 @@ from mpnb.oplists.lists import canonical_name
 from tests.conformance.recording import same
 
 pytest.importorskip("expecttest")  # torch's test lists import it
-from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists
+_frozen_before = torch.backends.flags_frozen()
+from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists  # noqa: E402
+
+# Importing torch's test utilities freezes torch.backends flags for the whole process
+# (disable_global_flags); undo that, or every later test of mpnb's fp32-math switch fails.
+if not _frozen_before and torch.backends.flags_frozen():
+    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
 
 _LISTS = AutocastCPUTestLists(torch.device("cpu"))
 _NAMESPACES = {"torch": torch, "nn": torch._C._nn, "methods": None}
@@ -67,3 +73,7 @@ def test_torchs_own_autocast_cases_under_the_lists(label, group, entry, preset, 
         expected = torch.float32 if which == "fp32" else dtype
         outputs = [t.dtype for t in tree_leaves(listed) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         assert outputs and set(outputs) == {expected}, (label, which, outputs)
+
+
+def test_importing_torchs_test_lists_left_torch_backends_flags_settable():
+    assert not torch.backends.flags_frozen()
