@@ -6,7 +6,8 @@ its own kernel there for every listed op (``torch.library.Library(..., "IMPL", k
 ``allow_override``): the kernel casts the floating inputs (to fp32, or to the current
 autocast dtype) and calls the op again below the autocast key. Nothing happens outside
 autocast, because those keys are only active inside it. Releasing destroys the library
-handles, which puts torch's own kernels back.
+handles, which puts torch's own kernels back. Code compiled by torch.compile is dropped on each
+change, so that it recompiles under the lists now in force.
 
 Example:
     >>> import torch
@@ -25,12 +26,12 @@ Example:
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from mpnb.errors import InvalidChoiceError
 from mpnb.oplists.lists import OpLists, aten_overloads
@@ -72,6 +73,12 @@ def _state_argument_names() -> frozenset[str]:
     return frozenset(names - {"self", "out"})
 
 
+_ON_DEVICE: dict[str, Callable[[torch.Tensor], bool]] = {
+    "cpu": lambda tensor: tensor.is_cpu,
+    "cuda": lambda tensor: tensor.is_cuda,
+}
+
+
 def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool) -> Callable[..., Any]:
     """The list kernel for ``op``: cast as torch.autocast casts, call below autocast, keep writes.
 
@@ -80,29 +87,33 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
     cast copy is copied back into the caller's tensor: a copy whose version counter moved, and
     a state argument (see :func:`_state_argument_names`) whose values changed. So module
     statistics update as they do without lists, and are left bit for bit alone when unchanged.
+    The kernel runs for every listed op call, so it avoids pytree and per-call closures.
     """
     below_autocast = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-    target = (lambda: torch.float32) if to_fp32 else (lambda: torch.get_autocast_dtype(device_type))
+    on_device = _ON_DEVICE.get(device_type, lambda tensor: tensor.device.type == device_type)
+    call = op._op  # the overload's C++ entry point, without OpOverload.__call__'s Python frame
     state = [(index, arg.name) for index, arg in enumerate(op._schema.arguments) if arg.name in _state_argument_names()]
+    float64 = torch.float64
 
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        dtype = target()
-        copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-
-        def cast(value: Any) -> Any:
-            if (
-                isinstance(value, torch.Tensor)
-                and value.dtype != dtype
-                and value.is_floating_point()
-                and value.dtype != torch.float64
-                and value.device.type == device_type
-            ):
+    def cast(value: Any, dtype: torch.dtype, copies: list) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.dtype != dtype and value.is_floating_point() and value.dtype != float64 and on_device(value):
                 copy = value.to(dtype)
                 copies.append((value, copy, copy._version))
                 return copy
             return value
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return type(value)(cast(item, dtype, copies) for item in value)
+        return value
 
-        cast_args, cast_kwargs = tree_map(cast, (args, kwargs))
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        dtype = torch.float32 if to_fp32 else torch.get_autocast_dtype(device_type)
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        cast_args = [cast(value, dtype, copies) for value in args]
+        cast_kwargs = {name: cast(value, dtype, copies) for name, value in kwargs.items()} if kwargs else kwargs
+        if not copies:
+            with torch._C._ExcludeDispatchKeyGuard(below_autocast):
+                return call(*args, **kwargs)
         before = {}
         for index, name in state:
             given, used = (
@@ -111,7 +122,7 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
             if used is not given:
                 before[id(used)] = used.clone()
         with torch._C._ExcludeDispatchKeyGuard(below_autocast):
-            result = op(*cast_args, **cast_kwargs)
+            result = call(*cast_args, **cast_kwargs)
         for original, copy, version in copies:
             if copy._version != version or (id(copy) in before and not torch.equal(before[id(copy)], copy)):
                 with torch.no_grad():
@@ -119,6 +130,26 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
         return result
 
     return kernel
+
+
+class _CompiledCode:
+    """torch.compile traces through the list kernels, so compiled code keeps the lists in force
+    when it was compiled; torch cannot guard on dispatcher registrations. So a list change drops
+    compiled code (``torch.compiler.reset()``), and it recompiles with the new lists at its next
+    call, but only when something was compiled since mpnb's last reset: torch's count of compiled
+    graphs says so. mpnb never imports torch's compiler itself: without it nothing was compiled."""
+
+    graphs_at_reset = 0
+
+    @classmethod
+    def invalidate(cls) -> None:
+        dynamo_utils = sys.modules.get("torch._dynamo.utils")
+        if dynamo_utils is None:
+            return
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        if graphs != cls.graphs_at_reset:
+            torch.compiler.reset()
+            cls.graphs_at_reset = graphs
 
 
 def _impl_name(op: torch._ops.OpOverload) -> str:
@@ -161,6 +192,7 @@ class OpListOverride:
         except BaseException:
             self.release()
             raise
+        _CompiledCode.invalidate()
 
     def _register(self, device_type: str) -> torch.library.Library:
         key = AUTOCAST_KEYS[device_type]
@@ -176,8 +208,11 @@ class OpListOverride:
 
     def release(self) -> None:
         """Remove every kernel this override registered; torch's own come back."""
+        if not self._libraries:
+            return
         while self._libraries:
             self._libraries.pop()._destroy()
+        _CompiledCode.invalidate()
 
     def __enter__(self) -> OpListOverride:
         self.apply()
