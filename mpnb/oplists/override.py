@@ -5,7 +5,9 @@ torch.autocast decides each op's dtype in kernels registered on the ``AutocastCP
 its own kernel there for every listed op (``torch.library.Library(..., "IMPL", key)`` with
 ``allow_override``): the kernel casts the floating inputs (to fp32, or to the current
 autocast dtype) and calls the op again below the autocast key. Nothing happens outside
-autocast, because those keys are only active inside it. Releasing destroys the library
+autocast, because those keys are only active inside it. An op whose torch kernel already
+casts as the list says gets no kernel of its own (unless another override holds it), so a list
+entry that only repeats torch's rule costs nothing. Releasing destroys the library
 handles, which puts torch's own kernels back. Code compiled by torch.compile is dropped on each
 change, so that it recompiles under the lists now in force.
 
@@ -25,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import functools
 import sys
 import warnings
@@ -34,18 +37,14 @@ from typing import Any
 import torch
 
 from mpnb.errors import InvalidChoiceError
+from mpnb.oplists.keys import AUTOCAST_KEYS
 from mpnb.oplists.lists import OpLists, aten_overloads
+from mpnb.oplists.torch_rules import torch_rule
 
 __all__ = ["OpListOverride", "AUTOCAST_KEYS"]
 
-#: Device type -> the dispatch key where torch.autocast's kernels live.
-AUTOCAST_KEYS = {
-    "cpu": "AutocastCPU",
-    "cuda": "AutocastCUDA",
-    "hpu": "AutocastHPU",
-    "xpu": "AutocastXPU",
-    "mps": "AutocastMPS",
-}
+#: How many applied overrides hold a kernel for each (operator, device type).
+_HELD: collections.Counter[tuple[torch._ops.OpOverload, str]] = collections.Counter()
 
 
 @functools.cache
@@ -176,6 +175,7 @@ class OpListOverride:
         if unknown:
             raise InvalidChoiceError("device type", unknown[0], AUTOCAST_KEYS)
         self._libraries: list[torch.library.Library] = []
+        self._held: list[list[tuple[torch._ops.OpOverload, str]]] = []
 
     @property
     def active(self) -> bool:
@@ -197,13 +197,27 @@ class OpListOverride:
     def _register(self, device_type: str) -> torch.library.Library:
         key = AUTOCAST_KEYS[device_type]
         library = torch.library.Library("aten", "IMPL", key)
-        with warnings.catch_warnings():
-            # torch warns (once per process) that we replace its own autocast kernel: that is the point.
-            warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-            for to_fp32, names in ((True, self.lists.fp32), (False, self.lists.lower)):
-                for name in names:
-                    for op in aten_overloads(name):
-                        library.impl(_impl_name(op), _kernel(op, device_type, key, to_fp32), key, allow_override=True)
+        held = []
+        try:
+            with warnings.catch_warnings():
+                # torch warns (once per process) that we replace its own autocast kernel: that is the point.
+                warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+                for to_fp32, names in ((True, self.lists.fp32), (False, self.lists.lower)):
+                    for name in names:
+                        for op in aten_overloads(name):
+                            if _HELD[op, device_type] == 0 and torch_rule(op, device_type) == (
+                                "fp32" if to_fp32 else "lower"
+                            ):
+                                continue  # torch's own kernel already does exactly this, at no Python cost
+                            library.impl(
+                                _impl_name(op), _kernel(op, device_type, key, to_fp32), key, allow_override=True
+                            )
+                            held.append((op, device_type))
+        except BaseException:
+            library._destroy()
+            raise
+        _HELD.update(held)
+        self._held.append(held)
         return library
 
     def release(self) -> None:
@@ -212,6 +226,7 @@ class OpListOverride:
             return
         while self._libraries:
             self._libraries.pop()._destroy()
+            _HELD.subtract(self._held.pop())
         _CompiledCode.invalidate()
 
     def __enter__(self) -> OpListOverride:

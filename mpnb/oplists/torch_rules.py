@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpnb.oplists.override import AUTOCAST_KEYS
+from mpnb.oplists.keys import AUTOCAST_KEYS
 
-__all__ = ["AutocastRules", "autocast_rules"]
+__all__ = ["AutocastRules", "autocast_rules", "torch_rule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +118,27 @@ def _rule(op: torch._ops.OpOverload, device: str, low: torch.dtype) -> str:
     except KeyError:  # an argument type the probe cannot make
         return "other"
     return "fp32" if torch.float32 in from_low.cast_to or from_low.op_dtype == torch.float32 else "other"
+
+
+@functools.cache
+def torch_rule(op: torch._ops.OpOverload, device_type: str) -> str | None:
+    """``"lower"``, ``"fp32"`` or ``"other"``: what torch's own autocast kernel for ``op`` does on
+    ``device_type``; None when torch has none there, or the device is absent and cannot be probed.
+
+    Read once per process and op, like :func:`autocast_rules`, while no mpnb kernel holds the op.
+
+    Example:
+        >>> torch_rule(torch.ops.aten.mm.default, "cpu"), torch_rule(torch.ops.aten.relu.default, "cpu")
+        ('lower', None)
+    """
+    if not _device_present(device_type):
+        return None
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), AUTOCAST_KEYS[device_type]):
+        return None
+    low = torch.get_autocast_dtype(device_type)
+    with torch.no_grad(), warnings.catch_warnings(), _c_stderr_silenced():
+        warnings.simplefilter("ignore")
+        return _rule(op, device_type, torch.bfloat16 if low == torch.float32 else low)
 
 
 def _overload(qualified_name: str) -> torch._ops.OpOverload:

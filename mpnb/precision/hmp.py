@@ -41,8 +41,8 @@ from collections.abc import Iterator
 import torch
 
 from mpnb.errors import InvalidChoiceError
+from mpnb.oplists.keys import AUTOCAST_KEYS
 from mpnb.oplists.lists import OpLists, read_op_file
-from mpnb.oplists.override import AUTOCAST_KEYS
 from mpnb.precision.autocast_settings import check_autocast_dtype
 from mpnb.precision.backends import backend_for, resolve_device
 from mpnb.precision.policy import session

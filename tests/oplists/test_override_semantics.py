@@ -94,3 +94,25 @@ def test_the_other_low_dtype_is_cast_as_torch_casts_it():
     with OpListOverride(OpLists.of(lower=["add"], fp32=["mm"]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.add(half, half).dtype == torch.bfloat16
         assert torch.mm(half, half).dtype == torch.float32
+
+
+def _has_mpnb_kernel(op_name: str) -> bool:
+    return "override.py" in torch._C._dispatch_dump(op_name)
+
+
+def test_an_op_torch_already_runs_as_listed_gets_no_python_kernel():
+    """mm is lowered by torch's own CPU autocast: a lower-list entry for it would only cost time."""
+    with OpListOverride(OpLists.of(lower=["mm", "relu"], fp32=["nll_loss"]), ["cpu"]):
+        assert not _has_mpnb_kernel("aten::mm") and not _has_mpnb_kernel("aten::nll_loss")
+        assert _has_mpnb_kernel("aten::relu")  # torch leaves relu alone: the list changes it
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16
+
+
+def test_a_blocks_list_still_wins_where_the_session_moved_an_op_torch_lowers():
+    x = torch.randn(2, 2)
+    with OpListOverride(OpLists.of(fp32=["mm"]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(x, x).dtype == torch.float32
+        with OpListOverride(OpLists.of(lower=["mm"]), ["cpu"]):
+            assert torch.mm(x, x).dtype == torch.bfloat16
+        assert torch.mm(x, x).dtype == torch.float32
