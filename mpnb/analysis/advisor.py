@@ -33,6 +33,7 @@ from torch import nn
 
 from mpnb import views
 from mpnb._render import html_list, html_table, text_table
+from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, resolve_device
 
 __all__ = ["Advice", "METRICS", "ModuleNumerics", "advise"]
@@ -145,12 +146,30 @@ class _Watch:
         return record
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaN equal to NaN."""
+    return a.dtype == b.dtype and a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 @contextlib.contextmanager
 def _left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[[], None]]:
     """Run the passes on ``device``; yields a function that resets the model and the random state
-    to how they were at the start. Afterwards model, device and random state are as found."""
-    home = next(model.parameters()).device
-    state = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    to how they were at the start. Afterwards model, device and random state are as found.
+
+    Only tensors that changed are written back, so the others keep their version counters (a
+    backward the caller built before still runs). Every buffer counts, non-persistent ones too.
+
+    Raises:
+        MpnbError: the model's tensors are on several devices (or on meta); nothing moved then.
+    """
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    homes = {tensor.device for tensor in tensors.values()}
+    if len(homes) > 1 or any(home.type == "meta" for home in homes):
+        raise MpnbError(
+            f"advise runs the whole model on one device; its tensors are on {', '.join(sorted(map(str, homes)))}"
+        )
+    home = homes.pop() if homes else device
+    saved = {name: tensor.detach().clone() for name, tensor in tensors.items()}
     flags = [(module, module.training) for module in model.modules()]
     grads = [(parameter, parameter.grad) for parameter in model.parameters()]
     accelerator = [device] if device.type != "cpu" else []
@@ -159,7 +178,11 @@ def _left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[
         device_rng = torch.get_device_module(device.type).get_rng_state(device) if accelerator else None
 
         def start_again() -> None:
-            model.load_state_dict(state)
+            current = dict(model.named_parameters()) | dict(model.named_buffers())
+            with torch.no_grad():
+                for name, tensor in current.items():
+                    if not _same(tensor, saved[name].to(tensor.device)):
+                        tensor.copy_(saved[name])
             for module, training in flags:
                 module.training = training
             torch.set_rng_state(rng)
@@ -167,10 +190,12 @@ def _left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[
                 torch.get_device_module(device.type).set_rng_state(device_rng, device)
 
         try:
-            model.to(device)
+            if device != home:
+                model.to(device)
             yield start_again
         finally:
-            model.to(home)
+            if device != home:
+                model.to(home)
             start_again()
             for parameter, grad in grads:
                 parameter.grad = grad
@@ -227,7 +252,8 @@ def advise(
         loss_fn: ``loss_fn(outputs, targets) -> scalar``.
         device: where to run; default the model's device.
     """
-    target = resolve_device(device) if device is not None else next(model.parameters()).device
+    tensors = [*model.parameters(), *model.buffers()]
+    target = resolve_device(device if device is not None or not tensors else tensors[0].device)
     with _left_as_found(model, target) as start_again:
         start_again()
         reference = _pass(model, batch, loss_fn, target, None)

@@ -96,7 +96,13 @@ def _overloads_of(aten_name: str) -> list[torch._ops.OpOverload]:
     names = packet.overloads()
     if only:
         names = [n for n in names if n == only]
-    return [getattr(packet, n) for n in names]
+    overloads = [getattr(packet, n) for n in names]
+    # TorchScript-only overloads (eq.Tensor_list, index.Tensor_hacked_twin) have no dispatcher entry.
+    return [op for op in overloads if torch._C._dispatch_has_kernel(op.name())]
+
+
+#: The ops autocast (and a list kernel) casts with: listing one would make every cast recurse.
+_CASTS = {"aten::_to_copy", "aten::to"}
 
 
 def _not_castable_because(overload: torch._ops.OpOverload) -> str | None:
@@ -107,6 +113,8 @@ def _not_castable_because(overload: torch._ops.OpOverload) -> str | None:
     the input of a view op would turn the view into a copy.
     """
     schema = overload._schema
+    if schema.name in _CASTS:
+        return "is the cast itself: autocast casts with it"
     if not any("Tensor" in str(arg.type) for arg in schema.arguments):
         return "takes no tensors"
     if schema.is_mutable:

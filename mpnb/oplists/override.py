@@ -53,9 +53,8 @@ def _state_argument_names() -> frozenset[str]:
 
     ``aten::batch_norm`` updates ``running_mean`` and ``running_var`` through
     ``_native_batch_norm_legit``, whose schema says ``Tensor(a!) running_mean``; its own schema
-    says nothing, and its CPU kernel writes without moving the version counter. Arguments with
-    these names are therefore compared after the call. ``self`` and ``out`` are left out: they
-    name the written tensor of in-place and out= ops, which cannot be listed at all.
+    says nothing. ``self`` and ``out`` are left out: they name the written tensor of in-place and
+    out= ops, which cannot be listed at all.
     """
     names: set[str] = set()
     for base in dir(torch.ops.aten):
@@ -82,16 +81,17 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
     """The list kernel for ``op``: cast as torch.autocast casts, call below autocast, keep writes.
 
     Only the tensors torch.autocast itself would cast are cast: floating, on the autocast
-    device, not float64 (``is_eligible`` in ATen/autocast_mode.h). What the op writes into a
-    cast copy is copied back into the caller's tensor: a copy whose version counter moved, and
-    a state argument (see :func:`_state_argument_names`) whose values changed. So module
-    statistics update as they do without lists, and are left bit for bit alone when unchanged.
+    device, not float64 (``is_eligible`` in ATen/autocast_mode.h). An op that keeps state
+    (arguments such as ``running_mean``, see :func:`_state_argument_names`) has only its data,
+    the first argument, cast: its weights and statistics stay in their own precision, as torch's
+    mixed-precision BatchNorm kernels take them, so statistics update exactly and never round.
+    What an op writes into a cast copy (its version counter moved) is copied back to the caller.
     The kernel runs for every listed op call, so it avoids pytree and per-call closures.
     """
     below_autocast = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
     on_device = _ON_DEVICE.get(device_type, lambda tensor: tensor.device.type == device_type)
     call = op._op  # the overload's C++ entry point, without OpOverload.__call__'s Python frame
-    state = [(index, arg.name) for index, arg in enumerate(op._schema.arguments) if arg.name in _state_argument_names()]
+    keeps_state = any(arg.name in _state_argument_names() for arg in op._schema.arguments)
     float64 = torch.float64
 
     def cast(value: Any, dtype: torch.dtype, copies: list) -> Any:
@@ -108,22 +108,15 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
     def kernel(*args: Any, **kwargs: Any) -> Any:
         dtype = torch.float32 if to_fp32 else torch.get_autocast_dtype(device_type)
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        cast_args = [cast(value, dtype, copies) for value in args]
-        cast_kwargs = {name: cast(value, dtype, copies) for name, value in kwargs.items()} if kwargs else kwargs
-        if not copies:
-            with torch._C._ExcludeDispatchKeyGuard(below_autocast):
-                return call(*args, **kwargs)
-        before = {}
-        for index, name in state:
-            given, used = (
-                (args[index], cast_args[index]) if index < len(args) else (kwargs.get(name), cast_kwargs.get(name))
-            )
-            if used is not given:
-                before[id(used)] = used.clone()
+        if keeps_state:
+            cast_args, cast_kwargs = [cast(args[0], dtype, copies), *args[1:]], kwargs
+        else:
+            cast_args = [cast(value, dtype, copies) for value in args]
+            cast_kwargs = {name: cast(value, dtype, copies) for name, value in kwargs.items()} if kwargs else kwargs
         with torch._C._ExcludeDispatchKeyGuard(below_autocast):
             result = call(*cast_args, **cast_kwargs)
         for original, copy, version in copies:
-            if copy._version != version or (id(copy) in before and not torch.equal(before[id(copy)], copy)):
+            if copy._version != version:
                 with torch.no_grad():
                     original.copy_(copy)
         return result
@@ -182,21 +175,27 @@ class OpListOverride:
         """Whether the overrides are registered now."""
         return bool(self._libraries)
 
-    def apply(self) -> None:
-        """Register the kernels (a no-op when already applied)."""
+    def apply(self, replacing: OpListOverride | None = None) -> None:
+        """Register the kernels (a no-op when already applied).
+
+        Args:
+            replacing: an applied override this one is about to replace (released right after):
+                its kernels do not count as another override holding an op.
+        """
         if self._libraries:
             return
         try:
             for device_type in self.device_types:
-                self._libraries.append(self._register(device_type))
+                self._libraries.append(self._register(device_type, replacing))
         except BaseException:
             self.release()
             raise
         _CompiledCode.invalidate()
 
-    def _register(self, device_type: str) -> torch.library.Library:
+    def _register(self, device_type: str, replacing: OpListOverride | None) -> torch.library.Library:
         key = AUTOCAST_KEYS[device_type]
         library = torch.library.Library("aten", "IMPL", key)
+        leaving = collections.Counter(entry for entries in (replacing._held if replacing else []) for entry in entries)
         held = []
         try:
             with warnings.catch_warnings():
@@ -205,9 +204,9 @@ class OpListOverride:
                 for to_fp32, names in ((True, self.lists.fp32), (False, self.lists.lower)):
                     for name in names:
                         for op in aten_overloads(name):
-                            if _HELD[op, device_type] == 0 and torch_rule(op, device_type) == (
-                                "fp32" if to_fp32 else "lower"
-                            ):
+                            held_elsewhere = _HELD[op, device_type] - leaving[op, device_type]
+                            rule = "fp32" if to_fp32 else "lower"
+                            if held_elsewhere == 0 and torch_rule(op, device_type) == rule:
                                 continue  # torch's own kernel already does exactly this, at no Python cost
                             library.impl(
                                 _impl_name(op), _kernel(op, device_type, key, to_fp32), key, allow_override=True

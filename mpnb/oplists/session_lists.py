@@ -114,7 +114,7 @@ class SessionOpLists:
         """Make ``lists`` the session's lists, live from the next op."""
         new = OpListOverride(lists) if lists else None
         if new is not None:
-            new.apply()
+            new.apply(replacing=self._override)
         old, self._override = self._override, new
         if old is not None:
             old.release()

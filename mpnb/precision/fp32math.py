@@ -241,8 +241,8 @@ def probe_reduced_math(backend: Backend, device: torch.device) -> ReducedMathPro
     # lists, which act only under it) off, and no dispatch mode (a trace) watching.
     with torch.autocast(device.type, enabled=False), _disable_current_modes():
         generator = torch.Generator().manual_seed(0)
-        a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator).to(device)
-        b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator).to(device)
+        a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator, dtype=torch.float32).to(device)
+        b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator, dtype=torch.float32).to(device)
         reference = a.double() @ b.double()
         try:
             for level in (Fp32Math.EXACT, Fp32Math.REDUCED):

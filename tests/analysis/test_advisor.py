@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -106,3 +107,30 @@ def test_gpt2s_low_precision_error_is_the_real_one_not_dropout_noise():
     report = mpnb.advise(model, (ids, ids), lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()))
     errors = [r.output_error["fp16"] for r in report.rows if math.isfinite(r.output_error["fp16"])]
     assert errors and max(errors) < 0.05, max(errors)
+
+
+# Found by attacking the advisor (each failed before its fix).
+
+
+def test_non_persistent_buffers_come_back_too():
+    model = _bn_dropout_model()
+    model.register_buffer("calls", torch.zeros(()), persistent=False)
+    model.register_forward_hook(lambda module, inputs, output: module.calls.add_(1) and None)
+    mpnb.advise(model, BATCH, F.cross_entropy, device="cpu")
+    assert model.calls.item() == 0
+
+
+def test_a_backward_the_caller_built_before_still_runs_after():
+    model = _bn_dropout_model().eval()
+    pending = F.cross_entropy(model(BATCH[0]), BATCH[1])
+    mpnb.advise(model, BATCH, F.cross_entropy, device="cpu")
+    pending.backward()  # no "modified by an inplace operation"
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_model_spread_over_devices_is_refused_before_anything_moves():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, device="meta"), torch.nn.Linear(8, 4))
+    weight = model[1].weight.clone()
+    with pytest.raises(mpnb.MpnbError, match="meta.*cpu|cpu.*meta"):
+        mpnb.advise(model, BATCH, F.cross_entropy, device="cpu")
+    assert model[1].weight.device.type == "cpu" and torch.equal(model[1].weight, weight)

@@ -97,7 +97,9 @@ def test_the_other_low_dtype_is_cast_as_torch_casts_it():
 
 
 def _has_mpnb_kernel(op_name: str) -> bool:
-    return "override.py" in torch._C._dispatch_dump(op_name)
+    """Whether mpnb holds the op's AutocastCPU kernel (other devices' keys are not probed here)."""
+    lines = torch._C._dispatch_dump(op_name).splitlines()
+    return any(line.startswith("AutocastCPU") and "override.py" in line for line in lines)
 
 
 def test_an_op_torch_already_runs_as_listed_gets_no_python_kernel():
@@ -116,3 +118,55 @@ def test_a_blocks_list_still_wins_where_the_session_moved_an_op_torch_lowers():
         with OpListOverride(OpLists.of(lower=["mm"]), ["cpu"]):
             assert torch.mm(x, x).dtype == torch.bfloat16
         assert torch.mm(x, x).dtype == torch.float32
+
+
+# Found by attacking the lists (each failed before its fix).
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_stateful_ops_keep_their_statistics_in_their_own_precision(dtype):
+    """fp16 used to overflow running_var to inf; bf16 rounding froze small momentum updates."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 3, 4, 4) * 400 if dtype == torch.float16 else torch.randn(64, 3, 8, 8) * 1.2 + 0.5
+    plain, listed = torch.nn.BatchNorm2d(3, momentum=0.01), torch.nn.BatchNorm2d(3, momentum=0.01)
+    for _ in range(30):
+        with torch.autocast("cpu", dtype=dtype):
+            plain(x)
+        with OpListOverride(OpLists.preset("hmp"), ["cpu"]), torch.autocast("cpu", dtype=dtype):
+            out = listed(x)
+    assert out.dtype == dtype and listed.running_var.dtype == torch.float32
+    torch.testing.assert_close(listed.running_var, plain.running_var, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(listed.running_mean, plain.running_mean, rtol=1e-3, atol=1e-3)
+
+
+def test_eval_mode_statistics_are_left_bit_for_bit_even_with_a_nan():
+    bn = torch.nn.BatchNorm2d(3).eval()
+    bn.running_mean[:] = torch.tensor([float("nan"), 0.7654321, -1.2345678])
+    before = bn.running_mean.clone()
+    with OpListOverride(OpLists.preset("hmp"), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        bn(torch.randn(2, 3, 4, 4))
+    assert torch.equal(bn.running_mean[1:], before[1:]) and bn.running_mean[0].isnan()
+
+
+@pytest.mark.parametrize("name", ["eq", "ne", "index", "index_put", "copy", "_unsafe_index"])
+def test_every_name_a_list_accepts_can_be_applied(name):
+    with OpListOverride(OpLists.of(fp32=[name]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        pass
+
+
+@pytest.mark.parametrize("name", ["_to_copy", "to"])
+def test_the_cast_itself_cannot_be_listed(name):
+    with pytest.raises(MpnbError, match="autocast casts with it"):
+        OpLists.of(fp32=[name])
+
+
+def test_an_entry_gets_the_same_kernels_however_the_lists_were_edited():
+    from mpnb.oplists import SessionOpLists
+
+    lists = SessionOpLists()
+    try:
+        lists.add("fp32", ["mm"])
+        lists.add("lower", ["mm"])  # now the same lists as a fresh lower=[mm]
+        assert not _has_mpnb_kernel("aten::mm")
+    finally:
+        lists.reset()

@@ -189,3 +189,15 @@ def test_the_measurement_is_the_same_inside_an_autocast_cell_with_op_lists_and_a
         inside = _cpu_probe()
     assert inside == plain and inside.exact_error < 1e-5
     assert len(recorded.rows) == 0, "the measurement is not the user's work: it stays out of a trace"
+
+
+def test_the_measurement_is_of_fp32_whatever_the_default_dtype():
+    probe_reduced_math.cache_clear()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        probe = _cpu_probe()
+    finally:
+        torch.set_default_dtype(previous)
+        probe_reduced_math.cache_clear()
+    assert probe.exact_error > 1e-9, "a float64 matmul was measured"
