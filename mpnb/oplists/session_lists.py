@@ -45,9 +45,9 @@ How op lists act (only while autocast is on; outside autocast nothing changes):
   lower list  (alias bf16) the op runs with its floating inputs cast to the autocast dtype (bf16 or fp16),
               even where torch would keep it in fp32 or leave its inputs as they are.
   neither     the op follows torch's own autocast rules (`%oplist preset torch` then `%oplist show` lists them).
-Floating inputs are what torch.autocast casts: floating tensors on the device, never float64. What an op
-writes (BatchNorm's running statistics) reaches your tensors. Views (t), in-place (relu_) and out= ops
-cannot be listed. Compiled code (torch.compile) recompiles under the new lists at its next call.
+Floating inputs are what torch.autocast casts: floating tensors on the device, never float64. Ops that keep
+state (batch_norm) have only their data cast: weights and running statistics stay as they are. Views (t),
+in-place (relu_) and out= ops cannot be listed. Compiled code (torch.compile) recompiles under the new lists at its next call.
 Precedence: a block's own lists (%%autocast --fp32/--lower, mpnb.autocast(fp32=, lower=)) win over the
 session lists for the ops they name; the session lists win over torch's rules.
 Lists change what the dispatcher calls at autocast's level: ops that torch calls internally from inside
