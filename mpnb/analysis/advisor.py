@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -252,10 +253,9 @@ def advise(
         loss_fn: ``loss_fn(outputs, targets) -> scalar``.
         device: where to run; default the model's device.
     """
-    tensors = [*model.parameters(), *model.buffers()]
-    target = resolve_device(device if device is not None or not tensors else tensors[0].device)
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    target = resolve_device(device) if device is not None or first is None else first.device
     with _left_as_found(model, target) as start_again:
-        start_again()
         reference = _pass(model, batch, loss_fn, target, None)
         low = {}
         for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):

@@ -204,6 +204,8 @@ class OpListOverride:
                 for to_fp32, names in ((True, self.lists.fp32), (False, self.lists.lower)):
                     for name in names:
                         for op in aten_overloads(name):
+                            # torch_rule is first read when nobody holds the op (the first holder always
+                            # meets _HELD == 0), so it probes torch's own kernel; later reads are cached.
                             held_elsewhere = _HELD[op, device_type] - leaving[op, device_type]
                             rule = "fp32" if to_fp32 else "lower"
                             if held_elsewhere == 0 and torch_rule(op, device_type) == rule:

@@ -137,7 +137,7 @@ def torch_rule(op: torch._ops.OpOverload, device_type: str) -> str | None:
         return None
     low = torch.get_autocast_dtype(device_type)
     with torch.no_grad(), warnings.catch_warnings(), _c_stderr_silenced():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # deprecation notes some probed ops print (torch.lu, torch.qr...)
         return _rule(op, device_type, torch.bfloat16 if low == torch.float32 else low)
 
 
@@ -165,14 +165,9 @@ def autocast_rules(device_type: str) -> AutocastRules:
     )
     if not _device_present(device_type):
         return AutocastRules(device_type, (), (), tuple(_entry(n) for n in names), probed=False)
-    low = torch.get_autocast_dtype(device_type)
-    if low == torch.float32:
-        low = torch.bfloat16
     found: dict[str, list[str]] = {"lower": [], "fp32": [], "other": []}
-    with torch.no_grad(), warnings.catch_warnings(), _c_stderr_silenced():
-        warnings.simplefilter("ignore")  # deprecation notes some probed ops print (torch.lu, torch.qr...)
-        for name in names:
-            found[_rule(_overload(name), device_type, low)].append(_entry(name))
+    for name in names:
+        found[torch_rule(_overload(name), device_type)].append(_entry(name))
     return AutocastRules(device_type, tuple(found["lower"]), tuple(found["fp32"]), tuple(found["other"]), probed=True)
 
 

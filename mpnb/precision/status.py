@@ -170,7 +170,7 @@ class DeviceReport(_Renders):
         lines = [text_table(self._HEADERS, self.rows()), ""]
         for info in self.devices:
             if info.available:
-                lines += [f"{note}" for note in info.notes()]
+                lines += info.notes()
         return "\n".join(lines).rstrip()
 
     def _repr_html_(self) -> str:

@@ -170,3 +170,21 @@ def test_an_entry_gets_the_same_kernels_however_the_lists_were_edited():
         assert not _has_mpnb_kernel("aten::mm")
     finally:
         lists.reset()
+
+
+def test_torchs_rule_is_never_read_off_an_mpnb_kernel():
+    """Replacing fp32=[mm] by lower=[mm] must not probe mm while the old fp32 kernel is still there."""
+    from mpnb.oplists import SessionOpLists
+    from mpnb.oplists.torch_rules import torch_rule
+
+    torch_rule.cache_clear()
+    lists = SessionOpLists()
+    try:
+        lists.add("fp32", ["mm"])
+        lists.add("lower", ["mm"])
+        lists.reset()
+        x = torch.randn(2, 2)
+        with OpListOverride(OpLists.of(fp32=["mm"]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.mm(x, x).dtype == torch.float32
+    finally:
+        lists.reset()

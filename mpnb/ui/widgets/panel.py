@@ -116,10 +116,10 @@ class ControlPanel:
             self.state.mode = self.session.mode.value
             self.state.device = device.type
             self.state.reduced_fp32_math = self.session.fp32_math.level is Fp32Math.REDUCED
-            effect = backend_for(device).describe_reduced_fp32_math()
-            self.reduced_fp32_math.tooltip = effect
+            backend = backend_for(device)
+            self.reduced_fp32_math.tooltip = backend.describe_reduced_fp32_math()
             self.reduced_fp32_math.description = _FP32_MATH_LABEL + (
-                " (no effect on this hardware)" if not backend_for(device).has_fast_fp32_math() else ""
+                "" if backend.has_fast_fp32_math() else " (no effect on this hardware)"
             )
             self.state.status = _status_html(self.session)
             self.state.lists = _lists_html(self.session)
