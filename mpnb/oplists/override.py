@@ -72,9 +72,21 @@ def _state_argument_names() -> frozenset[str]:
 
 
 _ON_DEVICE: dict[str, Callable[[torch.Tensor], bool]] = {
-    "cpu": lambda tensor: tensor.is_cpu,
-    "cuda": lambda tensor: tensor.is_cuda,
+    "cpu": torch.Tensor.is_cpu.__get__,
+    "cuda": torch.Tensor.is_cuda.__get__,
 }
+
+#: The cheapest way to cast to each dtype from Python: ``x.bfloat16()`` parses no arguments and
+#: costs about 2/3 of ``x.to(torch.bfloat16)``; both are ``aten::to`` with the same semantics.
+_CAST_METHOD: dict[torch.dtype, Callable[[torch.Tensor], torch.Tensor]] = {
+    torch.float32: torch.Tensor.float,
+    torch.bfloat16: torch.Tensor.bfloat16,
+    torch.float16: torch.Tensor.half,
+}
+
+
+def _cast_method(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    return _CAST_METHOD.get(dtype) or (lambda tensor: tensor.to(dtype))
 
 
 def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool) -> Callable[..., Any]:
@@ -86,39 +98,52 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
     the first argument, cast: its weights and statistics stay in their own precision, as torch's
     mixed-precision BatchNorm kernels take them, so statistics update exactly and never round.
     What an op writes into a cast copy (its version counter moved) is copied back to the caller.
-    The kernel runs for every listed op call, so it avoids pytree and per-call closures.
+
+    The kernel runs for every call of a listed op, so everything that does not depend on the
+    call is decided here, once: no pytree, no per-call closures, no argument parsing for casts
+    (``benchmarks/oplist_overhead.py`` measures what remains).
     """
     below_autocast = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    exclude_autocast = torch._C._ExcludeDispatchKeyGuard
     on_device = _ON_DEVICE.get(device_type, lambda tensor: tensor.device.type == device_type)
     call = op._op  # the overload's C++ entry point, without OpOverload.__call__'s Python frame
     keeps_state = any(arg.name in _state_argument_names() for arg in op._schema.arguments)
-    float64 = torch.float64
+    tensor_type, float64 = torch.Tensor, torch.float64
+    fixed_cast = _cast_method(torch.float32) if to_fp32 else None
+    fixed_dtype = torch.float32 if to_fp32 else None
+    autocast_dtype = torch.get_autocast_dtype
 
-    def cast(value: Any, dtype: torch.dtype, copies: list) -> Any:
-        if isinstance(value, torch.Tensor):
+    def cast(value: Any, dtype: torch.dtype, cast_to: Callable, copies: list) -> Any:
+        if isinstance(value, tensor_type):
             if value.dtype != dtype and value.is_floating_point() and value.dtype != float64 and on_device(value):
-                copy = value.to(dtype)
+                copy = cast_to(value)
                 copies.append((value, copy, copy._version))
                 return copy
             return value
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-            return type(value)(cast(item, dtype, copies) for item in value)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], tensor_type):
+            return type(value)([cast(item, dtype, cast_to, copies) for item in value])
         return value
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        dtype = torch.float32 if to_fp32 else torch.get_autocast_dtype(device_type)
-        copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        if keeps_state:
-            cast_args, cast_kwargs = [cast(args[0], dtype, copies), *args[1:]], kwargs
+        if fixed_cast is None:
+            dtype = autocast_dtype(device_type)
+            cast_to = _cast_method(dtype)
         else:
-            cast_args = [cast(value, dtype, copies) for value in args]
-            cast_kwargs = {name: cast(value, dtype, copies) for name, value in kwargs.items()} if kwargs else kwargs
-        with torch._C._ExcludeDispatchKeyGuard(below_autocast):
-            result = call(*cast_args, **cast_kwargs)
-        for original, copy, version in copies:
-            if copy._version != version:
-                with torch.no_grad():
-                    original.copy_(copy)
+            dtype, cast_to = fixed_dtype, fixed_cast
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        with exclude_autocast(below_autocast):  # casts too, as torch's kernels cast: fewer keys to pass
+            if keeps_state:
+                args = (cast(args[0], dtype, cast_to, copies), *args[1:])
+            else:
+                args = [cast(value, dtype, cast_to, copies) for value in args]
+                if kwargs:
+                    kwargs = {name: cast(value, dtype, cast_to, copies) for name, value in kwargs.items()}
+            result = call(*args, **kwargs)
+        if copies:
+            for original, copy, version in copies:
+                if copy._version != version:
+                    with torch.no_grad():
+                        original.copy_(copy)
         return result
 
     return kernel
