@@ -173,6 +173,11 @@ class Fp32MathSwitch:
         self._held: tuple[Backend, Fp32Math] | None = None
 
     @property
+    def held(self) -> tuple[Backend, Fp32Math] | None:
+        """``(backend, level)`` mpnb holds the flags at, or None when they are as mpnb found them."""
+        return self._held
+
+    @property
     def level(self) -> Fp32Math | None:
         """The level mpnb holds, or None when the flags are as mpnb found them."""
         return self._held[1] if self._held else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,15 @@ __all__ = [
     "set_oplists",
     "get_oplists",
 ]
+
+
+class SessionSnapshot(NamedTuple):
+    """What :meth:`Session.snapshot` saves: the session's wishes and the fp32-math flags in force."""
+
+    mode: Mode
+    device: torch.device | None
+    fp32_wish: tuple[Backend, Fp32Math] | None
+    fp32_held: tuple[Backend, Fp32Math] | None
 
 
 class Session:
@@ -177,14 +187,22 @@ class Session:
         finally:
             self.restore(saved)
 
-    def snapshot(self) -> tuple[Mode, torch.device | None, tuple[Backend, Fp32Math] | None]:
-        """Mode, device and fp32-math wish, for :meth:`restore`."""
-        return self.mode, self.device, self._fp32_wanted
+    def snapshot(self) -> SessionSnapshot:
+        """Mode, device, fp32-math wish and the flags in force now, for :meth:`restore`."""
+        return SessionSnapshot(self.mode, self.device, self._fp32_wanted, self.fp32_math.held)
 
-    def restore(self, snapshot: tuple[Mode, torch.device | None, tuple[Backend, Fp32Math] | None]) -> None:
-        """Put mode, device and the fp32-math flags back as a :meth:`snapshot` found them."""
-        self.mode, self.device, self._fp32_wanted = snapshot
-        self.apply_fp32_wish()
+    def restore(self, snapshot: SessionSnapshot) -> None:
+        """Put mode, device and the fp32-math flags back exactly as a :meth:`snapshot` found them.
+
+        The flags go back to what was in force then, which is not always the session's wish: a
+        fit in mode tf32 borrows the switch, and a ``with mpnb.tf32(False):`` block inside its
+        model code must hand the fit its reduced math back.
+        """
+        self.mode, self.device, self._fp32_wanted = snapshot.mode, snapshot.device, snapshot.fp32_wish
+        if snapshot.fp32_held is None:
+            self.fp32_math.release()
+        else:
+            self.fp32_math.set(*snapshot.fp32_held)
         self.notify("mode")
 
     @contextlib.contextmanager

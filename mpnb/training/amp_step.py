@@ -39,6 +39,7 @@ import torch
 
 from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
+from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink
@@ -60,6 +61,11 @@ class AmpStep:
         record_grad_norm: record the unscaled gradient norm even without clipping.
         init_scale, growth_factor, backoff_factor, growth_interval: passed to GradScaler.
         min_scale: warn (once) when the fp16 loss scale falls below this.
+        on_nonfinite: at the first NaN/inf loss on a step taken, or a collapsed fp16 scale:
+            ``"warn"`` (default), ``"stop"`` (:attr:`health` ``.stop`` turns True; the Trainer
+            ends the fit there; telemetry is then read every step, one host read per step on
+            an accelerator), or ``"ignore"`` (an event on the history, no warning). See
+            :mod:`mpnb.training.health`.
         flush_every: steps between device-to-host telemetry copies.
         sinks: telemetry sinks (dashboard, text progress...).
         history: continue this history (default: a new one).
@@ -67,6 +73,7 @@ class AmpStep:
     Attributes:
         scaler: the torch.amp.GradScaler (disabled unless fp16).
         steps: optimizer steps taken or skipped so far.
+        health: finds non-finite losses and a collapsed scale in what is recorded.
         epoch: written into each row; a training loop sets it.
     """
 
@@ -85,6 +92,7 @@ class AmpStep:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         min_scale: float | None = None,
+        on_nonfinite: str = "warn",
         flush_every: int = 64,
         sinks: Iterable[Sink] = (),
         history: History | None = None,
@@ -104,8 +112,12 @@ class AmpStep:
         }
         self._scalers: dict[bool, torch.amp.GradScaler] = {}
         self.scaler = self._scaler(self.precision.needs_scaler)
-        all_sinks = [*sinks, *([MinScaleAlarm(min_scale)] if min_scale is not None else [])]
+        self.health = HealthWatch(on_nonfinite)
+        if on_nonfinite == "stop":
+            flush_every = 1  # the loop can only stop at the bad step if it knows of it there
+        all_sinks = [*([MinScaleAlarm(min_scale)] if min_scale is not None else []), self.health, *sinks]
         self.recorder = Recorder(history, flush_every=flush_every, sinks=all_sinks)
+        self.health.restart(self.recorder.history)
         self.memory = MemorySampler(backend_for(self.precision.device), self.precision.device)
         self.steps = self.recorder.history.step[-1] if len(self.recorder.history) else 0
         self.epoch = 0
@@ -113,6 +125,7 @@ class AmpStep:
         self._samples = 0
         self._loss_sum: torch.Tensor | None = None
         self._window_start: float | None = None
+        self._window_open = False  # from the first backward of a window until its step is recorded
         self._optimizer_stepped = False
         self._hook = optimizer.register_step_post_hook(_StepFlag(self))
 
@@ -126,6 +139,7 @@ class AmpStep:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of the (scaled, accumulation-averaged) loss, outside autocast."""
         self._start_clock()
+        self._window_open = True  # a failure from here on may leave gradients behind
         if self.accumulate > 1:
             loss = loss / self.accumulate
         with torch.autocast(self.precision.device.type, enabled=False):
@@ -154,12 +168,29 @@ class AmpStep:
         lr = self.optimizer.param_groups[0]["lr"]
         self._optimizer_stepped = False
         self.scaler.step(self.optimizer)
+        skipped = self._skipped()
         self.scaler.update()
         if self.scheduler is not None and self._optimizer_stepped:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._record(scale_before, grad_norm, lr)
+        self._record(scale_before, skipped, grad_norm, lr)
         return True
+
+    def _skipped(self) -> torch.Tensor | bool:
+        """Whether the optimizer step just taken through the scaler was skipped for inf/NaN gradients.
+
+        Read from what happened, never from the scale (which stops moving once it underflows
+        to 0): GradScaler calls ``optimizer.step`` only for finite gradients, and the step hook
+        saw whether it did (GradScaler already read that on the host). An optimizer that takes
+        the scaler's found-inf flag into its own fused step is always called; for it, the flag
+        GradScaler handed over says, as a device tensor, so nothing is read here.
+        """
+        if not self.scaler.is_enabled():
+            return False
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            found = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values()
+            return sum(flag.to(self.precision.device, non_blocking=True) for flag in found) > 0
+        return not self._optimizer_stepped
 
     def set_precision(self, precision: TrainingPrecision) -> None:
         """Switch mode between two optimizer steps (from a widget while a fit runs, say).
@@ -196,13 +227,11 @@ class AmpStep:
             return torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
         return torch.nn.utils.get_total_norm([p.grad for p in params])
 
-    def _record(self, scale_before: torch.Tensor | float, grad_norm: torch.Tensor | float, lr: Any) -> None:
+    def _record(
+        self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any
+    ) -> None:
         now = time.perf_counter()
         step_time = now - (self._window_start if self._window_start is not None else now)
-        if isinstance(scale_before, torch.Tensor):
-            skipped: torch.Tensor | bool = self.scaler._get_scale_async() < scale_before
-        else:
-            skipped = False
         used, peak, reserved = self.memory.sample(now)
         self.steps += 1
         self.recorder.record(
@@ -221,6 +250,7 @@ class AmpStep:
             mode=self.precision.mode.value,
         )
         self._loss_sum, self._micro_batches, self._samples = None, 0, 0
+        self._window_open = False
         self._window_start = now
 
     def _start_clock(self) -> None:
@@ -231,11 +261,13 @@ class AmpStep:
         """Drop the micro-batches of an unfinished accumulation window (their gradients too)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._loss_sum, self._micro_batches, self._samples = None, 0, 0
+        self._window_open = False
 
     @property
     def between_steps(self) -> bool:
-        """True when no micro-batch of an unfinished accumulation window is pending."""
-        return self._micro_batches == 0
+        """True when no accumulation window is open: no backward ran since the last recorded step,
+        not even one that failed half-way and left some gradients behind."""
+        return not self._window_open
 
     def restart_clock(self) -> None:
         """Forget the time since the last step (call after a pause, before the next batch)."""

@@ -30,6 +30,9 @@ from mpnb.precision.backends.base import format_bytes
 
 __all__ = ["History", "COLUMNS", "column_default"]
 
+#: Event kinds that mean the run went wrong (put there by mpnb.training.health).
+ALARM_KINDS = ("nonfinite", "collapse")
+
 FORMAT = "mpnb-history"
 VERSION = 1
 CSV_HEADER_PREFIX = f"# {FORMAT} "
@@ -158,8 +161,12 @@ class History:
         return [step for step, skipped in zip(self.columns["step"], self.columns["skipped"]) if skipped]
 
     def summary(self) -> dict[str, Any]:
-        """The run in a few numbers: steps, skipped, final loss and scale, median step time, peak memory."""
-        losses = [v for v, s in zip(self.loss, self.skipped) if not s and math.isfinite(v)]
+        """The run in a few numbers: steps, skipped, final loss and scale, median step time, peak memory,
+        and the run's alarms (a non-finite loss, a collapsed scale; see :mod:`mpnb.training.health`).
+
+        The final loss is the last step the optimizer took, NaN or inf included: a diverged run
+        reads as one."""
+        losses = [v for v, s in zip(self.loss, self.skipped) if not s]
         timed = self.step_time[1:] or self.step_time  # the first step carries warm-up
         rates = [v for v in self.samples_per_s[1:] or self.samples_per_s if math.isfinite(v)]
         peaks = [v for v in self.memory_peak if math.isfinite(v)]
@@ -172,6 +179,7 @@ class History:
             "median_samples_per_s": statistics.median(rates) if rates else math.nan,
             "peak_memory": max(peaks) if peaks else math.nan,
             "modes": sorted(set(self.mode)),
+            "alarms": [event["message"] for event in self.events if event.get("kind") in ALARM_KINDS],
         }
 
     def summary_rows(self) -> list[tuple[str, str]]:
@@ -185,6 +193,7 @@ class History:
             ("median throughput", f"{s['median_samples_per_s']:.0f} samples/s"),
             ("peak memory", format_bytes(s["peak_memory"])),
             ("modes", ", ".join(s["modes"]) or "-"),
+            *(("alarm", message) for message in s["alarms"]),
         ]
 
     def __repr__(self) -> str:

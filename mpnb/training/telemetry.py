@@ -100,7 +100,7 @@ class MinScaleAlarm(Sink):
                     f"loss scale fell to {scales[index]:g} at step {step}, below min_scale={self.min_scale:g}: "
                     "gradients overflow fp16 at every scale; try bf16, or keep the overflowing op in fp32"
                 )
-                history.note(message, kind="min-scale alarm")
+                history.note(message, kind="min-scale alarm", step=step)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
         self._checked = len(scales)
 

@@ -16,18 +16,22 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Callable, Iterable, Sequence
+import threading
+import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from mpnb import views
-from mpnb.errors import MpnbError
-from mpnb.precision.modes import Mode
+from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.precision.modes import Fp32Math, Mode
 from mpnb.precision.policy import session
 from mpnb.training.amp_step import AmpStep
+from mpnb.training.batches import LossFn, StepFn, batch_loss, samples_in, to_device
 from mpnb.training.capture import FitCapture, active_capture
+from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_checkpoint
 from mpnb.training.control import FitControl
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
@@ -36,7 +40,9 @@ from mpnb.training.telemetry import Sink
 
 __all__ = ["Trainer", "FitInterrupted"]
 
-CHECKPOINT_FORMAT = "mpnb-trainer"
+DASHBOARDS = ("auto", "live", "text")
+#: The fit running on each thread: a fit started inside it (a widget callback) is refused.
+_running = threading.local()
 
 
 class FitInterrupted(KeyboardInterrupt):
@@ -48,17 +54,28 @@ class FitInterrupted(KeyboardInterrupt):
 
 
 class Trainer:
-    """Train ``model`` with ``optimizer`` on ``loss_fn(model(inputs), targets)`` in a precision mode.
+    """Train ``model`` with ``optimizer`` in a precision mode, with telemetry and a live dashboard.
+
+    How a batch becomes a loss (:mod:`mpnb.training.batches`): with ``loss_fn``, batches are
+    ``(inputs, targets)`` pairs and the loss is ``loss_fn(model(inputs), targets)``; without,
+    the model computes its own loss (Hugging Face style: a dict batch is passed as keyword
+    arguments, the loss is ``output.loss`` or ``output["loss"]``); ``step_fn(model, batch)``
+    covers anything else. Batches of any nesting are moved to the device.
 
     Args:
         model: moved to ``device``.
         optimizer: built on the model's parameters.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``, or None (see above).
+        step_fn: ``step_fn(model, batch) -> scalar loss``, run under the mode's autocast.
         mode: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"off"``; default the session
             mode (``%amp``). fp32/tf32 set their fp32-math flags only while ``fit`` runs.
         device: default the session device (auto-detected: cuda, hpu, else cpu).
         dashboard: ``"auto"`` (live plot in a notebook, text progress elsewhere), ``"live"``,
             ``"text"``, None for no display, or a :class:`~mpnb.training.telemetry.Sink`.
+        on_nonfinite: at the first NaN/inf loss on a step taken or a collapsed fp16 loss scale:
+            ``"warn"`` (default; an event on the history and the dashboard, and a warning),
+            ``"stop"`` (the same, and the fit ends after that step, history kept) or
+            ``"ignore"`` (the event only). See :mod:`mpnb.training.health`.
         **amp_options: passed to :class:`~mpnb.training.amp_step.AmpStep` (scheduler,
             accumulate, clip_grad_norm, record_grad_norm, init_scale, growth_factor,
             backoff_factor, growth_interval, min_scale, flush_every).
@@ -73,23 +90,30 @@ class Trainer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: LossFn | None = None,
         *,
+        step_fn: StepFn | None = None,
         mode: str | Mode | None = None,
         device: str | torch.device | None = None,
         dashboard: str | Sink | None = "auto",
+        on_nonfinite: str = "warn",
         **amp_options: Any,
     ) -> None:
-        self.amp = AmpStep(optimizer, mode=mode, device=device, **amp_options)
+        if loss_fn is not None and step_fn is not None:
+            raise MpnbError("give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss")
+        if isinstance(dashboard, str) and dashboard not in DASHBOARDS:
+            raise InvalidChoiceError("dashboard", dashboard, [*DASHBOARDS, "None", "a Sink"])
+        self.amp = AmpStep(optimizer, mode=mode, device=device, on_nonfinite=on_nonfinite, **amp_options)
         self.device = self.amp.precision.device
         self.model = model.to(self.device)
-        self.optimizer, self.loss_fn = optimizer, loss_fn
+        self.optimizer, self.loss_fn, self.step_fn = optimizer, loss_fn, step_fn
         self.dashboard = dashboard
         self._epoch, self._batch = 0, 0  # position: next batch to train on
         self._end_epoch: int | None = None  # set while a planned run is unfinished
         self._window_start = (0, 0)  # position of the current accumulation window's first batch
         self.control = FitControl()
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
+        self._followed: tuple[Any, ...] = ()  # the session's wishes the fit last followed
 
     @property
     def history(self) -> History:
@@ -103,17 +127,19 @@ class Trainer:
 
     def fit(
         self,
-        data: Iterable[Sequence[Any]],
+        data: Iterable[Any],
         epochs: int | None = None,
         *,
         max_steps: int | None = None,
     ) -> History:
-        """Train on ``data`` (an iterable of ``(inputs, targets)`` batches) and return the history.
+        """Train on ``data`` (an iterable of batches: a list, a DataLoader, a generator...) and return the history.
 
         ``epochs`` counts epochs from where training stands. After an interrupted ``fit``,
         calling ``fit(data)`` without ``epochs`` finishes the interrupted run: it resumes at
-        the batch after the last finished step (exact for data whose order depends only on
-        the epoch, such as :class:`mpnb.examples.Batches` or a DataLoader without shuffle).
+        the batch after the last finished step. That is exact when ``data`` gives the same
+        batches in the same order each time it is iterated in an epoch (a list,
+        :class:`mpnb.examples.Batches`, a DataLoader without shuffle, or one whose sampler has
+        ``set_epoch``); a one-shot iterator (a generator) simply goes on where it stopped.
         ``max_steps`` stops after that many optimizer steps in this call.
 
         Interrupting (Ctrl-C, the kernel's stop button) finishes the current optimizer step,
@@ -123,7 +149,24 @@ class Trainer:
 
         Inside :func:`~mpnb.training.capture.capture_fits` (what ``%%compare`` uses) the fit
         trains in the captured mode, within the captured step budget, reporting to its sink.
+
+        Raises:
+            MpnbError: a fit is already running on this thread (started from a widget callback
+                or from the model's own code during that fit); the running fit is not touched.
         """
+        running = getattr(_running, "trainer", None)
+        if running is not None:
+            raise MpnbError(
+                f"another fit is running on this thread ({running.describe()}); a fit cannot start inside it. "
+                "Wait for it to end, or stop it (trainer.control.stop(), the dashboard's Stop button)"
+            )
+        _running.trainer = self
+        try:
+            return self._fit(data, epochs, max_steps)
+        finally:
+            _running.trainer = None
+
+    def _fit(self, data: Iterable[Any], epochs: int | None, max_steps: int | None) -> History:
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be a positive number, got {epochs}")
         if max_steps is not None and max_steps < 1:
@@ -142,6 +185,7 @@ class Trainer:
         self.amp.restart_clock()
         self.model.train()
         self.control.begin()
+        self._followed = _session_wishes()
         try:
             with self._math, StopRequest() as stop:
                 self._math.enter_context(self.amp.precision.math_scope())
@@ -165,7 +209,7 @@ class Trainer:
             )
             self.history.note("interrupted", kind="interrupt")
             raise FitInterrupted(message, self.history)
-        if self.control.stop_requested and not finished:
+        if (self.control.stop_requested or self.amp.health.stop) and not finished:
             self.history.note("stopped", kind="stop")
         return self.history
 
@@ -181,43 +225,73 @@ class Trainer:
             return [capture.sink] if capture.sink is not None else []
         return _dashboard_sinks(self.dashboard, self.describe(), self.control)
 
-    def _run(self, data: Iterable[Sequence[Any]], stop: StopRequest, max_steps: int | None) -> bool:
+    def _run(self, data: Iterable[Any], stop: StopRequest, max_steps: int | None) -> bool:
         """Train until the planned end, ``max_steps`` or a stop request; True when the plan is done."""
         assert self._end_epoch is not None
         steps_left = max_steps
+        one_shot = iter(data) is data  # a generator: it goes on where it stopped, nothing to skip
         while self._epoch < self._end_epoch:
-            if hasattr(data, "set_epoch"):
-                data.set_epoch(self._epoch)
+            for holder in (data, getattr(data, "sampler", None)):  # Batches; a DataLoader's DistributedSampler
+                if callable(getattr(holder, "set_epoch", None)):
+                    holder.set_epoch(self._epoch)
             self.amp.epoch = self._epoch
-            for batch in itertools.islice(data, self._batch, None):
+            trained_any = False
+            for batch in data if one_shot else itertools.islice(data, self._batch, None):
                 if self.amp.between_steps:
                     checkpoint = self.control.checkpoint(interrupted=lambda: stop.requested)
                     self._follow_session(checkpoint.changed)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
-                    if stop.requested or checkpoint.stop or steps_left == 0:
+                    if stop.requested or checkpoint.stop or self.amp.health.stop or steps_left == 0:
                         return False
                     self._window_start = (self._epoch, self._batch)
                 if self._train_batch(batch) and steps_left is not None:
                     steps_left -= 1
                 self._batch += 1
+                trained_any = True
+            if not trained_any and self._batch == 0:
+                warnings.warn(
+                    f"mpnb: the data gave no batches in epoch {self._epoch}" + (
+                        " (a generator is used up after one pass: pass a list or a DataLoader to train more epochs)"
+                        if one_shot else ""
+                    ),
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
             self._epoch, self._batch = self._epoch + 1, 0
         return True
 
     def _follow_session(self, changed: tuple[str, ...]) -> None:
-        """Apply switches made while the fit runs (from the panel or a widget) before the next step."""
+        """Apply switches made while the fit runs (from the panel or a widget) before the next step.
+
+        Only what still differs at the step boundary is followed: a scoped switch in model code
+        (``with mpnb.tf32(False):``) is entered and left within a step and changes nothing here.
+        """
         if not changed:
             return
+        wishes = _session_wishes()
+        mode_wish, fp32_wish, lists_wish = wishes
+        changed = tuple(
+            what
+            for what, differs in (
+                ("mode", mode_wish != self._followed[0]),
+                ("fp32_math", fp32_wish != self._followed[1]),
+                ("oplists", lists_wish != self._followed[2]),
+            )
+            if differs
+        )
+        self._followed = wishes
         next_step = self.amp.steps + 1
-        if {"mode", "reset", "unloaded"} & set(changed):
+        if "mode" in changed:
             try:
                 self._switch_to(TrainingPrecision.resolve(None, self.device), next_step)
             except MpnbError as error:
                 self.history.note(f"mode not switched: {error}", kind="switch", step=next_step)
-        if "fp32_math" in changed:
+        if "fp32_math" in changed and "mode" not in changed:  # a new mode brings its own fp32 math
             level = session.fp32_math.level
             if self.mode in (Mode.FP32, Mode.TF32):  # the fit's mode owns the flags: move between the two
-                self._switch_to(TrainingPrecision.resolve(Mode.TF32 if level else Mode.FP32, self.device), next_step)
+                reduced = level is Fp32Math.REDUCED
+                self._switch_to(TrainingPrecision.resolve(Mode.TF32 if reduced else Mode.FP32, self.device), next_step)
             else:
                 self.history.note(f"fp32 math {level.value if level else 'as found'}", kind="switch", step=next_step)
         if "oplists" in changed:
@@ -240,12 +314,12 @@ class Trainer:
             self.amp.discard_window()
             self._epoch, self._batch = self._window_start
 
-    def _train_batch(self, batch: Sequence[Any]) -> bool:
-        inputs, targets = (_to_device(part, self.device) for part in batch)
+    def _train_batch(self, batch: Any) -> bool:
+        batch = to_device(batch, self.device)
         with self.amp.autocast():
-            loss = self.loss_fn(self.model(inputs), targets)
+            loss = batch_loss(self.model, batch, self.loss_fn, self.step_fn)
         self.amp.backward(loss)
-        return self.amp.step(samples=_batch_size(inputs))
+        return self.amp.step(samples=samples_in(batch))
 
     def describe(self) -> str:
         """``"DigitsCNN, bf16 on cpu, 25,578 parameters"``."""
@@ -259,44 +333,24 @@ class Trainer:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save model, optimizer, scaler, scheduler, position and history in one file."""
-        scheduler = self.amp.scheduler
-        torch.save(
-            {
-                "format": CHECKPOINT_FORMAT,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "amp": self.amp.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "position": [self._epoch, self._batch, self._end_epoch],
-                "history": self.history.to_dict(),
-            },
-            path,
-        )
+        torch.save(checkpoint_state(self), path)
 
     def load(self, path: str | os.PathLike[str]) -> None:
-        """Restore a :meth:`save` file (read with ``torch.load(weights_only=True)``).
+        """Restore a :meth:`save` file: all of it, or nothing (see :mod:`mpnb.training.checkpoint`).
 
         Raises:
-            ValueError: the file is not an mpnb trainer checkpoint.
+            MpnbError: the file is damaged, not a trainer checkpoint, or does not fit this
+                trainer (another model, optimizer type or parameter groups); names the file
+                and the mismatch, and changes nothing.
         """
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{os.fspath(path)!r} is not an mpnb trainer checkpoint (saved by Trainer.save)")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.amp.load_state_dict(state["amp"])
-        if self.amp.scheduler is not None and state["scheduler"] is not None:
-            self.amp.scheduler.load_state_dict(state["scheduler"])
-        self._epoch, self._batch, self._end_epoch = state["position"]
-        self.amp.recorder.history = History.from_dict(state["history"])
+        state, history = read_checkpoint(self, path)
+        apply_checkpoint(self, state, history)
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-
-
-def _batch_size(inputs: Any) -> int | None:
-    return len(inputs) if isinstance(inputs, torch.Tensor) and inputs.dim() else None
+def _session_wishes() -> tuple[Any, ...]:
+    """What a running fit follows: the session's mode and device, fp32-math wish, op lists."""
+    snapshot = session.snapshot()
+    return (snapshot.mode, snapshot.device), snapshot.fp32_wish, session.oplists.lists.copy()
 
 
 def _dashboard_sinks(dashboard: str | Sink | None, title: str, control: FitControl) -> list[Sink]:

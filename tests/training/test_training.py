@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import signal
 import warnings
 
@@ -142,7 +141,8 @@ def test_min_scale_alarm_warns_once_and_notes_the_step():
     with pytest.warns(RuntimeWarning, match="loss scale fell to 0.5 at step 5") as caught:
         history = run_amp_step(model, data, amp, overflow_at=set(range(1, 9)))
     assert len([w for w in caught if "loss scale fell" in str(w.message)]) == 1
-    assert [e["kind"] for e in history.events] == ["min-scale alarm"]
+    assert [e["kind"] for e in history.events] == ["min-scale alarm", "collapse"]  # then below 1
+    assert [e["step"] for e in history.events] == [5, 5]
 
 
 def test_bad_arguments_are_rejected_with_the_valid_choices():
@@ -152,11 +152,15 @@ def test_bad_arguments_are_rejected_with_the_valid_choices():
         mpnb.AmpStep(optimizer, accumulate=0)
     with pytest.raises(ValueError, match="clip_grad_norm must be a positive norm, got -1"):
         mpnb.AmpStep(optimizer, clip_grad_norm=-1)
+    with pytest.raises(InvalidChoiceError, match="unknown on_nonfinite 'halt'; valid: warn, stop, ignore"):
+        mpnb.AmpStep(optimizer, on_nonfinite="halt")
     with pytest.raises(MpnbError, match="unknown mode 'fp8'; valid: off, fp32, tf32, fp16, bf16"):
         mpnb.Trainer(model, optimizer, mse, mode="fp8")
-    trainer = mpnb.Trainer(model, optimizer, mse, mode="fp32", device="cpu", dashboard="fancy")
     with pytest.raises(InvalidChoiceError, match="unknown dashboard 'fancy'; valid: auto, live, text"):
-        trainer.fit([(torch.randn(2, 6), torch.randn(2, 3))])
+        mpnb.Trainer(model, optimizer, mse, mode="fp32", device="cpu", dashboard="fancy")
+    with pytest.raises(MpnbError, match="give loss_fn or step_fn, not both"):
+        mpnb.Trainer(model, optimizer, mse, step_fn=lambda m, b: m(b).sum())
+    trainer = mpnb.Trainer(model, optimizer, mse, mode="fp32", device="cpu", dashboard=None)
     with pytest.raises(ValueError, match="epochs must be a positive number, got 0"):
         trainer.fit([], epochs=0)
     amp = mpnb.AmpStep(optimizer, mode="fp32", device="cpu")
@@ -269,10 +273,10 @@ def test_checkpoint_round_trip_continues_like_an_unbroken_run(tmp_path):
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):
     trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
     torch.save({"format": "mpnb-trainer", "payload": ex.Batches(torch.zeros(2), torch.zeros(2))}, tmp_path / "bad.pt")
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    with pytest.raises(MpnbError, match=r"bad\.pt.*holds Python objects.*refused.*Weights only load failed"):
         trainer.load(tmp_path / "bad.pt")
     torch.save({"model": {}}, tmp_path / "other.pt")
-    with pytest.raises(ValueError, match="is not an mpnb trainer checkpoint"):
+    with pytest.raises(MpnbError, match="is not an mpnb trainer checkpoint"):
         trainer.load(tmp_path / "other.pt")
 
 

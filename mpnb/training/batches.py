@@ -1,0 +1,128 @@
+"""Batches as people have them: move any nesting to the device, count its samples, get its loss.
+
+Containers torch's pytree knows (dicts, lists, tuples, named tuples) are walked by
+``torch.utils._pytree``; two more kinds are opened here: mappings that are not dicts (a
+Hugging Face ``BatchEncoding`` moves itself with its own ``.to``; others are rebuilt as their
+type) and dataclasses (rebuilt with ``dataclasses.replace``).
+
+How a batch becomes a loss (:func:`batch_loss`):
+
+- ``step_fn(model, batch)``: whatever the caller's function returns;
+- ``loss_fn`` given: the batch is an ``(inputs, targets)`` pair, ``loss_fn(model(inputs), targets)``;
+- neither: the model computes its own loss (Hugging Face style). A mapping is passed as
+  keyword arguments, a tuple or list as positional ones, anything else as the one argument;
+  the loss is ``output.loss``, ``output["loss"]``, or the output itself when it is a scalar.
+
+Example:
+    >>> batch = {"input_ids": torch.zeros(4, 7, dtype=torch.long), "labels": [torch.ones(4)]}
+    >>> moved = to_device(batch, torch.device("cpu"))
+    >>> sorted(moved), samples_in(moved)
+    (['input_ids', 'labels'], 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from mpnb.errors import MpnbError
+
+__all__ = ["to_device", "samples_in", "batch_loss", "StepFn", "LossFn"]
+
+StepFn = Callable[[nn.Module, Any], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _opened(leaf: Any) -> Any:
+    """A pytree leaf that still holds tensors, as a dict of its parts; None for a true leaf."""
+    if isinstance(leaf, Mapping):
+        return dict(leaf)
+    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        return {field.name: getattr(leaf, field.name) for field in dataclasses.fields(leaf) if field.init}
+    return None
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor on ``device`` (non-blocking copies), its structure unchanged."""
+
+    def move(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.to(device, non_blocking=True)
+        parts = _opened(leaf)
+        if parts is None:
+            return leaf
+        if isinstance(leaf, Mapping):
+            mover = getattr(leaf, "to", None)
+            return mover(device) if callable(mover) else type(leaf)(to_device(parts, device))
+        return dataclasses.replace(leaf, **to_device(parts, device))
+
+    return pytree.tree_map(move, batch)
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif (parts := _opened(leaf)) is not None:
+            yield from _tensors(parts)
+
+
+def samples_in(batch: Any) -> int | None:
+    """The leading dimension of the batch's first tensor (None without a tensor of one)."""
+    for tensor in _tensors(batch):
+        return len(tensor) if tensor.dim() else None
+    return None
+
+
+def batch_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None, step_fn: StepFn | None) -> torch.Tensor:
+    """The loss of one batch, by the rules in the module's docstring.
+
+    Raises:
+        MpnbError: a batch or an output that the chosen rule cannot use, saying what to pass.
+    """
+    if step_fn is not None:
+        return step_fn(model, batch)
+    if loss_fn is not None:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise MpnbError(
+                f"with a loss_fn, each batch must be an (inputs, targets) pair, got {_describe(batch)}; "
+                "leave loss_fn out for a model that computes its own loss, or pass step_fn=f(model, batch) -> loss"
+            )
+        inputs, targets = batch
+        return loss_fn(model(inputs), targets)
+    if isinstance(batch, Mapping):
+        output = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        output = model(*batch)
+    else:
+        output = model(batch)
+    return _loss_of(output)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
+        loss = output
+    if not isinstance(loss, torch.Tensor):
+        raise MpnbError(
+            f"the model returned {_describe(output)} with no loss (no .loss, no ['loss'], not a scalar); "
+            "give the batch its labels, or pass loss_fn=f(outputs, targets) or step_fn=f(model, batch) -> loss"
+        )
+    return loss
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {sorted(map(str, value))[:8]}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,161 @@
+"""Trainer checkpoints: one file, read without running code, validated whole, applied all or nothing.
+
+:func:`read_checkpoint` loads with ``torch.load(weights_only=True)`` and checks everything
+against the trainer it is meant for (format and version, model keys and shapes, optimizer
+type and parameter groups, scaler, scheduler, position, history) before :func:`apply_checkpoint`
+touches anything; applying keeps a copy of the trainer's state and puts it back if a step
+still fails. Every problem is an :class:`~mpnb.errors.MpnbError` that names the file.
+
+Example:
+    >>> import tempfile, os, torch, mpnb.examples as ex
+    >>> trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    >>> _ = trainer.fit(train, max_steps=2)
+    >>> path = os.path.join(tempfile.mkdtemp(), "run.pt")
+    >>> trainer.save(path)
+    >>> trainer.load(path)
+    >>> len(trainer.history)
+    2
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mpnb.errors import MpnbError
+from mpnb.training.history import History
+
+if TYPE_CHECKING:
+    from mpnb.training.trainer import Trainer
+
+__all__ = ["checkpoint_state", "read_checkpoint", "apply_checkpoint", "FORMAT", "VERSION"]
+
+FORMAT = "mpnb-trainer"
+#: 2 adds the optimizer's type. Version 1 files (no version) are still read.
+VERSION = 2
+_KEYS = ("model", "optimizer", "amp", "scheduler", "position", "history")
+
+
+def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
+    """Everything :meth:`Trainer.save` writes: plain data and tensors only."""
+    scheduler = trainer.amp.scheduler
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "optimizer_type": type(trainer.optimizer).__name__,
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "amp": trainer.amp.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "position": [trainer._epoch, trainer._batch, trainer._end_epoch],
+        "history": trainer.history.to_dict(),
+    }
+
+
+def read_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> tuple[dict[str, Any], History]:
+    """Load ``path`` and check it fits ``trainer``; returns the state and its rebuilt history.
+
+    Raises:
+        MpnbError: unreadable, damaged, not a trainer checkpoint, or saved by another kind of
+            run; the message names the file and what does not match. Nothing is changed.
+            A file that holds Python objects (code that unpickling would run) is refused.
+        FileNotFoundError: there is no such file.
+    """
+    name = os.fspath(path)
+    try:
+        state = torch.load(path, map_location=trainer.device, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError as error:
+        if "Unsupported global" in str(error):
+            raise MpnbError(
+                f"{name!r} holds Python objects that loading would run: refused (only tensors and plain data are "
+                f"read). {str(error).splitlines()[0]}"
+            ) from None
+        raise MpnbError(f"{name!r} cannot be read as a checkpoint (damaged?): {str(error).splitlines()[-1]}") from None
+    except Exception as error:  # torch reports a truncated or foreign file in many ways
+        raise MpnbError(f"{name!r} cannot be read as a checkpoint (damaged or truncated?): {error!r}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise MpnbError(f"{name!r} is not an mpnb trainer checkpoint (saved by Trainer.save)")
+    problem = _mismatch(trainer, state)
+    if problem is None:
+        try:
+            history = History.from_dict(state["history"])
+        except (KeyError, TypeError, ValueError) as error:
+            problem = f"its history is unreadable ({error!r})"
+    if problem is not None:
+        raise MpnbError(f"{name!r} does not fit this trainer: {problem}; nothing was loaded")
+    return state, history
+
+
+def _mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
+    """What in ``state`` cannot be applied to ``trainer``; None when everything fits."""
+    version = state.get("version", 1)
+    if version not in (1, VERSION):
+        return f"it is format version {version!r}, this mpnb reads 1 and {VERSION}"
+    missing = [key for key in _KEYS if key not in state]
+    if missing:
+        return f"it lacks {missing}"
+    own = trainer.model.state_dict()
+    saved = state["model"]
+    if not isinstance(saved, dict) or set(saved) != set(own):
+        extra, absent = sorted(set(saved) - set(own))[:3], sorted(set(own) - set(saved))[:3]
+        return f"its model has other parameters (unexpected {extra}, missing {absent})"
+    for key, tensor in own.items():
+        if not isinstance(saved[key], torch.Tensor) or saved[key].shape != tensor.shape:
+            shape = tuple(saved[key].shape) if isinstance(saved[key], torch.Tensor) else type(saved[key]).__name__
+            return f"model entry {key} has shape {shape}, this model's is {tuple(tensor.shape)}"
+    optimizer_type = state.get("optimizer_type")
+    if optimizer_type is not None and optimizer_type != type(trainer.optimizer).__name__:
+        return f"it was saved with a {optimizer_type} optimizer, this trainer has {type(trainer.optimizer).__name__}"
+    groups = state["optimizer"].get("param_groups", []) if isinstance(state["optimizer"], dict) else []
+    own_groups = trainer.optimizer.param_groups
+    if [len(g.get("params", [])) for g in groups] != [len(g["params"]) for g in own_groups]:
+        return "its optimizer has other parameter groups"
+    if optimizer_type is None and _state_keys(state["optimizer"]) - _state_keys(trainer.optimizer.state_dict()):
+        if trainer.optimizer.state:
+            return "its optimizer state has other entries (saved with another optimizer type?)"
+    amp = state["amp"]
+    if not isinstance(amp, dict) or not {"scaler", "steps", "epoch"} <= set(amp):
+        return "its loss-scaler record is incomplete"
+    scaler = amp["scaler"]
+    if scaler and not isinstance(scaler.get("scale"), (int, float)):
+        return f"its loss scale is {scaler.get('scale')!r}, not a number"
+    if (state["scheduler"] is None) != (trainer.amp.scheduler is None) and state["scheduler"] is not None:
+        return "it has a scheduler state and this trainer has no scheduler"
+    position = state["position"]
+    if not (isinstance(position, (list, tuple)) and len(position) == 3):
+        return f"its position {position!r} is not [epoch, batch, end epoch]"
+    return None
+
+
+def _state_keys(optimizer_state: Any) -> set[str]:
+    per_parameter = optimizer_state.get("state", {}) if isinstance(optimizer_state, dict) else {}
+    return {key for entry in per_parameter.values() for key in entry}
+
+
+def apply_checkpoint(trainer: Trainer, state: dict[str, Any], history: History) -> None:
+    """Put a :func:`read_checkpoint` state into ``trainer``; on any failure, put everything back."""
+    saved = checkpoint_state(trainer)
+    saved_state = {key: copy.deepcopy(saved[key]) for key in ("model", "optimizer", "amp", "scheduler")}
+    saved_history = trainer.amp.recorder.history
+    try:
+        _apply(trainer, state, history)
+    except BaseException:
+        _apply(trainer, {**saved, **saved_state}, saved_history)
+        raise
+
+
+def _apply(trainer: Trainer, state: dict[str, Any], history: History) -> None:
+    trainer.model.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.amp.load_state_dict(state["amp"])
+    if trainer.amp.scheduler is not None and state["scheduler"] is not None:
+        trainer.amp.scheduler.load_state_dict(state["scheduler"])
+    trainer._epoch, trainer._batch, trainer._end_epoch = state["position"]
+    trainer.amp.recorder.history = history
+    trainer.amp.health.restart(history)

@@ -1,0 +1,87 @@
+"""Say when a run stops learning: a non-finite loss on a step the optimizer took, a collapsed loss scale.
+
+Checked on the values the recorder has already brought to the host (no read of its own): a
+:class:`HealthWatch` is a :class:`~mpnb.training.telemetry.Sink`. At the first problem of each
+kind it puts an event on the history (the dashboard marks it) and, as ``on_nonfinite`` says,
+warns (``"warn"``, the default), asks the loop to stop (``"stop"``: :attr:`HealthWatch.stop`
+turns True; the Trainer ends the fit after that step), or only records (``"ignore"``).
+
+- *non-finite loss*: a NaN or inf loss on a step that was not skipped. In fp16 an overflowing
+  step's loss is often inf and GradScaler skips it: that is loss scaling working, not a
+  problem. In bf16 and fp32 there is no scaler: the NaN reaches the weights.
+- *collapsed scale*: the fp16 loss scale fell below 1 (from 65536 by default, that is 17
+  overflowing steps in a row): gradients overflow at every scale, and every step is skipped.
+
+Example:
+    >>> from mpnb.training.history import History
+    >>> history, watch = History(), HealthWatch("ignore")
+    >>> history.extend({"step": [1, 2], "loss": [0.5, float("nan")], "skipped": [False, False]})
+    >>> watch.update(history)
+    >>> [event["kind"] for event in history.events], history.events[0]["step"]
+    (['nonfinite'], 2)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+from mpnb.errors import InvalidChoiceError
+from mpnb.training.history import History
+from mpnb.training.telemetry import Sink
+
+__all__ = ["HealthWatch", "ON_NONFINITE", "COLLAPSED_SCALE"]
+
+ON_NONFINITE = ("warn", "stop", "ignore")
+#: A loss scale below this has collapsed: the loss is scaled down, and steps are still skipped.
+COLLAPSED_SCALE = 1.0
+
+
+class HealthWatch(Sink):
+    """Find the first non-finite loss and the first collapsed scale in the recorded rows.
+
+    Args:
+        on_nonfinite: ``"warn"``, ``"stop"`` or ``"ignore"``.
+
+    Attributes:
+        stop: True once a problem was found under ``on_nonfinite="stop"``.
+        found: the kinds found so far (``"nonfinite"``, ``"collapse"``), each reported once.
+    """
+
+    def __init__(self, on_nonfinite: str = "warn") -> None:
+        if on_nonfinite not in ON_NONFINITE:
+            raise InvalidChoiceError("on_nonfinite", on_nonfinite, ON_NONFINITE)
+        self.on_nonfinite = on_nonfinite
+        self.stop = False
+        self.found: set[str] = set()
+        self._checked = 0
+
+    def update(self, history: History) -> None:
+        for index in range(self._checked, len(history)):
+            loss, skipped, scale = history.loss[index], history.skipped[index], history.loss_scale[index]
+            if "nonfinite" not in self.found and not skipped and not math.isfinite(loss):
+                self._report(history, index, "nonfinite", f"loss is {loss} at step {history.step[index]}")
+            if "collapse" not in self.found and scale < COLLAPSED_SCALE:
+                self._report(
+                    history,
+                    index,
+                    "collapse",
+                    f"loss scale collapsed to {scale:g} at step {history.step[index]}: gradients overflow fp16 at "
+                    "every scale, so steps are skipped",
+                )
+        self._checked = len(history)
+
+    def _report(self, history: History, index: int, kind: str, what: str) -> None:
+        self.found.add(kind)
+        advice = "try bf16, keep the op that overflows in fp32 (%oplist), or lower the learning rate"
+        message = f"{what}; {advice}"
+        if self.on_nonfinite == "stop":
+            self.stop = True
+            message += " (stopping: on_nonfinite='stop')"
+        history.note(message, kind=kind, step=history.step[index])
+        if self.on_nonfinite != "ignore":
+            warnings.warn(f"mpnb: {message}", RuntimeWarning, stacklevel=3)
+
+    def restart(self, history: History) -> None:
+        """Check only rows recorded from now on (a new fit on a continued history)."""
+        self._checked = len(history)
