@@ -36,6 +36,7 @@ from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
+from mpnb.training.trainer import refuse_inside_a_fit
 
 __all__ = ["Comparison", "ComparisonProgress", "ModeResult", "compare", "compare_runs", "mode_result"]
 
@@ -244,7 +245,9 @@ def compare_runs(
     Raises:
         InvalidChoiceError: an unknown mode name.
         ValueError: steps < 1 or warmup < 0.
+        MpnbError: a fit is running on this thread (a comparison started from a widget during it).
     """
+    refuse_inside_a_fit("a comparison")
     names = [parse_mode(mode).value for mode in modes]
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")

@@ -22,15 +22,15 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mpnb.errors import MpnbError
 from mpnb.training.history import History
 
-if TYPE_CHECKING:
-    from mpnb.training.trainer import Trainer
+#: The trainer a checkpoint belongs to (``mpnb.training.trainer.Trainer``; not imported: it imports this).
+Trainer = Any
 
 __all__ = ["checkpoint_state", "read_checkpoint", "apply_checkpoint", "FORMAT", "VERSION"]
 

@@ -38,7 +38,7 @@ from mpnb.training.interrupts import StopRequest
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.telemetry import Sink
 
-__all__ = ["Trainer", "FitInterrupted"]
+__all__ = ["Trainer", "FitInterrupted", "refuse_inside_a_fit"]
 
 DASHBOARDS = ("auto", "live", "text")
 #: The fit running on each thread: a fit started inside it (a widget callback) is refused.
@@ -114,6 +114,7 @@ class Trainer:
         self.control = FitControl()
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
         self._followed: tuple[Any, ...] = ()  # the session's wishes the fit last followed
+        self._held_batch: tuple[Iterable[Any], Any] | None = None  # (generator, batch it gave but not trained)
 
     @property
     def history(self) -> History:
@@ -154,12 +155,7 @@ class Trainer:
             MpnbError: a fit is already running on this thread (started from a widget callback
                 or from the model's own code during that fit); the running fit is not touched.
         """
-        running = getattr(_running, "trainer", None)
-        if running is not None:
-            raise MpnbError(
-                f"another fit is running on this thread ({running.describe()}); a fit cannot start inside it. "
-                "Wait for it to end, or stop it (trainer.control.stop(), the dashboard's Stop button)"
-            )
+        refuse_inside_a_fit("a fit")
         _running.trainer = self
         try:
             return self._fit(data, epochs, max_steps)
@@ -236,13 +232,15 @@ class Trainer:
                     holder.set_epoch(self._epoch)
             self.amp.epoch = self._epoch
             trained_any = False
-            for batch in data if one_shot else itertools.islice(data, self._batch, None):
+            for batch in self._resumed(data) if one_shot else itertools.islice(data, self._batch, None):
                 if self.amp.between_steps:
                     checkpoint = self.control.checkpoint(interrupted=lambda: stop.requested)
                     self._follow_session(checkpoint.changed)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
                     if stop.requested or checkpoint.stop or self.amp.health.stop or steps_left == 0:
+                        if one_shot:  # it cannot be read again: keep it for the next fit
+                            self._held_batch = (data, batch)
                         return False
                     self._window_start = (self._epoch, self._batch)
                 if self._train_batch(batch) and steps_left is not None:
@@ -251,15 +249,24 @@ class Trainer:
                 trained_any = True
             if not trained_any and self._batch == 0:
                 warnings.warn(
-                    f"mpnb: the data gave no batches in epoch {self._epoch}" + (
+                    f"mpnb: the data gave no batches in epoch {self._epoch}"
+                    + (
                         " (a generator is used up after one pass: pass a list or a DataLoader to train more epochs)"
-                        if one_shot else ""
+                        if one_shot
+                        else ""
                     ),
                     RuntimeWarning,
                     stacklevel=4,
                 )
             self._epoch, self._batch = self._epoch + 1, 0
         return True
+
+    def _resumed(self, data: Iterable[Any]) -> Iterable[Any]:
+        """A one-shot iterator, after the batch the last fit took from it and did not train on."""
+        held, self._held_batch = self._held_batch, None
+        if held is not None and held[0] is data:
+            return itertools.chain([held[1]], data)
+        return data
 
     def _follow_session(self, changed: tuple[str, ...]) -> None:
         """Apply switches made while the fit runs (from the panel or a widget) before the next step.
@@ -345,6 +352,23 @@ class Trainer:
         """
         state, history = read_checkpoint(self, path)
         apply_checkpoint(self, state, history)
+
+
+def refuse_inside_a_fit(what: str) -> None:
+    """Raise if a fit is running on this thread: ``what`` (a fit, a comparison) cannot start inside it.
+
+    A widget callback delivered during a fit (the fit's event pump) runs on the fit's thread;
+    starting training there would borrow and then release the running fit's switches.
+
+    Raises:
+        MpnbError: naming the running fit and what to do.
+    """
+    running = getattr(_running, "trainer", None)
+    if running is not None:
+        raise MpnbError(
+            f"another fit is running on this thread ({running.describe()}); {what} cannot start inside it. "
+            "Wait for it to end, or stop it (trainer.control.stop(), the dashboard's Stop button)"
+        )
 
 
 def _session_wishes() -> tuple[Any, ...]:

@@ -65,3 +65,20 @@ def test_every_example_model_trains(name):
     trainer, train, _ = ex.example_trainer("bf16", "cpu", model=name, batch_size=32, dashboard=None)
     history = trainer.fit(train, max_steps=12)
     assert history.loss[-1] < history.loss[0]
+
+
+def test_compare_inside_a_running_fit_is_refused_before_any_mode_runs():
+    from mpnb.errors import MpnbError
+
+    outer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    refusals = []
+
+    def compare_from_a_callback():
+        try:
+            compare(lambda mode: ex.example_trainer(mode, "cpu", dashboard=None)[:2], ["fp32"], steps=2, progress=None)
+        except MpnbError as error:
+            refusals.append(str(error))
+
+    outer.control.pollers.append(compare_from_a_callback)
+    assert len(outer.fit(train, max_steps=2)) == 2
+    assert len(refusals) == 3 and "a comparison cannot start inside it" in refusals[0]

@@ -93,8 +93,9 @@ class ScopedSwitches(nn.Module):
 def test_a_scoped_switch_in_model_code_never_changes_the_trainers_mode(switch, mode):
     _, data = linear_problem(steps=4)
     model = ScopedSwitches(switch)
-    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, mode=mode, device="cpu",
-                           dashboard=None)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), mse, mode=mode, device="cpu", dashboard=None
+    )
     before = torch.get_float32_matmul_precision()
     history = trainer.fit(data)
     assert history.mode == [mode] * 4 and history.events == []
@@ -106,8 +107,9 @@ def test_a_scoped_switch_in_model_code_never_changes_the_trainers_mode(switch, m
 def test_a_deliberate_session_change_during_a_fit_is_still_followed():
     _, data = linear_problem(steps=4)
     model = nn.Linear(6, 3)
-    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, mode="bf16", device="cpu",
-                           dashboard=None)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), mse, mode="bf16", device="cpu", dashboard=None
+    )
     trainer.control.pollers.append(lambda: mpnb.set_mode("fp32", device="cpu") if trainer.amp.steps == 2 else None)
     try:
         history = trainer.fit(data)
@@ -118,8 +120,14 @@ def test_a_deliberate_session_change_during_a_fit_is_still_followed():
 
 def test_skips_are_counted_from_what_the_optimizer_did_even_with_a_zero_loss_scale():
     model, data = linear_problem(steps=12)
-    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="fp16", device="cpu",
-                       init_scale=2.0**-146, growth_interval=1000, flush_every=4)
+    amp = mpnb.AmpStep(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mode="fp16",
+        device="cpu",
+        init_scale=2.0**-146,
+        growth_interval=1000,
+        flush_every=4,
+    )
     weights = model.weight.detach().clone()
     history = run_every_step_overflowing(model, data, amp)
     assert history.loss_scale[-1] == 0.0 and history.loss_scale.count(0.0) >= 8
@@ -151,8 +159,9 @@ def test_a_fused_optimizer_that_skips_inside_its_step_is_counted_as_skipped():
 def test_a_fit_started_inside_a_running_fit_is_refused_and_the_outer_fit_is_undisturbed():
     _, data = linear_problem(steps=4)
     inner_model = nn.Linear(6, 3)
-    inner = mpnb.Trainer(inner_model, torch.optim.SGD(inner_model.parameters(), lr=0.1), mse, mode="fp32",
-                         device="cpu", dashboard=None)
+    inner = mpnb.Trainer(
+        inner_model, torch.optim.SGD(inner_model.parameters(), lr=0.1), mse, mode="fp32", device="cpu", dashboard=None
+    )
     refusals, precision = [], []
 
     def loss_starting_a_fit(output, target):
@@ -164,8 +173,14 @@ def test_a_fit_started_inside_a_running_fit_is_refused_and_the_outer_fit_is_undi
         return mse(output, target)
 
     model = nn.Linear(6, 3)
-    outer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_starting_a_fit, mode="tf32",
-                         device="cpu", dashboard=None)
+    outer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_starting_a_fit,
+        mode="tf32",
+        device="cpu",
+        dashboard=None,
+    )
     history = outer.fit(data)
     assert len(refusals) == 4 and "another fit is running on this thread" in refusals[0]
     assert precision == ["medium"] * 4 and history.mode == ["tf32"] * 4 and len(history) == 4

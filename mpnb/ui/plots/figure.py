@@ -4,7 +4,7 @@ Used by the live widget (:mod:`mpnb.ui.plots.live`), by ``History.plot()`` and b
 report of ``mpnb train``: one layout, one mapping from history rows to traces.
 
 Example:
-    >>> from mpnb.training.history import History
+    >>> from mpnb.training.history import ALARM_KINDS, History
     >>> h = History()
     >>> h.extend({"step": [1, 2], "loss": [1.0, 0.5], "loss_scale": [8.0, 4.0], "skipped": [True, False]})
     >>> fig = dashboard_figure(h)
@@ -22,9 +22,12 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from mpnb.training.history import History
+from mpnb.training.history import ALARM_KINDS, History
 
-__all__ = ["TRACES", "dashboard_figure", "empty_figure", "mark_switch", "switch_events", "trace_points"]
+__all__ = ["TRACES", "MARKED_KINDS", "dashboard_figure", "empty_figure", "mark_event", "marked_events", "trace_points"]
+
+#: The history events a dashboard marks with a vertical line.
+MARKED_KINDS = ("switch", *ALARM_KINDS)
 
 MIB = 2.0**20
 
@@ -86,15 +89,20 @@ def trace_points(history: History, start: int = 0) -> dict[str, tuple[list[float
     }
 
 
-def switch_events(history: History, start: int = 0) -> list[dict]:
-    """The history's switch events (a mode, fp32-math or op-list change during a run), ``start`` onwards."""
-    return [event for event in history.events[start:] if event.get("kind") == "switch"]
+def marked_events(history: History, start: int = 0) -> list[dict]:
+    """The events a dashboard marks, ``start`` onwards: switches (a mode, fp32-math or op-list change
+    during a run) and alarms (a non-finite loss, a collapsed loss scale)."""
+    return [event for event in history.events[start:] if event.get("kind") in MARKED_KINDS]
 
 
-def mark_switch(figure: go.Figure, event: dict) -> None:
-    """A dotted vertical line on every panel where a switch took effect, labelled on the loss panel."""
-    x = event["step"] - 0.5  # between the last step before the switch and the first after it
-    figure.add_vline(x=x, line={"dash": "dot", "color": "#555", "width": 1}, row="all", col="all")
+def mark_event(figure: go.Figure, event: dict) -> None:
+    """A dotted vertical line on every panel where a switch took effect or an alarm went off, labelled on the
+    loss panel (alarms in red)."""
+    alarm = event.get("kind") in ALARM_KINDS
+    color = "#c0392b" if alarm else "#555"
+    # a switch acts between two steps; an alarm is about its own step
+    x = event["step"] if alarm else event["step"] - 0.5
+    figure.add_vline(x=x, line={"dash": "dot", "color": color, "width": 1}, row="all", col="all")
     figure.add_annotation(
         x=x,
         y=1,
@@ -102,7 +110,7 @@ def mark_switch(figure: go.Figure, event: dict) -> None:
         text=event["message"],
         showarrow=False,
         xanchor="left",
-        font={"size": 10},
+        font={"size": 10, "color": color},
         row=1,
         col=1,
     )
@@ -114,6 +122,6 @@ def dashboard_figure(history: History, title: str | None = None) -> go.Figure:
     for trace, (xs, ys) in zip(figure.data, trace_points(history).values()):
         trace.x = np.asarray(xs, dtype=np.float64)
         trace.y = np.asarray([v if math.isfinite(v) else math.nan for v in ys], dtype=np.float64)
-    for event in switch_events(history):
-        mark_switch(figure, event)
+    for event in marked_events(history):
+        mark_event(figure, event)
     return figure

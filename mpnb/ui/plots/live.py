@@ -23,7 +23,7 @@ import plotly.graph_objects as go
 
 from mpnb.training.history import History
 from mpnb.ui.plots.decimate import MinMaxSeries
-from mpnb.ui.plots.figure import TRACES, empty_figure, mark_switch, switch_events, trace_points
+from mpnb.ui.plots.figure import TRACES, empty_figure, mark_event, marked_events, trace_points
 from mpnb.ui.plots.pacing import PacedPlot
 
 __all__ = ["LiveDashboard"]
@@ -57,8 +57,8 @@ class LiveDashboard(PacedPlot):
         for name, (xs, ys) in trace_points(history, self._seen).items():
             self._series[name].extend(xs, ys)
         self._seen = len(history)
-        for event in switch_events(history, self._events_seen):
-            mark_switch(self.figure, event)
+        for event in marked_events(history, self._events_seen):
+            mark_event(self.figure, event)
         self._events_seen = len(history.events)
 
     def _draw(self) -> None:

@@ -21,6 +21,7 @@ import ipywidgets as widgets
 
 import mpnb.examples as ex
 from mpnb.analysis.comparison import Comparison, ModeResult, compare
+from mpnb.errors import MpnbError
 from mpnb.precision.backends import available_device_types
 from mpnb.precision.modes import MODE_NAMES
 from mpnb.ui.plots.compare_progress import LiveComparison
@@ -81,6 +82,9 @@ class PrecisionLab:
                 )
             self.table.value = self.comparison._repr_html_()
             self.status.value = f"done: {len(done)} mode(s), {self.steps.value} timed steps each"
+        except MpnbError as error:  # a fit already running on this thread (Run pressed during a fit), say
+            self.status.value = f"<span style='color:#b00020'>not run: {html.escape(str(error))}</span>"
+            return None
         finally:
             self.run_button.disabled = False
         return self.comparison

@@ -1,0 +1,125 @@
+"""A run that diverges or whose loss scale collapses is reported, once, and can stop the fit."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mpnb
+
+from .test_training import linear_problem, mse
+
+
+def poisoned_loss(bad_from: int):
+    """mse, but NaN from the ``bad_from``-th call on (what a diverging bf16 run gives)."""
+    calls = []
+
+    def loss_fn(output, target):
+        calls.append(1)
+        loss = mse(output, target)
+        return loss * math.nan if len(calls) >= bad_from else loss
+
+    return loss_fn
+
+
+def trainer_with(loss_fn, mode="bf16", steps=12, **options):
+    model, data = linear_problem(steps=steps)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, mode=mode, device="cpu", dashboard=None, **options
+    )
+    return trainer, data
+
+
+def test_a_nan_loss_in_bf16_warns_once_is_an_event_and_the_summary_says_nan():
+    trainer, data = trainer_with(poisoned_loss(bad_from=4), flush_every=5)
+    with pytest.warns(RuntimeWarning, match="loss is nan at step 4") as caught:
+        history = trainer.fit(data)
+    assert len([w for w in caught if "loss is nan" in str(w.message)]) == 1
+    assert len(history) == 12  # "warn" trains on
+    assert [(e["kind"], e["step"]) for e in history.events] == [("nonfinite", 4)]
+    summary = history.summary()
+    assert math.isnan(summary["final_loss"]) and summary["alarms"] and "step 4" in summary["alarms"][0]
+    assert ("alarm", summary["alarms"][0]) in history.summary_rows()
+
+
+def test_on_nonfinite_stop_ends_the_fit_after_the_bad_step_and_keeps_the_history():
+    trainer, data = trainer_with(poisoned_loss(bad_from=4), on_nonfinite="stop")
+    with pytest.warns(RuntimeWarning, match="stopping: on_nonfinite='stop'"):
+        history = trainer.fit(data)
+    assert history.step == [1, 2, 3, 4]
+    assert [e["kind"] for e in history.events] == ["nonfinite", "stop"]
+
+
+def test_on_nonfinite_ignore_records_without_warning():
+    trainer, data = trainer_with(poisoned_loss(bad_from=2), on_nonfinite="ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        history = trainer.fit(data)
+    assert len(history) == 12 and [e["kind"] for e in history.events] == ["nonfinite"]
+
+
+def test_a_collapsing_fp16_scale_is_reported_and_overflow_skips_alone_are_not():
+    always_inf = lambda output, target: mse(output, target) * math.inf  # noqa: E731
+    trainer, data = trainer_with(always_inf, mode="fp16", steps=24, init_scale=2.0**4)
+    with pytest.warns(RuntimeWarning, match="loss scale collapsed to 0.5 at step 6"):
+        history = trainer.fit(data)
+    assert history.skipped_steps == list(range(1, 25))
+    assert [(e["kind"], e["step"]) for e in history.events] == [
+        ("collapse", 6)
+    ]  # scales 16, 8, 4, 2, 1, 0.5  # skipped inf losses: no alarm
+    assert math.isnan(history.summary()["final_loss"])  # no step was taken
+
+
+def test_healthy_fp16_overflows_raise_no_alarm():
+    model, data = linear_problem(steps=10)
+    calls = []
+
+    def overflow_twice(output, target):
+        calls.append(1)
+        return mse(output, target) * (math.inf if len(calls) in (3, 7) else 1.0)
+
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        overflow_twice,
+        mode="fp16",
+        device="cpu",
+        dashboard=None,
+        init_scale=2.0**8,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        history = trainer.fit(data)
+    assert history.skipped_steps == [3, 7] and history.events == [] and math.isfinite(history.summary()["final_loss"])
+
+
+def test_the_live_dashboard_marks_alarms():
+    from mpnb.ui.plots.figure import dashboard_figure
+
+    trainer, data = trainer_with(poisoned_loss(bad_from=3), on_nonfinite="ignore")
+    figure = dashboard_figure(trainer.fit(data))
+    texts = [annotation.text for annotation in figure.layout.annotations]
+    assert any("loss is nan at step 3" in text for text in texts)
+
+
+def test_nan_weights_show_as_a_nonfinite_loss_on_the_next_step():
+    model, data = linear_problem(steps=6)
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mse,
+        mode="bf16",
+        device="cpu",
+        dashboard=None,
+        on_nonfinite="stop",
+    )
+    trainer.fit(data, max_steps=2)
+    with torch.no_grad():
+        nn.init.constant_(model.weight, math.nan)
+    with pytest.warns(RuntimeWarning, match="loss is nan at step 3"):
+        history = trainer.fit(data)
+    assert history.step == [1, 2, 3]
