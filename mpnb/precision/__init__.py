@@ -2,7 +2,8 @@
 
 - :mod:`~mpnb.precision.modes`: the names (``fp32``, ``tf32``, ``fp16``, ``bf16``, ``off``) and dtypes.
 - :mod:`~mpnb.precision.policy`: the one :class:`Session` per process and the switches on it
-  (:func:`set_mode`, :class:`autocast`, :class:`tf32`, the session's op lists).
+  (:func:`set_mode`, the session's op lists).
+- :mod:`~mpnb.precision.blocks`: switches for one block, :class:`autocast` and :class:`tf32`.
 - :mod:`~mpnb.precision.fp32math`: torch's reduced-precision fp32 flags, changed and restored exactly.
 - :mod:`~mpnb.precision.backends`: what each device type (cpu, cuda, hpu) can do and reports.
 - :mod:`~mpnb.precision.status`: the session status and the device capability report.
@@ -19,15 +20,14 @@ Example:
 """
 
 from mpnb.precision.autocast_settings import AutocastSettings
+from mpnb.precision.blocks import autocast, tf32
 from mpnb.precision.modes import Fp32Math, Mode
 from mpnb.precision.policy import (
     Session,
-    autocast,
     get_mode,
     get_oplists,
     set_mode,
     set_oplists,
-    tf32,
 )
 from mpnb.precision.status import DeviceReport, Status, devices
 

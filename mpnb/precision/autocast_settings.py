@@ -21,9 +21,10 @@ import torch
 
 from mpnb._render import dtype_name
 from mpnb.errors import DeviceUnavailableError
+from mpnb.oplists.keys import AUTOCAST_KEYS
 from mpnb.precision.backends import Backend
 
-__all__ = ["AutocastSettings", "check_autocast_dtype"]
+__all__ = ["AutocastSettings", "ThreadAutocast", "check_autocast_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,3 +70,45 @@ def check_autocast_dtype(backend: Backend, device: torch.device, dtype: torch.dt
             f"{backend.label} ({device}) cannot autocast to {dtype_name(dtype)}: {refusal}",
             [dtype_name(d) for d in supported],
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadAutocast:
+    """The thread's autocast switches: enabled and dtype per device type, and the cast-cache flag.
+
+    ``torch.autocast`` puts these back as it found them when its block ends; code that changes
+    them for the rest of the thread (``mpnb.hmp.convert``) captures and restores them here.
+
+    Example:
+        >>> found = ThreadAutocast.capture()
+        >>> torch.set_autocast_enabled("cpu", True)
+        >>> found.restore()
+        >>> torch.is_autocast_enabled("cpu")
+        False
+    """
+
+    devices: tuple[tuple[str, bool, torch.dtype], ...]
+    cache: bool
+
+    @classmethod
+    def capture(cls) -> ThreadAutocast:
+        """The switches as they are now."""
+        devices = tuple(
+            (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+            for device_type in AUTOCAST_KEYS
+        )
+        return cls(devices, torch.is_autocast_cache_enabled())
+
+    def restore(self) -> None:
+        """Put every switch back as captured."""
+        for device_type, enabled, dtype in self.devices:
+            torch.set_autocast_dtype(device_type, dtype)
+            torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_cache_enabled(self.cache)
+
+    def with_device(self, device_type: str, *, enabled: bool, dtype: torch.dtype, cache: bool) -> ThreadAutocast:
+        """These switches with ``device_type`` set as given, and the cache flag."""
+        devices = tuple(
+            (name, enabled, dtype) if name == device_type else (name, on, kind) for name, on, kind in self.devices
+        )
+        return ThreadAutocast(devices, cache)

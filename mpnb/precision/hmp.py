@@ -63,20 +63,17 @@ class Conversion:
     def __init__(self, device_type: str, lists: OpLists) -> None:
         self.device_type = device_type
         self.lists = lists
-        self._saved = (
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled(),
-            session.oplists.lists,
-        )
+        self._saved = (session.thread_autocast(), session.oplists.lists)  # as outside any notebook cell
         self.active = False
 
     def apply(self) -> None:
         """Switch autocast on and the lists in; on failure nothing is left changed."""
+        found, _ = self._saved
         session.oplists.replace(self.lists)
-        torch.set_autocast_dtype(self.device_type, torch.bfloat16)
-        torch.set_autocast_cache_enabled(False)  # a cache that lives for the whole script keeps stale weights
-        torch.set_autocast_enabled(self.device_type, True)
+        # no cast cache: a cache that lives for the whole script keeps computing with stale weights
+        session.set_thread_autocast(
+            found.with_device(self.device_type, enabled=True, dtype=torch.bfloat16, cache=False)
+        )
         session.reset_callbacks.append(self.revert)
         self.active = True
 
@@ -84,10 +81,8 @@ class Conversion:
         """Put autocast and the session's op lists back as they were before :meth:`apply`."""
         if not self.active:
             return
-        enabled, dtype, cache, lists = self._saved
-        torch.set_autocast_enabled(self.device_type, enabled)
-        torch.set_autocast_dtype(self.device_type, dtype)
-        torch.set_autocast_cache_enabled(cache)
+        found, lists = self._saved
+        session.set_thread_autocast(found)
         session.oplists.replace(lists)
         session.reset_callbacks.remove(self.revert)
         self.active = False

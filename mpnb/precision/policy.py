@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 
 from mpnb._render import dtype_name
-from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
+from mpnb.errors import DeviceUnavailableError, InvalidChoiceError
 from mpnb.oplists.lists import OpLists
-from mpnb.oplists.override import OpListOverride
 from mpnb.oplists.session_lists import SessionOpLists
-from mpnb.precision.autocast_settings import AutocastSettings, check_autocast_dtype
+from mpnb.precision.autocast_settings import AutocastSettings, ThreadAutocast, check_autocast_dtype
 from mpnb.precision.backends import Backend, backend_for, resolve_device
 from mpnb.precision.fp32math import Fp32MathSwitch
 from mpnb.precision.modes import Fp32Math, Mode, parse_dtype, parse_mode
@@ -37,10 +36,9 @@ from mpnb.precision.modes import Fp32Math, Mode, parse_dtype, parse_mode
 __all__ = [
     "Session",
     "session",
-    "autocast",
+    "SessionSnapshot",
     "set_mode",
     "get_mode",
-    "tf32",
     "set_oplists",
     "get_oplists",
 ]
@@ -78,6 +76,8 @@ class Session:
             hpu_present=lambda: backend_for("hpu").is_available(), on_change=lambda: self.notify("oplists")
         )
         self.cell_hooks = False
+        self._outside_cell: ThreadAutocast | None = None  # while a cell scope is open
+        self._outside_changed = False
         self.reset_callbacks: list[Callable[[], None]] = []
         self._listeners: list[Callable[[str], None]] = []
 
@@ -207,13 +207,37 @@ class Session:
 
     @contextlib.contextmanager
     def cell_scope(self) -> Iterator[None]:
-        """Apply the session mode to one block (a notebook cell); restore on any exit."""
-        dtype = self.mode.autocast_dtype
-        if dtype is None:
-            yield
-            return
-        with AutocastSettings(self.resolved_device(), dtype).context():
-            yield
+        """Apply the session mode to one block (a notebook cell); restore on any exit.
+
+        What the thread's autocast switches are outside the cell is kept meanwhile
+        (:meth:`thread_autocast`): a change made for the rest of the thread during the cell
+        (:meth:`set_thread_autocast`, ``mpnb.hmp``) is what the cell ends with, instead of being
+        undone with the cell's own autocast.
+        """
+        self._outside_cell, self._outside_changed = ThreadAutocast.capture(), False
+        try:
+            dtype = self.mode.autocast_dtype
+            if dtype is None:
+                yield
+            else:
+                with AutocastSettings(self.resolved_device(), dtype).context():
+                    yield
+        finally:
+            outside, changed = self._outside_cell, self._outside_changed
+            self._outside_cell, self._outside_changed = None, False
+            if changed:
+                outside.restore()
+
+    def thread_autocast(self) -> ThreadAutocast:
+        """The thread's autocast switches outside any cell scope (now, when none is open)."""
+        return self._outside_cell if self._outside_cell is not None else ThreadAutocast.capture()
+
+    def set_thread_autocast(self, state: ThreadAutocast) -> None:
+        """Set the thread's autocast switches now and for the rest of the thread, also past the
+        end of the cell that does it."""
+        state.restore()
+        if self._outside_cell is not None:
+            self._outside_cell, self._outside_changed = state, True
 
     def reset(self) -> None:
         """Mode off, device auto-detected, no op lists, every fp32-math flag as mpnb found it."""
@@ -250,61 +274,6 @@ class Session:
 session = Session()
 
 
-class autocast:  # noqa: N801 - named and used like torch.autocast
-    """Run a block under torch.autocast, validated first and restored exactly after.
-
-    Unlike torch.autocast, a dtype or device that cannot work raises a clear error
-    instead of warning and silently running in fp32.
-
-    Args:
-        dtype: ``"bf16"`` / ``"fp16"`` (or aliases, or a torch dtype). Default: the session
-            mode's dtype, else the device's preferred one.
-        device: ``"cpu"``, ``"cuda"``, ``"hpu"``... Default: the session device.
-        enabled: False runs the block with autocast off.
-        cache: keep cast weight copies for the whole block (see AutocastSettings).
-        fp32: ops to run in fp32 in this block (they win over the session's op lists).
-        lower: ops to run in the autocast dtype in this block (likewise).
-
-    Example:
-        >>> with autocast("bf16", device="cpu"):
-        ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
-        torch.bfloat16
-        >>> with autocast("bf16", device="cpu", fp32=["linear"]):
-        ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
-        torch.float32
-    """
-
-    def __init__(
-        self,
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        *,
-        enabled: bool = True,
-        cache: bool = False,
-        fp32: Iterable[str] = (),
-        lower: Iterable[str] = (),
-    ) -> None:
-        self.settings = session.autocast_settings(dtype, device, enabled=enabled, cache=cache)
-        self.oplists = OpLists.of(lower, fp32, source="this block")
-        if self.oplists and not enabled:
-            raise MpnbError("op lists act only under autocast; this block has autocast off (drop the lists or --off)")
-        self._scopes: list[contextlib.ExitStack] = []
-
-    def __enter__(self) -> AutocastSettings:
-        with contextlib.ExitStack() as scope:
-            scope.enter_context(self.settings.context())
-            if self.oplists:
-                scope.enter_context(OpListOverride(self.oplists, [self.settings.device.type]))
-            self._scopes.append(scope.pop_all())
-        return self.settings
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._scopes.pop().__exit__(*exc_info)
-
-    def __repr__(self) -> str:
-        return f"mpnb.autocast({self.settings.describe()})"
-
-
 def set_mode(mode: str | Mode, device: str | torch.device | None = None) -> Mode:
     """Set the session precision mode: ``"off"``, ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``.
 
@@ -328,35 +297,6 @@ def get_mode() -> Mode:
         <Mode.OFF: 'off'>
     """
     return session.mode
-
-
-class tf32:  # noqa: N801 - a switch that is also a context manager, like torch.set_grad_enabled
-    """Turn reduced-precision fp32 math (TF32 on GPUs, bf16 math on CPUs) on or off.
-
-    Called, it switches for the session. Used with ``with``, it switches for the block
-    and then restores the mode and every flag exactly, on errors and interrupts too.
-
-    Args:
-        enabled: True for reduced-precision math; False to restore the flags.
-        device: the device whose flags to set; default the session device.
-
-    Example:
-        >>> with tf32(True, device="cpu"):
-        ...     torch.get_float32_matmul_precision()
-        'medium'
-        >>> torch.get_float32_matmul_precision()
-        'highest'
-    """
-
-    def __init__(self, enabled: bool = True, device: str | torch.device | None = None) -> None:
-        self._previous = session.snapshot()
-        session.set_tf32(enabled, device)
-
-    def __enter__(self) -> tf32:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        session.restore(self._previous)
 
 
 def set_oplists(lists: OpLists) -> OpLists:

@@ -25,8 +25,9 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from mpnb.analysis.comparison import Comparison, ModeResult, compare_runs, mode_result
+from mpnb.precision.blocks import autocast
 from mpnb.precision.modes import MODE_NAMES, parse_mode
-from mpnb.precision.policy import autocast, session
+from mpnb.precision.policy import session
 from mpnb.training.capture import capture_fits
 from mpnb.training.telemetry import Sink
 from mpnb.ui.environment import DASHBOARD_KINDS

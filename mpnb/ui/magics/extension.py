@@ -27,7 +27,12 @@ __all__ = ["load", "unload", "CellModeHook"]
 
 
 class CellModeHook:
-    """Enters the session mode's scope before each cell and leaves it after."""
+    """Enters the session mode's scope before each cell and leaves it after.
+
+    Only a top-level cell gets the scope. A cell that a magic runs inside another
+    (``%%capture``, which calls ``shell.run_cell``) keeps what its outer cell chose, such as
+    ``%%autocast --dtype fp16`` or ``--off``: re-entering the session mode there would undo it.
+    """
 
     def __init__(self, shell) -> None:
         self.shell = shell
@@ -41,8 +46,10 @@ class CellModeHook:
 
     def pre_run_cell(self, info) -> None:
         scope = contextlib.ExitStack()
+        nested = bool(self._open_scopes)  # run by a magic of an outer cell (%%capture): that cell's choice holds
         self._open_scopes.append(scope)  # appended first, so post_run_cell always pairs with it
-        scope.enter_context(session.cell_scope())
+        if not nested:
+            scope.enter_context(session.cell_scope())
 
     def post_run_cell(self, result) -> None:
         if self._open_scopes:

@@ -24,8 +24,9 @@ from IPython.display import display
 
 from mpnb.oplists.trace import trace
 from mpnb.precision.backends import backend_for
+from mpnb.precision.blocks import autocast, tf32
 from mpnb.precision.modes import DTYPE_NAMES, MODE_NAMES
-from mpnb.precision.policy import autocast, session, tf32
+from mpnb.precision.policy import session
 from mpnb.precision.status import status
 from mpnb.ui.magics.arguments import as_usage_error, choice, parse_line, with_semantics
 from mpnb.ui.magics.cell_runner import run_cell_body
