@@ -86,6 +86,11 @@ class SessionOpLists:
     Every method that changes the lists either succeeds completely or changes nothing, and
     returns notes for the user (on Gaudi: where Habana's list files were written).
 
+    Habana's own autocast reads its lists from files named by two environment variables
+    (:data:`HPU_LIST_VARIABLES`). They are the user's: mpnb sets them only when lists are applied
+    on a machine with a Gaudi, and puts the user's values back (or unsets them) when the lists
+    are reset, which ``%unload_ext mpnb`` does too.
+
     Args:
         hpu_present: whether a Gaudi is here (asked on each change). The session policy passes
             the HPU backend's probe; this package knows no devices, so alone it assumes none.
@@ -104,6 +109,7 @@ class SessionOpLists:
         self._hpu_present = hpu_present
         self.hpu_directory = hpu_directory or _default_hpu_directory()
         self._on_change = on_change
+        self._users_hpu_variables: dict[str, str | None] | None = None  # while mpnb's values are set
 
     @property
     def active(self) -> bool:
@@ -119,16 +125,35 @@ class SessionOpLists:
         if old is not None:
             old.release()
         self.lists = lists.copy()
-        notes = self._export_for_hpu() if self._hpu_present() else []
+        if not self.lists:
+            notes = self._restore_hpu_variables()
+        else:
+            notes = self._export_for_hpu() if self._hpu_present() else []
         self._on_change()
         return notes
 
     def _export_for_hpu(self) -> list[str]:
+        if self._users_hpu_variables is None:  # the user's own list files, put back by reset
+            self._users_hpu_variables = {name: os.environ.get(name) for name in HPU_LIST_VARIABLES.values()}
         variables = export_for_hpu(self.lists, self.hpu_directory)
         written = ", ".join(f"{name}={path}" for name, path in variables.items())
         return [
-            f"Habana reads its own op lists when its library loads: wrote {written}; restart the kernel to apply them"
+            f"Habana reads its own op lists when its library loads: wrote {written}; restart the kernel to apply "
+            "them (`%oplist reset` or `%unload_ext mpnb` puts your own values of these variables back)"
         ]
+
+    def _restore_hpu_variables(self) -> list[str]:
+        """Put Habana's list variables back as the user had them before mpnb first wrote them."""
+        saved, self._users_hpu_variables = self._users_hpu_variables, None
+        if saved is None:
+            return []
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shown = ", ".join(f"{name}={value!r}" if value is not None else f"{name} unset" for name, value in saved.items())
+        return [f"Habana's list variables are yours again: {shown}"]
 
     def _edit(self, change: Callable[[OpLists], None]) -> list[str]:
         edited = self.lists.copy()

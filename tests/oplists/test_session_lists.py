@@ -151,9 +151,27 @@ def test_files_for_habanas_own_lists_on_gaudi(tmp_path, monkeypatch):
     assert os.path.dirname(lower_file) == str(tmp_path)
     assert OpLists.from_files(lower_file, fp32_file) == OpLists.from_files(lower_file, fp32_file)
     assert sorted(OpLists.from_files(None, fp32_file).fp32) == sorted(PRESETS["resnet50"][1].split())
-    lists.reset()
-    assert not OpLists.from_files(lower_file, fp32_file)
+    notes = lists.reset()
+    assert all(name not in os.environ for name in HPU_LIST_VARIABLES.values())  # unset again, as found
+    assert len(notes) == 1 and "yours again" in notes[0]
     assert SessionOpLists(hpu_present=lambda: False).preset("hmp") == []
+    assert all(name not in os.environ for name in HPU_LIST_VARIABLES.values())
+
+
+def test_the_users_own_habana_list_files_come_back_on_reset_and_are_untouched_without_a_gaudi(tmp_path, monkeypatch):
+    monkeypatch.setenv(HPU_LIST_VARIABLES["fp32"], "/home/me/fp32_ops.txt")
+    monkeypatch.delenv(HPU_LIST_VARIABLES["lower"], raising=False)
+    elsewhere = SessionOpLists(hpu_present=lambda: False, hpu_directory=tmp_path)
+    elsewhere.add("fp32", ["softmax"])
+    elsewhere.reset()
+    assert os.environ[HPU_LIST_VARIABLES["fp32"]] == "/home/me/fp32_ops.txt" and not list(tmp_path.iterdir())
+    on_gaudi = SessionOpLists(hpu_present=lambda: True, hpu_directory=tmp_path)
+    on_gaudi.add("fp32", ["softmax"])
+    on_gaudi.add("lower", ["gelu"])  # a second change keeps the user's values saved at the first
+    assert os.environ[HPU_LIST_VARIABLES["fp32"]].startswith(str(tmp_path))
+    on_gaudi.reset()
+    assert os.environ[HPU_LIST_VARIABLES["fp32"]] == "/home/me/fp32_ops.txt"
+    assert HPU_LIST_VARIABLES["lower"] not in os.environ
 
 
 # --- magics in a real IPython shell ---------------------------------------------------------
