@@ -152,7 +152,9 @@ class SessionOpLists:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        shown = ", ".join(f"{name}={value!r}" if value is not None else f"{name} unset" for name, value in saved.items())
+        shown = ", ".join(
+            f"{name}={value!r}" if value is not None else f"{name} unset" for name, value in saved.items()
+        )
         return [f"Habana's list variables are yours again: {shown}"]
 
     def _edit(self, change: Callable[[OpLists], None]) -> list[str]:

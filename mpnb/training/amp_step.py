@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
 from mpnb.training.health import HealthWatch
@@ -97,7 +98,7 @@ class AmpStep:
         sinks: Iterable[Sink] = (),
         history: History | None = None,
     ) -> None:
-        if accumulate < 1:
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
             raise ValueError(f"accumulate must be a positive number of micro-batches, got {accumulate}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be a positive norm, got {clip_grad_norm}")
@@ -128,6 +129,9 @@ class AmpStep:
         self._window_open = False  # from the first backward of a window until its step is recorded
         self._optimizer_stepped = False
         self._hook = optimizer.register_step_post_hook(_StepFlag(self))
+        # first among the optimizer's post hooks, so that a failing hook of the user's, registered
+        # earlier, cannot hide that the update happened
+        optimizer._optimizer_step_post_hooks.move_to_end(self._hook.id, last=False)
 
     # -- the three calls of a training step ---------------------------------------------
 
@@ -137,7 +141,12 @@ class AmpStep:
         return self.precision.autocast.context()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of the (scaled, accumulation-averaged) loss, outside autocast."""
+        """Backward of the (scaled, accumulation-averaged) loss, outside autocast.
+
+        Raises:
+            MpnbError: ``loss`` is not a one-element tensor that requires grad (nothing changed).
+        """
+        _check_loss(loss)
         self._start_clock()
         self._window_open = True  # a failure from here on may leave gradients behind
         if self.accumulate > 1:
@@ -167,14 +176,30 @@ class AmpStep:
         grad_norm = self._unscale_and_clip()
         lr = self.optimizer.param_groups[0]["lr"]
         self._optimizer_stepped = False
-        self.scaler.step(self.optimizer)
-        skipped = self._skipped()
-        self.scaler.update()
-        if self.scheduler is not None and self._optimizer_stepped:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._record(scale_before, skipped, grad_norm, lr)
+        try:
+            self.scaler.step(self.optimizer)
+        except BaseException:
+            if self._optimizer_stepped:  # the update happened (a later hook failed): the step counts
+                self._finish_step(scale_before, False, grad_norm, lr)
+            raise
+        self._finish_step(scale_before, self._skipped(), grad_norm, lr)
         return True
+
+    def _finish_step(
+        self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any
+    ) -> None:
+        """After the optimizer was called: update the scale, step the scheduler, record the row.
+
+        The row is recorded however this ends: the weights have moved, so the step must count
+        and its window must never be trained again, even when the scheduler or a sink fails.
+        """
+        try:
+            self.scaler.update()
+            if self.scheduler is not None and self._optimizer_stepped:
+                self.scheduler.step()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._record(scale_before, skipped, grad_norm, lr)
 
     def _skipped(self) -> torch.Tensor | bool:
         """Whether the optimizer step just taken through the scaler was skipped for inf/NaN gradients.
@@ -234,23 +259,29 @@ class AmpStep:
         step_time = now - (self._window_start if self._window_start is not None else now)
         used, peak, reserved = self.memory.sample(now)
         self.steps += 1
+        loss_sum, self._loss_sum, self._micro_batches, samples, self._samples = (
+            self._loss_sum,
+            None,
+            0,
+            self._samples,
+            0,
+        )
+        self._window_open = False  # closed before the sinks run: a failing sink cannot reopen it
         self.recorder.record(
             step=self.steps,
             epoch=self.epoch,
-            loss=self._loss_sum,
+            loss=loss_sum,
             loss_scale=scale_before,
             skipped=skipped,
             lr=lr,
             step_time=step_time,
-            samples_per_s=self._samples / step_time if self._samples and step_time > 0 else math.nan,
+            samples_per_s=samples / step_time if samples and step_time > 0 else math.nan,
             memory_used=used,
             memory_peak=peak,
             memory_reserved=reserved,
             grad_norm=grad_norm,
             mode=self.precision.mode.value,
         )
-        self._loss_sum, self._micro_batches, self._samples = None, 0, 0
-        self._window_open = False
         self._window_start = now
 
     def _start_clock(self) -> None:
@@ -258,8 +289,11 @@ class AmpStep:
             self._window_start = time.perf_counter()
 
     def discard_window(self) -> None:
-        """Drop the micro-batches of an unfinished accumulation window (their gradients too)."""
+        """Drop the micro-batches of an unfinished accumulation window (their gradients too, and what
+        the scaler noted of them: whether it already unscaled them, and the infs it found)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler.is_enabled():
+            self.scaler._per_optimizer_states.pop(id(self.optimizer), None)  # a fresh record on next use
         self._loss_sum, self._micro_batches, self._samples = None, 0, 0
         self._window_open = False
 
@@ -300,6 +334,20 @@ class AmpStep:
 
     def __repr__(self) -> str:
         return f"<mpnb.AmpStep {self.precision.describe()}, {self.steps} steps, accumulate={self.accumulate}>"
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise MpnbError(f"the loss must be a tensor, got {type(loss).__name__}: return the loss tensor itself")
+    if loss.numel() != 1:
+        raise MpnbError(
+            f"the loss must be a single number, got a tensor of shape {tuple(loss.shape)}: reduce it (.mean())"
+        )
+    if not loss.requires_grad:
+        raise MpnbError(
+            "the loss does not require grad (computed under torch.no_grad, detached, or from a frozen model): "
+            "nothing to train"
+        )
 
 
 class _StepFlag:

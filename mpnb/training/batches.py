@@ -108,11 +108,11 @@ def _loss_of(output: Any) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
-    if loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
         loss = output
     if not isinstance(loss, torch.Tensor):
         raise MpnbError(
-            f"the model returned {_describe(output)} with no loss (no .loss, no ['loss'], not a scalar); "
+            f"the model returned {_describe(output)} with no loss (no .loss, no ['loss'], not a 0-dim tensor); "
             "give the batch its labels, or pass loss_fn=f(outputs, targets) or step_fn=f(model, batch) -> loss"
         )
     return loss

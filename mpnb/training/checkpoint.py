@@ -47,6 +47,7 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         "format": FORMAT,
         "version": VERSION,
         "optimizer_type": type(trainer.optimizer).__name__,
+        "scheduler_type": type(scheduler).__name__ if scheduler is not None else None,
         "model": trainer.model.state_dict(),
         "optimizer": trainer.optimizer.state_dict(),
         "amp": trainer.amp.state_dict(),
@@ -112,24 +113,70 @@ def _mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
     optimizer_type = state.get("optimizer_type")
     if optimizer_type is not None and optimizer_type != type(trainer.optimizer).__name__:
         return f"it was saved with a {optimizer_type} optimizer, this trainer has {type(trainer.optimizer).__name__}"
-    groups = state["optimizer"].get("param_groups", []) if isinstance(state["optimizer"], dict) else []
-    own_groups = trainer.optimizer.param_groups
-    if [len(g.get("params", [])) for g in groups] != [len(g["params"]) for g in own_groups]:
-        return "its optimizer has other parameter groups"
+    problem = _optimizer_mismatch(trainer, state["optimizer"])
+    if problem is not None:
+        return problem
     if optimizer_type is None and _state_keys(state["optimizer"]) - _state_keys(trainer.optimizer.state_dict()):
         if trainer.optimizer.state:
             return "its optimizer state has other entries (saved with another optimizer type?)"
     amp = state["amp"]
     if not isinstance(amp, dict) or not {"scaler", "steps", "epoch"} <= set(amp):
         return "its loss-scaler record is incomplete"
+    if not all(isinstance(amp[key], int) and not isinstance(amp[key], bool) for key in ("steps", "epoch")):
+        return f"its step and epoch counters are {amp['steps']!r} and {amp['epoch']!r}, not whole numbers"
     scaler = amp["scaler"]
+    if bool(scaler) != trainer.amp.scaler.is_enabled():
+        saved, own = ("with", "without") if scaler else ("without", "with")
+        return (
+            f"it was saved {saved} a loss scaler (fp16 has one), this trainer runs {own} one "
+            f"({trainer.mode.value}): build the trainer in the checkpoint's mode, load, then switch"
+        )
     if scaler and not isinstance(scaler.get("scale"), (int, float)):
         return f"its loss scale is {scaler.get('scale')!r}, not a number"
-    if (state["scheduler"] is None) != (trainer.amp.scheduler is None) and state["scheduler"] is not None:
-        return "it has a scheduler state and this trainer has no scheduler"
+    scheduler = trainer.amp.scheduler
+    if (state["scheduler"] is None) != (scheduler is None):
+        return (
+            "it has a scheduler state and this trainer has no scheduler"
+            if scheduler is None
+            else (f"it has no scheduler state and this trainer has a {type(scheduler).__name__}")
+        )
+    saved_scheduler = state.get("scheduler_type")
+    if scheduler is not None and saved_scheduler is not None and saved_scheduler != type(scheduler).__name__:
+        return f"its scheduler is a {saved_scheduler}, this trainer's a {type(scheduler).__name__}"
     position = state["position"]
-    if not (isinstance(position, (list, tuple)) and len(position) == 3):
+    if not (
+        isinstance(position, (list, tuple))
+        and len(position) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in position[:2])
+        and (position[2] is None or isinstance(position[2], int))
+    ):
         return f"its position {position!r} is not [epoch, batch, end epoch]"
+    return None
+
+
+def _optimizer_mismatch(trainer: Trainer, saved: Any) -> str | None:
+    """What in a saved optimizer state cannot go into the trainer's optimizer."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        return "its optimizer record has no per-parameter state"
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        return "its optimizer parameter groups are unreadable"
+    own_groups = trainer.optimizer.param_groups
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in own_groups]:
+        return "its optimizer has other parameter groups"
+    parameters = dict(zip((i for g in groups for i in g["params"]), (p for g in own_groups for p in g["params"])))
+    for index, entry in saved["state"].items():
+        if index not in parameters:
+            return f"its optimizer state names parameter {index!r}, which none of its groups holds"
+        parameter = parameters[index]
+        for key, value in entry.items() if isinstance(entry, dict) else ():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != parameter.shape:
+                return (
+                    f"its optimizer state {key!r} of parameter {index} has shape {tuple(value.shape)}, "
+                    f"the parameter's is {tuple(parameter.shape)}"
+                )
     return None
 
 
@@ -148,6 +195,7 @@ def apply_checkpoint(trainer: Trainer, state: dict[str, Any], history: History) 
     except BaseException:
         _apply(trainer, {**saved, **saved_state}, saved_history)
         raise
+    trainer.amp.discard_window()  # an unfinished accumulation window belonged to the run replaced
 
 
 def _apply(trainer: Trainer, state: dict[str, Any], history: History) -> None:

@@ -35,6 +35,12 @@ __all__ = ["HealthWatch", "ON_NONFINITE", "COLLAPSED_SCALE"]
 ON_NONFINITE = ("warn", "stop", "ignore")
 #: A loss scale below this has collapsed: the loss is scaled down, and steps are still skipped.
 COLLAPSED_SCALE = 1.0
+#: What to try, by the mode the step ran in.
+ADVICE = {
+    "fp16": "try bf16, keep the op that overflows in fp32 (%oplist), or lower the learning rate",
+    "bf16": "keep the op that overflows in fp32 (%oplist), lower the learning rate, or clip gradients",
+    "": "lower the learning rate, clip gradients (clip_grad_norm), or look for an op that gives inf or NaN",
+}
 
 
 class HealthWatch(Sink):
@@ -45,7 +51,8 @@ class HealthWatch(Sink):
 
     Attributes:
         stop: True once a problem was found under ``on_nonfinite="stop"``.
-        found: the kinds found so far (``"nonfinite"``, ``"collapse"``), each reported once.
+        found: the kinds found so far (``"nonfinite"``, ``"collapse"``), each reported once
+            until :meth:`restart` (each ``fit`` restarts it).
     """
 
     def __init__(self, on_nonfinite: str = "warn") -> None:
@@ -73,8 +80,7 @@ class HealthWatch(Sink):
 
     def _report(self, history: History, index: int, kind: str, what: str) -> None:
         self.found.add(kind)
-        advice = "try bf16, keep the op that overflows in fp32 (%oplist), or lower the learning rate"
-        message = f"{what}; {advice}"
+        message = f"{what}; {ADVICE.get(history.mode[index], ADVICE[''])}"
         if self.on_nonfinite == "stop":
             self.stop = True
             message += " (stopping: on_nonfinite='stop')"
@@ -83,5 +89,7 @@ class HealthWatch(Sink):
             warnings.warn(f"mpnb: {message}", RuntimeWarning, stacklevel=3)
 
     def restart(self, history: History) -> None:
-        """Check only rows recorded from now on (a new fit on a continued history)."""
+        """Check only rows recorded from now on, and report again (a new fit on a continued history)."""
         self._checked = len(history)
+        self.stop = False
+        self.found.clear()

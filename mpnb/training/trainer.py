@@ -114,7 +114,11 @@ class Trainer:
         self.control = FitControl()
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
         self._followed: tuple[Any, ...] = ()  # the session's wishes the fit last followed
-        self._held_batch: tuple[Iterable[Any], Any] | None = None  # (generator, batch it gave but not trained)
+        # A one-shot iterator (a generator) cannot be read again: the batches it gave that were not
+        # trained (the one read when a fit stopped, an unfinished window after an error) wait here.
+        self._held: tuple[Iterable[Any], list[Any]] | None = None
+        self._window_batches: list[Any] = []  # this window's batches, kept while data is one-shot
+        self._one_shot: Iterable[Any] | None = None  # the one-shot data of the running fit
 
     @property
     def history(self) -> History:
@@ -163,10 +167,13 @@ class Trainer:
             _running.trainer = None
 
     def _fit(self, data: Iterable[Any], epochs: int | None, max_steps: int | None) -> History:
-        if epochs is not None and epochs < 1:
-            raise ValueError(f"epochs must be a positive number, got {epochs}")
-        if max_steps is not None and max_steps < 1:
-            raise ValueError(f"max_steps must be a positive number, got {max_steps}")
+        for name, value in (("epochs", epochs), ("max_steps", max_steps)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+        if not isinstance(data, Iterable):
+            raise MpnbError(
+                f"data must be an iterable of batches (a list, a DataLoader, a generator), got {type(data).__name__}"
+            )
         capture = active_capture()
         if capture is not None:
             max_steps = self._join(capture, max_steps)
@@ -181,6 +188,7 @@ class Trainer:
         self.amp.restart_clock()
         self.model.train()
         self.control.begin()
+        self.amp.health.restart(self.history)  # each fit reports its own first problem
         self._followed = _session_wishes()
         try:
             with self._math, StopRequest() as stop:
@@ -190,6 +198,7 @@ class Trainer:
             self._drop_unfinished_window()
             raise
         finally:
+            self._one_shot = None
             self.control.end()
             self.amp.close()
             for sink in sinks:
@@ -232,6 +241,7 @@ class Trainer:
                     holder.set_epoch(self._epoch)
             self.amp.epoch = self._epoch
             trained_any = False
+            self._one_shot = data if one_shot else None
             for batch in self._resumed(data) if one_shot else itertools.islice(data, self._batch, None):
                 if self.amp.between_steps:
                     checkpoint = self.control.checkpoint(interrupted=lambda: stop.requested)
@@ -239,11 +249,22 @@ class Trainer:
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
                     if stop.requested or checkpoint.stop or self.amp.health.stop or steps_left == 0:
-                        if one_shot:  # it cannot be read again: keep it for the next fit
-                            self._held_batch = (data, batch)
+                        if one_shot:
+                            self._held = (data, [batch])
                         return False
                     self._window_start = (self._epoch, self._batch)
-                if self._train_batch(batch) and steps_left is not None:
+                    self._window_batches = []
+                if one_shot:
+                    self._window_batches.append(batch)
+                steps_before = self.amp.steps
+                try:
+                    stepped = self._train_batch(batch)
+                except BaseException:
+                    if self.amp.steps != steps_before:  # the update happened before the failure: its window is done
+                        self._batch += 1
+                        self._window_batches = []
+                    raise
+                if stepped and steps_left is not None:
                     steps_left -= 1
                 self._batch += 1
                 trained_any = True
@@ -263,9 +284,9 @@ class Trainer:
 
     def _resumed(self, data: Iterable[Any]) -> Iterable[Any]:
         """A one-shot iterator, after the batch the last fit took from it and did not train on."""
-        held, self._held_batch = self._held_batch, None
+        held, self._held = self._held, None
         if held is not None and held[0] is data:
-            return itertools.chain([held[1]], data)
+            return itertools.chain(held[1], data)
         return data
 
     def _follow_session(self, changed: tuple[str, ...]) -> None:
@@ -316,7 +337,11 @@ class Trainer:
         self.history.note(message, kind="switch", step=next_step)
 
     def _drop_unfinished_window(self) -> None:
-        """After an error mid-window: drop its gradients and go back to the window's first batch."""
+        """After an error mid-window: drop its gradients and go back to the window's first batch
+        (for a one-shot iterator, keep the window's batches for the next fit)."""
+        if self._one_shot is not None:
+            self._held = (self._one_shot, self._window_batches)
+            self._window_batches = []
         if not self.amp.between_steps:
             self.amp.discard_window()
             self._epoch, self._batch = self._window_start

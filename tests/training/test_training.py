@@ -161,7 +161,7 @@ def test_bad_arguments_are_rejected_with_the_valid_choices():
     with pytest.raises(MpnbError, match="give loss_fn or step_fn, not both"):
         mpnb.Trainer(model, optimizer, mse, step_fn=lambda m, b: m(b).sum())
     trainer = mpnb.Trainer(model, optimizer, mse, mode="fp32", device="cpu", dashboard=None)
-    with pytest.raises(ValueError, match="epochs must be a positive number, got 0"):
+    with pytest.raises(ValueError, match="epochs must be a positive whole number, got 0"):
         trainer.fit([], epochs=0)
     amp = mpnb.AmpStep(optimizer, mode="fp32", device="cpu")
     with pytest.raises(RuntimeError, match="no backward"):
