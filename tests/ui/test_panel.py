@@ -218,3 +218,19 @@ def test_the_fp32_math_switch_says_when_it_has_no_effect_here(panel):
     no_effect = not backend_for("cpu").has_fast_fp32_math()
     assert ("no effect on this hardware" in panel.reduced_fp32_math.description) == no_effect
     assert panel.reduced_fp32_math.tooltip == backend_for("cpu").describe_reduced_fp32_math()
+
+
+def test_panel_as_a_cells_last_line_shows_once_without_a_text_line(ip):
+    from IPython.utils.capture import capture_output
+
+    def cell(code):  # counted like a notebook cell (the execution count moves on)
+        with capture_output() as shown:
+            assert ip.run_cell(code, store_history=True).success
+        return shown
+
+    shown = cell("import mpnb\nmpnb.panel()")
+    assert len(shown.outputs) == 1 and "VBox" in shown.outputs[0].data["text/plain"]
+    assert "<mpnb.ControlPanel" not in shown.stdout
+    assert len(cell("p = mpnb.panel()").outputs) == 1
+    assert len(cell("p").outputs) == 1  # a later cell: another view of the same panel
+    cell("p.close()")

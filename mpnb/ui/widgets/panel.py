@@ -63,10 +63,12 @@ class ControlPanel:
     def __init__(self, owner: Session = session) -> None:
         self.session = owner
         self.state = PanelState()
+        self._shown_in_cell: int | None = None
         self._syncing = False
         self.mode = widgets.ToggleButtons(options=_MODES, description="mode", style={"button_width": "64px"})
         self.device = widgets.Dropdown(options=available_device_types(), description="device")
-        self.reduced_fp32_math = widgets.Checkbox(description=_FP32_MATH_LABEL)
+        # its own width, unindented: the default description box cuts a long label off ("...fp32 ma...")
+        self.reduced_fp32_math = widgets.Checkbox(description=_FP32_MATH_LABEL, indent=False, layout={"width": "auto"})
         self.list_name = widgets.Dropdown(options=LIST_NAMES, description="op list", layout={"width": "170px"})
         self.op_names = widgets.Text(placeholder="linear, F.softmax, aten::addmm", layout={"width": "260px"})
         self.add_button = widgets.Button(description="add", tooltip="put these ops on the list")
@@ -187,6 +189,19 @@ class ControlPanel:
     def __repr__(self) -> str:
         return f"<mpnb.ControlPanel mode={self.state.mode} device={self.state.device}>"
 
+    def _ipython_display_(self) -> None:
+        """Display the panel's widgets, once per cell: ``mpnb.panel()`` as a cell's last line has
+        already shown it, and the cell's result must not show it again or add a text line.
+        Shown again in a later cell, it is another view of the same panel."""
+        from IPython import get_ipython
+        from IPython.display import display
+
+        shell = get_ipython()
+        cell = shell.execution_count if shell is not None else None
+        if cell is None or cell != self._shown_in_cell:
+            display(self.widget)
+            self._shown_in_cell = cell
+
 
 def _note(text: str, error: bool = False) -> str:
     color = "#b00020" if error else "#555"
@@ -213,8 +228,7 @@ def _lists_html(owner: Session) -> str:
 
 def panel() -> ControlPanel:
     """Show a control panel for the session and return it (``%amp panel`` does the same)."""
-    from IPython.display import display
 
     control_panel = ControlPanel()
-    display(control_panel.widget)
+    control_panel._ipython_display_()
     return control_panel
