@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, quoted
 
 __all__ = ["main"]
 
@@ -31,9 +34,6 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import math
-    import os
-
     from mpnb._render import dtype_name
     from mpnb.examples import accuracy, example_trainer
     from mpnb.precision.backends import backend_for, resolve_device
@@ -93,11 +93,42 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+def _whole_number(text: str, smallest: int, wanted: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {quoted(text)}") from None
+    if value < smallest:
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1, "a positive whole number")
+
+
+def _count(text: str) -> int:
+    return _whole_number(text, 0, "a whole number, 0 or more")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {quoted(text)}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _writable_folder(path: str) -> None:
+    """Create ``path`` if needed and check that files can be written there, before any training."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise MpnbError(f"--out {quoted(path)} cannot be created or written: {error.strerror or error}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes", default="fp32,tf32,fp16,bf16", help="comma-separated modes (default fp32,tf32,fp16,bf16)"
     )
     comparing.add_argument("--steps", type=_positive_int, default=100, help="timed steps per mode (default 100)")
-    comparing.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    comparing.add_argument("--warmup", type=_count, default=5, help="untimed steps first (default 5)")
     comparing.add_argument("--model", default="cnn", help="cnn, mlp or transformer (default cnn)")
     comparing.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
     comparing.add_argument("--batch-size", type=_positive_int, default=64, help="examples per step (default 64)")
@@ -131,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
     train.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
     train.add_argument("--batch-size", type=_positive_int, default=64, help="examples per step (default 64)")
-    train.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    train.add_argument("--lr", type=_positive_float, default=3e-3, help="Adam learning rate (default 3e-3)")
     train.add_argument("--seed", type=int, default=0, help="seed of the model and the data order (default 0)")
     train.add_argument(
         "--out", default="mpnb-train", help="folder for history.csv and dashboard.html (default ./mpnb-train)"
@@ -144,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mpnb`` command; returns its exit status."""
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "out", None) is not None:
+            _writable_folder(args.out)
         return args.run(args)
     except MpnbError as error:
         print(f"mpnb {args.command}: {error}", file=sys.stderr)

@@ -10,7 +10,25 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["MpnbError", "InvalidChoiceError", "DeviceUnavailableError"]
+__all__ = ["MpnbError", "InvalidChoiceError", "DeviceUnavailableError", "quoted"]
+
+#: How much of a bad value an error message quotes.
+QUOTE_LIMIT = 100
+
+
+def quoted(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``repr(value)``, cut to about ``limit`` characters with the full length said.
+
+    Example:
+        >>> quoted("fp8")
+        "'fp8'"
+        >>> quoted("x" * 1000, limit=10)
+        "'xxxxxxxxxx...' (1000 characters)"
+    """
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}"[:-1] + f"...' ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class MpnbError(ValueError):
@@ -31,7 +49,7 @@ class InvalidChoiceError(MpnbError):
         self.what = what
         self.value = value
         self.valid = list(valid)
-        message = f"unknown {what} {value!r}; valid: {', '.join(self.valid)}"
+        message = f"unknown {what} {quoted(value)}; valid: {', '.join(self.valid)}"
         super().__init__(f"{message}. {hint}" if hint else message)
 
 

@@ -59,7 +59,7 @@ def test_train_rejects_bad_input_naming_the_valid_values(tmp_path):
     result = mpnb("train", "--mode", "fp8", cwd=tmp_path)
     assert result.returncode == 2 and "unknown mode 'fp8'; valid: off, fp32, tf32, fp16, bf16" in result.stderr
     result = mpnb("train", "--steps", "0", cwd=tmp_path)
-    assert result.returncode == 2 and "must be a positive integer, got 0" in result.stderr
+    assert result.returncode == 2 and "must be a positive whole number, got 0" in result.stderr
     assert not (tmp_path / "mpnb-train").exists()
 
 

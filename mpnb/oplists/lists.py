@@ -22,14 +22,27 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 from collections.abc import Iterable
 
 import torch
 
-from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.errors import InvalidChoiceError, MpnbError, quoted
 
-__all__ = ["OpLists", "PRESETS", "LIST_NAMES", "aten_overloads", "canonical_name", "check_op", "read_op_file"]
+__all__ = [
+    "OpLists",
+    "PRESETS",
+    "LIST_NAMES",
+    "MAX_OP_FILE_BYTES",
+    "aten_overloads",
+    "canonical_name",
+    "check_op",
+    "read_op_file",
+]
+
+#: The largest op-list file read (1 MiB).
+MAX_OP_FILE_BYTES = 2**20
 
 LIST_NAMES = ("lower", "fp32")
 
@@ -171,9 +184,19 @@ def check_op(name: str) -> str:
             f"op {name!r} cannot be on a list: aten::{entry} {reason}; torch.autocast never casts such ops, "
             f"and a cast copy would lose what the op shares with its input.{hint}"
         )
-    known = sorted({n for n in dir(torch.ops.aten) if not n.startswith("_")} | set(ALIASES))
-    close = difflib.get_close_matches(entry, known, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(entry, _listable_names(), n=3, cutoff=0.75) if len(entry) <= 64 else []
+    if not close:
+        raise MpnbError(
+            f"unknown op {quoted(name)}: no operator has a close name. Any aten operator name "
+            "(torch.ops.aten.<name>) or an alias (F.softmax) works."
+        )
     raise InvalidChoiceError("op", name, close, "Any other aten operator name (torch.ops.aten.<name>) works too.")
+
+
+@functools.cache
+def _listable_names() -> list[str]:
+    """Names a user would put on a list: public aten names that are not in-place variants, and aliases."""
+    return sorted({n for n in dir(torch.ops.aten) if not n.startswith("_") and not n.endswith("_")} | set(ALIASES))
 
 
 @dataclasses.dataclass
@@ -291,6 +314,31 @@ class OpLists:
 
 
 def read_op_file(path: str | os.PathLike[str]) -> list[str]:
-    """Op names from a file: one per line; blank lines and ``#`` comments ignored."""
-    with open(path, encoding="utf-8") as file:
-        return [line.split("#", 1)[0].strip() for line in file if line.split("#", 1)[0].strip()]
+    """Op names from a UTF-8 text file: one per line; blank lines and ``#`` comments ignored.
+
+    Raises:
+        MpnbError: the file is larger than :data:`MAX_OP_FILE_BYTES` (1 MiB: some thousand
+            times every aten operator name), or not UTF-8 text (names the line).
+        OSError: the file cannot be read.
+    """
+    name = os.fspath(path)
+    size = os.path.getsize(path)
+    if size > MAX_OP_FILE_BYTES:
+        raise MpnbError(f"op-list file {quoted(name)} is {size:,} bytes; op-list files are limited to 1 MiB")
+    with open(path, "rb") as file:
+        raw = file.read()
+    names = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise MpnbError(
+                f"op-list file {quoted(name)}, line {number}: not UTF-8 text ({error.reason} at byte {error.start}); "
+                "op-list files hold one op name per line"
+            ) from None
+        if "\x00" in text:
+            raise MpnbError(f"op-list file {quoted(name)}, line {number}: a NUL byte; is it a binary file?")
+        entry = text.split("#", 1)[0].strip()
+        if entry:
+            names.append(entry)
+    return names

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
 from collections.abc import Iterator
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import parse_argstring
 
-from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.errors import QUOTE_LIMIT, InvalidChoiceError, MpnbError, quoted
 from mpnb.oplists.session_lists import SEMANTICS
 
-__all__ = ["as_usage_error", "choice", "parse_line", "with_semantics"]
+__all__ = ["as_usage_error", "choice", "parse_line", "with_semantics", "MAX_LINE"]
+
+#: The longest magic argument line read (shell-style splitting of megabytes takes minutes).
+MAX_LINE = 65_536
 
 
 def with_semantics(func):
@@ -39,12 +42,36 @@ def as_usage_error() -> Iterator[None]:
         raise UsageError(str(error)) from None
 
 
-def parse_line(magic, line: str) -> argparse.Namespace:
-    """``line`` parsed by the magic's own magic_arguments; a line argparse cannot split is a UsageError."""
+def parse_line(magic, line: str, valid: str = "") -> argparse.Namespace:
+    """``line`` split as a shell splits it (quotes group words and are removed), then parsed by
+    the magic's own magic_arguments.
+
+    Args:
+        valid: what the magic accepts, added to every error (``"modes: off, fp32, ..."``).
+
+    Raises:
+        UsageError: a line that cannot be split or parsed; it quotes the input short, and says
+            the usage and the valid values.
+    """
+    if len(line) > MAX_LINE:
+        raise UsageError(
+            f"arguments {quoted(line)} are too long; a magic's arguments are limited to {MAX_LINE:,} characters"
+        )
     try:
-        return parse_argstring(magic, line)
-    except ValueError as error:  # e.g. an unbalanced quote
-        raise UsageError(f"cannot parse {line!r}: {error}") from None
+        words = shlex.split(line)
+    except ValueError as error:  # an unbalanced quote
+        raise UsageError(f"cannot parse {quoted(line)}: {error}") from None
+    try:
+        return magic.parser.parse_args(words)
+    except UsageError as error:
+        usage = " ".join(magic.parser.format_usage().split()).removeprefix("::").strip()  # IPython's "::" prefix
+        detail = f"; {valid}" if valid else ""
+        raise UsageError(f"{_short(str(error))}{detail}; usage: {usage}") from None
+
+
+def _short(message: str) -> str:
+    """An argparse message with any long word in it quoted short."""
+    return " ".join(quoted(word)[1:-1] if len(word) > QUOTE_LIMIT else word for word in message.split(" "))
 
 
 def choice(what: str, value: str, valid: tuple[str, ...]) -> str:

@@ -52,7 +52,7 @@ class OpListMagics(Magics):
             %oplist add fp32 layer_norm
             %oplist show
         """
-        args = parse_line(self.oplist, line)
+        args = parse_line(self.oplist, line, "actions: show, add, remove, preset, load, save, reset")
         action = choice("%oplist action", args.action, _OPLIST_ACTIONS)
         with as_usage_error():
             notes = _OPLIST_HANDLERS[action](args.values)

@@ -84,7 +84,7 @@ class PrecisionMagics(Magics):
             out = model(x)
         """
         __tracebackhide__ = True
-        args = parse_line(self.autocast, line)
+        args = parse_line(self.autocast, line, f"dtypes: {', '.join(DTYPE_NAMES)}")
         if args.off and args.dtype:
             raise UsageError(f"--off runs the cell without autocast; it takes no --dtype (got {args.dtype!r})")
         with as_usage_error():
@@ -129,7 +129,7 @@ class PrecisionMagics(Magics):
             %amp status
             %amp panel
         """
-        args = parse_line(self.amp, line)
+        args = parse_line(self.amp, line, f"modes: {', '.join(MODE_NAMES)}, status, panel")
         if args.mode.strip().lower() in ("status", "panel"):
             if args.device:
                 raise UsageError(f"--device goes with a mode, not with {args.mode} (got --device {args.device!r})")
@@ -162,7 +162,7 @@ class PrecisionMagics(Magics):
             %tf32 on
             %tf32 status
         """
-        args = parse_line(self.tf32, line)
+        args = parse_line(self.tf32, line, "states: on, off, status")
         state = choice("%tf32 state", args.state, _TF32_STATES)
         with as_usage_error():
             if state != "status":
