@@ -122,13 +122,25 @@ def _positive_float(text: str) -> float:
 
 
 def _writable_folder(path: str) -> None:
-    """Create ``path`` if needed and check that files can be written there, before any training."""
+    """Check, before any training, that ``path`` can be created and written; leave no trace.
+
+    The folders it had to create for the check are removed again: bad input found later (an
+    unknown mode) must leave nothing behind.
+    """
+    created, folder = [], os.path.abspath(path)
+    while not os.path.exists(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as error:
         raise MpnbError(f"--out {quoted(path)} cannot be created or written: {error.strerror or error}") from None
+    finally:
+        for folder in created:  # deepest first
+            if os.path.isdir(folder):
+                os.rmdir(folder)
 
 
 def build_parser() -> argparse.ArgumentParser:
