@@ -3,6 +3,8 @@ is a UsageError that names the bad value and changes nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import string
 
 import pytest
@@ -54,9 +56,22 @@ VALID_WORDS = [
     "none",
 ]
 junk = st.text(alphabet=string.ascii_letters + string.digits + "._:", min_size=1, max_size=8)
-word = st.one_of(st.sampled_from(VALID_WORDS), junk, st.text(max_size=6))
+#: Shell quoting, repeated options, non-ASCII and control characters.
+TRICKY_WORDS = ['"my lists"', "'a b'", '"unbalanced', "'", "--device cpu --device cpu", "-d bf16 -d fp16", "é", "\x00"]
+word = st.one_of(st.sampled_from(VALID_WORDS), st.sampled_from(TRICKY_WORDS), junk, st.text(max_size=6))
 line = st.lists(word, max_size=5).map(" ".join)
 fuzz = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@contextlib.contextmanager
+def working_directory(path):
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
 
 MAGICS = {
     "amp": lambda ip, args: ip.run_line_magic("amp", args),
@@ -70,12 +85,14 @@ MAGICS = {
 @pytest.mark.parametrize("magic", list(MAGICS))
 @fuzz
 @given(args=line)
-def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(ip, capsys, magic, args):
-    before = policy_state()
+def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(ip, capsys, tmp_path, magic, args):
+    before, files = policy_state(), sorted(os.listdir(tmp_path))
     try:
-        MAGICS[magic](ip, args)
+        with working_directory(tmp_path):
+            MAGICS[magic](ip, args)
     except UsageError:
         assert policy_state() == before
+        assert sorted(os.listdir(tmp_path)) == files  # nothing written
     finally:
         ip.run_line_magic("amp", "off")
         ip.run_line_magic("oplist", "reset")
@@ -123,3 +140,18 @@ def test_a_bad_word_is_named_in_the_error(ip, magic, template, bad):
         MAGICS[magic](ip, template.format(bad))
     assert bad in str(error.value) or bad.lower() in str(error.value)
     assert policy_state() == before
+
+
+@fuzz
+@given(content=st.binary(max_size=300))
+def test_any_op_list_file_loads_or_is_a_usage_error_naming_it(ip, tmp_path, content):
+    path = tmp_path / "lists.txt"
+    path.write_bytes(content)
+    before = policy_state()
+    try:
+        ip.run_line_magic("oplist", f"load {path}")
+    except UsageError as error:
+        assert "lists.txt" in str(error) and len(str(error)) < 1000
+        assert policy_state() == before
+    finally:
+        ip.run_line_magic("oplist", "reset")

@@ -318,7 +318,8 @@ def read_op_file(path: str | os.PathLike[str]) -> list[str]:
 
     Raises:
         MpnbError: the file is larger than :data:`MAX_OP_FILE_BYTES` (1 MiB: some thousand
-            times every aten operator name), or not UTF-8 text (names the line).
+            times every aten operator name), not UTF-8 text, or names an op that cannot be
+            listed (the message names the file and the line).
         OSError: the file cannot be read.
     """
     name = os.fspath(path)
@@ -340,5 +341,9 @@ def read_op_file(path: str | os.PathLike[str]) -> list[str]:
             raise MpnbError(f"op-list file {quoted(name)}, line {number}: a NUL byte; is it a binary file?")
         entry = text.split("#", 1)[0].strip()
         if entry:
+            try:
+                check_op(entry)
+            except MpnbError as error:
+                raise MpnbError(f"op-list file {quoted(name)}, line {number}: {error}") from None
             names.append(entry)
     return names
