@@ -34,9 +34,9 @@ from mpnb._render import html_table, text_table
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode
+from mpnb.training.control import refuse_inside_a_fit
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
-from mpnb.training.trainer import refuse_inside_a_fit
 
 __all__ = ["Comparison", "ComparisonProgress", "ModeResult", "compare", "compare_runs", "mode_result"]
 

@@ -15,7 +15,7 @@ Example:
     >>> lists.add("lower", ["softmx"])
     Traceback (most recent call last):
     ...
-    mpnb.errors.InvalidChoiceError: unknown op 'softmx'; valid: softmax, log_softmax, ... Any other aten operator name ...
+    mpnb.errors.InvalidChoiceError: unknown op 'softmx'; valid: softmax. Any other aten operator name ...
 """
 
 from __future__ import annotations
@@ -196,7 +196,13 @@ def check_op(name: str) -> str:
 @functools.cache
 def _listable_names() -> list[str]:
     """Names a user would put on a list: public aten names that are not in-place variants, and aliases."""
-    return sorted({n for n in dir(torch.ops.aten) if not n.startswith("_") and not n.endswith("_")} | set(ALIASES))
+    # every registered aten operator (dir(torch.ops.aten) lists only those already looked up)
+    bases = {
+        name[len("aten::") :].split(".", 1)[0]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::")
+    }
+    return sorted({n for n in bases if n and not n.startswith("_") and not n.endswith("_")} | set(ALIASES))
 
 
 @dataclasses.dataclass

@@ -17,13 +17,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
+from mpnb.errors import MpnbError
 from mpnb.precision.policy import session
 
-__all__ = ["FitControl", "Checkpoint"]
+__all__ = ["FitControl", "Checkpoint", "refuse_inside_a_fit", "running_on_this_thread"]
 
 PAUSE_POLL_S = 0.05
 
@@ -119,3 +123,39 @@ class FitControl:
         self.state = state
         for callback in list(self.on_state):
             callback(state)
+
+
+#: The fit running on each thread: training started inside it (from a widget callback) is refused.
+_running = threading.local()
+
+
+def refuse_inside_a_fit(what: str) -> None:
+    """Raise if a fit is running on this thread: ``what`` (a fit, a comparison) cannot start inside it.
+
+    A widget callback delivered during a fit (the fit's event pump) runs on the fit's thread;
+    starting training there would borrow and then release the running fit's switches.
+
+    Raises:
+        MpnbError: naming the running fit and what to do.
+    """
+    running = getattr(_running, "trainer", None)
+    if running is not None:
+        raise MpnbError(
+            f"another fit is running on this thread ({running.describe()}); {what} cannot start inside it. "
+            "Wait for it to end, or stop it (trainer.control.stop(), the dashboard's Stop button)"
+        )
+
+
+@contextlib.contextmanager
+def running_on_this_thread(trainer: Any) -> Iterator[None]:
+    """Mark ``trainer``'s fit as the one running on this thread, refusing if another one runs.
+
+    Raises:
+        MpnbError: as :func:`refuse_inside_a_fit`.
+    """
+    refuse_inside_a_fit("a fit")
+    _running.trainer = trainer
+    try:
+        yield
+    finally:
+        _running.trainer = None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import threading
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -32,17 +31,15 @@ from mpnb.training.amp_step import AmpStep
 from mpnb.training.batches import LossFn, StepFn, batch_loss, samples_in, to_device
 from mpnb.training.capture import FitCapture, active_capture
 from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_checkpoint
-from mpnb.training.control import FitControl
+from mpnb.training.control import FitControl, running_on_this_thread
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.telemetry import Sink
 
-__all__ = ["Trainer", "FitInterrupted", "refuse_inside_a_fit"]
+__all__ = ["Trainer", "FitInterrupted"]
 
 DASHBOARDS = ("auto", "live", "text")
-#: The fit running on each thread: a fit started inside it (a widget callback) is refused.
-_running = threading.local()
 
 
 class FitInterrupted(KeyboardInterrupt):
@@ -159,12 +156,8 @@ class Trainer:
             MpnbError: a fit is already running on this thread (started from a widget callback
                 or from the model's own code during that fit); the running fit is not touched.
         """
-        refuse_inside_a_fit("a fit")
-        _running.trainer = self
-        try:
+        with running_on_this_thread(self):
             return self._fit(data, epochs, max_steps)
-        finally:
-            _running.trainer = None
 
     def _fit(self, data: Iterable[Any], epochs: int | None, max_steps: int | None) -> History:
         for name, value in (("epochs", epochs), ("max_steps", max_steps)):
@@ -377,23 +370,6 @@ class Trainer:
         """
         state, history = read_checkpoint(self, path)
         apply_checkpoint(self, state, history)
-
-
-def refuse_inside_a_fit(what: str) -> None:
-    """Raise if a fit is running on this thread: ``what`` (a fit, a comparison) cannot start inside it.
-
-    A widget callback delivered during a fit (the fit's event pump) runs on the fit's thread;
-    starting training there would borrow and then release the running fit's switches.
-
-    Raises:
-        MpnbError: naming the running fit and what to do.
-    """
-    running = getattr(_running, "trainer", None)
-    if running is not None:
-        raise MpnbError(
-            f"another fit is running on this thread ({running.describe()}); {what} cannot start inside it. "
-            "Wait for it to end, or stop it (trainer.control.stop(), the dashboard's Stop button)"
-        )
 
 
 def _session_wishes() -> tuple[Any, ...]:

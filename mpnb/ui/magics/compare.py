@@ -81,7 +81,7 @@ class CompareMagics(Magics):
             trainer.fit(train, epochs=3)
         """
         __tracebackhide__ = True
-        args = parse_line(self.compare, line)
+        args = parse_line(self.compare, line, f"modes: {', '.join(MODE_NAMES)}; progress: auto, live, text, none")
         progress = choice("progress", args.progress, _PROGRESS_CHOICES)
         with as_usage_error():
             modes = [parse_mode(name.strip()).value for name in args.modes.split(",") if name.strip()]
