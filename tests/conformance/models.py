@@ -61,30 +61,34 @@ def resnet() -> Case:
     return Case(model, batch, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
 
 
-def gpt2() -> Case:
+def gpt2_model(**config: object) -> nn.Module:
+    """A 2-layer GPT-2 from a small config (seeded); ``config`` overrides its fields."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config)
+    small = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 96, "n_positions": 16}
+    return GPT2LMHeadModel(GPT2Config(**small, bos_token_id=0, eos_token_id=0, **config))
+
+
+def bert_model(**config: object) -> nn.Module:
+    """A 2-layer BERT classifier (3 labels) from a small config (seeded); ``config`` overrides its fields."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    small = {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    return BertForSequenceClassification(
+        BertConfig(**small, intermediate_size=64, max_position_embeddings=16, num_labels=3, **config)
+    )
+
+
+def gpt2() -> Case:
+    model = gpt2_model()
     ids = torch.randint(0, 96, (2, 12))
     return Case(model, (ids,), lambda m, b: m(input_ids=b[0], labels=b[0]).loss)
 
 
 def bert() -> Case:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=96,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-        num_labels=3,
-    )
-    model = BertForSequenceClassification(config)
+    model = bert_model()
     ids, labels = torch.randint(0, 96, (2, 12)), torch.tensor([0, 2])
     return Case(model, (ids, labels), lambda m, b: m(input_ids=b[0], labels=b[1]).loss)
 

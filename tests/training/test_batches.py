@@ -16,41 +16,17 @@ import mpnb
 import mpnb.examples as ex
 from mpnb.errors import MpnbError
 from mpnb.training.batches import samples_in, to_device
+from tests.conformance.models import bert_model, gpt2_model
 
 transformers = pytest.importorskip("transformers")
 
 
 def gpt2():
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=96,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0,
-        embd_pdrop=0,
-        attn_pdrop=0,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return gpt2_model(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # no dropout: the first loss is reproducible
 
 
 def bert():
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=96,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=16,
-        num_labels=3,
-        hidden_dropout_prob=0,
-        attention_probs_dropout_prob=0,
-    )
-    return transformers.BertForSequenceClassification(config)
+    return bert_model(hidden_dropout_prob=0, attention_probs_dropout_prob=0)
 
 
 def gpt2_batches(count=6, size=4):
