@@ -207,6 +207,13 @@ class Fp32MathSwitch:
         self._baseline = None
         self._held = None
 
+    def hold(self, held: tuple[Backend, Fp32Math] | None) -> None:
+        """Hold the flags at ``(backend, level)`` (what :attr:`held` said), or release them for None."""
+        if held is None:
+            self.release()
+        else:
+            self.set(*held)
+
 
 @dataclasses.dataclass(frozen=True)
 class ReducedMathProbe:

@@ -145,10 +145,7 @@ class Session:
 
     def apply_fp32_wish(self) -> None:
         """Put the fp32-math flags where the session wants them (after a fit borrowed the switch)."""
-        if self._fp32_wanted is None:
-            self.fp32_math.release()
-        else:
-            self.fp32_math.set(*self._fp32_wanted)
+        self.fp32_math.hold(self._fp32_wanted)
 
     def autocast_settings(
         self,
@@ -199,10 +196,7 @@ class Session:
         model code must hand the fit its reduced math back.
         """
         self.mode, self.device, self._fp32_wanted = snapshot.mode, snapshot.device, snapshot.fp32_wish
-        if snapshot.fp32_held is None:
-            self.fp32_math.release()
-        else:
-            self.fp32_math.set(*snapshot.fp32_held)
+        self.fp32_math.hold(snapshot.fp32_held)
         self.notify("mode")
 
     @contextlib.contextmanager

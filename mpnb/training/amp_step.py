@@ -259,14 +259,8 @@ class AmpStep:
         step_time = now - (self._window_start if self._window_start is not None else now)
         used, peak, reserved = self.memory.sample(now)
         self.steps += 1
-        loss_sum, self._loss_sum, self._micro_batches, samples, self._samples = (
-            self._loss_sum,
-            None,
-            0,
-            self._samples,
-            0,
-        )
-        self._window_open = False  # closed before the sinks run: a failing sink cannot reopen it
+        loss_sum, samples = self._loss_sum, self._samples
+        self._close_window()  # before the sinks run: a failing sink cannot leave it open
         self.recorder.record(
             step=self.steps,
             epoch=self.epoch,
@@ -294,6 +288,10 @@ class AmpStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler.is_enabled():
             self.scaler._per_optimizer_states.pop(id(self.optimizer), None)  # a fresh record on next use
+        self._close_window()
+
+    def _close_window(self) -> None:
+        """Forget the window's micro-batches: their summed loss, count and samples."""
         self._loss_sum, self._micro_batches, self._samples = None, 0, 0
         self._window_open = False
 

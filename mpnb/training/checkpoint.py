@@ -48,12 +48,20 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         "version": VERSION,
         "optimizer_type": type(trainer.optimizer).__name__,
         "scheduler_type": type(scheduler).__name__ if scheduler is not None else None,
+        **_training_state(trainer),
+        "history": trainer.history.to_dict(),
+    }
+
+
+def _training_state(trainer: Trainer) -> dict[str, Any]:
+    """What :func:`_apply` puts into a trainer, but the history: model, optimizer, scaler, scheduler, position."""
+    scheduler = trainer.amp.scheduler
+    return {
         "model": trainer.model.state_dict(),
         "optimizer": trainer.optimizer.state_dict(),
         "amp": trainer.amp.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "position": [trainer._epoch, trainer._batch, trainer._end_epoch],
-        "history": trainer.history.to_dict(),
     }
 
 
@@ -187,13 +195,11 @@ def _state_keys(optimizer_state: Any) -> set[str]:
 
 def apply_checkpoint(trainer: Trainer, state: dict[str, Any], history: History) -> None:
     """Put a :func:`read_checkpoint` state into ``trainer``; on any failure, put everything back."""
-    saved = checkpoint_state(trainer)
-    saved_state = {key: copy.deepcopy(saved[key]) for key in ("model", "optimizer", "amp", "scheduler")}
-    saved_history = trainer.amp.recorder.history
+    saved, saved_history = copy.deepcopy(_training_state(trainer)), trainer.amp.recorder.history
     try:
         _apply(trainer, state, history)
     except BaseException:
-        _apply(trainer, {**saved, **saved_state}, saved_history)
+        _apply(trainer, saved, saved_history)
         raise
     trainer.amp.discard_window()  # an unfinished accumulation window belonged to the run replaced
 

@@ -290,18 +290,8 @@ class Trainer:
         """
         if not changed:
             return
-        wishes = _session_wishes()
-        mode_wish, fp32_wish, lists_wish = wishes
-        changed = tuple(
-            what
-            for what, differs in (
-                ("mode", mode_wish != self._followed[0]),
-                ("fp32_math", fp32_wish != self._followed[1]),
-                ("oplists", lists_wish != self._followed[2]),
-            )
-            if differs
-        )
-        self._followed = wishes
+        followed, self._followed = self._followed, _session_wishes()
+        changed = tuple(what for what, old, new in zip(_WISHES, followed, self._followed) if old != new)
         next_step = self.amp.steps + 1
         if "mode" in changed:
             try:
@@ -370,6 +360,10 @@ class Trainer:
         """
         state, history = read_checkpoint(self, path)
         apply_checkpoint(self, state, history)
+
+
+#: What :func:`_session_wishes` returns, in order, named as the session's change notices name them.
+_WISHES = ("mode", "fp32_math", "oplists")
 
 
 def _session_wishes() -> tuple[Any, ...]:

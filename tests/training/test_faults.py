@@ -267,3 +267,19 @@ def test_a_checkpoint_whose_history_or_scaler_is_broken_changes_nothing(tmp_path
         with pytest.raises(MpnbError, match=name.replace(".", r"\.")):
             other.load(tmp_path / name)
         assert_unchanged(other, before)
+
+
+def test_a_failure_while_applying_a_checkpoint_puts_everything_back(tmp_path, monkeypatch):
+    source, _ = trained()
+    source.save(tmp_path / "run.pt")
+    trainer, _ = trained(seed=1)
+    before = state_of(trainer)
+
+    def failing(state):
+        raise RuntimeError("scaler state rejected")
+
+    monkeypatch.setattr(trainer.amp, "load_state_dict", failing)  # fails after model and optimizer were loaded
+    with pytest.raises(RuntimeError, match="scaler state rejected"):
+        trainer.load(tmp_path / "run.pt")
+    monkeypatch.undo()
+    assert_unchanged(trainer, before)
