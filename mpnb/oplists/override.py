@@ -89,6 +89,26 @@ def _cast_method(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return _CAST_METHOD.get(dtype) or (lambda tensor: tensor.to(dtype))
 
 
+#: Floating dtypes torch.autocast may cast, by the dtype it casts to: every floating dtype but
+#: float64 and the target itself (``is_eligible`` and ``cached_cast`` in ATen/autocast_mode.h).
+_CASTABLE_TO: dict[torch.dtype, frozenset[torch.dtype]] = {}
+
+
+def _castable_to(dtype: torch.dtype) -> frozenset[torch.dtype]:
+    castable = _CASTABLE_TO.get(dtype)
+    if castable is None:
+        floating = {v for v in vars(torch).values() if isinstance(v, torch.dtype) and v.is_floating_point}
+        castable = _CASTABLE_TO[dtype] = frozenset(floating - {torch.float64, dtype})
+    return castable
+
+
+def _holds_tensors(kind: torch._C.JitType) -> bool:
+    """Whether an argument of this schema type can hold tensors: Tensor, Tensor?, Tensor[], Tensor?[]."""
+    while isinstance(kind, (torch._C.OptionalType, torch._C.ListType)):
+        kind = kind.getElementType()
+    return isinstance(kind, torch._C.TensorType)
+
+
 def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool) -> Callable[..., Any]:
     """The list kernel for ``op``: cast as torch.autocast casts, call below autocast, keep writes.
 
@@ -100,50 +120,55 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
     What an op writes into a cast copy (its version counter moved) is copied back to the caller.
 
     The kernel runs for every call of a listed op, so everything that does not depend on the
-    call is decided here, once: no pytree, no per-call closures, no argument parsing for casts
+    call is decided here, once, from the op's schema: which arguments can hold tensors, which
+    dtypes are castable. No pytree, no per-call closures, no argument parsing for casts
     (``benchmarks/oplist_overhead.py`` measures what remains).
     """
     below_autocast = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
     exclude_autocast = torch._C._ExcludeDispatchKeyGuard
     on_device = _ON_DEVICE.get(device_type, lambda tensor: tensor.device.type == device_type)
     call = op._op  # the overload's C++ entry point, without OpOverload.__call__'s Python frame
-    keeps_state = any(arg.name in _state_argument_names() for arg in op._schema.arguments)
-    tensor_type, float64 = torch.Tensor, torch.float64
-    fixed_cast = _cast_method(torch.float32) if to_fp32 else None
-    fixed_dtype = torch.float32 if to_fp32 else None
+    arguments = op._schema.arguments
+    keeps_state = any(arg.name in _state_argument_names() for arg in arguments)
+    positional = [arg for arg in arguments if not arg.kwarg_only]
+    # Where tensors can be: positions of the positional arguments, names of the keyword-only ones.
+    tensor_positions = (0,) if keeps_state else tuple(i for i, arg in enumerate(positional) if _holds_tensors(arg.type))
+    tensor_keywords = () if keeps_state else tuple(a.name for a in arguments if a.kwarg_only and _holds_tensors(a.type))
+    tensor_type = torch.Tensor
+    fixed = (torch.float32, _cast_method(torch.float32), _castable_to(torch.float32)) if to_fp32 else None
     autocast_dtype = torch.get_autocast_dtype
 
-    def cast(value: Any, dtype: torch.dtype, cast_to: Callable, copies: list) -> Any:
+    def cast(value: Any, castable: frozenset, cast_to: Callable, copies: list) -> Any:
         if isinstance(value, tensor_type):
-            if value.dtype != dtype and value.is_floating_point() and value.dtype != float64 and on_device(value):
+            if value.dtype in castable and on_device(value):
                 copy = cast_to(value)
                 copies.append((value, copy, copy._version))
                 return copy
             return value
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], tensor_type):
-            return type(value)([cast(item, dtype, cast_to, copies) for item in value])
-        return value
+        if isinstance(value, (list, tuple)):  # Tensor[], Tensor?[]
+            return type(value)([cast(item, castable, cast_to, copies) for item in value])
+        return value  # None, or a Python number standing for a wrapped scalar tensor
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        if fixed_cast is None:
+        if fixed is None:
             dtype = autocast_dtype(device_type)
-            cast_to = _cast_method(dtype)
+            cast_to, castable = _cast_method(dtype), _castable_to(dtype)
         else:
-            dtype, cast_to = fixed_dtype, fixed_cast
+            dtype, cast_to, castable = fixed
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         with exclude_autocast(below_autocast):  # casts too, as torch's kernels cast: fewer keys to pass
-            if keeps_state:
-                args = (cast(args[0], dtype, cast_to, copies), *args[1:])
-            else:
-                args = [cast(value, dtype, cast_to, copies) for value in args]
-                if kwargs:
-                    kwargs = {name: cast(value, dtype, cast_to, copies) for name, value in kwargs.items()}
+            args = list(args)
+            for position in tensor_positions:
+                if position < len(args):
+                    args[position] = cast(args[position], castable, cast_to, copies)
+            for name in tensor_keywords:
+                if name in kwargs:
+                    kwargs[name] = cast(kwargs[name], castable, cast_to, copies)
             result = call(*args, **kwargs)
-        if copies:
-            for original, copy, version in copies:
-                if copy._version != version:
-                    with torch.no_grad():
-                        original.copy_(copy)
+        for original, copy, version in copies:
+            if copy._version != version:
+                with torch.no_grad():
+                    original.copy_(copy)
         return result
 
     return kernel
