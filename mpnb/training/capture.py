@@ -39,6 +39,7 @@ class FitCapture:
         sink: where each fit reports progress (None: no display).
         trainers: the trainers that fitted, in order of their first fit.
         steps_taken: optimizer steps taken so far.
+        last_fit: ``(trainer, data)`` of the block's last ``fit`` call, None before any.
     """
 
     mode: Mode
@@ -46,16 +47,18 @@ class FitCapture:
     sink: Sink | None = None
     trainers: list[Any] = dataclasses.field(default_factory=list)
     steps_taken: int = 0
+    last_fit: tuple[Any, Any] | None = None
 
     def steps_allowed(self, asked: int | None) -> int:
         """How many steps a fit that asked for ``asked`` (None: no limit) may take now."""
         left = self.max_steps - self.steps_taken
         return left if asked is None else min(asked, left)
 
-    def adopt(self, trainer: Any) -> None:
-        """Note ``trainer`` as one of the block's."""
+    def adopt(self, trainer: Any, data: Any) -> None:
+        """Note ``trainer`` as one of the block's, fitting on ``data``."""
         if trainer not in self.trainers:
             self.trainers.append(trainer)
+        self.last_fit = (trainer, data)
 
 
 _active: contextvars.ContextVar[FitCapture | None] = contextvars.ContextVar("mpnb_fit_capture", default=None)

@@ -123,6 +123,12 @@ class Trainer:
         return self.amp.history
 
     @property
+    def resumable(self) -> bool:
+        """Whether the last ``fit`` stopped before its planned end (``max_steps``, Stop, an
+        interrupt): ``fit(data)`` without ``epochs`` then continues that plan."""
+        return self._end_epoch is not None
+
+    @property
     def mode(self) -> Mode:
         """The precision mode training runs in."""
         return self.amp.precision.mode
@@ -169,7 +175,7 @@ class Trainer:
             )
         capture = active_capture()
         if capture is not None:
-            max_steps = self._join(capture, max_steps)
+            max_steps = self._join(capture, data, max_steps)
             if max_steps == 0:
                 return self.history
         sinks = self._sinks(capture)
@@ -211,9 +217,9 @@ class Trainer:
             self.history.note("stopped", kind="stop")
         return self.history
 
-    def _join(self, capture: FitCapture, max_steps: int | None) -> int:
+    def _join(self, capture: FitCapture, data: Iterable[Any], max_steps: int | None) -> int:
         """Train in the capture's mode, within its step budget: the steps this fit may take."""
-        capture.adopt(self)
+        capture.adopt(self, data)
         if self.mode is not capture.mode:
             self.amp.set_precision(TrainingPrecision.resolve(capture.mode, self.device))
         return capture.steps_allowed(max_steps)

@@ -51,10 +51,12 @@ def test_the_cell_runs_once_per_mode_in_that_mode_within_the_step_budget(shell, 
         assert comparison.result(mode).timed_from == 2
     rows = {row["mode"]: row for row in comparison.rows()}
     assert all(0 <= row["metric"] <= 1 for row in rows.values())
-    assert "mpnb.examples.accuracy" in str(comparison).splitlines()[0]
+    header = str(comparison).splitlines()[0]
+    assert " accuracy " in header and "mpnb.examples" not in header  # a short name, not the expression
     first_losses = [comparison.result(mode).history.loss[0] for mode in ("fp32", "tf32")]
     assert first_losses[0] == first_losses[1]  # same seed, same model, same first batch
-    assert "training" not in capsys.readouterr().out  # the trainer's own text dashboard gave way
+    printed = capsys.readouterr().out
+    assert "training DigitsCNN" not in printed and "finished:" not in printed  # the trainer's own dashboard gave way
     assert mpnb.get_mode() is mpnb.Mode.BF16 and torch_state() == before
     assert torch.equal(torch.random.get_rng_state(), random_before)
 
@@ -78,8 +80,9 @@ def test_a_cell_that_trains_nothing_is_told_how(shell):
     [
         ("--modes fp32,fp8", "'fp8'"),
         ("--modes ,", "names no mode"),
-        ("--steps 0", "--steps must be >= 1"),
-        ("--warmup -1", "--warmup >= 0"),
+        ("--steps 0", "--steps must be >= 1, got 0"),
+        ("--warmup -1", "--warmup must be >= 0, got -1"),
+        ("--block 0", "--block must be >= 1, got 0"),
         ("--progress fancy", "'fancy'"),
         ("--metric 'acc('", "not a Python expression"),
         ("--colour red", "--colour"),
@@ -164,8 +167,10 @@ def test_live_progress_overlays_each_mode_as_it_trains():
         if result.mode == "fp32":
             drawn_when_fp32_ended.extend(len(trace.x) for trace in view.figure.data)
 
-    result = compare(make_run, ["fp32", "bf16"], steps=5, warmup=1, progress=view, on_result=on_result)
-    assert drawn_when_fp32_ended == [6, 5, 0, 0]  # fp32 drawn (timed steps only for step time), bf16 not yet
+    result = compare(make_run, ["fp32", "bf16"], steps=5, warmup=1, block=1, progress=view, on_result=on_result)
+    # Turns alternate fp32, bf16 | bf16, fp32 | ...: when fp32 ends (round 5) bf16 has 4 of its 5 timed steps.
+    # fp32 is drawn with its 1 + 5 losses and 5 timed step times, bf16 as far as it got.
+    assert drawn_when_fp32_ended == [6, 5, 5, 4]
     loss_fp32, time_fp32, loss_bf16, time_bf16 = view.figure.data
     assert list(loss_fp32.x) == list(range(1, 7)) and list(loss_bf16.x) == list(range(1, 7))
     assert list(loss_bf16.y) == result.result("bf16").history.loss

@@ -2,10 +2,15 @@
 
 For each mode the cell runs with the session in that mode (autocast on for fp16/bf16, off
 otherwise), from the same torch seed, and every ``mpnb.Trainer.fit`` it makes trains in
-that mode within ``warmup + steps`` optimizer steps. The runs' curves are drawn overlaid
-while they train; the table follows (see :func:`mpnb.analysis.comparison.compare`). The session mode,
-the autocast state and torch's random state are as before when the cell ends, however it
-ends. The result is the cell's value and is kept in ``_comparison``.
+that mode for the ``warmup`` steps. Then the modes' timed steps are trained in interleaved
+turns, each turn continuing the cell's last fit in its mode (see
+:mod:`mpnb.analysis.schedule`), so code after the fit in the cell sees the model after its
+warm-up; measure trained models with ``--metric``, which is evaluated at the end among the
+names the cell bound in that mode. The runs' curves are drawn overlaid while they train;
+the table follows (see :func:`mpnb.analysis.comparison.compare`). The session mode, the
+autocast state and torch's random state are as before when the cell ends, however it ends.
+The comparison is kept in ``_comparison``, and is the cell's value unless the live view
+already shows its table.
 
 Example (in IPython)::
 
@@ -16,15 +21,20 @@ Example (in IPython)::
 
 from __future__ import annotations
 
+import ast
+import collections
+import contextlib
 import math
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from mpnb.analysis.comparison import Comparison, ModeResult, compare_runs, mode_result
+from mpnb.analysis.comparison import Comparison, ModeResult, compare_runs, mode_result, progress_view
 from mpnb.precision.blocks import autocast
 from mpnb.precision.modes import MODE_NAMES, parse_mode
 from mpnb.precision.policy import session
@@ -52,12 +62,19 @@ class CompareMagics(Magics):
     )
     @argument("--steps", type=int, default=100, help="timed optimizer steps per mode (default 100)")
     @argument("--warmup", type=int, default=5, help="steps run first and left out of the timing (default 5)")
+    @argument(
+        "--block",
+        type=int,
+        help="timed steps each mode trains per turn (default a tenth of --steps, at most 10); "
+        "--block equal to --steps runs the modes one after another",
+    )
     @argument("--seed", type=int, default=0, help="torch.manual_seed before each mode's run (default 0)")
     @argument(
         "--metric",
         help="a Python expression evaluated after each mode's run (test accuracy, say); its value fills the "
         "table's metric column",
     )
+    @argument("--metric-name", help="the metric column's title (default: the name the expression calls)")
     @argument(
         "--progress",
         default="auto",
@@ -68,11 +85,14 @@ class CompareMagics(Magics):
     def compare(self, line: str, cell: str) -> Comparison:
         """Run the training in this cell once per mode; show the curves overlaid, then the table.
 
-        The cell trains through ``mpnb.Trainer.fit`` (the fits it makes are timed); it is run
-        once per mode from the same seed, with each fit held to ``--warmup + --steps`` steps
-        and trained in that mode whatever mode the trainer was built with. A mode this device
-        cannot run is listed with the reason. The session mode, autocast state and torch's
-        random state are restored when the cell ends, also after an error or an interrupt.
+        The cell trains through ``mpnb.Trainer.fit``; it is run once per mode from the same
+        seed, its fits held to ``--warmup`` steps and trained in that mode whatever mode the
+        trainer was built with. The ``--steps`` timed steps then continue the cell's last fit
+        of each mode in interleaved turns of ``--block`` steps, so that a busy machine slows
+        every mode alike; each mode keeps its own random state, so its run is the one it
+        would be alone. A mode this device cannot run is listed with the reason. The session
+        mode, autocast state and torch's random state are restored when the cell ends, also
+        after an error or an interrupt.
 
         Example::
 
@@ -87,27 +107,30 @@ class CompareMagics(Magics):
             modes = [parse_mode(name.strip()).value for name in args.modes.split(",") if name.strip()]
         if not modes:
             raise UsageError(f"--modes names no mode: {args.modes!r}; valid: {', '.join(MODE_NAMES)}")
-        if args.steps < 1 or args.warmup < 0:
-            raise UsageError(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
+        for option, value, least in (
+            ("--steps", args.steps, 1),
+            ("--warmup", args.warmup, 0),
+            ("--block", args.block, 1),
+        ):
+            if value is not None and value < least:
+                raise UsageError(f"{option} must be >= {least}, got {value}")
         metric_text = _unquote(args.metric) if args.metric else None
         metric = self._compile_metric(metric_text)
-
-        def run_mode(name: str, sink: Sink | None) -> ModeResult:
-            return self._run_mode(name, cell, args.warmup + args.steps, args.warmup, args.seed, metric, sink)
-
+        metric_name = _unquote(args.metric_name) if args.metric_name else _short_name(metric_text)
+        view = progress_view(None if progress == "none" else progress, modes, "%%compare")
         comparison = compare_runs(
-            run_mode,
+            lambda name: _CellRun(self.shell, name, cell, args.seed, metric),
             modes,
             args.steps,
             args.warmup,
-            progress=None if progress == "none" else progress,
-            metric_name=metric_text or "metric",
-            title="%%compare",
+            block=args.block,
+            progress=view,
+            metric_name=metric_name,
         )
         self.shell.user_ns[RESULT_VARIABLE] = comparison
         if args.out:
             _write(args.out, comparison)
-        return comparison
+        return None if view.shows_table else comparison
 
     def _compile_metric(self, expression: str | None):
         if not expression:
@@ -117,20 +140,72 @@ class CompareMagics(Magics):
         except SyntaxError as error:
             raise UsageError(f"--metric {expression!r} is not a Python expression: {error.msg}") from None
 
-    def _run_mode(self, name, cell, budget, warmup, seed, metric, sink) -> ModeResult:
+
+class _CellRun:
+    """One mode of ``%%compare``: its first turn runs the cell; later turns continue the cell's last fit.
+
+    Every turn runs with the session in the mode (and autocast as the mode has it), and its
+    fits held to the turn's steps. The names the cell bound are kept per mode, so that the
+    metric of each mode is evaluated among its own ``trainer``, ``test``...
+    """
+
+    def __init__(self, shell: Any, name: str, cell: str, seed: int, metric: Any) -> None:
+        self.shell, self.name, self.cell, self.seed, self.metric = shell, name, cell, seed, metric
+        self.trainer: Any = None
+        self.data: Any = None
+        self.bound: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def _in_mode(self) -> Iterator[None]:
+        dtype = parse_mode(self.name).autocast_dtype
+        with session.mode_scope(self.name), autocast(dtype, enabled=dtype is not None):
+            yield
+
+    def advance(self, steps: int, sink: Sink | None) -> int:
         __tracebackhide__ = True
-        dtype = parse_mode(name).autocast_dtype
-        with torch.random.fork_rng(), session.mode_scope(name), autocast(dtype, enabled=dtype is not None):
-            torch.manual_seed(seed)
-            with capture_fits(name, budget, sink) as capture:
-                run_cell_body(self.shell, cell)
-            if not capture.trainers:
-                raise UsageError(
-                    "the cell trained nothing through mpnb.Trainer.fit: %%compare times the fits the cell makes "
-                    "(build an mpnb.Trainer and call trainer.fit(data) in the cell)"
-                )
-            value = float(eval(metric, self.shell.user_global_ns, self.shell.user_ns)) if metric else math.nan
-        return mode_result(name, capture.trainers[-1], warmup, value)
+        with self._in_mode(), capture_fits(self.name, steps, sink) as capture:
+            if self.trainer is None:
+                self._run_cell(capture)
+            elif self.trainer.resumable:
+                self.trainer.fit(self.data)
+        return capture.steps_taken
+
+    def _run_cell(self, capture: Any) -> None:
+        __tracebackhide__ = True
+        names = self.shell.user_ns
+        before = dict(names)
+        torch.manual_seed(self.seed)
+        run_cell_body(self.shell, self.cell)
+        if capture.last_fit is None:
+            raise UsageError(
+                "the cell trained nothing through mpnb.Trainer.fit: %%compare times the fits the cell makes "
+                "(build an mpnb.Trainer and call trainer.fit(data) in the cell)"
+            )
+        self.trainer, self.data = capture.last_fit
+        self.bound = {key: value for key, value in names.items() if key not in before or before[key] is not value}
+
+    def result(self, warmup: int) -> ModeResult:
+        value = math.nan
+        if self.metric is not None:
+            with self._in_mode():
+                namespace = collections.ChainMap(self.bound, self.shell.user_ns)
+                value = float(eval(self.metric, self.shell.user_global_ns, namespace))
+        return mode_result(self.name, self.trainer, warmup, value)
+
+
+def _short_name(expression: str | None) -> str:
+    """The metric column's title: the name an expression calls or reads
+    (``"mpnb.examples.accuracy(trainer.model, test)"`` -> ``"accuracy"``)."""
+    if not expression:
+        return "metric"
+    node = ast.parse(expression, mode="eval").body
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Name):
+        return node.id
+    return expression if len(expression) <= 24 else expression[:23] + "…"
 
 
 def _unquote(text: str) -> str:

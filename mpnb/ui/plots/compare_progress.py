@@ -147,7 +147,7 @@ class LiveComparison(ComparisonProgress):
         self.pacing = {"min_interval": min_interval, "max_share": max_share, "max_points": max_points}
         self.status = widgets.HTML()
         self.table = widgets.HTML()
-        self.show_table = show_table
+        self.shows_table = show_table
         self.widget = widgets.VBox([self.status, self.figure, self.table])
 
     def sink_for(self, mode: str, steps: int, warmup: int = 0) -> Sink:
@@ -161,7 +161,7 @@ class LiveComparison(ComparisonProgress):
     def close(self, comparison: Comparison) -> None:
         ran = sum(result.history is not None for result in comparison.results)
         self.status.value = f"done: {ran} of {len(comparison.results)} mode(s) ran"
-        if self.show_table:
+        if self.shows_table:
             self.table.value = comparison._repr_html_()
 
 

@@ -1,0 +1,249 @@
+"""What a comparison found, per mode: timings with their spread, memory, loss, and the table.
+
+:class:`ModeResult` holds one mode's run (its history, which rows were timed turns) and the
+memory measured in its own turns; :class:`Comparison` holds them all and renders the table
+(text, HTML, CSV, JSON). Timing statistics come from :mod:`mpnb.analysis.timing`.
+
+Example:
+    >>> from mpnb.training.history import History
+    >>> def result(mode, times):
+    ...     h = History()
+    ...     h.extend({"step": list(range(1, 7)), "loss": [1.0] * 6, "step_time": times})
+    ...     return ModeResult(mode, h, blocks=[(0, 2), (2, 4), (4, 6)])
+    >>> fp32 = result("fp32", [0.020, 0.021, 0.020, 0.022, 0.021, 0.020])
+    >>> bf16 = result("bf16", [0.010, 0.011, 0.010, 0.011, 0.010, 0.010])
+    >>> row = Comparison([fp32, bf16], steps=6, warmup=0).rows()[1]
+    >>> round(row["speedup_vs_fp32"], 1), row["speedup_verdict"], round(row["step_time_iqr_s"] * 1e3, 2)
+    (2.0, 'faster', 0.75)
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import statistics
+from typing import Any
+
+from mpnb._render import html_table, text_table
+from mpnb.analysis.timing import NO_SPEEDUP, Speedup, StepTimeStats, speedup_over, step_time_stats
+from mpnb.precision.backends import format_bytes
+from mpnb.precision.modes import parse_mode
+from mpnb.training.history import History
+
+__all__ = ["Comparison", "ModeResult", "NO_EFFECT"]
+
+#: The speedup column of a mode that changes nothing on this hardware (tf32 where fp32 math stays exact).
+NO_EFFECT = "no effect on this hardware"
+
+_COLUMNS = (
+    "mode",
+    "median step (ms)",
+    "IQR (ms)",
+    "speedup vs fp32",
+    "samples/s",
+    "peak memory of the run",
+    "added by training",
+    "final loss",
+    "metric",
+    "skipped steps",
+    "note",
+)
+
+
+@dataclasses.dataclass
+class ModeResult:
+    """One mode's run, or why it did not run.
+
+    Attributes:
+        mode: the mode's name.
+        history: the run's history (None when the mode was skipped).
+        timed_from: index of the first timed row (after warm-up).
+        metric: what the run's metric returned, or NaN.
+        skipped_reason: why the mode did not run, or None.
+        notes: what the reader should know (fp16 convolutions on a CPU are slow...).
+        blocks: the history rows ``(start, stop)`` of each timed turn, round by round
+            (one block of all timed rows when the mode ran on its own).
+        peak_memory: the most memory in use during the mode's own turns (bytes; NaN where
+            the device cannot say).
+        added_memory: the most the run added over the memory in use when one of its turns
+            began (its build and warm-up count as one turn): what training this mode costs.
+        inert: the mode changes nothing on this hardware (tf32 where fp32 math stays exact),
+            so its speedup is only noise.
+    """
+
+    mode: str
+    history: History | None = None
+    timed_from: int = 0
+    metric: float = math.nan
+    skipped_reason: str | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+    blocks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    peak_memory: float = math.nan
+    added_memory: float = math.nan
+    inert: bool = False
+
+    def block_times(self) -> list[list[float]]:
+        """The timed step times (seconds), one list per turn."""
+        if self.history is None:
+            return []
+        blocks = self.blocks or [(self.timed_from, len(self.history))]
+        return [self.history.step_time[start:stop] for start, stop in blocks]
+
+    @property
+    def step_times(self) -> StepTimeStats:
+        """Median and interquartile range of the timed steps."""
+        return step_time_stats([t for block in self.block_times() for t in block])
+
+    @property
+    def median_step_s(self) -> float:
+        return self.step_times.median_s
+
+    @property
+    def samples_per_s(self) -> float:
+        rates = [v for v in (self.history.samples_per_s[self.timed_from :] if self.history else []) if math.isfinite(v)]
+        return statistics.median(rates) if rates else math.nan
+
+    def summary(self) -> dict[str, Any]:
+        """The numbers of the table row, unformatted."""
+        base = self.history.summary() if self.history else {}
+        times = self.step_times
+        warning = times.spread_warning
+        return {
+            "mode": self.mode,
+            "median_step_s": times.median_s,
+            "step_time_iqr_s": times.iqr_s,
+            "timed_steps": times.count,
+            "samples_per_s": self.samples_per_s,
+            "peak_memory": self.peak_memory,
+            "added_memory": self.added_memory,
+            "final_loss": base.get("final_loss", math.nan),
+            "metric": self.metric,
+            "skipped_steps": base.get("skipped", 0),
+            "skipped_reason": self.skipped_reason,
+            "notes": [*self.notes, warning] if warning else list(self.notes),
+        }
+
+
+@dataclasses.dataclass
+class Comparison:
+    """The results of a comparison, one per mode, in the order asked for.
+
+    Attributes:
+        results: one :class:`ModeResult` per mode.
+        steps: timed steps per mode.
+        warmup: untimed steps per mode.
+        metric_name: the table's name for the metric column.
+        block: timed steps per turn (``block >= steps``: the modes ran one after another).
+    """
+
+    results: list[ModeResult]
+    steps: int
+    warmup: int
+    metric_name: str = "metric"
+    block: int = 0
+
+    def result(self, mode: str) -> ModeResult:
+        """The result of one mode."""
+        name = parse_mode(mode).value
+        return next(r for r in self.results if r.mode == name)
+
+    def speedup(self, mode: str) -> Speedup:
+        """``mode``'s speedup over fp32, with the quartiles of its per-round ratios."""
+        baseline, result = next((r for r in self.results if r.mode == "fp32" and r.history), None), self.result(mode)
+        if baseline is None or result.history is None:
+            return NO_SPEEDUP
+        return speedup_over(baseline.block_times(), result.block_times())
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Per mode: the numbers, with the speedup over fp32 and its interval (NaN without an fp32 run)."""
+        rows = []
+        for result in self.results:
+            row = result.summary()
+            speedup = self.speedup(result.mode)
+            verdict = speedup.verdict
+            if result.mode == "fp32" or not result.history:
+                verdict = ""
+            elif result.inert:
+                verdict = NO_EFFECT
+            row.update(
+                speedup_vs_fp32=speedup.median,
+                speedup_low=speedup.low,
+                speedup_high=speedup.high,
+                speedup_verdict=verdict,
+            )
+            rows.append(row)
+        return rows
+
+    def _table(self) -> list[list[str]]:
+        table = []
+        for row in self.rows():
+            if row["skipped_reason"]:
+                table.append([row["mode"], *["-"] * (len(_COLUMNS) - 2), f"not run: {row['skipped_reason']}"])
+                continue
+            table.append(
+                [
+                    row["mode"],
+                    _number(row["median_step_s"] * 1e3, "{:.2f}"),
+                    _number(row["step_time_iqr_s"] * 1e3, "{:.2f}"),
+                    _speedup_text(row),
+                    _number(row["samples_per_s"], "{:.0f}"),
+                    _bytes(row["peak_memory"]),
+                    _bytes(row["added_memory"]),
+                    _number(row["final_loss"], "{:.4g}"),
+                    _number(row["metric"], "{:.4g}"),
+                    str(row["skipped_steps"]),
+                    "; ".join(row["notes"]),
+                ]
+            )
+        return table
+
+    def _columns(self) -> list[str]:
+        return [self.metric_name if column == "metric" else column for column in _COLUMNS]
+
+    def __str__(self) -> str:
+        return text_table(self._columns(), self._table())
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        return html_table(self._columns(), self._table())
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        """Write the rows as JSON (NaN as null)."""
+        rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in self.rows()]
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump({"steps": self.steps, "warmup": self.warmup, "block": self.block, "modes": rows}, file, indent=2)
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write the rows as CSV."""
+        rows = self.rows()
+        with open(path, "w", newline="", encoding="utf-8") as file:
+            writer = csv.DictWriter(file, fieldnames=list(rows[0]) if rows else ["mode"])
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({**row, "notes": "; ".join(row["notes"])})
+
+
+def _number(value: float, pattern: str) -> str:
+    return pattern.format(value) if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+
+
+def _bytes(value: float) -> str:
+    return format_bytes(value) if math.isfinite(value) else "-"
+
+
+def _speedup_text(row: dict[str, Any]) -> str:
+    """``"1.32x (1.25-1.40)"``, ``"1.02x: no clear difference (0.97-1.08)"`` or ``"no effect on this hardware"``."""
+    verdict, median = row["speedup_verdict"], row["speedup_vs_fp32"]
+    if verdict == NO_EFFECT or not math.isfinite(median):
+        return verdict or "-"
+    text = f"{median:.2f}x"
+    if verdict == "no clear difference":
+        text += f": {verdict}"
+    if verdict:
+        text += f" ({row['speedup_low']:.2f}-{row['speedup_high']:.2f})"
+    return text

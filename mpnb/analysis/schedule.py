@@ -1,0 +1,209 @@
+"""Run several modes' trainings in interleaved turns, each as exact as if it ran alone.
+
+A comparison first builds every mode's run and trains its warm-up steps, one mode after
+another; then, round after round, each mode trains a block of a few timed steps in turn
+(the order reversed every other round), until every mode has its timed steps. Drift of a
+shared machine (another job starting, the CPU clocking down) then falls on all modes alike,
+and each round gives a paired measurement of every mode.
+
+Interleaving must not change what a run computes. Each mode keeps torch's random state of
+its own, put back before each of its turns and saved after it, so a mode's dropout masks
+and data order are those it would draw alone. Memory is measured per turn: the device's
+peak counter is reset at the start of each turn, so a mode's peak is reached in its own
+turns only, whatever ran before it.
+
+Example:
+    >>> import mpnb.examples as ex
+    >>> from mpnb.analysis.comparison import mode_result
+    >>> class Run:
+    ...     def __init__(self, mode):
+    ...         self.mode, self.trainer = mode, None
+    ...     def advance(self, steps, sink):
+    ...         if self.trainer is None:
+    ...             self.trainer, self.data, _ = ex.example_trainer(self.mode, "cpu", widths=(4, 8), dashboard=None)
+    ...         before = self.trainer.amp.steps
+    ...         if steps:
+    ...             self.trainer.fit(self.data, max_steps=steps)
+    ...         return self.trainer.amp.steps - before
+    ...     def result(self, warmup):
+    ...         return mode_result(self.mode, self.trainer, warmup)
+    >>> results = interleave({"fp32": Run("fp32"), "bf16": Run("bf16")}, steps=4, warmup=1, block=2)
+    >>> [(r.mode, len(r.history), r.blocks) for r in results]
+    [('fp32', 5, [(1, 3), (3, 5)]), ('bf16', 5, [(1, 3), (3, 5)])]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from mpnb.analysis.results import ModeResult
+from mpnb.errors import MpnbError
+from mpnb.precision.backends import backend_for
+from mpnb.precision.policy import session
+from mpnb.training.telemetry import Sink
+
+__all__ = ["ModeRun", "default_block", "interleave"]
+
+
+class ModeRun(Protocol):
+    """One mode's training, advanced a turn at a time by :func:`interleave`.
+
+    Attributes:
+        trainer: the run's :class:`~mpnb.training.trainer.Trainer`, None until built.
+    """
+
+    trainer: Any
+
+    def advance(self, steps: int, sink: Sink | None) -> int:
+        """Train up to ``steps`` more optimizer steps, reporting to ``sink``; return the steps taken.
+
+        The first call also builds the run (it may then raise :class:`~mpnb.errors.MpnbError`:
+        the mode cannot run here) and may be asked for 0 steps. Fewer steps than asked means
+        the run has ended (its planned epochs are done, or it stopped).
+        """
+
+    def result(self, warmup: int) -> ModeResult:
+        """The finished run's result, its first ``warmup`` rows untimed."""
+
+
+def default_block(steps: int) -> int:
+    """Timed steps per turn: about a tenth of the steps, at most 10 (``default_block(100) == 10``)."""
+    return max(1, min(10, steps // 10))
+
+
+class _Turns:
+    """One mode's own random state and memory figures across its turns."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.random_state: tuple[torch.Tensor, Any] | None = None  # None: go on from the state found
+        self.peak, self.added = math.nan, math.nan
+        self.rows: list[tuple[int, int]] = []  # the history rows of each timed turn
+
+    @contextlib.contextmanager
+    def turn(self, device: torch.device) -> Iterator[None]:
+        """Run one turn with this mode's random state, measuring the memory it reaches."""
+        if self.random_state is not None:
+            _set_random_state(self.random_state, self.device_type)
+        backend = backend_for(device)
+        measured = backend.reset_peak_memory(device.index)
+        start = backend.memory(device.index).used
+        try:
+            yield
+        finally:
+            self.random_state = _random_state(self.device_type)
+            if measured and start is not None:
+                peak = backend.memory(device.index).peak
+                if peak is not None:
+                    self.peak = max(_or_zero(self.peak), float(peak))
+                    self.added = max(_or_zero(self.added), float(peak - start))
+
+
+def _or_zero(value: float) -> float:
+    return 0.0 if math.isnan(value) else value
+
+
+def _device_module(device_type: str) -> Any:
+    return None if device_type == "cpu" else getattr(torch, device_type, None)
+
+
+def _random_state(device_type: str) -> tuple[torch.Tensor, Any]:
+    module = _device_module(device_type)
+    device_state = module.get_rng_state_all() if module is not None and module.is_initialized() else None
+    return torch.get_rng_state(), device_state
+
+
+def _set_random_state(state: tuple[torch.Tensor, Any], device_type: str) -> None:
+    cpu_state, device_state = state
+    torch.set_rng_state(cpu_state)
+    module = _device_module(device_type)
+    if device_state is not None and module is not None:
+        module.set_rng_state_all(device_state)
+
+
+@contextlib.contextmanager
+def _users_random_state(device_type: str) -> Iterator[None]:
+    """Whatever the runs draw, torch's random state is the user's again afterwards."""
+    saved = _random_state(device_type)
+    try:
+        yield
+    finally:
+        _set_random_state(saved, device_type)
+
+
+def interleave(
+    runs: Mapping[str, ModeRun],
+    steps: int,
+    warmup: int,
+    block: int,
+    sinks: Mapping[str, Sink | None] | None = None,
+    on_end: Callable[[ModeResult], None] | None = None,
+) -> list[ModeResult]:
+    """Warm up every run, then train ``steps`` timed steps of each in interleaved turns of ``block``.
+
+    Args:
+        runs: one run per mode name, in the order the modes were asked for.
+        steps: timed steps per mode.
+        warmup: untimed steps each run trains first.
+        block: timed steps per turn; ``block >= steps`` trains the modes one after another.
+        sinks: where each mode's run reports its progress.
+        on_end: hears each mode's result as soon as that mode is done.
+
+    Returns:
+        One result per mode, in the order of ``runs``; a mode whose run could not be built
+        (an :class:`~mpnb.errors.MpnbError`) is listed with the reason.
+    """
+    device = session.resolved_device()
+    turns = {name: _Turns(device.type) for name in runs}
+    sinks = sinks or {}
+    timed = dict.fromkeys(runs, 0)
+    ended: dict[str, ModeResult] = {}
+    devices: dict[str, torch.device] = {}
+
+    def take_turn(name: str, count: int) -> int:
+        run = runs[name]
+        with turns[name].turn(devices.get(name, device)):
+            taken = run.advance(count, sinks.get(name))
+        if run.trainer is not None:
+            devices[name] = run.trainer.device
+        return taken
+
+    def end(name: str, result: ModeResult) -> None:
+        ended[name] = result
+        if on_end is not None:
+            on_end(result)
+
+    with _users_random_state(device.type):
+        for name in runs:  # build and warm up, one mode after another
+            try:
+                taken = take_turn(name, warmup)
+            except MpnbError as error:
+                end(name, ModeResult(name, skipped_reason=str(error)))
+                continue
+            if taken < warmup:
+                end(name, _result(runs[name], turns[name], warmup))
+        order = [name for name in runs if name not in ended]
+        while order:
+            for name in order:
+                count = min(block, steps - timed[name])
+                first_row = len(runs[name].trainer.history)
+                taken = take_turn(name, count)
+                if taken:
+                    turns[name].rows.append((first_row, first_row + taken))
+                timed[name] += taken
+                if taken < count or timed[name] >= steps:
+                    end(name, _result(runs[name], turns[name], warmup))
+            order = [name for name in reversed(order) if name not in ended]
+    return [ended[name] for name in runs]
+
+
+def _result(run: ModeRun, turns: _Turns, warmup: int) -> ModeResult:
+    result = run.result(warmup)
+    result.blocks = list(turns.rows)
+    result.peak_memory, result.added_memory = turns.peak, turns.added
+    return result
