@@ -45,6 +45,7 @@ def _train(args: argparse.Namespace) -> int:
     trainer, train, test = example_trainer(
         mode, device, batch_size=args.batch_size, lr=args.lr, seed=args.seed, dashboard="text"
     )
+    _announce_if_slow(trainer, train, args.steps)
     history = trainer.fit(train, epochs=math.ceil(args.steps / len(train)), max_steps=args.steps)
     test_accuracy = accuracy(trainer.model, test, device)
     summary = history.summary()
@@ -63,6 +64,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from mpnb.analysis.comparison import compare
+    from mpnb.analysis.schedule import default_block
     from mpnb.errors import InvalidChoiceError
     from mpnb.examples import MODELS, accuracy, example_trainer
     from mpnb.precision.backends import resolve_device
@@ -81,9 +83,23 @@ def _compare(args: argparse.Namespace) -> int:
         )
         return trainer, train, lambda fitted: accuracy(fitted.model, test, device)
 
-    print(f"comparing {', '.join(modes)} on {device}: {args.warmup} warm-up + {args.steps} timed steps each")
+    block = args.block or default_block(args.steps)
+    turns = f"in turns of {block} step(s)" if block < args.steps else "one mode after another"
+    print(f"comparing {', '.join(modes)} on {device}: {args.warmup} warm-up + {args.steps} timed steps each, {turns}")
+    for mode in modes:
+        try:
+            trainer, train, _ = make_run(mode)
+        except MpnbError:
+            continue  # the comparison lists the mode with the reason
+        _announce_if_slow(trainer, train, args.warmup + args.steps, prefix=f"{mode}: ")
     comparison = compare(
-        make_run, modes, steps=args.steps, warmup=args.warmup, progress="text", metric_name="test accuracy"
+        make_run,
+        modes,
+        steps=args.steps,
+        warmup=args.warmup,
+        block=block,
+        progress="text",
+        metric_name="test accuracy",
     )
     print()
     print(comparison)
@@ -91,6 +107,15 @@ def _compare(args: argparse.Namespace) -> int:
     paths = write_comparison_files(args.out, comparison, title, devices(check=False).to_text())
     print(f"wrote {', '.join(paths)}")
     return 0
+
+
+def _announce_if_slow(trainer, data, steps: int, prefix: str = "") -> None:
+    """Say before training when the trainer's mode is slow on its device, and how long the run will take."""
+    from mpnb.analysis.slow_modes import slow_mode_notice
+
+    notice = slow_mode_notice(trainer, next(iter(data)), steps)
+    if notice:
+        print(f"{prefix}{notice}", flush=True)
 
 
 def _whole_number(text: str, smallest: int, wanted: str) -> int:
@@ -160,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comparing.add_argument("--steps", type=_positive_int, default=100, help="timed steps per mode (default 100)")
     comparing.add_argument("--warmup", type=_count, default=5, help="untimed steps first (default 5)")
+    comparing.add_argument(
+        "--block",
+        type=_positive_int,
+        help="timed steps each mode trains per turn (default a tenth of --steps, at most 10); "
+        "--block equal to --steps runs the modes one after another",
+    )
     comparing.add_argument("--model", default="cnn", help="cnn, mlp or transformer (default cnn)")
     comparing.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
     comparing.add_argument("--batch-size", type=_positive_int, default=64, help="examples per step (default 64)")

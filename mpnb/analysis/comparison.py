@@ -24,11 +24,10 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from torch import nn
-
 from mpnb import views
 from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
+from mpnb.analysis.slow_modes import slow_reason
 from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import parse_mode
 from mpnb.training.control import refuse_inside_a_fit
@@ -71,11 +70,9 @@ def progress_view(progress: str | ComparisonProgress | None, modes: list[str], t
     return views.view("comparison_progress")(progress, modes, title)
 
 
-def _notes(mode: str, trainer: Any) -> list[str]:
-    has_convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in trainer.model.modules())
-    if mode == "fp16" and trainer.device.type == "cpu" and has_convolutions:
-        return ["fp16 convolutions have no fast CPU kernels: expect this to be slow"]
-    return []
+def _notes(trainer: Any) -> list[str]:
+    reason = slow_reason(trainer)
+    return [f"{reason}: expect this to be slow"] if reason else []
 
 
 def mode_result(name: str, trainer: Any, warmup: int, metric: float = math.nan) -> ModeResult:
@@ -87,7 +84,7 @@ def mode_result(name: str, trainer: Any, warmup: int, metric: float = math.nan) 
         history,
         timed_from=min(warmup, max(len(history) - 1, 0)),
         metric=metric,
-        notes=_notes(name, trainer),
+        notes=_notes(trainer),
         inert=inert,
     )
 

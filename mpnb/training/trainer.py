@@ -184,7 +184,6 @@ class Trainer:
             self._end_epoch = self._epoch + (epochs or 1)  # a partly trained epoch counts as one
         self.history.meta.update(model=self.describe(), device=str(self.device), mode=self.mode.value)
         self.amp.recorder.sinks.extend(sinks)
-        self.amp.restart_clock()
         self.model.train()
         self.control.begin()
         self.amp.health.restart(self.history)  # each fit reports its own first problem
@@ -192,6 +191,7 @@ class Trainer:
         try:
             with self._math, StopRequest() as stop:
                 self._math.enter_context(self.amp.precision.math_scope())
+                self.amp.restart_clock()  # the first step's time counts from here, not from the fit's setup
                 finished = self._run(data, stop, max_steps)
         except BaseException:
             self._drop_unfinished_window()

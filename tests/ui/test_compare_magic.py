@@ -15,6 +15,7 @@ import mpnb.examples as ex
 from mpnb.analysis.comparison import compare
 from mpnb.precision.policy import session
 from mpnb.ui.plots.compare_progress import LiveComparison, TextComparison
+from mpnb.ui.plots.compare_report import MODE_TRACES
 from tests.conftest import policy_state, run, run_expecting, torch_state, usage_error
 
 TRAIN_CELL = """
@@ -161,22 +162,55 @@ class _Tables(HTMLParser):
 
 def test_live_progress_overlays_each_mode_as_it_trains():
     view = LiveComparison(["fp32", "bf16"], "demo", min_interval=0, max_share=0)
-    drawn_when_fp32_ended = []
+    per_mode = len(MODE_TRACES)
+    drawn_when_fp32_ended = {}
+
+    def traces(figure, mode_index):
+        return dict(zip(MODE_TRACES, figure.data[mode_index * per_mode : (mode_index + 1) * per_mode]))
 
     def on_result(result):
         if result.mode == "fp32":
-            drawn_when_fp32_ended.extend(len(trace.x) for trace in view.figure.data)
+            drawn_when_fp32_ended.update(
+                {m: len(traces(view.figure, i)["loss"].x) for i, m in enumerate(["fp32", "bf16"])}
+            )
 
     result = compare(make_run, ["fp32", "bf16"], steps=5, warmup=1, block=1, progress=view, on_result=on_result)
     # Turns alternate fp32, bf16 | bf16, fp32 | ...: when fp32 ends (round 5) bf16 has 4 of its 5 timed steps.
-    # fp32 is drawn with its 1 + 5 losses and 5 timed step times, bf16 as far as it got.
-    assert drawn_when_fp32_ended == [6, 5, 5, 4]
-    loss_fp32, time_fp32, loss_bf16, time_bf16 = view.figure.data
-    assert list(loss_fp32.x) == list(range(1, 7)) and list(loss_bf16.x) == list(range(1, 7))
-    assert list(loss_bf16.y) == result.result("bf16").history.loss
-    assert math.isclose(time_fp32.y[-1], result.result("fp32").history.step_time[-1] * 1e3, rel_tol=1e-6)
-    assert loss_fp32.line.color != loss_bf16.line.color and loss_fp32.name == "fp32"
+    assert drawn_when_fp32_ended == {"fp32": 6, "bf16": 5}
+    fp32, bf16 = traces(view.figure, 0), traces(view.figure, 1)
+    assert list(fp32["loss"].x) == list(range(1, 7)) and list(bf16["loss"].x) == list(range(1, 7))
+    assert list(bf16["loss"].y) == result.result("bf16").history.loss
+    fp32_loss = result.result("fp32").history.loss
+    assert list(bf16["loss - fp32"].y) == [b - a for a, b in zip(fp32_loss, result.result("bf16").history.loss)]
+    assert len(fp32["loss - fp32"].x) == 0  # fp32 is the reference
+    assert list(fp32["step time"].x) == list(range(2, 7))  # the timed steps
+    assert math.isclose(fp32["step time"].y[-1], result.result("fp32").history.step_time[-1] * 1e3, rel_tol=1e-6)
+    assert len(fp32["step time (smoothed)"].y) == 5 and len(fp32["memory in use"].y) == 6
+    assert fp32["loss"].line.color != bf16["loss"].line.color and fp32["loss"].line.dash != bf16["loss"].line.dash
+    assert [t.name for t in view.figure.data if t.showlegend] == ["fp32", "bf16"]  # one legend entry per mode
     parser = _Tables()
     parser.feed(view.table.value)
     assert "fp32" in parser.cells and "bf16" in parser.cells and "speedup vs fp32" in parser.cells
     assert view.status.value == "done: 2 of 2 mode(s) ran"
+
+
+def test_each_modes_metric_reads_the_names_that_mode_bound(shell):
+    comparison = run(
+        shell,
+        "%%compare --modes fp32,bf16 --steps 3 --warmup 1 --block 1 --progress none "
+        "--metric \"trainer.history.mode[-1] == 'bf16'\" --metric-name 'is bf16'\n" + TRAIN_CELL,
+    )
+    rows = {row["mode"]: row for row in comparison.rows()}
+    assert (rows["fp32"]["metric"], rows["bf16"]["metric"]) == (0.0, 1.0)
+    assert "is bf16" in str(comparison).splitlines()[0]
+    assert shell.user_ns["trainer"].mode.value == "bf16"  # the namespace ends as the last mode left it
+
+
+def test_the_timed_turns_continue_the_cells_fit_exactly(shell):
+    """Interleaved turns of the cell's fit give the losses one uninterrupted fit gives."""
+    interleaved = run(
+        shell, "%%compare --modes fp32,bf16 --steps 6 --warmup 2 --block 1 --progress none\n" + TRAIN_CELL
+    )
+    alone = run(shell, "%%compare --modes bf16 --steps 6 --warmup 2 --block 6 --progress none\n" + TRAIN_CELL)
+    assert interleaved.result("bf16").history.loss == alone.result("bf16").history.loss
+    assert len(interleaved.result("bf16").blocks) == 6

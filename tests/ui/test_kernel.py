@@ -10,6 +10,8 @@ import time
 import pytest
 from jupyter_client.manager import start_new_kernel
 
+from mpnb.ui.plots.compare_report import MODE_TRACES
+
 
 @pytest.fixture(scope="module")
 def kernel():
@@ -227,13 +229,17 @@ def test_compare_cell_draws_each_mode_live_then_the_table(kernel):
         "trainer.fit(train, epochs=20)",
     )
     assert reply["status"] == "ok", reply
+    per_mode = len(MODE_TRACES)
     restyles = [(t, _restyled_traces(m)) for t, m in messages if m["msg_type"] == "comm_msg" and _restyled_traces(m)]
-    fp32 = [t for t, traces in restyles if traces == [0, 1]]
-    bf16 = [t for t, traces in restyles if traces == [2, 3]]
+    fp32 = [t for t, traces in restyles if traces == list(range(per_mode))]
+    bf16 = [t for t, traces in restyles if traces == list(range(per_mode, 2 * per_mode))]
     assert len(fp32) >= 2 and len(bf16) >= 2, [traces for _, traces in restyles]
-    assert max(fp32) < min(bf16)  # fp32's lines drawn while it trained, bf16's after
+    assert min(bf16) < max(fp32) and min(fp32) < max(bf16)  # drawn in turns, while both train
     assert not any("training" in m["content"].get("text", "") for _, m in messages if m["msg_type"] == "stream")
     tables = [m for _, m in messages if m["msg_type"] == "comm_msg" and "speedup vs fp32" in json.dumps(m["content"])]
     assert tables, "the table reaches the front end"
+    results = [m for _, m in messages if m["msg_type"] in ("execute_result", "display_data")]
+    shown = [m for m in results if "speedup vs fp32" in json.dumps(m["content"])]
+    assert shown == [], "the table is shown once: in the live view, not again as the cell's value"
     assert execute(client, "print([len(r.history) for r in _comparison.results])")[1].strip() == "[152, 152]"
     execute(client, "%unload_ext mpnb")

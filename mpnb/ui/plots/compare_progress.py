@@ -1,9 +1,10 @@
 """Progress of a comparison while it runs: overlaid live curves in a notebook, a bar per mode elsewhere.
 
-:class:`LiveComparison` draws every mode's loss and step time into one FigureWidget as the
-modes train, one colour per mode, so the curves overlay as they arrive; the table appears
-under the plot when the last mode ends. :class:`TextComparison` prints a progress bar per
-mode (rewritten in place on a terminal, a line every few seconds in a log).
+:class:`LiveComparison` draws every mode's curves into one FigureWidget (the report's panels)
+as the modes train in turns, one colour and line style per mode, so the curves overlay as
+they arrive; the table appears under the plot when the last mode ends.
+:class:`TextComparison` prints each mode's progress bar as its turn runs (rewritten in place
+on a terminal, a line every few seconds in a log), and a line as each mode ends.
 
 Example:
     >>> import io
@@ -66,6 +67,7 @@ class TextComparison(ComparisonProgress):
     def __init__(self, modes: Sequence[str], *, interval: float = 2.0, stream: TextIO | None = None) -> None:
         self.width = max((len(mode) for mode in modes), default=4)
         self.interval, self.stream = interval, stream
+        self.bar_shown = False  # a bar is on the terminal's current line (rewritten in place)
 
     def _out(self) -> TextIO:
         return self.stream or sys.stdout
@@ -79,6 +81,9 @@ class TextComparison(ComparisonProgress):
             line = f"{name}  not run: {result.skipped_reason}"
         else:
             line = f"{name}  done: {len(result.history)} steps, median {result.median_step_s * 1e3:.1f} ms/step"
+        if self.bar_shown:  # end the bar's line first
+            print(file=self._out())
+            self.bar_shown = False
         print(line, file=self._out(), flush=True)
 
 
@@ -98,9 +103,9 @@ class _TextBar(Sink):
             self._show(history)
 
     def close(self, history: History) -> None:
+        """The end of a turn: a terminal's bar shows where the mode got (the modes' bars share the line)."""
         if self.tty and len(history):
             self._show(history)
-            print(file=self.view._out(), flush=True)
 
     def _show(self, history: History) -> None:
         step, step_time, loss = _latest(history)
@@ -110,13 +115,17 @@ class _TextBar(Sink):
             f"{step:>{len(str(self.steps))}}/{self.steps} steps  {step_time * 1e3:.1f} ms/step  loss {loss:.4g}"
         )
         print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", file=self.view._out(), flush=True)
+        self.view.bar_shown = self.tty
 
 
 class LiveComparison(ComparisonProgress):
-    """Loss and step time of every mode overlaid in one FigureWidget, drawn while the modes train.
+    """Every mode's curves overlaid in one FigureWidget, drawn while the modes train.
+
+    The panels are those of the report (:func:`~mpnb.ui.plots.compare_report.empty_comparison_figure`).
+    The modes train in interleaved turns, so all their curves grow together.
 
     Args:
-        modes: one pair of lines per mode, in this order.
+        modes: one group of traces per mode, in this order.
         title: shown above the plot.
         min_interval, max_share: redraw pacing (see :class:`~mpnb.ui.plots.pacing.RedrawPacer`).
         max_points: points per line in one redraw (streaming min/max decimation).
@@ -124,7 +133,7 @@ class LiveComparison(ComparisonProgress):
 
     Attributes:
         widget: status line, figure and (at the end) the table; display it to see it.
-        figure: the FigureWidget; traces ``2 * i`` (loss) and ``2 * i + 1`` (step time) are mode ``i``'s.
+        figure: the FigureWidget; mode ``i``'s traces start at ``i * len(MODE_TRACES)``.
     """
 
     def __init__(
@@ -149,10 +158,20 @@ class LiveComparison(ComparisonProgress):
         self.table = widgets.HTML()
         self.shows_table = show_table
         self.widget = widgets.VBox([self.status, self.figure, self.table])
+        self.lines: dict[str, _LiveLines] = {}
 
     def sink_for(self, mode: str, steps: int, warmup: int = 0) -> Sink:
-        self.status.value = f"training <b>{html.escape(mode)}</b> ({steps} steps)"
-        return _LiveLines(self.figure, 2 * self.modes.index(mode), warmup, **self.pacing)
+        from mpnb.ui.plots.compare_report import MODE_TRACES
+
+        self.status.value = f"training {', '.join(self.modes)} in turns ({steps} steps each)"
+        first = self.modes.index(mode) * len(MODE_TRACES)
+        self.lines[mode] = _LiveLines(self, self.figure, first, warmup, **self.pacing)
+        return self.lines[mode]
+
+    def baseline(self) -> History | None:
+        """fp32's history so far, for the other modes' loss difference."""
+        fp32 = self.lines.get("fp32")
+        return fp32.history if fp32 is not None else None
 
     def finished(self, result: ModeResult) -> None:
         if result.skipped_reason:
@@ -166,25 +185,51 @@ class LiveComparison(ComparisonProgress):
 
 
 class _LiveLines(PacedPlot):
-    """One mode's two lines in a :class:`LiveComparison` figure: loss, and step time after warm-up."""
+    """One mode's traces in a :class:`LiveComparison` figure, fed as its rows arrive."""
 
     def __init__(
-        self, figure, first_trace: int, warmup: int, *, min_interval: float, max_share: float, max_points: int
+        self,
+        view: LiveComparison,
+        figure,
+        first_trace: int,
+        warmup: int,
+        *,
+        min_interval: float,
+        max_share: float,
+        max_points: int,
     ) -> None:
+        from mpnb.ui.plots.compare_report import MODE_TRACES
         from mpnb.ui.plots.decimate import MinMaxSeries
 
         super().__init__(min_interval, max_share)
-        self.figure, self.traces = figure, [first_trace, first_trace + 1]
-        self.loss, self.step_time = MinMaxSeries(max_points), MinMaxSeries(max_points)
-        self._seen, self.warmup = 0, warmup
+        self.view, self.figure = view, figure
+        self.names = list(MODE_TRACES)
+        self.traces = list(range(first_trace, first_trace + len(self.names)))
+        self.series = {name: MinMaxSeries(max_points) for name in self.names if name != "skipped step"}
+        self.skipped: tuple[list[float], list[float]] = ([], [])
+        self.history: History | None = None
+        self._seen, self._diff_seen, self.warmup = 0, 0, warmup
 
     def _ingest(self, history: History) -> None:
-        steps = history.step[self._seen :]
-        self.loss.extend(steps, history.loss[self._seen :])
-        timed = max(self._seen, self.warmup)
-        self.step_time.extend(history.step[timed:], [seconds * 1e3 for seconds in history.step_time[timed:]])
+        from mpnb.ui.plots.compare_report import loss_difference, mode_points
+
+        self.history = history
+        points = mode_points(history, self.warmup, None, self._seen)
+        for name, (xs, ys) in points.items():
+            if name == "skipped step":
+                self.skipped[0].extend(xs)
+                self.skipped[1].extend(ys)
+            elif name != "loss - fp32":
+                self.series[name].extend(xs, ys)
         self._seen = len(history)
+        baseline = self.view.baseline()
+        if baseline is not None and baseline is not history:
+            xs, ys = loss_difference(history, baseline, self._diff_seen)
+            self.series["loss - fp32"].extend(xs, ys)
+            self._diff_seen += len(xs)
 
     def _draw(self) -> None:
-        (loss_x, loss_y), (time_x, time_y) = self.loss.points(), self.step_time.points()
-        self.figure.plotly_restyle({"x": [loss_x, time_x], "y": [loss_y, time_y]}, trace_indexes=self.traces)
+        drawn = [self.skipped if name == "skipped step" else self.series[name].points() for name in self.names]
+        self.figure.plotly_restyle(
+            {"x": [xs for xs, _ in drawn], "y": [ys for _, ys in drawn]}, trace_indexes=self.traces
+        )

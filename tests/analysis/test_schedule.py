@@ -1,0 +1,166 @@
+"""Interleaved comparisons: each mode's run exact as if alone, memory of its own turns, timings with spread."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import mpnb
+import mpnb.examples as ex
+from mpnb.analysis.comparison import compare
+from mpnb.analysis.results import NO_EFFECT, Comparison, ModeResult
+from mpnb.training.history import History
+
+
+def dropout_run(mode):
+    """A run that draws random numbers every step (dropout), seeded only when it is built."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 10))
+    train, _ = ex.digits(batch_size=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = mpnb.Trainer(model, optimizer, nn.functional.cross_entropy, mode=mode, device="cpu", dashboard=None)
+    return trainer, train
+
+
+def test_interleaved_turns_train_each_mode_exactly_as_it_trains_alone():
+    together = compare(dropout_run, ["fp32", "bf16"], steps=7, warmup=2, block=2, progress=None)
+    for mode in ("fp32", "bf16"):
+        alone = compare(dropout_run, [mode], steps=7, warmup=2, progress=None)
+        assert together.result(mode).history.loss == alone.result(mode).history.loss, mode
+    assert together.result("fp32").blocks == [(2, 4), (4, 6), (6, 8), (8, 9)]  # rows of each timed turn
+
+
+def test_one_after_another_is_the_same_runs_too():
+    interleaved = compare(dropout_run, ["bf16", "fp32"], steps=5, warmup=1, block=1, progress=None)
+    sequential = compare(dropout_run, ["bf16", "fp32"], steps=5, warmup=1, block=5, progress=None)
+    assert sequential.result("bf16").blocks == [(1, 6)]
+    for mode in ("bf16", "fp32"):
+        assert interleaved.result(mode).history.loss == sequential.result(mode).history.loss
+
+
+def test_the_users_random_state_is_untouched():
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    compare(dropout_run, ["fp32", "bf16"], steps=3, warmup=1, block=1, progress=None)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+class _Hungry(nn.Module):
+    """Holds a 256 MiB temporary in every fp32 forward (autocast off), nothing extra otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, images):
+        x = images.flatten(1)
+        if not torch.is_autocast_enabled("cpu"):
+            scratch = torch.ones(64 * 2**20)  # written, so resident: 256 MiB
+            x = x + scratch[-1] - 1
+            del scratch
+        return self.linear(x)
+
+
+def _hungry_run(mode):
+    torch.manual_seed(0)
+    model = _Hungry()
+    train, _ = ex.digits(batch_size=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return mpnb.Trainer(model, optimizer, nn.functional.cross_entropy, mode=mode, device="cpu", dashboard=None), train
+
+
+@pytest.mark.parametrize("order", [["fp32", "bf16"], ["bf16", "fp32"]], ids=["fp32-first", "bf16-first"])
+def test_a_large_temporary_counts_for_its_own_mode_only_whatever_the_order(order):
+    result = compare(_hungry_run, order, steps=4, warmup=1, block=1, progress=None)
+    rows = {row["mode"]: row for row in result.rows()}
+    mib = 2**20
+    assert rows["fp32"]["added_memory"] > 200 * mib, rows["fp32"]
+    assert rows["bf16"]["added_memory"] < 100 * mib, rows["bf16"]
+    assert rows["fp32"]["peak_memory"] - rows["bf16"]["peak_memory"] > 150 * mib
+    table = str(result)
+    assert "peak memory of the run" in table and "added by training" in table
+
+
+def test_each_mode_reports_median_and_iqr_in_table_csv_and_json(tmp_path):
+    result = compare(dropout_run, ["fp32", "bf16"], steps=8, warmup=1, progress=None)
+    for row in result.rows():
+        assert 0 <= row["step_time_iqr_s"] < row["median_step_s"] * 10 and row["timed_steps"] == 8
+    assert "IQR (ms)" in str(result).splitlines()[0]
+    result.to_csv(tmp_path / "c.csv")
+    result.to_json(tmp_path / "c.json")
+    with open(tmp_path / "c.csv", newline="") as file:
+        assert all(float(row["step_time_iqr_s"]) >= 0 for row in csv.DictReader(file))
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["block"] == 1 and all(row["step_time_iqr_s"] >= 0 for row in data["modes"])
+    assert {"speedup_low", "speedup_high", "speedup_verdict", "added_memory"} <= set(data["modes"][1])
+
+
+def _timed(mode, times, block=2, **fields):
+    history = History()
+    history.extend({"step": list(range(1, len(times) + 1)), "loss": [1.0] * len(times), "step_time": times})
+    blocks = [(i, min(i + block, len(times))) for i in range(0, len(times), block)]
+    return ModeResult(mode, history, blocks=blocks, **fields)
+
+
+def test_a_speedup_whose_interval_holds_one_reads_no_clear_difference():
+    fp32 = _timed("fp32", [0.010, 0.010, 0.012, 0.012, 0.010, 0.010, 0.011, 0.011])
+    same = _timed("bf16", [0.011, 0.011, 0.011, 0.011, 0.011, 0.011, 0.010, 0.010])
+    faster = _timed("fp16", [0.005, 0.005, 0.006, 0.006, 0.005, 0.005, 0.0055, 0.0055])
+    rows = {row["mode"]: row for row in Comparison([fp32, same, faster], steps=8, warmup=0).rows()}
+    assert rows["bf16"]["speedup_low"] <= 1.0 <= rows["bf16"]["speedup_high"]
+    assert rows["bf16"]["speedup_verdict"] == "no clear difference"
+    assert rows["fp16"]["speedup_verdict"] == "faster" and rows["fp16"]["speedup_low"] > 1.5
+    assert rows["fp32"]["speedup_verdict"] == "" and rows["fp32"]["speedup_vs_fp32"] == 1.0
+    text = str(Comparison([fp32, same, faster], steps=8, warmup=0))
+    assert "no clear difference (" in text and "2.00x (" in text
+
+
+def test_a_mode_that_changes_nothing_here_says_so_instead_of_a_speedup():
+    fp32 = _timed("fp32", [0.010] * 4)
+    tf32 = _timed("tf32", [0.009] * 4, inert=True)
+    comparison = Comparison([fp32, tf32], steps=4, warmup=0)
+    assert comparison.rows()[1]["speedup_verdict"] == NO_EFFECT
+    assert NO_EFFECT in str(comparison) and "1.11x" not in str(comparison)
+
+
+def test_tf32_is_inert_exactly_where_fp32_math_has_no_measured_effect():
+    result = compare(dropout_run, ["fp32", "tf32"], steps=2, warmup=0, progress=None)
+    has_effect = mpnb.precision.backends.backend_for("cpu").has_fast_fp32_math()
+    assert result.result("tf32").inert is (not has_effect)
+
+
+def test_an_unsteady_mode_is_warned_about_with_the_likely_cause():
+    wobbly = _timed("fp32", [0.010, 0.020, 0.010, 0.030, 0.010, 0.020])
+    notes = Comparison([wobbly], steps=6, warmup=0).rows()[0]["notes"]
+    assert any("other load on the machine" in note and "--steps" in note for note in notes)
+    steady = _timed("fp32", [0.010, 0.0101, 0.010, 0.0102, 0.010, 0.0101])
+    assert Comparison([steady], steps=6, warmup=0).rows()[0]["notes"] == []
+
+
+def test_one_round_gives_a_speedup_without_an_interval():
+    fp32, bf16 = _timed("fp32", [0.01, 0.01], block=2), _timed("bf16", [0.005, 0.005], block=2)
+    row = Comparison([fp32, bf16], steps=2, warmup=0).rows()[1]
+    assert row["speedup_vs_fp32"] == 2.0 and row["speedup_verdict"] == ""
+
+
+def test_a_bad_block_runs_nothing():
+    calls = []
+    with pytest.raises(ValueError, match="block >= 1"):
+        compare(lambda mode: calls.append(mode), ["fp32"], steps=2, block=0)
+    assert calls == []
+
+
+def test_a_run_that_ends_early_keeps_its_rows_and_the_others_go_on():
+    def short_run(mode):
+        trainer, train = dropout_run(mode)
+        return trainer, iter(list(train)[:3]) if mode == "bf16" else train  # bf16's data: 3 batches, once
+
+    result = compare(short_run, ["fp32", "bf16"], steps=6, warmup=1, block=2, progress=None)
+    assert len(result.result("fp32").history) == 7
+    bf16 = result.result("bf16")
+    assert not math.isnan(bf16.median_step_s) and len(bf16.history) == 3 and bf16.blocks == [(1, 3)]
