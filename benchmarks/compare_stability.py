@@ -71,14 +71,21 @@ def main() -> None:
             runs[name].append(result)
             figures = "  ".join(
                 f"{mode} {r['median_step_ms']:.2f} ms (IQR {r['iqr_ms']:.2f})"
-                + (f" speedup {r['speedup']:.2f}x ({r['speedup_low']:.2f}-{r['speedup_high']:.2f})" if mode != "fp32" else "")
+                + (
+                    f" speedup {r['speedup']:.2f}x ({r['speedup_low']:.2f}-{r['speedup_high']:.2f})"
+                    if mode != "fp32"
+                    else ""
+                )
                 for mode, r in result.items()
             )
             print(f"run {index + 1} {name:<11}  {figures}", flush=True)
     summary = {}
     for name, results in runs.items():
         summary[name] = {
-            mode: {"speedups": [r[mode]["speedup"] for r in results], "speedup_spread": spread([r[mode]["speedup"] for r in results])}
+            mode: {
+                "speedups": [r[mode]["speedup"] for r in results],
+                "speedup_spread": spread([r[mode]["speedup"] for r in results]),
+            }
             for mode in modes
             if mode != "fp32"
         }
@@ -93,7 +100,14 @@ def main() -> None:
         print(f"{mode} speedup across {args.runs} runs  {line}  (goal: spread <= {GOAL:.0%})")
     write_results(
         "compare_stability",
-        {"steps": args.steps, "warmup": args.warmup, "modes": modes, "runs": runs, "summary": summary, "goal_spread": GOAL},
+        {
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "modes": modes,
+            "runs": runs,
+            "summary": summary,
+            "goal_spread": GOAL,
+        },
     )
 
 

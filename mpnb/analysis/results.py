@@ -66,10 +66,11 @@ class ModeResult:
         notes: what the reader should know (fp16 convolutions on a CPU are slow...).
         blocks: the history rows ``(start, stop)`` of each timed turn, round by round
             (one block of all timed rows when the mode ran on its own).
-        peak_memory: the most memory in use during the mode's own turns (bytes; NaN where
-            the device cannot say).
-        added_memory: the most the run added over the memory in use when one of its turns
-            began (its build and warm-up count as one turn): what training this mode costs.
+        peak_memory: the most memory in use during the mode's own timed turns (bytes; NaN
+            where the device cannot say).
+        added_memory: the most the run added over the memory in use when one of its timed
+            turns began: what training steps in this mode cost on top of the state kept
+            between steps (weights, optimizer state).
         inert: the mode changes nothing on this hardware (tf32 where fp32 math stays exact),
             so its speedup is only noise.
     """

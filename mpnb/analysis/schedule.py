@@ -8,9 +8,10 @@ and each round gives a paired measurement of every mode.
 
 Interleaving must not change what a run computes. Each mode keeps torch's random state of
 its own, put back before each of its turns and saved after it, so a mode's dropout masks
-and data order are those it would draw alone. Memory is measured per turn: the device's
-peak counter is reset at the start of each turn, so a mode's peak is reached in its own
-turns only, whatever ran before it.
+and data order are those it would draw alone. Memory is measured per timed turn: the device's
+peak counter is reset at the start of each, so a mode's peak is reached in its own turns
+only, whatever ran before it. Build and warm-up turns are left out: the first mode built
+would otherwise carry the process's one-time costs (data loaded, kernels initialised).
 
 Example:
     >>> import mpnb.examples as ex
@@ -86,13 +87,13 @@ class _Turns:
         self.rows: list[tuple[int, int]] = []  # the history rows of each timed turn
 
     @contextlib.contextmanager
-    def turn(self, device: torch.device) -> Iterator[None]:
-        """Run one turn with this mode's random state, measuring the memory it reaches."""
+    def turn(self, device: torch.device, measure_memory: bool) -> Iterator[None]:
+        """Run one turn with this mode's random state, measuring the memory it reaches if asked."""
         if self.random_state is not None:
             _set_random_state(self.random_state, self.device_type)
         backend = backend_for(device)
-        measured = backend.reset_peak_memory(device.index)
-        start = backend.memory(device.index).used
+        measured = measure_memory and backend.reset_peak_memory(device.index)
+        start = backend.memory(device.index).used if measured else None
         try:
             yield
         finally:
@@ -165,9 +166,9 @@ def interleave(
     ended: dict[str, ModeResult] = {}
     devices: dict[str, torch.device] = {}
 
-    def take_turn(name: str, count: int) -> int:
+    def take_turn(name: str, count: int, timed_turn: bool) -> int:
         run = runs[name]
-        with turns[name].turn(devices.get(name, device)):
+        with turns[name].turn(devices.get(name, device), measure_memory=timed_turn):
             taken = run.advance(count, sinks.get(name))
         if run.trainer is not None:
             devices[name] = run.trainer.device
@@ -181,7 +182,7 @@ def interleave(
     with _users_random_state(device.type):
         for name in runs:  # build and warm up, one mode after another
             try:
-                taken = take_turn(name, warmup)
+                taken = take_turn(name, warmup, timed_turn=False)
             except MpnbError as error:
                 end(name, ModeResult(name, skipped_reason=str(error)))
                 continue
@@ -192,7 +193,7 @@ def interleave(
             for name in order:
                 count = min(block, steps - timed[name])
                 first_row = len(runs[name].trainer.history)
-                taken = take_turn(name, count)
+                taken = take_turn(name, count, timed_turn=True)
                 if taken:
                     turns[name].rows.append((first_row, first_row + taken))
                 timed[name] += taken

@@ -305,7 +305,39 @@ def test_voila_serves_the_precision_lab_and_run_produces_the_table(tmp_path, jup
         rows = table.locator("tbody tr")
         assert rows.count() == 2 and rows.nth(0).inner_text().startswith("fp32")
         assert "1.00x" in rows.nth(0).inner_text()
-        page.screenshot(path=str(ARTIFACTS / "voila-lab-result.png"))
+        titles = page.evaluate("() => [...document.querySelectorAll('.annotation-text')].map(e => e.textContent)")
+        assert "loss minus fp32's loss" in titles and "step time (ms)" in titles  # the live view's panels
+        page.screenshot(path=str(ARTIFACTS / "voila-lab-result.png"), full_page=True)
         assert not errors, errors
     finally:
         stop(process, log)
+
+
+def test_the_compare_report_draws_every_panel_and_one_legend_in_the_browser(tmp_path, browser):
+    import mpnb.examples as ex
+    from mpnb.analysis.comparison import compare
+    from mpnb.ui.plots.compare_report import _PANELS, write_comparison_files
+
+    ARTIFACTS.mkdir(exist_ok=True)
+
+    def make_run(mode):
+        return ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)[:2]
+
+    comparison = compare(make_run, ["fp32", "bf16"], steps=12, warmup=2, progress=None)
+    write_comparison_files(tmp_path, comparison, "report in the browser", "cpu: test")
+    page = browser.new_page(viewport={"width": 1400, "height": 1300})
+    errors = console_errors(page)
+    page.goto((tmp_path / "report.html").as_uri())
+    page.wait_for_selector(".js-plotly-plot .legendtext", timeout=60_000)
+    titles = page.evaluate("() => [...document.querySelectorAll('.annotation-text')].map(e => e.textContent)")
+    assert set(_PANELS) <= set(titles), titles
+    legend = page.evaluate("() => [...document.querySelectorAll('.legendtext')].map(e => e.textContent)")
+    assert legend == ["fp32", "bf16"]  # one entry per mode for all five panels
+    drawn = page.evaluate("() => document.querySelector('.js-plotly-plot').data.map(t => t.x ? t.x.length : 0)")
+    assert drawn[0] == 14 and drawn[7] == 14 and drawn[8] == 14  # fp32 loss; bf16 loss and its difference
+    assert (
+        "IQR (ms)" in page.locator("table thead").inner_text()
+        or "IQR (ms)" in page.locator("table tr").first.inner_text()
+    )
+    page.screenshot(path=str(ARTIFACTS / "compare-report.png"), full_page=True)
+    assert not errors, errors

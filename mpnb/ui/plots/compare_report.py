@@ -223,5 +223,5 @@ def _method(comparison: Comparison) -> str:
         f"{comparison.steps} timed steps per mode after {comparison.warmup} warm-up steps, {turns}. "
         "Step time: median and interquartile range (IQR). Speedup: the median over rounds of fp32's median "
         "step time over the mode's, with the quartiles of those ratios; 'no clear difference' when they hold "
-        "1.0. Memory: measured in the mode's own turns (peak counter reset at each)."
+        "1.0. Memory: measured in the mode's own timed turns (peak counter reset at each); 'added by training' is the most a turn added over the memory in use when it began."
     )
