@@ -17,8 +17,8 @@ import contextlib
 import itertools
 import os
 import warnings
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -40,6 +40,18 @@ from mpnb.training.telemetry import Sink
 __all__ = ["Trainer", "FitInterrupted"]
 
 DASHBOARDS = ("auto", "live", "text")
+
+
+class _Held(NamedTuple):
+    """Where a stopped fit left its data: ``batches`` read and not trained, then ``rest``.
+
+    ``position`` is the (epoch, batch) they start at, None for a one-shot iterator (it has no
+    other place to go on from)."""
+
+    data: Iterable[Any]
+    position: tuple[int, int] | None
+    batches: list[Any]
+    rest: Iterator[Any] | Iterable[Any]
 
 
 class FitInterrupted(KeyboardInterrupt):
@@ -111,9 +123,9 @@ class Trainer:
         self.control = FitControl()
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
         self._followed: tuple[Any, ...] = ()  # the session's wishes the fit last followed
-        # A one-shot iterator (a generator) cannot be read again: the batches it gave that were not
-        # trained (the one read when a fit stopped, an unfinished window after an error) wait here.
-        self._held: tuple[Iterable[Any], list[Any]] | None = None
+        # The batches the last fit read and did not train (the one read when it stopped; for a
+        # one-shot iterator also an unfinished window after an error), and the iterator to go on with.
+        self._held: _Held | None = None
         self._window_batches: list[Any] = []  # this window's batches, kept while data is one-shot
         self._one_shot: Iterable[Any] | None = None  # the one-shot data of the running fit
 
@@ -241,15 +253,16 @@ class Trainer:
             self.amp.epoch = self._epoch
             trained_any = False
             self._one_shot = data if one_shot else None
-            for batch in self._resumed(data) if one_shot else itertools.islice(data, self._batch, None):
+            batches = self._batches(data, one_shot)
+            for batch in batches:
                 if self.amp.between_steps:
                     checkpoint = self.control.checkpoint(interrupted=lambda: stop.requested)
                     self._follow_session(checkpoint.changed)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
                     if stop.requested or checkpoint.stop or self.amp.health.stop or steps_left == 0:
-                        if one_shot:
-                            self._held = (data, [batch])
+                        position = None if one_shot else (self._epoch, self._batch)
+                        self._held = _Held(data, position, [batch], batches)
                         return False
                     self._window_start = (self._epoch, self._batch)
                     self._window_batches = []
@@ -281,12 +294,18 @@ class Trainer:
             self._epoch, self._batch = self._epoch + 1, 0
         return True
 
-    def _resumed(self, data: Iterable[Any]) -> Iterable[Any]:
-        """A one-shot iterator, after the batch the last fit took from it and did not train on."""
+    def _batches(self, data: Iterable[Any], one_shot: bool) -> Iterator[Any]:
+        """This epoch's batches from the trainer's position on.
+
+        Where the last fit stopped at this very position on this very data, its iterator goes
+        on (the batch it had read first): nothing is read twice, so resuming a DataLoader
+        costs no reloading, and an unseeded shuffle keeps its order. Otherwise a fresh pass
+        skips to the position (a one-shot iterator simply goes on where it is).
+        """
         held, self._held = self._held, None
-        if held is not None and held[0] is data:
-            return itertools.chain(held[1], data)
-        return data
+        if held is not None and held.data is data and held.position in (None, (self._epoch, self._batch)):
+            return itertools.chain(held.batches, held.rest)
+        return iter(data) if one_shot else itertools.islice(data, self._batch, None)
 
     def _follow_session(self, changed: tuple[str, ...]) -> None:
         """Apply switches made while the fit runs (from the panel or a widget) before the next step.
@@ -329,7 +348,7 @@ class Trainer:
         """After an error mid-window: drop its gradients and go back to the window's first batch
         (for a one-shot iterator, keep the window's batches for the next fit)."""
         if self._one_shot is not None:
-            self._held = (self._one_shot, self._window_batches)
+            self._held = _Held(self._one_shot, None, self._window_batches, self._one_shot)
             self._window_batches = []
         if not self.amp.between_steps:
             self.amp.discard_window()

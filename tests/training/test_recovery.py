@@ -246,3 +246,47 @@ def test_hand_edited_checkpoints_are_refused_before_anything_changes(tmp_path, d
     with pytest.raises(MpnbError, match=r"edited\.pt.*" + message):
         target.load(tmp_path / "edited.pt")
     assert torch.equal(target.model.weight, weight) and len(target.history) == 0
+
+
+class _CountingLoader:
+    """A re-iterable like a DataLoader that counts every batch it loads."""
+
+    def __init__(self, batches):
+        self.batches, self.loaded = batches, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.loaded += 1
+            yield batch
+
+
+def test_a_resumed_fit_goes_on_with_its_data_iterator_instead_of_reloading_the_epoch():
+    """Fits resumed in turns (what an interleaved compare does) read each batch once, and train as one fit."""
+    import mpnb.examples as ex
+
+    batches = list(ex.digits(batch_size=32)[0])[:12]
+    trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    whole, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    loader = _CountingLoader(batches)
+    trainer.fit(loader, epochs=1, max_steps=2)
+    while trainer.resumable:
+        trainer.fit(loader, max_steps=2)
+    whole.fit(batches, epochs=1)
+    assert loader.loaded == 12  # before: 2 + 4 + 6 + ... re-read to skip to the position (42 loads)
+    assert trainer.history.loss == whole.history.loss
+
+
+def test_a_load_between_fits_forgets_where_the_stopped_fit_was_in_its_data(tmp_path):
+    import mpnb.examples as ex
+
+    batches = list(ex.digits(batch_size=32)[0])[:6]
+    trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    trainer.save(tmp_path / "start.pt")
+    loader = _CountingLoader(batches)
+    trainer.fit(loader, epochs=1, max_steps=3)
+    trainer.load(tmp_path / "start.pt")  # back to batch 0: the loader's place at batch 3 no longer applies
+    trainer.fit(loader, epochs=1)
+    assert trainer.history.step == [1, 2, 3, 4, 5, 6] and len(trainer.history) == 6
