@@ -13,6 +13,10 @@ How a batch becomes a loss (:func:`batch_loss`):
   keyword arguments, a tuple or list as positional ones, anything else as the one argument;
   the loss is ``output.loss``, ``output["loss"]``, or the output itself when it is a scalar.
 
+Where a resumed fit's batches come from (:func:`resume`): a fit that stopped keeps the
+iterator it was reading (:class:`HeldBatches`), and the next fit at the same place goes on
+with it, so no batch is loaded twice.
+
 Example:
     >>> batch = {"input_ids": torch.zeros(4, 7, dtype=torch.long), "labels": [torch.ones(4)]}
     >>> moved = to_device(batch, torch.device("cpu"))
@@ -23,8 +27,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -32,7 +37,7 @@ from torch import nn
 
 from mpnb.errors import MpnbError
 
-__all__ = ["to_device", "samples_in", "batch_loss", "StepFn", "LossFn"]
+__all__ = ["to_device", "samples_in", "batch_loss", "StepFn", "LossFn", "HeldBatches", "resume"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -126,3 +131,36 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
+
+
+class HeldBatches(NamedTuple):
+    """Where a stopped fit left its data: ``batches`` read and not trained, then ``rest``.
+
+    ``position`` is the (epoch, batch) they start at; None for a one-shot iterator, which has
+    no other place to go on from.
+    """
+
+    data: Iterable[Any]
+    position: tuple[int, int] | None
+    batches: list[Any]
+    rest: Iterable[Any]
+
+
+def resume(held: HeldBatches | None, data: Iterable[Any], position: tuple[int, int], one_shot: bool) -> Iterator[Any]:
+    """An epoch's batches from ``position`` (epoch, batch) on.
+
+    Where the last fit stopped at this very position on this very data, its iterator goes on
+    (after the batch it had read): nothing is read twice, so resuming a DataLoader costs no
+    reloading, and an unseeded shuffle keeps its order. Otherwise a fresh pass skips to the
+    position (a one-shot iterator simply goes on where it is).
+
+    Example:
+        >>> rest = iter([3, 4])
+        >>> list(resume(HeldBatches("data", (0, 2), [2], rest), "data", (0, 2), one_shot=False))
+        [2, 3, 4]
+        >>> list(resume(None, [0, 1, 2, 3], (0, 2), one_shot=False))
+        [2, 3]
+    """
+    if held is not None and held.data is data and held.position in (None, position):
+        return itertools.chain(held.batches, held.rest)
+    return iter(data) if one_shot else itertools.islice(data, position[1], None)

@@ -14,11 +14,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +27,7 @@ from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.modes import Fp32Math, Mode
 from mpnb.precision.policy import session
 from mpnb.training.amp_step import AmpStep
-from mpnb.training.batches import LossFn, StepFn, batch_loss, samples_in, to_device
+from mpnb.training.batches import HeldBatches, LossFn, StepFn, batch_loss, resume, samples_in, to_device
 from mpnb.training.capture import FitCapture, active_capture
 from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_checkpoint
 from mpnb.training.control import FitControl, running_on_this_thread
@@ -40,18 +39,6 @@ from mpnb.training.telemetry import Sink
 __all__ = ["Trainer", "FitInterrupted"]
 
 DASHBOARDS = ("auto", "live", "text")
-
-
-class _Held(NamedTuple):
-    """Where a stopped fit left its data: ``batches`` read and not trained, then ``rest``.
-
-    ``position`` is the (epoch, batch) they start at, None for a one-shot iterator (it has no
-    other place to go on from)."""
-
-    data: Iterable[Any]
-    position: tuple[int, int] | None
-    batches: list[Any]
-    rest: Iterator[Any] | Iterable[Any]
 
 
 class FitInterrupted(KeyboardInterrupt):
@@ -125,7 +112,7 @@ class Trainer:
         self._followed: tuple[Any, ...] = ()  # the session's wishes the fit last followed
         # The batches the last fit read and did not train (the one read when it stopped; for a
         # one-shot iterator also an unfinished window after an error), and the iterator to go on with.
-        self._held: _Held | None = None
+        self._held: HeldBatches | None = None
         self._window_batches: list[Any] = []  # this window's batches, kept while data is one-shot
         self._one_shot: Iterable[Any] | None = None  # the one-shot data of the running fit
 
@@ -262,7 +249,7 @@ class Trainer:
                         self.amp.restart_clock()  # the pause is not step time
                     if stop.requested or checkpoint.stop or self.amp.health.stop or steps_left == 0:
                         position = None if one_shot else (self._epoch, self._batch)
-                        self._held = _Held(data, position, [batch], batches)
+                        self._held = HeldBatches(data, position, [batch], batches)
                         return False
                     self._window_start = (self._epoch, self._batch)
                     self._window_batches = []
@@ -295,17 +282,9 @@ class Trainer:
         return True
 
     def _batches(self, data: Iterable[Any], one_shot: bool) -> Iterator[Any]:
-        """This epoch's batches from the trainer's position on.
-
-        Where the last fit stopped at this very position on this very data, its iterator goes
-        on (the batch it had read first): nothing is read twice, so resuming a DataLoader
-        costs no reloading, and an unseeded shuffle keeps its order. Otherwise a fresh pass
-        skips to the position (a one-shot iterator simply goes on where it is).
-        """
+        """This epoch's batches from the trainer's position on (see :func:`~mpnb.training.batches.resume`)."""
         held, self._held = self._held, None
-        if held is not None and held.data is data and held.position in (None, (self._epoch, self._batch)):
-            return itertools.chain(held.batches, held.rest)
-        return iter(data) if one_shot else itertools.islice(data, self._batch, None)
+        return resume(held, data, (self._epoch, self._batch), one_shot)
 
     def _follow_session(self, changed: tuple[str, ...]) -> None:
         """Apply switches made while the fit runs (from the panel or a widget) before the next step.
@@ -348,7 +327,7 @@ class Trainer:
         """After an error mid-window: drop its gradients and go back to the window's first batch
         (for a one-shot iterator, keep the window's batches for the next fit)."""
         if self._one_shot is not None:
-            self._held = _Held(self._one_shot, None, self._window_batches, self._one_shot)
+            self._held = HeldBatches(self._one_shot, None, self._window_batches, self._one_shot)
             self._window_batches = []
         if not self.amp.between_steps:
             self.amp.discard_window()
