@@ -29,7 +29,7 @@ from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
 from mpnb.analysis.slow_modes import slow_reason
 from mpnb.precision.backends import backend_for
-from mpnb.precision.modes import parse_mode
+from mpnb.precision.modes import MODE_NAMES, parse_mode
 from mpnb.training.control import refuse_inside_a_fit
 from mpnb.training.telemetry import Sink
 
@@ -82,7 +82,7 @@ def mode_result(name: str, trainer: Any, warmup: int, metric: float = math.nan) 
     return ModeResult(
         name,
         history,
-        timed_from=min(warmup, max(len(history) - 1, 0)),
+        timed_from=warmup,
         metric=metric,
         notes=_notes(trainer),
         inert=inert,
@@ -114,11 +114,10 @@ def compare_runs(
         MpnbError: a fit is running on this thread (a comparison started from a widget during it).
     """
     refuse_inside_a_fit("a comparison")
-    names = [parse_mode(mode).value for mode in modes]
-    if steps < 1 or warmup < 0 or (block is not None and block < 1):
-        raise ValueError(
-            f"steps must be >= 1, warmup >= 0 and block >= 1, got steps={steps}, warmup={warmup}, block={block}"
-        )
+    names = _mode_names(modes)
+    for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0), ("block", block, 1)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
     block = default_block(steps) if block is None else block
     view = progress_view(progress, names, title)
 
@@ -133,6 +132,19 @@ def compare_runs(
     comparison = Comparison(results, steps, warmup, metric_name, block)
     view.close(comparison)
     return comparison
+
+
+def _mode_names(modes: Iterable[str] | str) -> list[str]:
+    """The mode names, checked: known, at least one, none twice (``"fp32,bf16"`` is split)."""
+    if isinstance(modes, str):
+        modes = modes.split(",")
+    names = [parse_mode(mode.strip()).value for mode in modes if mode.strip()]
+    if not names:
+        raise ValueError(f"modes names no mode; valid: {', '.join(MODE_NAMES)}")
+    twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
+    if twice is not None:
+        raise ValueError(f"mode {twice!r} is named twice in {names}: each mode runs once")
+    return names
 
 
 def compare(
@@ -177,6 +189,15 @@ def compare(
     )
 
 
+def _epochs_for(data: Any, batches_needed: int) -> int | None:
+    """Epochs of ``data`` that hold ``batches_needed`` batches; None where its length is unknown."""
+    try:
+        length = len(data)
+    except TypeError:  # a generator, a DataLoader over an IterableDataset
+        return None
+    return math.ceil(batches_needed / length) if length else None
+
+
 class _BuiltRun:
     """A mode's run as ``make_run`` builds it: its fits continue one another, turn after turn."""
 
@@ -190,12 +211,10 @@ class _BuiltRun:
         if self.trainer is None:
             self.trainer, self.data, *metric = self.make_run(self.name)
             self.metric = metric[0] if metric else None
-        if steps == 0 or (self.fitted and not self.trainer.resumable):
+        if steps == 0 or (self.fitted and (not self.trainer.resumable or self.trainer.stopped)):
             return 0
         trainer, data = self.trainer, self.data
-        epochs = None
-        if not self.fitted:
-            epochs = math.ceil(self.total_steps / len(data)) if hasattr(data, "__len__") and len(data) else None
+        epochs = None if self.fitted else _epochs_for(data, self.total_steps * trainer.amp.accumulate)
         own_dashboard = trainer.dashboard
         if self.replace_dashboard:
             trainer.dashboard = sink

@@ -149,7 +149,10 @@ class Comparison:
     def result(self, mode: str) -> ModeResult:
         """The result of one mode."""
         name = parse_mode(mode).value
-        return next(r for r in self.results if r.mode == name)
+        found = next((r for r in self.results if r.mode == name), None)
+        if found is None:
+            raise KeyError(f"mode {name!r} was not compared; this comparison has {[r.mode for r in self.results]}")
+        return found
 
     def speedup(self, mode: str) -> Speedup:
         """``mode``'s speedup over fp32, with the quartiles of its per-round ratios."""
@@ -214,8 +217,11 @@ class Comparison:
         return html_table(self._columns(), self._table())
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
-        """Write the rows as JSON (NaN as null)."""
-        rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in self.rows()]
+        """Write the rows as JSON (NaN and infinities as null: strict JSON has neither)."""
+        rows = [
+            {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+            for r in self.rows()
+        ]
         with open(path, "w", encoding="utf-8") as file:
             json.dump({"steps": self.steps, "warmup": self.warmup, "block": self.block, "modes": rows}, file, indent=2)
 

@@ -174,8 +174,8 @@ def interleave(
         run = runs[name]
         with turns[name].turn(devices.get(name, device), measure_memory=timed_turn):
             taken = run.advance(count, sinks.get(name))
-        if run.trainer is not None:
-            devices[name] = run.trainer.device
+        _check_own_run(name, run, {other: runs[other] for other in devices})
+        devices[name] = run.trainer.device
         return taken
 
     def end(name: str, result: ModeResult) -> None:
@@ -184,6 +184,9 @@ def interleave(
             on_end(result)
 
     with _users_random_state(device.type):
+        start_state = _random_state(device.type)
+        for name in runs:  # every mode starts from the random state the comparison found
+            turns[name].random_state = start_state
         for name in runs:  # build and warm up, one mode after another
             try:
                 taken = take_turn(name, warmup, timed_turn=False)
@@ -191,7 +194,7 @@ def interleave(
                 end(name, ModeResult(name, skipped_reason=str(error)))
                 continue
             if taken < warmup:
-                end(name, _result(runs[name], turns[name], warmup))
+                end(name, _result(runs[name], turns[name], warmup, steps))
         order = [name for name in runs if name not in ended]
         while order:
             for name in order:
@@ -202,13 +205,43 @@ def interleave(
                     turns[name].rows.append((first_row, first_row + taken))
                 timed[name] += taken
                 if taken < count or timed[name] >= steps:
-                    end(name, _result(runs[name], turns[name], warmup))
+                    end(name, _result(runs[name], turns[name], warmup, steps))
             order = [name for name in reversed(order) if name not in ended]
     return [ended[name] for name in runs]
 
 
-def _result(run: ModeRun, turns: _Turns, warmup: int) -> ModeResult:
+def _check_own_run(name: str, run: ModeRun, others: Mapping[str, ModeRun]) -> None:
+    """A mode's run must train in that mode, with a trainer and model of its own: anything else
+    would fill the row of one mode with another's steps."""
+    trainer = run.trainer
+    for other, other_run in others.items():
+        if other == name or other_run.trainer is None:
+            continue
+        if other_run.trainer is trainer:
+            shared = "Trainer"
+        elif other_run.trainer.model is trainer.model:
+            shared = "model"
+        else:
+            continue
+        raise ValueError(
+            f"the runs of modes {other!r} and {name!r} share one {shared}: build a fresh model, optimizer and "
+            "Trainer for each mode (in %%compare: inside the cell)"
+        )
+    if trainer.mode.value != name:
+        raise ValueError(
+            f"the run built for mode {name!r} trains in {trainer.mode.value!r}: build its Trainer with mode={name!r} "
+            "(make_run(mode) receives the mode to use)"
+        )
+
+
+def _result(run: ModeRun, turns: _Turns, warmup: int, steps: int) -> ModeResult:
     result = run.result(warmup)
     result.blocks = list(turns.rows)
     result.peak_memory, result.added_memory = turns.peak, turns.added
+    timed = sum(stop - start for start, stop in turns.rows)
+    if timed < steps:
+        result.notes.append(
+            f"ended after {timed} of {steps} timed steps (its data or planned epochs ran out, or it stopped): "
+            "its figures rest on fewer steps"
+        )
     return result

@@ -106,6 +106,7 @@ class Trainer:
         self.dashboard = dashboard
         self._epoch, self._batch = 0, 0  # position: next batch to train on
         self._end_epoch: int | None = None  # set while a planned run is unfinished
+        self._stopped = False  # the last fit ended at a stop
         self._window_start = (0, 0)  # position of the current accumulation window's first batch
         self.control = FitControl()
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
@@ -126,6 +127,12 @@ class Trainer:
         """Whether the last ``fit`` stopped before its planned end (``max_steps``, Stop, an
         interrupt): ``fit(data)`` without ``epochs`` then continues that plan."""
         return self._end_epoch is not None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the last ``fit`` ended at a stop: the dashboard's Stop, ``control.stop()``, or
+        ``on_nonfinite="stop"``."""
+        return self._stopped
 
     @property
     def mode(self) -> Mode:
@@ -175,12 +182,13 @@ class Trainer:
         capture = active_capture()
         if capture is not None:
             max_steps = self._join(capture, data, max_steps)
-            if max_steps == 0:
-                return self.history
-        sinks = self._sinks(capture)
-        steps_before = self.amp.steps
         if epochs is not None or self._end_epoch is None:
             self._end_epoch = self._epoch + (epochs or 1)  # a partly trained epoch counts as one
+        self._stopped = False
+        if max_steps == 0:  # a capture's budget is spent: the plan stays, for a later fit(data) to go on with
+            return self.history
+        sinks = self._sinks(capture)
+        steps_before = self.amp.steps
         self.history.meta.update(model=self.describe(), device=str(self.device), mode=self.mode.value)
         self.amp.recorder.sinks.extend(sinks)
         self.model.train()
@@ -213,6 +221,7 @@ class Trainer:
             self.history.note("interrupted", kind="interrupt")
             raise FitInterrupted(message, self.history)
         if (self.control.stop_requested or self.amp.health.stop) and not finished:
+            self._stopped = True
             self.history.note("stopped", kind="stop")
         return self.history
 
@@ -232,7 +241,9 @@ class Trainer:
         """Train until the planned end, ``max_steps`` or a stop request; True when the plan is done."""
         assert self._end_epoch is not None
         steps_left = max_steps
-        one_shot = iter(data) is data  # a generator: it goes on where it stopped, nothing to skip
+        # A generator goes on where it stopped, nothing to skip. Asked without iter(data): a DataLoader's
+        # iterator draws a seed from torch's random state, which would change the run at every fit.
+        one_shot = isinstance(data, Iterator)
         while self._epoch < self._end_epoch:
             for holder in (data, getattr(data, "sampler", None)):  # Batches; a DataLoader's DistributedSampler
                 if callable(getattr(holder, "set_epoch", None)):

@@ -55,7 +55,7 @@ def test_bad_arguments_run_nothing():
     calls = []
     with pytest.raises(InvalidChoiceError, match="unknown mode 'fp8'"):
         compare(lambda mode: calls.append(mode), modes=["bf16", "fp8"])
-    with pytest.raises(ValueError, match="steps must be >= 1"):
+    with pytest.raises(ValueError, match="steps must be a whole number >= 1, got 0"):
         compare(lambda mode: calls.append(mode), modes=["bf16"], steps=0)
     assert calls == []
 

@@ -150,7 +150,7 @@ def test_one_round_gives_a_speedup_without_an_interval():
 
 def test_a_bad_block_runs_nothing():
     calls = []
-    with pytest.raises(ValueError, match="block >= 1"):
+    with pytest.raises(ValueError, match="block must be a whole number >= 1, got 0"):
         compare(lambda mode: calls.append(mode), ["fp32"], steps=2, block=0)
     assert calls == []
 
@@ -164,3 +164,129 @@ def test_a_run_that_ends_early_keeps_its_rows_and_the_others_go_on():
     assert len(result.result("fp32").history) == 7
     bf16 = result.result("bf16")
     assert not math.isnan(bf16.median_step_s) and len(bf16.history) == 3 and bf16.blocks == [(1, 3)]
+
+
+# Found by attacking the interleaved comparison (each failed before its fix).
+
+
+def loader_run(mode):
+    """A DataLoader that shuffles, and dropout: both draw from torch's random state."""
+    trainer, train = dropout_run(mode)
+    images, labels = zip(*list(train))
+    dataset = torch.utils.data.TensorDataset(torch.cat(images), torch.cat(labels))
+    return trainer, torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True)
+
+
+def test_a_shuffling_dataloader_gives_the_same_run_whatever_the_turns():
+    """Each fit used to call iter(data) to ask whether it was one-shot: a DataLoader draws a seed then."""
+    losses = {
+        block: compare(loader_run, ["fp32"], steps=9, warmup=2, block=block, progress=None).result("fp32").history.loss
+        for block in (2, 9)
+    }
+    torch.manual_seed(0)  # what compare finds, for the plain fit below
+    trainer, data = loader_run("fp32")
+    trainer.fit(data, epochs=1, max_steps=11)
+    assert losses[2] == losses[9] == trainer.history.loss
+
+
+def unseeded_run(mode):
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))  # drawn from whatever random state is in force
+    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), nn.functional.cross_entropy, mode=mode)
+    trainer.dashboard = None
+    return trainer, ex.digits(batch_size=32)[0]
+
+
+def test_every_mode_is_built_from_the_random_state_the_comparison_found():
+    torch.manual_seed(5)
+    together = compare(unseeded_run, ["fp32", "bf16"], steps=3, warmup=1, progress=None)
+    torch.manual_seed(5)
+    alone = compare(unseeded_run, ["bf16"], steps=3, warmup=1, progress=None)
+    assert together.result("bf16").history.loss == alone.result("bf16").history.loss
+
+
+def test_runs_that_are_not_the_modes_own_are_refused_with_the_reason():
+    shared = dropout_run("fp32")
+    with pytest.raises(ValueError, match="share one Trainer"):
+        compare(lambda mode: shared, ["fp32", "tf32"], steps=2, warmup=0, progress=None)
+    with pytest.raises(ValueError, match="built for mode 'bf16' trains in 'fp32'"):
+        compare(lambda mode: dropout_run("fp32"), ["fp32", "bf16"], steps=2, warmup=0, progress=None)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+    def same_model(mode):
+        optimizer = torch.optim.SGD(model.parameters(), 0.1)
+        trainer = mpnb.Trainer(model, optimizer, nn.functional.cross_entropy, mode=mode, dashboard=None)
+        return trainer, ex.digits(batch_size=32)[0]
+
+    with pytest.raises(ValueError, match="share one model"):
+        compare(same_model, ["fp32", "bf16"], steps=1, warmup=0, progress=None)
+
+
+def test_a_stop_on_a_nonfinite_loss_is_not_undone_by_the_next_turn():
+    def nan_at_step_3(mode):
+        trainer, train = dropout_run(mode)
+        trainer.amp.health.on_nonfinite = "stop"
+        batches = list(train)
+        x, y = batches[2]
+        batches[2] = (torch.full_like(x, float("nan")), y)
+        return trainer, batches
+
+    result = compare(nan_at_step_3, ["fp32"], steps=4, warmup=1, block=2, progress=None).result("fp32")
+    assert len(result.history) == 3 and [e["kind"] for e in result.history.events].count("stop") == 1
+    assert any("ended after 2 of 4 timed steps" in note for note in result.notes)
+
+
+def test_epochs_are_planned_in_optimizer_steps_and_loaders_without_length_work():
+    def accumulating(mode):
+        trainer, train = dropout_run(mode)
+        trainer.amp.accumulate = 3
+        return trainer, list(train)[:6]  # 2 optimizer steps an epoch
+
+    result = compare(accumulating, ["fp32"], steps=5, warmup=1, progress=None).result("fp32")
+    assert len(result.history) == 6 and result.notes == []
+
+    class Stream(torch.utils.data.IterableDataset):  # a DataLoader over it has no length
+        def __iter__(self):
+            return iter([(x, y) for x, y in list(ex.digits(batch_size=32)[0])[:4]])
+
+    def streaming(mode):
+        return dropout_run(mode)[0], torch.utils.data.DataLoader(Stream(), batch_size=None)
+
+    short = compare(streaming, ["fp32"], steps=5, warmup=1, progress=None).result("fp32")
+    assert len(short.history) == 4 and any("ended after 3 of 5 timed steps" in note for note in short.notes)
+
+
+def test_a_warmup_longer_than_the_data_leaves_no_warmup_step_timed():
+    def two_batches(mode):
+        trainer, train = dropout_run(mode)
+        return trainer, iter(list(train)[:2])
+
+    result = compare(two_batches, ["fp32", "bf16"], steps=4, warmup=3, progress=None)
+    row = result.rows()[1]
+    assert math.isnan(row["median_step_s"]) and math.isnan(row["speedup_vs_fp32"]) and row["timed_steps"] == 0
+
+
+def test_mode_lists_are_checked_before_anything_runs():
+    calls = []
+    for modes, words in ((["bf16", "bf16"], "'bf16' is named twice"), ([], "names no mode"), (",", "names no mode")):
+        with pytest.raises(ValueError, match=words):
+            compare(lambda mode: calls.append(mode), modes, steps=2)
+    for kwargs, words in (({"block": 2.5}, "block must be a whole number >= 1, got 2.5"), ({"steps": "3"}, "got '3'")):
+        with pytest.raises(ValueError, match=words):
+            compare(lambda mode: calls.append(mode), ["fp32"], **kwargs)
+    assert calls == []
+    assert [r.mode for r in compare(dropout_run, "fp32, bf16", steps=1, warmup=0, progress=None).results] == [
+        "fp32",
+        "bf16",
+    ]
+
+
+def test_asking_for_a_mode_that_was_not_compared_names_the_ones_that_were(tmp_path):
+    comparison = Comparison([_timed("fp32", [0.01] * 2)], steps=2, warmup=0)
+    with pytest.raises(KeyError, match=r"'fp16' was not compared; this comparison has \['fp32'\]"):
+        comparison.result("fp16")
+    comparison.results[0].metric = math.inf
+    comparison.to_json(tmp_path / "c.json")
+    assert (
+        json.loads((tmp_path / "c.json").read_text(), parse_constant=lambda c: pytest.fail(c))["modes"][0]["metric"]
+        is None
+    )

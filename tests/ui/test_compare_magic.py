@@ -214,3 +214,28 @@ def test_the_timed_turns_continue_the_cells_fit_exactly(shell):
     alone = run(shell, "%%compare --modes bf16 --steps 6 --warmup 2 --block 6 --progress none\n" + TRAIN_CELL)
     assert interleaved.result("bf16").history.loss == alone.result("bf16").history.loss
     assert len(interleaved.result("bf16").blocks) == 6
+
+
+# Found by attacking %%compare (each failed before its fix).
+
+
+def test_no_warmup_still_times_every_step(shell):
+    comparison = run(shell, "%%compare --modes fp32,bf16 --steps 3 --warmup 0 --progress none\n" + TRAIN_CELL)
+    assert [len(r.history) for r in comparison.results] == [3, 3] and comparison.rows()[1]["timed_steps"] == 3
+
+
+def test_a_metric_with_its_own_scope_reads_the_modes_names_too(shell):
+    comparison = run(
+        shell,
+        "%%compare --modes fp32,bf16 --steps 2 --warmup 0 --progress none "
+        "--metric \"sum(1 for m in [trainer.mode.value] if m == 'bf16')\"\n" + TRAIN_CELL,
+    )
+    assert [row["metric"] for row in comparison.rows()] == [0.0, 1.0]
+
+
+def test_a_trainer_built_outside_the_cell_is_refused(shell):
+    run(shell, "outside, train, _ = mpnb.examples.example_trainer(widths=(4, 8), dashboard=None)")
+    error = run_expecting(
+        shell, "%%compare --modes fp32,bf16 --steps 2 --progress none\noutside.fit(train)", ValueError
+    )
+    assert "share one Trainer" in str(error) and "inside the cell" in str(error)

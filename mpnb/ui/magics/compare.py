@@ -22,7 +22,6 @@ Example (in IPython)::
 from __future__ import annotations
 
 import ast
-import collections
 import contextlib
 import math
 import os
@@ -166,7 +165,7 @@ class _CellRun:
         with self._in_mode(), capture_fits(self.name, steps, sink) as capture:
             if self.trainer is None:
                 self._run_cell(capture)
-            elif self.trainer.resumable:
+            elif self.trainer.resumable and not self.trainer.stopped:
                 self.trainer.fit(self.data)
         return capture.steps_taken
 
@@ -187,9 +186,9 @@ class _CellRun:
     def result(self, warmup: int) -> ModeResult:
         value = math.nan
         if self.metric is not None:
-            with self._in_mode():
-                namespace = collections.ChainMap(self.bound, self.shell.user_ns)
-                value = float(eval(self.metric, self.shell.user_global_ns, namespace))
+            with self._in_mode():  # one dict: nested scopes (a generator expression, a lambda) see the names too
+                namespace = {**self.shell.user_global_ns, **self.shell.user_ns, **self.bound}
+                value = float(eval(self.metric, namespace))
         return mode_result(self.name, self.trainer, warmup, value)
 
 
