@@ -34,6 +34,7 @@ from torch import nn
 
 from mpnb import views
 from mpnb._render import html_list, html_table, text_table
+from mpnb.analysis.random_state import kept_random_state
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, resolve_device
 
@@ -173,10 +174,7 @@ def _left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[
     saved = {name: tensor.detach().clone() for name, tensor in tensors.items()}
     flags = [(module, module.training) for module in model.modules()]
     grads = [(parameter, parameter.grad) for parameter in model.parameters()]
-    accelerator = [device] if device.type != "cpu" else []
-    with torch.random.fork_rng(devices=accelerator, device_type=device.type if accelerator else "cuda"):
-        rng = torch.get_rng_state()
-        device_rng = torch.get_device_module(device.type).get_rng_state(device) if accelerator else None
+    with kept_random_state(device.type) as start:
 
         def start_again() -> None:
             current = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -186,9 +184,7 @@ def _left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[
                         tensor.copy_(saved[name])
             for module, training in flags:
                 module.training = training
-            torch.set_rng_state(rng)
-            if accelerator:
-                torch.get_device_module(device.type).set_rng_state(device_rng, device)
+            start.restore()
 
         try:
             if device != home:

@@ -12,8 +12,9 @@ and data order are those it would draw alone. Memory is measured per timed turn:
 peak counter is reset at the start of each, so a mode's peak is reached in its own turns
 only, whatever ran before it. Memory the allocator keeps cached (a CPU's freed heap) is
 handed back before a mode's first timed turn only: handing it back every turn would make
-the next steps fault their memory in again (12% slower steps, measured on a CPU). Build and warm-up turns are left out: the first mode built
-would otherwise carry the process's one-time costs (data loaded, kernels initialised).
+the next steps fault their memory in again (12% slower steps, measured on a CPU). Build
+and warm-up turns are left out: the first mode built would otherwise carry the process's
+one-time costs (data loaded, kernels initialised).
 
 Example:
     >>> import mpnb.examples as ex
@@ -44,6 +45,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mpnb.analysis.random_state import RandomState, kept_random_state
 from mpnb.analysis.results import ModeResult
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for
@@ -82,17 +84,20 @@ def default_block(steps: int) -> int:
 class _Turns:
     """One mode's own random state and memory figures across its turns."""
 
-    def __init__(self, device_type: str) -> None:
-        self.device_type = device_type
-        self.random_state: tuple[torch.Tensor, Any] | None = None  # None: go on from the state found
+    def __init__(self, random_state: RandomState) -> None:
+        self.random_state = random_state  # put back before each turn, taken again after it
         self.peak, self.added = math.nan, math.nan
         self.rows: list[tuple[int, int]] = []  # the history rows of each timed turn
+
+    @property
+    def timed(self) -> int:
+        """Timed steps so far."""
+        return sum(stop - start for start, stop in self.rows)
 
     @contextlib.contextmanager
     def turn(self, device: torch.device, measure_memory: bool) -> Iterator[None]:
         """Run one turn with this mode's random state, measuring the memory it reaches if asked."""
-        if self.random_state is not None:
-            _set_random_state(self.random_state, self.device_type)
+        self.random_state.restore()
         backend = backend_for(device)
         if measure_memory and not self.rows:  # the mode's first timed turn: other modes' freed memory goes back
             backend.release_cached_memory()
@@ -101,7 +106,7 @@ class _Turns:
         try:
             yield
         finally:
-            self.random_state = _random_state(self.device_type)
+            self.random_state = RandomState.capture(self.random_state.device_type)
             if measured and start is not None:
                 peak = backend.memory(device.index).peak
                 if peak is not None:
@@ -111,34 +116,6 @@ class _Turns:
 
 def _or_zero(value: float) -> float:
     return 0.0 if math.isnan(value) else value
-
-
-def _device_module(device_type: str) -> Any:
-    return None if device_type == "cpu" else getattr(torch, device_type, None)
-
-
-def _random_state(device_type: str) -> tuple[torch.Tensor, Any]:
-    module = _device_module(device_type)
-    device_state = module.get_rng_state_all() if module is not None and module.is_initialized() else None
-    return torch.get_rng_state(), device_state
-
-
-def _set_random_state(state: tuple[torch.Tensor, Any], device_type: str) -> None:
-    cpu_state, device_state = state
-    torch.set_rng_state(cpu_state)
-    module = _device_module(device_type)
-    if device_state is not None and module is not None:
-        module.set_rng_state_all(device_state)
-
-
-@contextlib.contextmanager
-def _users_random_state(device_type: str) -> Iterator[None]:
-    """Whatever the runs draw, torch's random state is the user's again afterwards."""
-    saved = _random_state(device_type)
-    try:
-        yield
-    finally:
-        _set_random_state(saved, device_type)
 
 
 def interleave(
@@ -164,9 +141,7 @@ def interleave(
         (an :class:`~mpnb.errors.MpnbError`) is listed with the reason.
     """
     device = session.resolved_device()
-    turns = {name: _Turns(device.type) for name in runs}
     sinks = sinks or {}
-    timed = dict.fromkeys(runs, 0)
     ended: dict[str, ModeResult] = {}
     devices: dict[str, torch.device] = {}
 
@@ -183,10 +158,8 @@ def interleave(
         if on_end is not None:
             on_end(result)
 
-    with _users_random_state(device.type):
-        start_state = _random_state(device.type)
-        for name in runs:  # every mode starts from the random state the comparison found
-            turns[name].random_state = start_state
+    with kept_random_state(device.type) as found:
+        turns = {name: _Turns(found) for name in runs}  # every mode starts from the state the comparison found
         for name in runs:  # build and warm up, one mode after another
             try:
                 taken = take_turn(name, warmup, timed_turn=False)
@@ -198,13 +171,12 @@ def interleave(
         order = [name for name in runs if name not in ended]
         while order:
             for name in order:
-                count = min(block, steps - timed[name])
+                count = min(block, steps - turns[name].timed)
                 first_row = len(runs[name].trainer.history)
                 taken = take_turn(name, count, timed_turn=True)
                 if taken:
                     turns[name].rows.append((first_row, first_row + taken))
-                timed[name] += taken
-                if taken < count or timed[name] >= steps:
+                if taken < count or turns[name].timed >= steps:
                     end(name, _result(runs[name], turns[name], warmup, steps))
             order = [name for name in reversed(order) if name not in ended]
     return [ended[name] for name in runs]
@@ -238,10 +210,9 @@ def _result(run: ModeRun, turns: _Turns, warmup: int, steps: int) -> ModeResult:
     result = run.result(warmup)
     result.blocks = list(turns.rows)
     result.peak_memory, result.added_memory = turns.peak, turns.added
-    timed = sum(stop - start for start, stop in turns.rows)
-    if timed < steps:
+    if turns.timed < steps:
         result.notes.append(
-            f"ended after {timed} of {steps} timed steps (its data or planned epochs ran out, or it stopped): "
+            f"ended after {turns.timed} of {steps} timed steps (its data or planned epochs ran out, or it stopped): "
             "its figures rest on fewer steps"
         )
     return result
