@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -37,7 +38,7 @@ from torch import nn
 
 from mpnb.errors import MpnbError
 
-__all__ = ["to_device", "samples_in", "batch_loss", "StepFn", "LossFn", "HeldBatches", "resume"]
+__all__ = ["to_device", "samples_in", "batch_loss", "StepFn", "LossFn", "BatchReader", "HeldBatches", "resume"]
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -143,14 +144,41 @@ class HeldBatches(NamedTuple):
     data: Iterable[Any]
     position: tuple[int, int] | None
     batches: list[Any]
-    rest: Iterable[Any]
+    rest: Iterator[Any]
 
 
-def resume(held: HeldBatches | None, data: Iterable[Any], position: tuple[int, int], one_shot: bool) -> Iterator[Any]:
+class BatchReader:
+    """An epoch's batches: first those read before and not trained, then the data's own iterator.
+
+    However many times a fit stops and resumes, what it holds stays one list and one iterator
+    (no chain of chains growing by one link per resume).
+
+    Example:
+        >>> reader = BatchReader([1], iter([2, 3]))
+        >>> next(reader), reader.hold("data", (0, 1), next(reader)).batches
+        (1, [2])
+    """
+
+    def __init__(self, pending: Iterable[Any], source: Iterator[Any]) -> None:
+        self.pending = collections.deque(pending)
+        self.source = source
+
+    def __iter__(self) -> BatchReader:
+        return self
+
+    def __next__(self) -> Any:
+        return self.pending.popleft() if self.pending else next(self.source)
+
+    def hold(self, data: Iterable[Any], position: tuple[int, int] | None, *read: Any) -> HeldBatches:
+        """What a stopping fit keeps: the batches it ``read`` and did not train, then everything not yet read."""
+        return HeldBatches(data, position, [*read, *self.pending], self.source)
+
+
+def resume(held: HeldBatches | None, data: Iterable[Any], position: tuple[int, int], one_shot: bool) -> BatchReader:
     """An epoch's batches from ``position`` (epoch, batch) on.
 
     Where the last fit stopped at this very position on this very data, its iterator goes on
-    (after the batch it had read): nothing is read twice, so resuming a DataLoader costs no
+    (after the batches it had read): nothing is read twice, so resuming a DataLoader costs no
     reloading, and an unseeded shuffle keeps its order. Otherwise a fresh pass skips to the
     position (a one-shot iterator simply goes on where it is).
 
@@ -162,5 +190,5 @@ def resume(held: HeldBatches | None, data: Iterable[Any], position: tuple[int, i
         [2, 3]
     """
     if held is not None and held.data is data and held.position in (None, position):
-        return itertools.chain(held.batches, held.rest)
-    return iter(data) if one_shot else itertools.islice(data, position[1], None)
+        return BatchReader(held.batches, held.rest)
+    return BatchReader((), iter(data) if one_shot else itertools.islice(data, position[1], None))

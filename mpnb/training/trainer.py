@@ -27,7 +27,7 @@ from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.modes import Fp32Math, Mode
 from mpnb.precision.policy import session
 from mpnb.training.amp_step import AmpStep
-from mpnb.training.batches import HeldBatches, LossFn, StepFn, batch_loss, resume, samples_in, to_device
+from mpnb.training.batches import BatchReader, HeldBatches, LossFn, StepFn, batch_loss, resume, samples_in, to_device
 from mpnb.training.capture import FitCapture, active_capture
 from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_checkpoint
 from mpnb.training.control import FitControl, running_on_this_thread
@@ -116,6 +116,7 @@ class Trainer:
         self._held: HeldBatches | None = None
         self._window_batches: list[Any] = []  # this window's batches, kept while data is one-shot
         self._one_shot: Iterable[Any] | None = None  # the one-shot data of the running fit
+        self._reader: BatchReader | None = None  # where the running fit reads its batches
 
     @property
     def history(self) -> History:
@@ -204,7 +205,7 @@ class Trainer:
             self._drop_unfinished_window()
             raise
         finally:
-            self._one_shot = None
+            self._one_shot = self._reader = None
             self.control.end()
             self.amp.close()
             for sink in sinks:
@@ -250,9 +251,9 @@ class Trainer:
                     holder.set_epoch(self._epoch)
             self.amp.epoch = self._epoch
             trained_any = False
+            self._reader = self._batches(data, one_shot)
             self._one_shot = data if one_shot else None
-            batches = self._batches(data, one_shot)
-            for batch in batches:
+            for batch in self._reader:
                 if self.amp.between_steps:
                     checkpoint = self.control.checkpoint(interrupted=lambda: stop.requested)
                     self._follow_session(checkpoint.changed)
@@ -260,7 +261,7 @@ class Trainer:
                         self.amp.restart_clock()  # the pause is not step time
                     if stop.requested or checkpoint.stop or self.amp.health.stop or steps_left == 0:
                         position = None if one_shot else (self._epoch, self._batch)
-                        self._held = HeldBatches(data, position, [batch], batches)
+                        self._held = self._reader.hold(data, position, batch)
                         return False
                     self._window_start = (self._epoch, self._batch)
                     self._window_batches = []
@@ -292,7 +293,7 @@ class Trainer:
             self._epoch, self._batch = self._epoch + 1, 0
         return True
 
-    def _batches(self, data: Iterable[Any], one_shot: bool) -> Iterator[Any]:
+    def _batches(self, data: Iterable[Any], one_shot: bool) -> BatchReader:
         """This epoch's batches from the trainer's position on (see :func:`~mpnb.training.batches.resume`)."""
         held, self._held = self._held, None
         return resume(held, data, (self._epoch, self._batch), one_shot)
@@ -338,7 +339,7 @@ class Trainer:
         """After an error mid-window: drop its gradients and go back to the window's first batch
         (for a one-shot iterator, keep the window's batches for the next fit)."""
         if self._one_shot is not None:
-            self._held = HeldBatches(self._one_shot, None, self._window_batches, self._one_shot)
+            self._held = self._reader.hold(self._one_shot, None, *self._window_batches)
             self._window_batches = []
         if not self.amp.between_steps:
             self.amp.discard_window()
