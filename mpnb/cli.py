@@ -86,14 +86,15 @@ def _compare(args: argparse.Namespace) -> int:
     block = args.block or default_block(args.steps)
     turns = f"in turns of {block} step(s)" if block < args.steps else "one mode after another"
     print(f"comparing {', '.join(modes)} on {device}: {args.warmup} warm-up + {args.steps} timed steps each, {turns}")
+    built = {}  # each run is built once: here, to say up front what will be slow, then handed to compare
     for mode in modes:
         try:
-            trainer, train, _ = make_run(mode)
+            built[mode] = make_run(mode)
         except MpnbError:
             continue  # the comparison lists the mode with the reason
-        _announce_if_slow(trainer, train, args.warmup + args.steps, prefix=f"{mode}: ")
+        _announce_if_slow(built[mode][0], built[mode][1], args.warmup + args.steps, prefix=f"{mode}: ")
     comparison = compare(
-        make_run,
+        lambda mode: built.pop(mode) if mode in built else make_run(mode),
         modes,
         steps=args.steps,
         warmup=args.warmup,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpnb.analysis.random_state import kept_random_state
 from mpnb.precision.modes import Mode
 from mpnb.training.batches import batch_loss, to_device
 
@@ -45,7 +46,7 @@ def step_seconds(trainer: Any, batch: Any, repeats: int = 2) -> float:
     batch = to_device(batch, trainer.device)
     dtype = trainer.amp.precision.mode.autocast_dtype
     fastest = float("inf")
-    with torch.random.fork_rng(devices=[]):
+    with kept_random_state(trainer.device.type):
         for _ in range(repeats):
             start = time.perf_counter()
             with torch.autocast(trainer.device.type, dtype=dtype, enabled=dtype is not None):
