@@ -17,9 +17,9 @@ model and list:
   the ratio adds what running those ops in bf16 costs on this machine (no target: an effect
   of the lists, not of the mechanism).
 
-Writes benchmarks/results/oplist_overhead.json.
+Writes benchmarks/results/oplist_overhead.json (``oplist_overhead-cuda.json`` with ``--device cuda``).
 
-    python benchmarks/oplist_overhead.py [--rounds 12] [--block 10] [--models cnn,transformer]
+    python benchmarks/oplist_overhead.py [--rounds 12] [--block 10] [--models cnn,transformer] [--device cuda]
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import argparse
 import contextlib
 import copy
 import statistics
-import time
 
 import torch
+from on_device import add_device_argument, device_label, settled_clock, to_device
 from results_file import write_results
 from torch import nn
 
@@ -42,14 +42,15 @@ TARGET = 1.05
 
 
 def train_block(model, optimizer, batches) -> float:
-    start = time.perf_counter()
+    device = batches[0][0].device
+    start = settled_clock(device)
     for x, y in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False):
             loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return (time.perf_counter() - start) / len(batches)
+    return (settled_clock(device) - start) / len(batches)
 
 
 #: Ops torch's CPU autocast lowers itself (mpnb.oplists.torch_rules reads the full list).
@@ -71,7 +72,7 @@ def kernels_forced(forced: bool):
 def measure(model_name: str, batches, rounds: int, lists: OpLists, label: str) -> dict[str, float]:
     """Median step time with and without the lists, alternating blocks of steps."""
     torch.manual_seed(0)
-    plain_model = ex.MODELS[model_name]()
+    plain_model = ex.MODELS[model_name]().to(batches[0][0].device)
     listed_model = copy.deepcopy(plain_model)
     plain_opt = torch.optim.Adam(plain_model.parameters(), 1e-3)
     listed_opt = torch.optim.Adam(listed_model.parameters(), 1e-3)
@@ -111,9 +112,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--models", default="cnn,transformer")
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = torch.device(args.device)
     images, labels = ex.load_digits()
-    batches = [(images[i : i + 64], labels[i : i + 64]) for i in range(0, 64 * args.block, 64)]
+    batches = to_device([(images[i : i + 64], labels[i : i + 64]) for i in range(0, 64 * args.block, 64)], device)
     torch_rules = OpLists.of(lower=TORCH_LOWERED.split())
     lists = {"torch rules": torch_rules, "kernels": torch_rules, "hmp": OpLists.preset("hmp")}
     models = {}
@@ -123,8 +126,9 @@ def main() -> None:
             with kernels_forced(label == "kernels"):
                 models[name][label] = measure(name, batches, args.rounds, chosen, label)
     write_results(
-        "oplist_overhead",
+        "oplist_overhead" if device.type == "cpu" else f"oplist_overhead-{device.type}",
         {
+            "device": device_label(device),
             "mechanism": "session op lists: python kernels on every Autocast dispatch key (torch.library, allow_override)",
             "lists": {
                 label: {"lower": sorted(chosen.lower), "fp32": sorted(chosen.fp32)} for label, chosen in lists.items()

@@ -6,7 +6,7 @@ and a headless live dashboard (a FigureWidget with no browser) attached. Blocks 
 alternate between the two (the order flips every round) so both see the same machine noise;
 the median of the per-round ratios is printed per case. Target: <= 1.03. Writes benchmarks/results/training_overhead.json.
 
-    python benchmarks/training_overhead.py [--rounds 12] [--block 10]
+    python benchmarks/training_overhead.py [--rounds 12] [--block 10] [--device cuda]
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
+from on_device import add_device_argument, device_label, settled_clock, to_device
 from results_file import write_results
 from torch import nn
 
@@ -60,8 +60,8 @@ def sequence_batches(count: int = 20) -> list[tuple[torch.Tensor, torch.Tensor]]
     ]
 
 
-def cases() -> dict[str, tuple]:
-    digits, sequences = digit_batches(), sequence_batches()
+def cases(device: torch.device) -> dict[str, tuple]:
+    digits, sequences = to_device(digit_batches(), device), to_device(sequence_batches(), device)
     return {
         "digits CNN, bf16": (ex.DigitsCNN, digits, nn.functional.cross_entropy, "bf16"),
         "digits CNN, fp16": (ex.DigitsCNN, digits, nn.functional.cross_entropy, "fp16"),
@@ -71,7 +71,7 @@ def cases() -> dict[str, tuple]:
 
 def hand_written(model, optimizer, scaler, dtype, loss_fn, batches) -> None:
     for x, y in batches:
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(x.device.type, dtype=dtype):
             loss = loss_fn(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -80,26 +80,27 @@ def hand_written(model, optimizer, scaler, dtype, loss_fn, batches) -> None:
 
 
 def measure(name: str, make_model, batches, loss_fn, mode: str, rounds: int, block: int) -> dict:
+    device = batches[0][0].device
     torch.manual_seed(0)
-    reference = make_model()
+    reference = make_model().to(device)
     model_a, model_b = copy.deepcopy(reference), copy.deepcopy(reference)
     opt_a = torch.optim.Adam(model_a.parameters(), lr=1e-3)
     opt_b = torch.optim.Adam(model_b.parameters(), lr=1e-3)
     dtype = torch.float16 if mode == "fp16" else torch.bfloat16
-    scaler = torch.amp.GradScaler("cpu", enabled=mode == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
     dashboard = LiveDashboard(name)
-    trainer = mpnb.Trainer(model_b, opt_b, loss_fn, mode=mode, device="cpu", dashboard=dashboard)
+    trainer = mpnb.Trainer(model_b, opt_b, loss_fn, mode=mode, device=device, dashboard=dashboard)
     hand_times, trainer_times = [], []
 
     def hand_block(chunk) -> float:
-        start = time.perf_counter()
+        start = settled_clock(device)
         hand_written(model_a, opt_a, scaler, dtype, loss_fn, chunk)
-        return (time.perf_counter() - start) / len(chunk)
+        return (settled_clock(device) - start) / len(chunk)
 
     def trainer_block(chunk) -> float:
-        start = time.perf_counter()
+        start = settled_clock(device)
         trainer.fit(chunk, epochs=1)
-        return (time.perf_counter() - start) / len(chunk)
+        return (settled_clock(device) - start) / len(chunk)
 
     for round_index in range(rounds + 1):  # round 0 warms both up
         chunk = [batches[(round_index * block + i) % len(batches)] for i in range(block)]
@@ -128,9 +129,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--block", type=int, default=10)
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = torch.device(args.device)
     results = []
-    for name, (make_model, batches, loss_fn, mode) in cases().items():
+    for name, (make_model, batches, loss_fn, mode) in cases(device).items():
         row = measure(name, make_model, batches, loss_fn, mode, args.rounds, args.block)
         results.append(row)
         print(
@@ -140,8 +143,9 @@ def main() -> None:
     worst = max(row["ratio_trainer_over_hand"] for row in results)
     print(f"worst ratio {worst:.3f} (target <= {TARGET})")
     write_results(
-        "training_overhead",
+        "training_overhead" if device.type == "cpu" else f"training_overhead-{device.type}",
         {
+            "device": device_label(device),
             "target_ratio": TARGET,
             "worst_ratio": worst,
             "results": results,

@@ -42,6 +42,7 @@ from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
+from mpnb.training.step_clock import StepClock
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink
 
@@ -125,7 +126,7 @@ class AmpStep:
         self._micro_batches = 0
         self._samples = 0
         self._loss_sum: torch.Tensor | None = None
-        self._window_start: float | None = None
+        self.clock = StepClock(self.precision.device)
         self._window_open = False  # from the first backward of a window until its step is recorded
         self._optimizer_stepped = False
         self._hook = optimizer.register_step_post_hook(_StepFlag(self))
@@ -137,7 +138,7 @@ class AmpStep:
 
     def autocast(self) -> torch.autocast:
         """The forward-pass context: autocast in fp16/bf16 modes, explicitly off otherwise."""
-        self._start_clock()
+        self.clock.start()
         return self.precision.autocast.context()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -147,7 +148,7 @@ class AmpStep:
             MpnbError: ``loss`` is not a one-element tensor that requires grad (nothing changed).
         """
         _check_loss(loss)
-        self._start_clock()
+        self.clock.start()
         self._window_open = True  # a failure from here on may leave gradients behind
         if self.accumulate > 1:
             loss = loss / self.accumulate
@@ -255,9 +256,8 @@ class AmpStep:
     def _record(
         self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any
     ) -> None:
-        now = time.perf_counter()
-        step_time = now - (self._window_start if self._window_start is not None else now)
-        used, peak, reserved = self.memory.sample(now)
+        step_time = self.clock.lap()
+        used, peak, reserved = self.memory.sample(time.perf_counter())
         self.steps += 1
         loss_sum, samples = self._loss_sum, self._samples
         self._close_window()  # before the sinks run: a failing sink cannot leave it open
@@ -269,18 +269,13 @@ class AmpStep:
             skipped=skipped,
             lr=lr,
             step_time=step_time,
-            samples_per_s=samples / step_time if samples and step_time > 0 else math.nan,
+            samples=samples,
             memory_used=used,
             memory_peak=peak,
             memory_reserved=reserved,
             grad_norm=grad_norm,
             mode=self.precision.mode.value,
         )
-        self._window_start = now
-
-    def _start_clock(self) -> None:
-        if self._window_start is None:
-            self._window_start = time.perf_counter()
 
     def discard_window(self) -> None:
         """Drop the micro-batches of an unfinished accumulation window (their gradients too, and what
@@ -303,7 +298,7 @@ class AmpStep:
 
     def restart_clock(self) -> None:
         """Forget the time since the last step (call after a pause, before the next batch)."""
-        self._window_start = None
+        self.clock.restart()
 
     @property
     def history(self) -> History:

@@ -32,6 +32,7 @@ import torch
 
 from mpnb.precision.backends import Backend
 from mpnb.training.history import COLUMNS, History, column_default
+from mpnb.training.step_clock import seconds
 
 __all__ = ["Recorder", "Sink", "MemorySampler", "MinScaleAlarm"]
 
@@ -135,6 +136,8 @@ class Recorder:
     def record(self, **row: Any) -> None:
         """Add one step's row: History column names to Python numbers or 0-dim tensors.
 
+        ``step_time`` may be a :class:`~mpnb.training.step_clock.DeviceInterval` (read at the flush);
+        with ``samples`` (the step's example count) the row's ``samples_per_s`` is derived from it.
         Never reads a tensor; flushes when ``flush_every`` rows are pending or a sink is due.
         """
         self._pending.append(row)
@@ -154,6 +157,7 @@ class Recorder:
         rows, self._pending = self._pending, []
         columns = {name: [row.get(name, column_default(COLUMNS[name][0])) for row in rows] for name in COLUMNS}
         self._to_host(columns)
+        _settle_step_times(columns, [row.get("samples") for row in rows])
         self.history.extend(columns)
         for sink in self.sinks:
             sink.update(self.history)
@@ -178,3 +182,13 @@ class Recorder:
             for (name, index, _), value in zip(entries, host_values):
                 kind = COLUMNS[name][0]
                 columns[name][index] = bool(value) if kind is bool else int(value) if kind is int else value
+
+
+def _settle_step_times(columns: dict[str, list[Any]], samples: list[int | None]) -> None:
+    """Read the device's step times (the copy to the host waited for the device already) and
+    derive each row's throughput where its example count is known."""
+    times = columns["step_time"] = [seconds(value) for value in columns["step_time"]]
+    rates = columns["samples_per_s"]
+    for index, (count, step_time) in enumerate(zip(samples, times)):
+        if count is not None:
+            rates[index] = count / step_time if count and step_time > 0 else math.nan
