@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -44,6 +43,7 @@ from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
 from mpnb.training.step_clock import StepClock
 from mpnb.training.step_precision import TrainingPrecision
+from mpnb.training.step_watch import OptimizerStepWatch
 from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink
 
 __all__ = ["AmpStep"]
@@ -128,11 +128,7 @@ class AmpStep:
         self._loss_sum: torch.Tensor | None = None
         self.clock = StepClock(self.precision.device)
         self._window_open = False  # from the first backward of a window until its step is recorded
-        self._optimizer_stepped = False
-        self._hook = optimizer.register_step_post_hook(_StepFlag(self))
-        # first among the optimizer's post hooks, so that a failing hook of the user's, registered
-        # earlier, cannot hide that the update happened
-        optimizer._optimizer_step_post_hooks.move_to_end(self._hook.id, last=False)
+        self._step_watch = OptimizerStepWatch(optimizer)
 
     # -- the three calls of a training step ---------------------------------------------
 
@@ -176,14 +172,14 @@ class AmpStep:
         scale_before = scale.clone() if scale is not None else 1.0
         grad_norm = self._unscale_and_clip()
         lr = self.optimizer.param_groups[0]["lr"]
-        self._optimizer_stepped = False
+        self._step_watch.reset()
         try:
             self.scaler.step(self.optimizer)
         except BaseException:
-            if self._optimizer_stepped:  # the update happened (a later hook failed): the step counts
+            if self._step_watch.stepped:  # the update happened (a later hook failed): the step counts
                 self._finish_step(scale_before, False, grad_norm, lr)
             raise
-        self._finish_step(scale_before, self._skipped(), grad_norm, lr)
+        self._finish_step(scale_before, self._step_watch.skipped(self.scaler, self.precision.device), grad_norm, lr)
         return True
 
     def _finish_step(
@@ -196,27 +192,11 @@ class AmpStep:
         """
         try:
             self.scaler.update()
-            if self.scheduler is not None and self._optimizer_stepped:
+            if self.scheduler is not None and self._step_watch.stepped:
                 self.scheduler.step()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             self._record(scale_before, skipped, grad_norm, lr)
-
-    def _skipped(self) -> torch.Tensor | bool:
-        """Whether the optimizer step just taken through the scaler was skipped for inf/NaN gradients.
-
-        Read from what happened, never from the scale (which stops moving once it underflows
-        to 0): GradScaler calls ``optimizer.step`` only for finite gradients, and the step hook
-        saw whether it did (GradScaler already read that on the host). An optimizer that takes
-        the scaler's found-inf flag into its own fused step is always called; for it, the flag
-        GradScaler handed over says, as a device tensor, so nothing is read here.
-        """
-        if not self.scaler.is_enabled():
-            return False
-        if getattr(self.optimizer, "_step_supports_amp_scaling", False):
-            found = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values()
-            return sum(flag.to(self.precision.device, non_blocking=True) for flag in found) > 0
-        return not self._optimizer_stepped
 
     def set_precision(self, precision: TrainingPrecision) -> None:
         """Switch mode between two optimizer steps (from a widget while a fit runs, say).
@@ -313,7 +293,7 @@ class AmpStep:
 
     def detach(self) -> None:
         """Remove the hook this helper put on the optimizer."""
-        self._hook.remove()
+        self._step_watch.remove()
 
     def state_dict(self) -> dict[str, Any]:
         """Scaler state and step counter (plain data, safe for ``torch.load(weights_only=True)``)."""
@@ -341,19 +321,3 @@ def _check_loss(loss: Any) -> None:
             "the loss does not require grad (computed under torch.no_grad, detached, or from a frozen model): "
             "nothing to train"
         )
-
-
-class _StepFlag:
-    """Optimizer step post-hook that tells an AmpStep the optimizer really stepped.
-
-    GradScaler calls ``optimizer.step()`` only when the gradients are finite, so this flag
-    needs no device read. Holds the AmpStep weakly so the hook never keeps it alive.
-    """
-
-    def __init__(self, owner: AmpStep) -> None:
-        self._owner = weakref.ref(owner)
-
-    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        owner = self._owner()
-        if owner is not None:
-            owner._optimizer_stepped = True

@@ -1,0 +1,74 @@
+"""Whether an optimizer step really updated the weights, known without reading the device.
+
+GradScaler calls ``optimizer.step()`` only when the gradients are finite, so a step
+post-hook on the optimizer says whether the step was taken or skipped for inf/NaN. The
+hook goes first among the optimizer's post-hooks, so a failing hook of the user's,
+registered earlier, cannot hide that the update happened. Used by :class:`~mpnb.AmpStep`
+and by the hooks mpnb puts into other frameworks' training loops (``mpnb.integrations``).
+
+Example:
+    >>> import torch
+    >>> weight = torch.nn.Parameter(torch.ones(1))
+    >>> optimizer = torch.optim.SGD([weight], lr=0.1)
+    >>> watch = OptimizerStepWatch(optimizer)
+    >>> weight.grad = torch.ones(1)
+    >>> optimizer.step()
+    >>> watch.stepped, watch.skipped(torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu"))
+    (True, False)
+    >>> watch.remove()
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["OptimizerStepWatch"]
+
+
+class OptimizerStepWatch:
+    """Notes each call of ``optimizer.step()`` that went through (:attr:`stepped`, cleared by :meth:`reset`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.stepped = False
+        self._handle = optimizer.register_step_post_hook(_StepFlag(self))
+        optimizer._optimizer_step_post_hooks.move_to_end(self._handle.id, last=False)
+
+    def reset(self) -> None:
+        """Forget earlier steps: call just before the step to watch."""
+        self.stepped = False
+
+    def skipped(self, scaler: torch.amp.GradScaler | None, device: torch.device) -> torch.Tensor | bool:
+        """Whether the step just taken through ``scaler`` was skipped for inf/NaN gradients.
+
+        Read from what happened, never from the scale (which stops moving once it underflows
+        to 0). An optimizer that takes the scaler's found-inf flag into its own fused step is
+        always called; for it, the flag GradScaler handed over says, as a device tensor, so
+        nothing is read here. Without an enabled scaler nothing is ever skipped.
+        """
+        if scaler is None or not scaler.is_enabled():
+            return False
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            state = scaler._per_optimizer_states.get(id(self.optimizer))
+            found = state["found_inf_per_device"].values() if state else ()
+            return sum((flag.to(device, non_blocking=True) for flag in found), torch.zeros((), device=device)) > 0
+        return not self.stepped
+
+    def remove(self) -> None:
+        """Take the hook off the optimizer."""
+        self._handle.remove()
+
+
+class _StepFlag:
+    """The post-hook itself; holds the watch weakly so the hook never keeps it alive."""
+
+    def __init__(self, owner: OptimizerStepWatch) -> None:
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner.stepped = True
