@@ -25,6 +25,7 @@ CORE_LAYERS = (
     ("mpnb.precision",),
     ("mpnb.training",),
     ("mpnb.analysis", "mpnb.examples"),
+    ("mpnb.integrations",),
     ("mpnb.cli", "mpnb.__main__", "mpnb.ui"),
 )
 ROOT_LAYER = len(CORE_LAYERS)
@@ -42,6 +43,8 @@ MAY_IMPORT_UI = {"mpnb", "mpnb.cli"}
 #: where used: scikit-learn (the embedded example data), pandas (History.to_pandas) and Habana's
 #: own device library (the HPU backend, on Gaudi machines).
 CORE_DEPENDENCIES = {"torch", "numpy", "psutil", "sklearn", "pandas", "habana_frameworks"}
+#: The frameworks mpnb plugs into (optional extras), importable only in their own modules.
+INTEGRATIONS = {"mpnb.integrations.transformers": {"transformers"}, "mpnb.integrations.lightning": {"lightning"}}
 MAX_LINES = 400
 
 
@@ -116,7 +119,8 @@ def test_the_core_imports_only_the_standard_library_torch_numpy_psutil(name):
     outside = sorted(
         target
         for target in _imports(name)
-        if target.split(".")[0] not in CORE_DEPENDENCIES | set(sys.stdlib_module_names) | {"mpnb", "__future__"}
+        if target.split(".")[0]
+        not in CORE_DEPENDENCIES | INTEGRATIONS.get(name, set()) | set(sys.stdlib_module_names) | {"mpnb", "__future__"}
     )
     assert not outside, f"{name} imports {outside}: the core runs in a plain script (a UI library belongs in mpnb.ui)"
 

@@ -30,11 +30,16 @@ from typing import Any
 
 import torch
 
+from mpnb import views
+from mpnb.errors import InvalidChoiceError
 from mpnb.precision.backends import Backend
 from mpnb.training.history import COLUMNS, History, column_default
 from mpnb.training.step_clock import seconds
 
-__all__ = ["Recorder", "Sink", "MemorySampler", "MinScaleAlarm"]
+__all__ = ["DASHBOARDS", "Recorder", "Sink", "MemorySampler", "MinScaleAlarm", "check_dashboard", "dashboard_sinks"]
+
+#: The dashboards a run can ask for by name (besides a Sink of its own, or None).
+DASHBOARDS = ("auto", "live", "text")
 
 
 class Sink:
@@ -192,3 +197,25 @@ def _settle_step_times(columns: dict[str, list[Any]], samples: list[int | None])
     for index, (count, step_time) in enumerate(zip(samples, times)):
         if count is not None:
             rates[index] = count / step_time if count and step_time > 0 else math.nan
+
+
+def check_dashboard(dashboard: object) -> None:
+    """Refuse a dashboard that is neither a name in :data:`DASHBOARDS`, a :class:`Sink`, nor None.
+
+    >>> check_dashboard("plot")
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.InvalidChoiceError: unknown dashboard 'plot'; valid: auto, live, text, None, a Sink
+    """
+    if dashboard is not None and not isinstance(dashboard, Sink) and dashboard not in DASHBOARDS:
+        raise InvalidChoiceError("dashboard", dashboard, [*DASHBOARDS, "None", "a Sink"])
+
+
+def dashboard_sinks(dashboard: str | Sink | None, title: str, control: Any) -> list[Sink]:
+    """The sinks that show a run: none, the given one, or those the installed ``dashboard`` view
+    makes for ``"auto"`` / ``"live"`` / ``"text"`` (``control``: the run's FitControl, for its buttons)."""
+    if dashboard is None:
+        return []
+    if isinstance(dashboard, Sink):
+        return [dashboard]
+    return views.view("dashboard")(dashboard, title, control)

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpnb import views
-from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.errors import MpnbError
 from mpnb.precision.modes import Fp32Math, Mode
 from mpnb.precision.policy import session
 from mpnb.training.amp_step import AmpStep
@@ -34,11 +33,9 @@ from mpnb.training.control import FitControl, running_on_this_thread
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
 from mpnb.training.step_precision import TrainingPrecision
-from mpnb.training.telemetry import Sink
+from mpnb.training.telemetry import Sink, check_dashboard, dashboard_sinks
 
 __all__ = ["Trainer", "FitInterrupted"]
-
-DASHBOARDS = ("auto", "live", "text")
 
 
 class FitInterrupted(KeyboardInterrupt):
@@ -97,8 +94,7 @@ class Trainer:
     ) -> None:
         if loss_fn is not None and step_fn is not None:
             raise MpnbError("give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss")
-        if isinstance(dashboard, str) and dashboard not in DASHBOARDS:
-            raise InvalidChoiceError("dashboard", dashboard, [*DASHBOARDS, "None", "a Sink"])
+        check_dashboard(dashboard)
         self.amp = AmpStep(optimizer, mode=mode, device=device, on_nonfinite=on_nonfinite, **amp_options)
         self.device = self.amp.precision.device
         self.model = model.to(self.device)
@@ -236,7 +232,7 @@ class Trainer:
     def _sinks(self, capture: FitCapture | None) -> list[Sink]:
         if capture is not None:
             return [capture.sink] if capture.sink is not None else []
-        return _dashboard_sinks(self.dashboard, self.describe(), self.control)
+        return dashboard_sinks(self.dashboard, self.describe(), self.control)
 
     def _run(self, data: Iterable[Any], stop: StopRequest, max_steps: int | None) -> bool:
         """Train until the planned end, ``max_steps`` or a stop request; True when the plan is done."""
@@ -386,11 +382,3 @@ def _session_wishes() -> tuple[Any, ...]:
     """What a running fit follows: the session's mode and device, fp32-math wish, op lists."""
     snapshot = session.snapshot()
     return (snapshot.mode, snapshot.device), snapshot.fp32_wish, session.oplists.lists.copy()
-
-
-def _dashboard_sinks(dashboard: str | Sink | None, title: str, control: FitControl) -> list[Sink]:
-    if dashboard is None:
-        return []
-    if isinstance(dashboard, Sink):
-        return [dashboard]
-    return views.view("dashboard")(dashboard, title, control)

@@ -1,0 +1,139 @@
+"""mpnb's telemetry for loops you write yourself with Hugging Face Accelerate (or Fabric, or plain torch.amp).
+
+Needs ``pip install accelerate`` (in ``mpnb[transformers]``). One call after each micro-batch::
+
+    from mpnb.integrations.accelerate import watch
+
+    accelerator = Accelerator(mixed_precision="bf16")
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    with watch(accelerator, model, optimizer) as recorder:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            if recorder.record(loss, batch):  # True once Stop was pressed
+                break
+    recorder.history.summary()
+
+A row is recorded when a micro-batch ends an optimizer step (``accelerator.sync_gradients``),
+with the loss averaged over the step's micro-batches, the loss scale the step used and whether
+the Accelerator's GradScaler skipped it (read from the optimizer, no device sync), the learning
+rate, the step time, the memory and the mode read from autocast during the forward pass. Call
+``record`` after your scheduler's step: the learning rate it reads is the next step's.
+
+Example (a plain torch loop, no framework):
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with LoopRecorder.start("my loop", model, optimizer, scaler=None, device="cpu", dashboard=None) as recorder:
+    ...     for _ in range(3):
+    ...         loss = model(torch.ones(8, 4)).pow(2).mean()
+    ...         loss.backward()
+    ...         optimizer.step()
+    ...         optimizer.zero_grad()
+    ...         _ = recorder.record(loss, batch=torch.ones(8, 4))
+    >>> len(recorder.history), recorder.history.mode[0]
+    (3, 'fp32')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mpnb.integrations.loop_telemetry import LoopTelemetry
+from mpnb.precision.modes import Mode
+from mpnb.training.batches import samples_in
+from mpnb.training.history import History
+from mpnb.training.telemetry import Sink
+
+__all__ = ["LoopRecorder", "watch"]
+
+_ACCELERATE_MODES = {"no": Mode.FP32, "fp16": Mode.FP16, "bf16": Mode.BF16}
+
+
+class LoopRecorder:
+    """Records a loop you write: call :meth:`record` after each micro-batch's backward and step.
+
+    Attributes:
+        telemetry: the :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry` it feeds.
+        step_ends: says whether the micro-batch just recorded ended an optimizer step.
+    """
+
+    def __init__(self, telemetry: LoopTelemetry, step_ends: Callable[[], bool]) -> None:
+        self.telemetry, self.step_ends = telemetry, step_ends
+
+    @classmethod
+    def start(
+        cls,
+        framework: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scaler: torch.amp.GradScaler | None,
+        device: torch.device | str,
+        asked: Mode | None = None,
+        dashboard: str | Sink | None = "auto",
+        step_ends: Callable[[], bool] = lambda: True,
+    ) -> LoopRecorder:
+        """Attach to ``model`` and ``optimizer`` (the torch optimizer) and show the dashboard."""
+        telemetry = LoopTelemetry(framework, dashboard)
+        telemetry.begin(
+            model, optimizer, scaler=scaler, device=device, asked=asked, title=f"{framework}: {type(model).__name__}"
+        )
+        telemetry.window_begin()
+        telemetry.before_optimizer_step()
+        return cls(telemetry, step_ends)
+
+    @property
+    def history(self) -> History:
+        return self.telemetry.history
+
+    @property
+    def control(self):
+        return self.telemetry.control
+
+    def record(self, loss: torch.Tensor | float, batch: Any = None) -> bool:
+        """Note a micro-batch's loss (and its example count, from ``batch``); at the end of an
+        optimizer step record its row. Returns True when the loop should stop (Stop pressed,
+        or a non-finite loss with ``on_nonfinite="stop"``)."""
+        self.telemetry.add_loss(loss)
+        self.telemetry.add_samples(samples_in(batch) if batch is not None else None)
+        if not self.step_ends():
+            return False
+        checkpoint = self.telemetry.step_end()
+        self.telemetry.window_begin()
+        self.telemetry.before_optimizer_step()  # the scale and learning rate the next step starts with
+        return checkpoint.stop or self.telemetry.stop_requested
+
+    def close(self) -> History:
+        """Flush, close the dashboard, take the hooks off; returns the history."""
+        self.telemetry.end()
+        return self.history
+
+    def __enter__(self) -> LoopRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def watch(
+    accelerator: Any, model: torch.nn.Module, optimizer: Any, dashboard: str | Sink | None = "auto"
+) -> LoopRecorder:
+    """A started :class:`LoopRecorder` for an Accelerate loop: the Accelerator's scaler, device and
+    ``mixed_precision`` setting; a row at each micro-batch with ``accelerator.sync_gradients``."""
+    return LoopRecorder.start(
+        "Accelerate",
+        getattr(model, "module", model),
+        getattr(optimizer, "optimizer", optimizer),  # AcceleratedOptimizer wraps the torch optimizer
+        scaler=accelerator.scaler,
+        device=accelerator.device,
+        asked=_ACCELERATE_MODES.get(str(accelerator.mixed_precision)),
+        dashboard=dashboard,
+        step_ends=lambda: accelerator.sync_gradients,
+    )

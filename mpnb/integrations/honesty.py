@@ -1,0 +1,77 @@
+"""What a framework does that its user may not know: each said once, as a warning and a history event.
+
+Example:
+    >>> from mpnb.precision.modes import Mode
+    >>> print(precision_mismatch(asked=Mode.FP16, observed=Mode.BF16, framework="Lightning"))
+    Lightning was asked for fp16 but trains in bf16 (read from autocast during the forward pass)
+    >>> precision_mismatch(asked=Mode.BF16, observed=Mode.BF16, framework="Lightning") is None
+    True
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from mpnb.oplists.lists import OpLists
+from mpnb.precision.modes import Mode
+from mpnb.training.history import History
+
+__all__ = ["Notices", "fp16_without_scaling", "precision_mismatch", "session_lists_inside", "session_autocast_around"]
+
+
+def precision_mismatch(asked: Mode | None, observed: Mode | None, framework: str) -> str | None:
+    """Say so when the mode observed differs from the one the framework was asked for."""
+    if asked is None or observed is None or asked is observed:
+        return None
+    return f"{framework} was asked for {asked.value} but trains in {observed.value} (read from autocast during the forward pass)"
+
+
+def fp16_without_scaling(observed: Mode | None, scaler: torch.amp.GradScaler | None, framework: str) -> str | None:
+    """fp16 autocast with no enabled GradScaler: small gradients flush to zero, overflows go unnoticed."""
+    if observed is not Mode.FP16 or (scaler is not None and scaler.is_enabled()):
+        return None
+    return (
+        f"{framework} trains in fp16 autocast without loss scaling (no GradScaler): gradients below fp16's range "
+        "become zero and overflowing steps are applied, not skipped; use bf16, or a loss scaler "
+        "(transformers on CPU: bf16=True; Lightning: precision='bf16-mixed')"
+    )
+
+
+def session_lists_inside(lists: OpLists, framework: str) -> str | None:
+    """The session's op lists act in every autocast region, the framework's included."""
+    if not lists:
+        return None
+    return (
+        f"the session's op lists (%oplist: {len(lists.lower)} lower, {len(lists.fp32)} fp32) act inside "
+        f"{framework}'s autocast too: the listed ops run in the listed precision there; %oplist reset removes them"
+    )
+
+
+def session_autocast_around(device_type: str, framework: str) -> str | None:
+    """Autocast already on when training starts (``%amp`` in this cell, or an enclosing block)."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")
+    return (
+        f"autocast ({dtype}) is already on around {framework}'s training (the session's %amp mode, or an enclosing "
+        f"autocast block): where {framework} does not enter autocast itself, it trains in {dtype} anyway; "
+        "%amp off (or leaving the block) lets the framework's own setting decide"
+    )
+
+
+class Notices:
+    """Says each kind of notice at most once per run: a ``RuntimeWarning`` and a history event."""
+
+    def __init__(self, history: History) -> None:
+        self.history = history
+        self.said: dict[str, str] = {}
+
+    def say(self, kind: str, message: str | None, step: int = 0) -> None:
+        """Warn and note ``message`` at ``step`` (the optimizer step it was seen at; 0: before training)."""
+        if message is None or kind in self.said:
+            return
+        self.said[kind] = message
+        self.history.note(message, kind=kind, step=step)
+        warnings.warn(f"mpnb: {message}", RuntimeWarning, stacklevel=3)

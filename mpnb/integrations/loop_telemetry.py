@@ -1,0 +1,259 @@
+"""mpnb's telemetry for a training loop that someone else runs: one row per optimizer step.
+
+The framework callbacks (:mod:`mpnb.integrations.transformers`, :mod:`mpnb.integrations.lightning`)
+and the loop helpers (:mod:`mpnb.integrations.accelerate`) translate their framework's hooks
+into the calls below; everything else is shared with :class:`mpnb.Trainer`: the same
+:class:`~mpnb.training.telemetry.Recorder` (no host-device sync per step), step clock, memory
+sampler, health checks, dashboard and :class:`~mpnb.training.control.FitControl`.
+
+Per optimizer step: :meth:`~LoopTelemetry.window_begin` at its first micro-batch,
+:meth:`~LoopTelemetry.add_loss` (and :meth:`~LoopTelemetry.add_samples`) per micro-batch,
+:meth:`~LoopTelemetry.before_optimizer_step` just before the optimizer is called (through the
+framework's scaler or not), :meth:`~LoopTelemetry.step_end` after it. :meth:`~LoopTelemetry.begin`
+once before training, :meth:`~LoopTelemetry.end` after it, however it ended.
+
+Example (a hand-written bf16 loop; a framework's callback makes these calls for you):
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> telemetry = LoopTelemetry("my loop", dashboard=None)
+    >>> telemetry.begin(model, optimizer, scaler=None, device="cpu", asked=None)
+    >>> for _ in range(3):
+    ...     telemetry.window_begin()
+    ...     with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...         loss = model(torch.ones(8, 4)).float().pow(2).mean()
+    ...     loss.backward()
+    ...     telemetry.add_loss(loss)
+    ...     telemetry.add_samples(8)
+    ...     telemetry.before_optimizer_step()
+    ...     optimizer.step()
+    ...     optimizer.zero_grad()
+    ...     _ = telemetry.step_end()
+    >>> telemetry.end()
+    >>> len(telemetry.history), telemetry.history.mode
+    (3, ['bf16', 'bf16', 'bf16'])
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpnb.integrations.honesty import (
+    Notices,
+    fp16_without_scaling,
+    precision_mismatch,
+    session_autocast_around,
+    session_lists_inside,
+)
+from mpnb.integrations.observed import PrecisionObserver
+from mpnb.precision.backends import backend_for
+from mpnb.precision.modes import Mode
+from mpnb.precision.policy import session
+from mpnb.training.control import Checkpoint, FitControl
+from mpnb.training.health import HealthWatch
+from mpnb.training.history import History
+from mpnb.training.step_clock import StepClock
+from mpnb.training.step_watch import OptimizerStepWatch
+from mpnb.training.telemetry import MemorySampler, Recorder, Sink, check_dashboard, dashboard_sinks
+
+__all__ = ["LoopTelemetry"]
+
+_NOT_SEEN = "unseen"  # the mode column before a forward pass was observed
+
+
+class LoopTelemetry:
+    """Telemetry, controls and notices for a loop mpnb does not drive.
+
+    Args:
+        framework: the name notices use ("transformers.Trainer", "Lightning", ...).
+        dashboard: ``"auto"`` (live plot in a notebook, text progress elsewhere), ``"live"``,
+            ``"text"``, a :class:`~mpnb.training.telemetry.Sink`, or None.
+        on_nonfinite: ``"warn"`` (default) or ``"ignore"``: what a NaN/inf loss triggers.
+        flush_every: steps between copies of the device values to the host.
+
+    Attributes:
+        history: one row per optimizer step, across every run this object recorded.
+        control: Stop / Pause / Resume (the dashboard's buttons use it); the framework's hooks
+            turn a stop into the framework's own stop.
+    """
+
+    def __init__(
+        self,
+        framework: str,
+        dashboard: str | Sink | None = "auto",
+        on_nonfinite: str = "warn",
+        flush_every: int = 20,
+    ) -> None:
+        check_dashboard(dashboard)
+        self.framework, self.dashboard = framework, dashboard
+        self.history = History()
+        self.control = FitControl()
+        self.health = HealthWatch(on_nonfinite)
+        self.recorder = Recorder(self.history, flush_every=flush_every, sinks=[self.health])
+        self.notices = Notices(self.history)
+        self.steps = 0
+        self._run: _Run | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._run is not None
+
+    def begin(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scaler: torch.amp.GradScaler | None,
+        device: torch.device | str,
+        asked: Mode | None,
+        title: str | None = None,
+    ) -> None:
+        """Attach to a run about to start: hooks on ``model`` and ``optimizer``, the dashboard.
+
+        A run that never reached :meth:`end` (its framework raised) is ended first.
+        """
+        if self._run is not None:
+            self.end()
+        device = torch.device(device)
+        self._run = _Run(model, optimizer, scaler, device, asked)
+        self.health.restart(self.history)
+        sinks = dashboard_sinks(self.dashboard, title or f"{self.framework} (mpnb telemetry)", self.control)
+        self.recorder.sinks.extend(sinks)
+        self._run.sinks = sinks
+        self.control.begin()
+        self.notices.say("session_autocast", session_autocast_around(device.type, self.framework))
+        self.notices.say("session_oplists", session_lists_inside(session.oplists.lists, self.framework))
+
+    def window_begin(self) -> None:
+        """The first micro-batch of an optimizer step starts (a no-op for later ones)."""
+        self._require_run().clock.start()
+
+    def add_loss(self, loss: torch.Tensor | float, normalized: bool = False) -> None:
+        """A micro-batch's loss. ``normalized``: already divided so that the window's losses sum
+        to the step's loss (Lightning's accumulation, transformers' ``num_items_in_batch``);
+        otherwise the step's loss is the mean of the window's losses."""
+        run = self._require_run()
+        value = loss.detach().float() if isinstance(loss, torch.Tensor) else float(loss)
+        if normalized:
+            run.summed = value if run.summed is None else run.summed + value
+        else:
+            run.plain = value if run.plain is None else run.plain + value
+            run.plain_count += 1
+
+    def add_samples(self, count: int | None) -> None:
+        """Examples in a micro-batch (None when unknown)."""
+        if count:
+            self._require_run().samples += count
+
+    def before_optimizer_step(self) -> None:
+        """The optimizer is about to be called: note the scale it steps with, and the learning rate."""
+        run = self._require_run()
+        run.scale_before = _current_scale(run.scaler)
+        run.lr = run.optimizer.param_groups[0]["lr"]
+        run.watch.reset()
+        run.before_called = True
+
+    def step_end(self) -> Checkpoint:
+        """The optimizer step is over: record its row, say what needs saying, then deliver the
+        dashboard's requests (waits here while paused). The framework stops when ``.stop``."""
+        run = self._require_run()
+        skipped = run.watch.skipped(run.scaler, run.device) if run.before_called else False
+        observed = run.observer.mode
+        self.steps += 1
+        self.recorder.record(
+            step=self.steps,
+            loss=run.step_loss(),
+            loss_scale=run.scale_before,
+            skipped=skipped,
+            lr=run.lr,
+            step_time=run.clock.lap(),
+            samples=run.samples,
+            **dict(zip(("memory_used", "memory_peak", "memory_reserved"), run.memory.sample(time.perf_counter()))),
+            mode=observed.value if observed is not None else _NOT_SEEN,
+        )
+        run.next_window()
+        self.notices.say("precision_mismatch", precision_mismatch(run.asked, observed, self.framework), self.steps)
+        self.notices.say("fp16_without_scaling", fp16_without_scaling(observed, run.scaler, self.framework), self.steps)
+        return self.control.checkpoint()
+
+    @property
+    def stop_requested(self) -> bool:
+        """Stop was asked for (dashboard, ``control.stop()``) or a non-finite loss stops the run."""
+        return self.control.stop_requested or self.health.stop
+
+    def end(self) -> None:
+        """The run ended: flush, close the dashboard, take every hook off. Safe to call twice."""
+        run, self._run = self._run, None
+        if run is None:
+            return
+        try:
+            self.recorder.close()
+        finally:
+            for sink in run.sinks:
+                self.recorder.sinks.remove(sink)
+            run.detach()
+            self.control.end()
+
+    def _require_run(self) -> _Run:
+        if self._run is None:
+            raise RuntimeError(f"{self.framework}: no run is being recorded (begin() was not called, or end() was)")
+        return self._run
+
+    def __repr__(self) -> str:
+        state = "recording" if self._run is not None else "idle"
+        return f"<mpnb LoopTelemetry for {self.framework}: {self.steps} steps, {state}>"
+
+
+def _current_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float:
+    """The scale the next step uses, without a device read: a copy of the scaler's tensor, its
+    initial scale before its first use, 1.0 without an enabled scaler."""
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    scale = scaler._get_scale_async()
+    return scale.clone() if scale is not None else scaler.get_scale()  # get_scale() reads no tensor then
+
+
+class _Run:
+    """What one attached run holds: its hooks, clock, and the open optimizer step's values."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        device: torch.device,
+        asked: Mode | None,
+    ) -> None:
+        self.optimizer, self.scaler, self.device, self.asked = optimizer, scaler, device, asked
+        self.clock = StepClock(device)
+        self.memory = MemorySampler(backend_for(device), device)
+        self.watch = OptimizerStepWatch(optimizer)
+        self.observer = PrecisionObserver(model, device.type)
+        self.sinks: list[Sink] = []
+        self.next_window()
+
+    def next_window(self) -> None:
+        self.summed: torch.Tensor | float | None = None
+        self.plain: torch.Tensor | float | None = None
+        self.plain_count = 0
+        self.samples = 0
+        self.scale_before: torch.Tensor | float = 1.0
+        self.lr: Any = math.nan
+        self.before_called = False
+
+    def step_loss(self) -> torch.Tensor | float:
+        parts = [
+            part
+            for part in (self.summed, self.plain / self.plain_count if self.plain_count else None)
+            if part is not None
+        ]
+        return sum(parts[1:], parts[0]) if parts else math.nan
+
+    def detach(self) -> None:
+        self.watch.remove()
+        self.observer.remove()

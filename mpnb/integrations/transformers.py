@@ -1,0 +1,146 @@
+"""mpnb inside Hugging Face ``transformers.Trainer``: telemetry, the live dashboard, Stop / Pause, notices.
+
+Needs ``pip install 'mpnb[transformers]'``. Add the callback; change nothing else::
+
+    from mpnb.integrations.transformers import MpnbCallback, precision_args
+
+    callback = MpnbCallback()
+    args = TrainingArguments("out", use_cpu=True, **precision_args("bf16"))
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    callback.history.summary()
+
+What each row holds, and where it comes from:
+
+- loss: the loss the Trainer adds to its own log for that optimizer step (the model output's
+  ``loss``, summed over the step's micro-batches as the Trainer does when it passes
+  ``num_items_in_batch``, averaged otherwise), kept on the device until the next flush;
+- loss scale and skipped: the GradScaler the Trainer's Accelerator really uses (none: scale 1,
+  nothing skipped), skips seen as the optimizer step GradScaler did not let through;
+- mode: read from autocast during the forward pass, not from ``TrainingArguments``. On a CPU,
+  ``fp16=True`` trains fp16 autocast with no scaler at all: the callback warns.
+
+Stop on the dashboard (or ``callback.control.stop()``) sets ``control.should_training_stop``:
+the Trainer ends after the current step and runs its own end of training (saving included).
+
+Example:
+    >>> precision_args("bf16")
+    {'bf16': True, 'fp16': False, 'tf32': None}
+    >>> precision_args("fp32")
+    {'bf16': False, 'fp16': False, 'tf32': None}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from mpnb.integrations.loop_telemetry import LoopTelemetry
+from mpnb.precision.modes import Mode, parse_mode
+from mpnb.precision.policy import session
+from mpnb.training.batches import samples_in
+from mpnb.training.telemetry import Sink
+
+__all__ = ["MpnbCallback", "precision_args"]
+
+_FRAMEWORK = "transformers.Trainer"
+
+
+def precision_args(mode: str | Mode | None = None, device: str | torch.device | None = None) -> dict[str, Any]:
+    """The ``TrainingArguments`` keywords for a mode (default: the session's ``%amp`` mode).
+
+    ``tf32`` is set only on CUDA (the Trainer refuses it elsewhere): True for mode tf32, False
+    for fp32; None leaves the Trainer's default.
+
+    Raises:
+        InvalidChoiceError: an unknown mode, naming the valid ones.
+    """
+    chosen = parse_mode(mode) if mode is not None else session.mode
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    tf32 = {Mode.TF32: True, Mode.FP32: False}.get(chosen) if on_cuda else None
+    return {"bf16": chosen is Mode.BF16, "fp16": chosen is Mode.FP16, "tf32": tf32}
+
+
+def asked_mode(args: Any) -> Mode:
+    """The mode ``TrainingArguments`` asks for."""
+    if getattr(args, "bf16", False):
+        return Mode.BF16
+    if getattr(args, "fp16", False):
+        return Mode.FP16
+    return Mode.TF32 if getattr(args, "tf32", None) else Mode.FP32
+
+
+class MpnbCallback(TrainerCallback):
+    """mpnb's telemetry and controls for a ``transformers.Trainer``.
+
+    Args:
+        dashboard: ``"auto"`` (live plot in a notebook, text progress elsewhere), ``"live"``,
+            ``"text"``, a Sink, or None.
+        on_nonfinite: ``"warn"`` (default) or ``"ignore"``.
+        flush_every: optimizer steps between copies of the device values to the host.
+
+    Attributes:
+        history: one row per optimizer step (every ``train()`` this callback saw).
+        control: Stop / Pause / Resume.
+        telemetry: the :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry` behind it.
+    """
+
+    def __init__(
+        self, dashboard: str | Sink | None = "auto", on_nonfinite: str = "warn", flush_every: int = 20
+    ) -> None:
+        self.telemetry = LoopTelemetry(_FRAMEWORK, dashboard, on_nonfinite, flush_every)
+        self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
+
+    @property
+    def history(self):
+        return self.telemetry.history
+
+    @property
+    def control(self):
+        return self.telemetry.control
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        self.telemetry.begin(
+            model,
+            inner,
+            scaler=getattr(optimizer, "scaler", None),
+            device=args.device,
+            asked=asked_mode(args),
+            title=f"{_FRAMEWORK}: {type(model).__name__}",
+        )
+        self._loss_hook = model.register_forward_hook(self._forward_done, with_kwargs=True)
+
+    def _forward_done(self, module, args, kwargs, output) -> None:
+        if not (module.training and torch.is_grad_enabled()) or not self.telemetry.running:
+            return
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor):
+            # with num_items_in_batch the model already divided by the step's token count
+            self.telemetry.add_loss(loss, normalized=kwargs.get("num_items_in_batch") is not None)
+        self.telemetry.add_samples(samples_in(kwargs or args))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.telemetry.window_begin()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.telemetry.before_optimizer_step()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        checkpoint = self.telemetry.step_end()
+        if checkpoint.stop or self.telemetry.stop_requested:
+            control.should_training_stop = True
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._detach()
+
+    def _detach(self) -> None:
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
+        self.telemetry.end()
+
+    def __repr__(self) -> str:
+        return f"<mpnb MpnbCallback for {_FRAMEWORK}: {self.telemetry.steps} steps>"

@@ -1,0 +1,136 @@
+"""MpnbCallback inside a real Lightning Trainer on CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+L = pytest.importorskip("lightning", reason="the lightning extra: pip install 'mpnb[lightning]'")
+
+from mpnb.errors import InvalidChoiceError  # noqa: E402
+from mpnb.integrations.lightning import MpnbCallback, precision  # noqa: E402
+from mpnb.training.telemetry import Sink  # noqa: E402
+
+
+class Classifier(L.LightningModule):
+    """A small MLP; keeps every loss its training_step returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_index):
+        inputs, targets = batch
+        loss = nn.functional.cross_entropy(self.net(inputs), targets)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader() -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 16, generator=generator), torch.randint(0, 4, (96,), generator=generator))
+    return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def fit(callback, setting: str, max_steps: int = 5, **trainer_options):
+    torch.manual_seed(0)
+    module = Classifier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(
+            accelerator="cpu",
+            precision=setting,
+            max_steps=max_steps,
+            callbacks=[callback],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **trainer_options,
+        )
+        trainer.fit(module, loader())
+    said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
+    return trainer, module, said
+
+
+def test_bf16_mixed_rows_hold_the_training_steps_losses():
+    callback = MpnbCallback(dashboard=None)
+    trainer, module, said = fit(callback, "bf16-mixed")
+    history = callback.history
+    assert len(history) == trainer.global_step == 5
+    assert history.loss == pytest.approx(module.losses, rel=1e-6)
+    assert history.mode == ["bf16"] * 5 and history.lr == [0.1] * 5
+    assert history.samples_per_s[-1] == pytest.approx(8 / history.step_time[-1])
+    assert said == []
+
+
+def test_accumulated_batches_make_one_row_with_their_mean_loss():
+    callback = MpnbCallback(dashboard=None)
+    trainer, module, _ = fit(callback, "bf16-mixed", max_steps=3, accumulate_grad_batches=2)
+    assert len(callback.history) == trainer.global_step == 3
+    pairs = [sum(module.losses[i : i + 2]) / 2 for i in range(0, 6, 2)]
+    assert callback.history.loss == pytest.approx(pairs, rel=1e-6)
+
+
+def test_16_mixed_on_cpu_is_recorded_as_the_bf16_lightning_runs_with_a_warning():
+    callback = MpnbCallback(dashboard=None, precision="16-mixed")
+    trainer, _, said = fit(callback, "16-mixed", max_steps=2)
+    assert trainer.precision == "bf16-mixed"  # Lightning's own rewrite
+    assert callback.history.mode == ["bf16", "bf16"]
+    assert said == ["mpnb: Lightning was asked for fp16 but trains in bf16 (read from autocast during the forward pass)"]
+    assert callback.history.events[0]["kind"] == "precision_mismatch"
+
+
+class StopAt(Sink):
+    def __init__(self, callback, step):
+        self.callback, self.step = callback, step
+
+    def update(self, history):
+        if len(history) >= self.step:
+            self.callback.control.stop()
+
+
+def test_stop_ends_training_at_the_next_step():
+    callback = MpnbCallback(dashboard=None, flush_every=1)
+    callback.telemetry.recorder.sinks.append(StopAt(callback, 2))
+    trainer, module, _ = fit(callback, "bf16-mixed", max_steps=10)
+    assert trainer.global_step == len(callback.history) == 2
+    assert len(module.losses) == 2
+    assert not callback.telemetry.running
+
+
+def test_an_exception_in_training_takes_the_hooks_off():
+    class Failing(Classifier):
+        def training_step(self, batch, batch_index):
+            if batch_index == 2:
+                raise ValueError("broken batch")
+            return super().training_step(batch, batch_index)
+
+    callback = MpnbCallback(dashboard=None)
+    module = Failing()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=5, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    with pytest.raises(ValueError, match="broken batch"):
+        trainer.fit(module, loader())
+    assert len(callback.history) == 2 and callback.history.mode == ["fp32", "fp32"]
+    assert not callback.telemetry.running
+    assert not any(m._forward_pre_hooks for m in module.modules())
+    assert not trainer.optimizers[0]._optimizer_step_post_hooks
+
+
+def test_precision_strings_follow_the_session_and_refuse_what_lightning_lacks():
+    from mpnb.precision.policy import session
+
+    assert precision("fp16") == "16-mixed"
+    session.set_mode("bf16", "cpu")
+    assert precision() == "bf16-mixed"
+    with pytest.raises(InvalidChoiceError, match="'off'"):
+        precision("off")

@@ -1,0 +1,147 @@
+"""MpnbCallback inside a real transformers.Trainer: a GPT-2 from a small config, on CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the transformers extra: pip install 'mpnb[transformers]'")
+pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+from mpnb.errors import InvalidChoiceError  # noqa: E402
+from mpnb.integrations.transformers import MpnbCallback, precision_args  # noqa: E402
+from mpnb.training.telemetry import Sink  # noqa: E402
+from tests.conformance.models import gpt2_model  # noqa: E402
+
+
+def token_data(count: int = 64, length: int = 12) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 96, (count, length), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def train(callback, mode: str, tmp_path, max_steps: int = 6, accumulate: int = 1, data=None):
+    args = TrainingArguments(
+        str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=accumulate,
+        max_steps=max_steps,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        **precision_args(mode),
+    )
+    trainer = Trainer(model=gpt2_model(), args=args, train_dataset=data or token_data(), callbacks=[callback])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
+    return trainer, said
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_bf16_rows_are_the_trainers_own_steps_losses_and_learning_rates(tmp_path, accumulate):
+    callback = MpnbCallback(dashboard=None)
+    trainer, said = train(callback, "bf16", tmp_path, accumulate=accumulate)
+    history = callback.history
+    assert len(history) == trainer.state.global_step == 6
+    assert history.loss == pytest.approx(logged(trainer, "loss"), rel=1e-6)
+    assert history.lr == pytest.approx(logged(trainer, "learning_rate"), rel=1e-9)
+    assert history.mode == ["bf16"] * 6
+    assert history.loss_scale == [1.0] * 6 and history.skipped_steps == []
+    assert all(rate > 0 for rate in history.samples_per_s)
+    assert history.samples_per_s[-1] == pytest.approx(8 * accumulate / history.step_time[-1])
+    assert said == []
+
+
+def test_fp16_on_cpu_is_reported_as_what_really_runs(tmp_path):
+    callback = MpnbCallback(dashboard=None)
+    trainer, said = train(callback, "fp16", tmp_path, max_steps=3)
+    observed = callback.history.mode[0]  # read from autocast, whatever this transformers version does on CPU
+    assert callback.history.mode == [observed] * 3
+    assert callback.history.loss == pytest.approx(logged(trainer, "loss"), rel=1e-6)
+    if observed == "fp16":  # older stacks: fp16 autocast and no scaler
+        assert any("without loss scaling" in message for message in said)
+    else:
+        assert said == [f"mpnb: transformers.Trainer was asked for fp16 but trains in {observed} (read from autocast during the forward pass)"]
+        assert [event["kind"] for event in callback.history.events] == ["precision_mismatch"]
+
+
+def test_autocast_left_on_around_the_trainer_is_said_and_so_is_fp16_without_a_scaler(tmp_path):
+    callback = MpnbCallback(dashboard=None)
+    with torch.autocast("cpu", dtype=torch.float16):  # what a cell under `%amp fp16` is in
+        _, said = train(callback, "fp32", tmp_path, max_steps=2)
+    assert callback.history.mode == ["fp16", "fp16"]
+    kinds = [event["kind"] for event in callback.history.events]
+    assert kinds == ["session_autocast", "precision_mismatch", "fp16_without_scaling"]
+    assert len(said) == 3 and "already on around transformers.Trainer" in said[0]
+
+
+def test_session_op_lists_are_said_to_act_inside_the_trainer(tmp_path):
+    from mpnb.precision.policy import session
+
+    session.oplists.add("fp32", ["softmax"])
+    callback = MpnbCallback(dashboard=None)
+    _, said = train(callback, "bf16", tmp_path, max_steps=2)
+    assert len(said) == 1 and "op lists (%oplist: 0 lower, 1 fp32) act inside transformers.Trainer" in said[0]
+
+
+class StopAt(Sink):
+    def __init__(self, callback, step):
+        self.callback, self.step = callback, step
+
+    def update(self, history):
+        if len(history) >= self.step:
+            self.callback.control.stop()
+
+
+def test_stop_ends_training_through_the_trainers_own_stop(tmp_path):
+    callback = MpnbCallback(dashboard=None, flush_every=1)
+    callback.telemetry.recorder.sinks.append(StopAt(callback, 2))
+    trainer, _ = train(callback, "bf16", tmp_path, max_steps=10)
+    assert trainer.state.global_step == len(callback.history) == 2
+    assert not callback.telemetry.running  # on_train_end ran: hooks off, dashboard closed
+    model = trainer.model
+    assert not model._forward_hooks and not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_failed_train_leaves_no_hooks_behind_once_the_next_one_starts(tmp_path):
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, index):
+            if index >= 24:
+                raise RuntimeError("bad record")
+            return token_data(1)[0]
+
+    callback = MpnbCallback(dashboard=None)
+    with pytest.raises(RuntimeError, match="bad record"):
+        train(callback, "bf16", tmp_path, data=Broken())
+    failed_rows = len(callback.history)
+    trainer, _ = train(callback, "bf16", tmp_path, max_steps=2)
+    assert len(callback.history) == failed_rows + 2
+    assert sum(len(m._forward_pre_hooks) for m in trainer.model.modules()) == 0
+    assert not trainer.model._forward_hooks
+
+
+def test_precision_args_follow_the_session_mode_and_refuse_unknown_modes():
+    from mpnb.precision.policy import session
+
+    session.set_mode("bf16", "cpu")
+    assert precision_args() == {"bf16": True, "fp16": False, "tf32": None}
+    assert precision_args("tf32", device="cuda")["tf32"] is True
+    with pytest.raises(InvalidChoiceError, match="'fp8'"):
+        precision_args("fp8")
+    with pytest.raises(InvalidChoiceError, match="dashboard 'plot'"):
+        MpnbCallback(dashboard="plot")
