@@ -17,11 +17,15 @@ accelerate = pytest.importorskip("accelerate", reason="accelerate: pip install '
 
 def batches(count: int = 8):
     generator = torch.Generator().manual_seed(0)
-    return [(torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(count)]
+    return [
+        (torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(count)
+    ]
 
 
 def prepared(mixed_precision: str, scaler: torch.amp.GradScaler | None = None, accumulate: int = 1):
-    accelerator = accelerate.Accelerator(mixed_precision=mixed_precision, cpu=True, gradient_accumulation_steps=accumulate)
+    accelerator = accelerate.Accelerator(
+        mixed_precision=mixed_precision, cpu=True, gradient_accumulation_steps=accumulate
+    )
     if scaler is not None:
         accelerator.scaler = scaler  # on CPU Accelerate makes none; its own code paths use one given
     torch.manual_seed(0)
@@ -82,7 +86,9 @@ def test_fp16_on_cpu_says_that_accelerate_trains_something_else():
     observed = history.mode[0]
     said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
     if observed != "fp16":
-        assert said == [f"mpnb: Accelerate was asked for fp16 but trains in {observed} (read from autocast during the forward pass)"]
+        assert said == [
+            f"mpnb: Accelerate was asked for fp16 but trains in {observed} (read from autocast during the forward pass)"
+        ]
 
 
 def test_a_plain_loop_and_a_recorder_used_after_close():
@@ -97,4 +103,6 @@ def test_a_plain_loop_and_a_recorder_used_after_close():
 
 def test_importing_mpnb_imports_no_framework():
     code = "import sys, mpnb, mpnb.integrations; print(sorted({'transformers', 'lightning', 'accelerate'} & set(sys.modules)))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )

@@ -35,7 +35,9 @@ class Classifier(L.LightningModule):
 
 def loader() -> torch.utils.data.DataLoader:
     generator = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(96, 16, generator=generator), torch.randint(0, 4, (96,), generator=generator))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(96, 16, generator=generator), torch.randint(0, 4, (96,), generator=generator)
+    )
     return torch.utils.data.DataLoader(data, batch_size=8)
 
 
@@ -84,7 +86,9 @@ def test_16_mixed_on_cpu_is_recorded_as_the_bf16_lightning_runs_with_a_warning()
     trainer, _, said = fit(callback, "16-mixed", max_steps=2)
     assert trainer.precision == "bf16-mixed"  # Lightning's own rewrite
     assert callback.history.mode == ["bf16", "bf16"]
-    assert said == ["mpnb: Lightning was asked for fp16 but trains in bf16 (read from autocast during the forward pass)"]
+    assert said == [
+        "mpnb: Lightning was asked for fp16 but trains in bf16 (read from autocast during the forward pass)"
+    ]
     assert callback.history.events[0]["kind"] == "precision_mismatch"
 
 
@@ -116,7 +120,12 @@ def test_an_exception_in_training_takes_the_hooks_off():
     callback = MpnbCallback(dashboard=None)
     module = Failing()
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=5, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False
+        accelerator="cpu",
+        max_steps=5,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
     )
     with pytest.raises(ValueError, match="broken batch"):
         trainer.fit(module, loader())

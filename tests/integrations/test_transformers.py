@@ -10,12 +10,12 @@ import torch
 pytest.importorskip("transformers", reason="the transformers extra: pip install 'mpnb[transformers]'")
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
 
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainingArguments
 
-from mpnb.errors import InvalidChoiceError  # noqa: E402
-from mpnb.integrations.transformers import MpnbCallback, precision_args  # noqa: E402
-from mpnb.training.telemetry import Sink  # noqa: E402
-from tests.conformance.models import gpt2_model  # noqa: E402
+from mpnb.errors import InvalidChoiceError
+from mpnb.integrations.transformers import MpnbCallback, precision_args
+from mpnb.training.telemetry import Sink
+from tests.conformance.models import gpt2_model
 
 
 def token_data(count: int = 64, length: int = 12) -> list[dict[str, torch.Tensor]]:
@@ -73,7 +73,9 @@ def test_fp16_on_cpu_is_reported_as_what_really_runs(tmp_path):
     if observed == "fp16":  # older stacks: fp16 autocast and no scaler
         assert any("without loss scaling" in message for message in said)
     else:
-        assert said == [f"mpnb: transformers.Trainer was asked for fp16 but trains in {observed} (read from autocast during the forward pass)"]
+        assert said == [
+            f"mpnb: transformers.Trainer was asked for fp16 but trains in {observed} (read from autocast during the forward pass)"
+        ]
         assert [event["kind"] for event in callback.history.events] == ["precision_mismatch"]
 
 
