@@ -29,9 +29,14 @@ def binder_requirements() -> dict[str, Requirement]:
     return {requirement.name.lower(): requirement for requirement in requirements}
 
 
+#: The extras a lesson imports (notebooks/08_your_trainer.ipynb): Binder installs them too.
+LESSON_EXTRAS = ("transformers", "lightning")
+
+
 def project_requirements() -> dict[str, Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return {Requirement(text).name.lower(): Requirement(text) for text in project["dependencies"]}
+    texts = [*project["dependencies"], *(t for extra in LESSON_EXTRAS for t in project["optional-dependencies"][extra])]
+    return {Requirement(text).name.lower(): Requirement(text) for text in texts}
 
 
 def test_binder_installs_every_runtime_dependency_with_the_same_versions():

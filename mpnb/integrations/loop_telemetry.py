@@ -247,12 +247,13 @@ class _Run:
         self.before_called = False
 
     def step_loss(self) -> torch.Tensor | float:
-        parts = [
-            part
-            for part in (self.summed, self.plain / self.plain_count if self.plain_count else None)
-            if part is not None
-        ]
-        return sum(parts[1:], parts[0]) if parts else math.nan
+        """The summed (normalized) losses plus the mean of the plain ones; NaN when none came."""
+        mean = None
+        if self.plain_count:
+            mean = self.plain if self.plain_count == 1 else self.plain / self.plain_count
+        if mean is None:
+            return math.nan if self.summed is None else self.summed
+        return mean if self.summed is None else self.summed + mean
 
     def detach(self) -> None:
         self.watch.remove()

@@ -79,10 +79,25 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
 
 
 def samples_in(batch: Any) -> int | None:
-    """The leading dimension of the batch's first tensor (None without a tensor of one)."""
-    for tensor in _tensors(batch):
-        return len(tensor) if tensor.dim() else None
-    return None
+    """The leading dimension of the batch's first tensor (None without a tensor of one).
+
+    >>> samples_in((torch.zeros(8, 3), torch.zeros(8))), samples_in({"ids": torch.zeros(4, 5)}), samples_in([1, 2])
+    (8, 4, None)
+    """
+    first = _first_of(batch)  # the common shapes, without flattening the whole batch (once per step)
+    if not isinstance(first, torch.Tensor):
+        first = next(_tensors(batch), None)
+    if first is None:
+        return None
+    return len(first) if first.dim() else None
+
+
+def _first_of(batch: Any) -> Any:
+    if isinstance(batch, (tuple, list)) and batch:
+        return batch[0]
+    if isinstance(batch, dict) and batch:
+        return next(iter(batch.values()))
+    return batch
 
 
 def batch_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None, step_fn: StepFn | None) -> torch.Tensor:
