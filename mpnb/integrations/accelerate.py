@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from mpnb.integrations.loop_telemetry import LoopTelemetry
+from mpnb.integrations.loop_telemetry import LoopTelemetry, WithTelemetry
 from mpnb.precision.modes import Mode
 from mpnb.training.batches import samples_in
 from mpnb.training.history import History
@@ -56,7 +56,7 @@ __all__ = ["LoopRecorder", "watch"]
 _ACCELERATE_MODES = {"no": Mode.FP32, "fp16": Mode.FP16, "bf16": Mode.BF16}
 
 
-class LoopRecorder:
+class LoopRecorder(WithTelemetry):
     """Records a loop you write: call :meth:`record` after each micro-batch's backward and step.
 
     Attributes:
@@ -88,14 +88,6 @@ class LoopRecorder:
         telemetry.window_begin()
         telemetry.before_optimizer_step()
         return cls(telemetry, step_ends)
-
-    @property
-    def history(self) -> History:
-        return self.telemetry.history
-
-    @property
-    def control(self):
-        return self.telemetry.control
 
     def record(self, loss: torch.Tensor | float, batch: Any = None) -> bool:
         """Note a micro-batch's loss (and its example count, from ``batch``); at the end of an

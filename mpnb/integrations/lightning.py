@@ -33,7 +33,7 @@ import torch
 from lightning.pytorch import Callback
 
 from mpnb.errors import InvalidChoiceError
-from mpnb.integrations.loop_telemetry import LoopTelemetry
+from mpnb.integrations.loop_telemetry import LoopTelemetry, WithTelemetry
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.precision.policy import session
 from mpnb.training.batches import samples_in
@@ -63,7 +63,7 @@ def asked_mode(setting: str | int | None) -> Mode | None:
     return _MODES.get(str(setting).replace("bf16-true", "bf16"))
 
 
-class MpnbCallback(Callback):
+class MpnbCallback(Callback, WithTelemetry):
     """mpnb's telemetry and controls for a Lightning ``Trainer``.
 
     Args:
@@ -82,14 +82,6 @@ class MpnbCallback(Callback):
         self.telemetry = LoopTelemetry("Lightning", dashboard, on_nonfinite, flush_every)
         self.asked = precision
         self._step_pending = False
-
-    @property
-    def history(self):
-        return self.telemetry.history
-
-    @property
-    def control(self):
-        return self.telemetry.control
 
     def on_train_start(self, trainer, pl_module) -> None:
         setting = self.asked if self.asked is not None else trainer.precision

@@ -61,7 +61,7 @@ from mpnb.training.step_clock import StepClock
 from mpnb.training.step_watch import OptimizerStepWatch
 from mpnb.training.telemetry import MemorySampler, Recorder, Sink, check_dashboard, dashboard_sinks
 
-__all__ = ["LoopTelemetry"]
+__all__ = ["LoopTelemetry", "WithTelemetry"]
 
 _NOT_SEEN = "unseen"  # the mode column before a forward pass was observed
 
@@ -216,6 +216,22 @@ def _current_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float:
         return 1.0
     scale = scaler._get_scale_async()
     return scale.clone() if scale is not None else scaler.get_scale()  # get_scale() reads no tensor then
+
+
+class WithTelemetry:
+    """What every integration shows of its :class:`LoopTelemetry` (held as ``self.telemetry``)."""
+
+    telemetry: LoopTelemetry
+
+    @property
+    def history(self) -> History:
+        """One row per optimizer step."""
+        return self.telemetry.history
+
+    @property
+    def control(self) -> FitControl:
+        """Stop / Pause / Resume of the running training."""
+        return self.telemetry.control
 
 
 class _Run:

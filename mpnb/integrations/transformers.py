@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from mpnb.integrations.loop_telemetry import LoopTelemetry
+from mpnb.integrations.loop_telemetry import LoopTelemetry, WithTelemetry
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.precision.policy import session
 from mpnb.training.batches import samples_in
@@ -71,7 +71,7 @@ def asked_mode(args: Any) -> Mode:
     return Mode.TF32 if getattr(args, "tf32", None) else Mode.FP32
 
 
-class MpnbCallback(TrainerCallback):
+class MpnbCallback(TrainerCallback, WithTelemetry):
     """mpnb's telemetry and controls for a ``transformers.Trainer``.
 
     Args:
@@ -91,14 +91,6 @@ class MpnbCallback(TrainerCallback):
     ) -> None:
         self.telemetry = LoopTelemetry(_FRAMEWORK, dashboard, on_nonfinite, flush_every)
         self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
-
-    @property
-    def history(self):
-        return self.telemetry.history
-
-    @property
-    def control(self):
-        return self.telemetry.control
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one

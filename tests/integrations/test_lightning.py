@@ -12,7 +12,7 @@ L = pytest.importorskip("lightning", reason="the lightning extra: pip install 'm
 
 from mpnb.errors import InvalidChoiceError  # noqa: E402
 from mpnb.integrations.lightning import MpnbCallback, precision  # noqa: E402
-from mpnb.training.telemetry import Sink  # noqa: E402
+from tests.integrations.sinks import StopAt  # noqa: E402
 
 
 class Classifier(L.LightningModule):
@@ -90,15 +90,6 @@ def test_16_mixed_on_cpu_is_recorded_as_the_bf16_lightning_runs_with_a_warning()
         "mpnb: Lightning was asked for fp16 but trains in bf16 (read from autocast during the forward pass)"
     ]
     assert callback.history.events[0]["kind"] == "precision_mismatch"
-
-
-class StopAt(Sink):
-    def __init__(self, callback, step):
-        self.callback, self.step = callback, step
-
-    def update(self, history):
-        if len(history) >= self.step:
-            self.callback.control.stop()
 
 
 def test_stop_ends_training_at_the_next_step():

@@ -14,8 +14,8 @@ from transformers import Trainer, TrainingArguments
 
 from mpnb.errors import InvalidChoiceError
 from mpnb.integrations.transformers import MpnbCallback, precision_args
-from mpnb.training.telemetry import Sink
 from tests.conformance.models import gpt2_model
+from tests.integrations.sinks import StopAt
 
 
 def token_data(count: int = 64, length: int = 12) -> list[dict[str, torch.Tensor]]:
@@ -96,15 +96,6 @@ def test_session_op_lists_are_said_to_act_inside_the_trainer(tmp_path):
     callback = MpnbCallback(dashboard=None)
     _, said = train(callback, "bf16", tmp_path, max_steps=2)
     assert len(said) == 1 and "op lists (%oplist: 0 lower, 1 fp32) act inside transformers.Trainer" in said[0]
-
-
-class StopAt(Sink):
-    def __init__(self, callback, step):
-        self.callback, self.step = callback, step
-
-    def update(self, history):
-        if len(history) >= self.step:
-            self.callback.control.stop()
 
 
 def test_stop_ends_training_through_the_trainers_own_stop(tmp_path):
