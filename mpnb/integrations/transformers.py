@@ -17,7 +17,8 @@ What each row holds, and where it comes from:
 - loss scale and skipped: the GradScaler the Trainer's Accelerator really uses (none: scale 1,
   nothing skipped), skips seen as the optimizer step GradScaler did not let through;
 - mode: read from autocast during the forward pass, not from ``TrainingArguments``. On a CPU,
-  ``fp16=True`` trains fp16 autocast with no scaler at all: the callback warns.
+  ``fp16=True`` trains in fp32 (transformers 5.23 with Accelerate 1.15) or, on older stacks, fp16
+  autocast with no scaler at all: either way the callback warns.
 
 Stop on the dashboard (or ``callback.control.stop()``) sets ``control.should_training_stop``:
 the Trainer ends after the current step and runs its own end of training (saving included).
@@ -93,6 +94,7 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
         self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._detach()  # a train() that raised never reached on_train_end: its hooks come off first
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
         self.telemetry.begin(
             model,

@@ -138,3 +138,24 @@ def test_precision_args_follow_the_session_mode_and_refuse_unknown_modes():
         precision_args("fp8")
     with pytest.raises(InvalidChoiceError, match="dashboard 'plot'"):
         MpnbCallback(dashboard="plot")
+
+
+def test_a_train_that_raised_mid_step_does_not_double_count_the_next_ones_losses(tmp_path):
+    from transformers import TrainerCallback
+
+    class FailAtStep2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("failed at step 2")
+
+    callback = MpnbCallback(dashboard=None)
+    model = gpt2_model()
+    args = TrainingArguments(str(tmp_path), use_cpu=True, per_device_train_batch_size=8, max_steps=3, logging_steps=1,
+                             report_to=[], save_strategy="no", disable_tqdm=True)  # fmt: skip
+    failing = Trainer(model=model, args=args, train_dataset=token_data(), callbacks=[callback, FailAtStep2()])
+    with pytest.raises(RuntimeError, match="failed at step 2"):
+        failing.train()
+    again = Trainer(model=model, args=args, train_dataset=token_data(), callbacks=[callback])
+    again.train()
+    assert callback.history.loss[-3:] == pytest.approx(logged(again, "loss"), rel=1e-6)
+    assert len(model._forward_hooks) == 0
