@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from paired_rounds import median_ratio, paired_rounds
 from results_file import write_results
 from torch import nn
 
@@ -133,24 +134,19 @@ FRAMEWORKS = {"transformers": transformers_runs, "lightning": lightning_runs, "a
 
 
 def measure(plain: Callable[[], None], watched: Callable[[], None], rounds: int, steps: int) -> dict:
-    def timed(run: Callable[[], None]) -> float:
-        start = time.perf_counter()
-        run()
-        return (time.perf_counter() - start) / steps
+    def timed(run: Callable[[], None]) -> Callable[[int], float]:
+        def seconds_per_step(round_index: int) -> float:
+            start = time.perf_counter()
+            run()
+            return (time.perf_counter() - start) / steps
 
-    plain_times, watched_times = [], []
-    for round_index in range(rounds + 1):  # round 0 warms both up
-        if round_index % 2:
-            watched_time, plain_time = timed(watched), timed(plain)
-        else:
-            plain_time, watched_time = timed(plain), timed(watched)
-        if round_index:
-            plain_times.append(plain_time)
-            watched_times.append(watched_time)
+        return seconds_per_step
+
+    plain_times, watched_times = paired_rounds(timed(plain), timed(watched), rounds)
     return {
         "median_step_s_plain": statistics.median(plain_times),
         "median_step_s_with_mpnb": statistics.median(watched_times),
-        "ratio_with_over_plain": statistics.median(w / p for p, w in zip(plain_times, watched_times)),
+        "ratio_with_over_plain": median_ratio(plain_times, watched_times),
         "steps_per_run": steps,
         "rounds": rounds,
     }

@@ -31,6 +31,7 @@ import statistics
 
 import torch
 from on_device import add_device_argument, device_label, settled_clock, to_device
+from paired_rounds import median_ratio, paired_rounds
 from results_file import write_results
 from torch import nn
 
@@ -76,24 +77,19 @@ def measure(model_name: str, batches, rounds: int, lists: OpLists, label: str) -
     listed_model = copy.deepcopy(plain_model)
     plain_opt = torch.optim.Adam(plain_model.parameters(), 1e-3)
     listed_opt = torch.optim.Adam(listed_model.parameters(), 1e-3)
-    plain, listed = [], []
 
-    def listed_block() -> float:
+    def plain_block(round_index: int) -> float:
+        return train_block(plain_model, plain_opt, batches)
+
+    def listed_block(round_index: int) -> float:
         session.oplists.replace(lists)  # the session lists, as %oplist sets them
         try:
             return train_block(listed_model, listed_opt, batches)
         finally:
             session.oplists.reset()
 
-    for round_index in range(rounds + 1):  # round 0 warms up
-        if round_index % 2:  # alternate the order, so that drift favours neither
-            listed_time, plain_time = listed_block(), train_block(plain_model, plain_opt, batches)
-        else:
-            plain_time, listed_time = train_block(plain_model, plain_opt, batches), listed_block()
-        if round_index:
-            plain.append(plain_time)
-            listed.append(listed_time)
-    ratio = statistics.median(b / a for a, b in zip(plain, listed))  # paired: each round's own ratio
+    plain, listed = paired_rounds(plain_block, listed_block, rounds)
+    ratio = median_ratio(plain, listed)
     print(
         f"digits {model_name} bf16: plain autocast {statistics.median(plain) * 1e3:.2f} ms, with {label} lists "
         f"{statistics.median(listed) * 1e3:.2f} ms, ratio {ratio:.3f}"

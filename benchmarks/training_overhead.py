@@ -17,6 +17,7 @@ import statistics
 
 import torch
 from on_device import add_device_argument, device_label, settled_clock, to_device
+from paired_rounds import median_ratio, paired_rounds
 from results_file import write_results
 from torch import nn
 
@@ -90,29 +91,24 @@ def measure(name: str, make_model, batches, loss_fn, mode: str, rounds: int, blo
     scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
     dashboard = LiveDashboard(name)
     trainer = mpnb.Trainer(model_b, opt_b, loss_fn, mode=mode, device=device, dashboard=dashboard)
-    hand_times, trainer_times = [], []
 
-    def hand_block(chunk) -> float:
+    def chunk(round_index: int) -> list:
+        return [batches[(round_index * block + i) % len(batches)] for i in range(block)]
+
+    def hand_block(round_index: int) -> float:
         start = settled_clock(device)
-        hand_written(model_a, opt_a, scaler, dtype, loss_fn, chunk)
-        return (settled_clock(device) - start) / len(chunk)
+        hand_written(model_a, opt_a, scaler, dtype, loss_fn, chunk(round_index))
+        return (settled_clock(device) - start) / block
 
-    def trainer_block(chunk) -> float:
+    def trainer_block(round_index: int) -> float:
+        steps = chunk(round_index)
         start = settled_clock(device)
-        trainer.fit(chunk, epochs=1)
-        return (settled_clock(device) - start) / len(chunk)
+        trainer.fit(steps, epochs=1)
+        return (settled_clock(device) - start) / block
 
-    for round_index in range(rounds + 1):  # round 0 warms both up
-        chunk = [batches[(round_index * block + i) % len(batches)] for i in range(block)]
-        if round_index % 2:  # alternate the order, so that drift favours neither
-            trainer_time, hand_time = trainer_block(chunk), hand_block(chunk)
-        else:
-            hand_time, trainer_time = hand_block(chunk), trainer_block(chunk)
-        if round_index:
-            hand_times.append(hand_time)
-            trainer_times.append(trainer_time)
+    hand_times, trainer_times = paired_rounds(hand_block, trainer_block, rounds)
     hand, ours = statistics.median(hand_times), statistics.median(trainer_times)
-    paired = statistics.median(t / h for h, t in zip(hand_times, trainer_times))
+    paired = median_ratio(hand_times, trainer_times)
     return {
         "case": name,
         "median_step_s_hand_written": hand,

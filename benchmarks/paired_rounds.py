@@ -1,0 +1,42 @@
+"""The timing schedule the side-by-side benchmarks share: rounds that time a baseline and a
+candidate back to back, the order flipped every round so that drift favours neither, round 0
+only warming both up; the figure is the median of each round's own ratio.
+
+    >>> order = []
+    >>> def timer(name, seconds):
+    ...     return lambda round_index: order.append(f"{name}{round_index}") or seconds * round_index
+    >>> baseline, candidate = paired_rounds(timer("a", 1.0), timer("b", 1.5), rounds=2)
+    >>> order, baseline, candidate
+    (['a0', 'b0', 'b1', 'a1', 'a2', 'b2'], [1.0, 2.0], [1.5, 3.0])
+    >>> median_ratio(baseline, candidate)
+    1.5
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+__all__ = ["median_ratio", "paired_rounds"]
+
+
+def paired_rounds(
+    baseline: Callable[[int], float], candidate: Callable[[int], float], rounds: int
+) -> tuple[list[float], list[float]]:
+    """Call each with the round's index (1 to ``rounds``, after a warm-up round 0) and keep the
+    seconds they return: baseline first in even rounds, candidate first in odd ones."""
+    baseline_times, candidate_times = [], []
+    for round_index in range(rounds + 1):
+        if round_index % 2:
+            candidate_time, baseline_time = candidate(round_index), baseline(round_index)
+        else:
+            baseline_time, candidate_time = baseline(round_index), candidate(round_index)
+        if round_index:
+            baseline_times.append(baseline_time)
+            candidate_times.append(candidate_time)
+    return baseline_times, candidate_times
+
+
+def median_ratio(baseline: Sequence[float], candidate: Sequence[float]) -> float:
+    """The median over rounds of candidate / baseline (paired: each round's own ratio)."""
+    return statistics.median(c / b for b, c in zip(baseline, candidate))
