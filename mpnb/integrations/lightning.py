@@ -60,7 +60,7 @@ def precision(mode: str | Mode | None = None) -> str:
 
 def asked_mode(setting: str | int | None) -> Mode | None:
     """The mode a Lightning precision setting asks for (None for settings mpnb has no mode for)."""
-    return _MODES.get(str(setting).replace("bf16-true", "bf16"))
+    return _MODES.get(str(setting))
 
 
 class MpnbCallback(Callback, WithTelemetry):

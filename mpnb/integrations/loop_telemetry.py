@@ -58,7 +58,7 @@ from mpnb.training.control import Checkpoint, FitControl
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
 from mpnb.training.step_clock import StepClock
-from mpnb.training.step_watch import OptimizerStepWatch
+from mpnb.training.step_watch import OptimizerStepWatch, scale_in_use
 from mpnb.training.telemetry import MemorySampler, Recorder, Sink, check_dashboard, dashboard_sinks
 
 __all__ = ["LoopTelemetry", "WithTelemetry"]
@@ -153,7 +153,7 @@ class LoopTelemetry:
     def before_optimizer_step(self) -> None:
         """The optimizer is about to be called: note the scale it steps with, and the learning rate."""
         run = self._require_run()
-        run.scale_before = _current_scale(run.scaler)
+        run.scale_before = scale_in_use(run.scaler)
         run.lr = run.optimizer.param_groups[0]["lr"]
         run.watch.reset()
         run.before_called = True
@@ -164,6 +164,7 @@ class LoopTelemetry:
         run = self._require_run()
         skipped = run.watch.skipped(run.scaler, run.device) if run.before_called else False
         observed = run.observer.mode
+        used, peak, reserved = run.memory.sample(time.perf_counter())
         self.steps += 1
         self.recorder.record(
             step=self.steps,
@@ -173,7 +174,9 @@ class LoopTelemetry:
             lr=run.lr,
             step_time=run.clock.lap(),
             samples=run.samples,
-            **dict(zip(("memory_used", "memory_peak", "memory_reserved"), run.memory.sample(time.perf_counter()))),
+            memory_used=used,
+            memory_peak=peak,
+            memory_reserved=reserved,
             mode=observed.value if observed is not None else _NOT_SEEN,
         )
         run.next_window()
@@ -207,15 +210,6 @@ class LoopTelemetry:
     def __repr__(self) -> str:
         state = "recording" if self._run is not None else "idle"
         return f"<mpnb LoopTelemetry for {self.framework}: {self.steps} steps, {state}>"
-
-
-def _current_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float:
-    """The scale the next step uses, without a device read: a copy of the scaler's tensor, its
-    initial scale before its first use, 1.0 without an enabled scaler."""
-    if scaler is None or not scaler.is_enabled():
-        return 1.0
-    scale = scaler._get_scale_async()
-    return scale.clone() if scale is not None else scaler.get_scale()  # get_scale() reads no tensor then
 
 
 class WithTelemetry:

@@ -43,7 +43,7 @@ from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
 from mpnb.training.step_clock import StepClock
 from mpnb.training.step_precision import TrainingPrecision
-from mpnb.training.step_watch import OptimizerStepWatch
+from mpnb.training.step_watch import OptimizerStepWatch, scale_in_use
 from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink
 
 __all__ = ["AmpStep"]
@@ -168,8 +168,7 @@ class AmpStep:
         self._samples += samples or 0
         if self._micro_batches % self.accumulate:
             return False
-        scale = self.scaler._get_scale_async() if self.scaler.is_enabled() else None
-        scale_before = scale.clone() if scale is not None else 1.0
+        scale_before = scale_in_use(self.scaler)
         grad_norm = self._unscale_and_clip()
         lr = self.optimizer.param_groups[0]["lr"]
         self._step_watch.reset()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerStepWatch"]
+__all__ = ["OptimizerStepWatch", "scale_in_use"]
 
 
 class OptimizerStepWatch:
@@ -60,6 +60,20 @@ class OptimizerStepWatch:
     def remove(self) -> None:
         """Take the hook off the optimizer."""
         self._handle.remove()
+
+
+def scale_in_use(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float:
+    """The loss scale the next optimizer step runs with, read without a device sync: a copy of the
+    scaler's scale tensor (``update()`` changes it in place), its initial scale before its first
+    use, 1.0 without an enabled scaler.
+
+    >>> scale_in_use(torch.amp.GradScaler("cpu", init_scale=1024.0)), scale_in_use(None)
+    (1024.0, 1.0)
+    """
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    scale = scaler._get_scale_async()
+    return scale.clone() if scale is not None else scaler.get_scale()  # get_scale() reads no tensor then
 
 
 class _StepFlag:
