@@ -129,6 +129,11 @@ class LoopTelemetry:
         self.notices.say("session_autocast", session_autocast_around(device.type, self.framework))
         self.notices.say("session_oplists", session_lists_inside(session.oplists.lists, self.framework))
 
+    def hold(self, handle: torch.utils.hooks.RemovableHandle) -> None:
+        """Take ``handle`` (a hook the caller put on for this run) off with the run's own hooks,
+        at :meth:`end` or when the next :meth:`begin` ends a run that never reached it."""
+        self._require_run().handles.append(handle)
+
     def window_begin(self) -> None:
         """The first micro-batch of an optimizer step starts (a no-op for later ones)."""
         self._require_run().clock.start()
@@ -245,6 +250,7 @@ class _Run:
         self.watch = OptimizerStepWatch(optimizer)
         self.observer = PrecisionObserver(model, device.type)
         self.sinks: list[Sink] = []
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.next_window()
 
     def next_window(self) -> None:
@@ -268,3 +274,5 @@ class _Run:
     def detach(self) -> None:
         self.watch.remove()
         self.observer.remove()
+        for handle in self.handles:
+            handle.remove()

@@ -91,10 +91,8 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
         self, dashboard: str | Sink | None = "auto", on_nonfinite: str = "warn", flush_every: int = 20
     ) -> None:
         self.telemetry = LoopTelemetry(_FRAMEWORK, dashboard, on_nonfinite, flush_every)
-        self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._detach()  # a train() that raised never reached on_train_end: its hooks come off first
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
         self.telemetry.begin(
             model,
@@ -104,7 +102,8 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
             asked=asked_mode(args),
             title=f"{_FRAMEWORK}: {type(model).__name__}",
         )
-        self._loss_hook = model.register_forward_hook(self._forward_done, with_kwargs=True)
+        # held by the run: off at on_train_end, or at the next begin() when a train() raised before it
+        self.telemetry.hold(model.register_forward_hook(self._forward_done, with_kwargs=True))
 
     def _forward_done(self, module, args, kwargs, output) -> None:
         if not (module.training and torch.is_grad_enabled()) or not self.telemetry.running:
@@ -128,12 +127,6 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._detach()
-
-    def _detach(self) -> None:
-        if self._loss_hook is not None:
-            self._loss_hook.remove()
-            self._loss_hook = None
         self.telemetry.end()
 
     def __repr__(self) -> str:
