@@ -142,7 +142,8 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
         if isinstance(value, tensor_type):
             if value.dtype in castable and on_device(value):
                 copy = cast_to(value)
-                copies.append((value, copy, copy._version))
+                if not copy.is_inference():  # inference tensors keep no version counter (nor do writes matter)
+                    copies.append((value, copy, copy._version))
                 return copy
             return value
         if isinstance(value, (list, tuple)):  # Tensor[], Tensor?[]

@@ -188,3 +188,15 @@ def test_torchs_rule_is_never_read_off_an_mpnb_kernel():
             assert torch.mm(x, x).dtype == torch.float32
     finally:
         lists.reset()
+
+
+@pytest.mark.parametrize("which", ["lower", "fp32"])
+def test_lists_work_under_inference_mode(which):
+    """Casts made in inference mode are inference tensors, which keep no version counter."""
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    lists = OpLists.of(**{which: ["relu", "mm"]})
+    with OpListOverride(lists, ["cpu"]), torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        listed = torch.relu(x), torch.mm(x, w)
+    dtype = torch.bfloat16 if which == "lower" else torch.float32
+    assert [t.dtype for t in listed] == [dtype, dtype]
+    assert torch.equal(listed[1], torch.mm(x.to(dtype), w.to(dtype)))
