@@ -2,13 +2,14 @@
 
 torch.autocast decides each op's dtype in kernels registered on the ``AutocastCPU`` /
 ``AutocastCUDA`` / ``AutocastHPU`` ... dispatch keys. An :class:`OpListOverride` registers
-its own kernel there for every listed op (``torch.library.Library(..., "IMPL", key)`` with
-``allow_override``): the kernel casts the floating inputs (to fp32, or to the current
-autocast dtype) and calls the op again below the autocast key. Nothing happens outside
-autocast, because those keys are only active inside it. An op whose torch kernel already
+its own kernel there for every listed op: the kernel casts the floating inputs (to fp32, or to
+the current autocast dtype) and calls the op again below the autocast key. The kernels are
+C++ (``list_kernel.cpp``, built on first use by :mod:`~mpnb.oplists.compiled_kernels`), or
+Python (``torch.library.Library(..., "IMPL", key)`` with ``allow_override``) where no compiler
+is. Nothing happens outside autocast, because those keys are only active inside it. An op whose torch kernel already
 casts as the list says gets no kernel of its own (unless another override holds it), so a list
-entry that only repeats torch's rule costs nothing. Releasing destroys the library
-handles, which puts torch's own kernels back. Code compiled by torch.compile is dropped on each
+entry that only repeats torch's rule costs nothing. Releasing destroys the registrations,
+which puts torch's own kernels back. Code compiled by torch.compile is dropped on each
 change, so that it recompiles under the lists now in force.
 
 Example:
@@ -32,11 +33,12 @@ import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from mpnb.errors import InvalidChoiceError
+from mpnb.oplists import compiled_kernels
 from mpnb.oplists.keys import AUTOCAST_KEYS
 from mpnb.oplists.lists import OpLists, aten_overloads
 from mpnb.oplists.torch_rules import torch_rule
@@ -109,31 +111,40 @@ def _holds_tensors(kind: torch._C.JitType) -> bool:
     return isinstance(kind, torch._C.TensorType)
 
 
+def _tensor_positions(op: torch._ops.OpOverload) -> tuple[int, ...]:
+    """Indices of the schema arguments a list kernel may cast: those that can hold tensors.
+
+    An op that keeps state (arguments such as ``running_mean``, see :func:`_state_argument_names`)
+    has only its data, the first argument, cast: its weights and statistics stay in their own
+    precision, as torch's mixed-precision BatchNorm kernels take them, so statistics update
+    exactly and never round.
+    """
+    arguments = op._schema.arguments
+    if any(arg.name in _state_argument_names() for arg in arguments):
+        return (0,)
+    return tuple(i for i, arg in enumerate(arguments) if _holds_tensors(arg.type))
+
+
 def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool) -> Callable[..., Any]:
-    """The list kernel for ``op``: cast as torch.autocast casts, call below autocast, keep writes.
+    """The Python list kernel for ``op``: cast as torch.autocast casts, call below autocast, keep writes.
 
     Only the tensors torch.autocast itself would cast are cast: floating, on the autocast
-    device, not float64 (``is_eligible`` in ATen/autocast_mode.h). An op that keeps state
-    (arguments such as ``running_mean``, see :func:`_state_argument_names`) has only its data,
-    the first argument, cast: its weights and statistics stay in their own precision, as torch's
-    mixed-precision BatchNorm kernels take them, so statistics update exactly and never round.
+    device, not float64 (``is_eligible`` in ATen/autocast_mode.h), at :func:`_tensor_positions`.
     What an op writes into a cast copy (its version counter moved) is copied back to the caller.
+    ``list_kernel.cpp`` does the same in C++ and is used instead where it could be built.
 
     The kernel runs for every call of a listed op, so everything that does not depend on the
     call is decided here, once, from the op's schema: which arguments can hold tensors, which
-    dtypes are castable. No pytree, no per-call closures, no argument parsing for casts
-    (``benchmarks/oplist_overhead.py`` measures what remains).
+    dtypes are castable. No pytree, no per-call closures, no argument parsing for casts.
     """
     below_autocast = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
     exclude_autocast = torch._C._ExcludeDispatchKeyGuard
     on_device = _ON_DEVICE.get(device_type, lambda tensor: tensor.device.type == device_type)
     call = op._op  # the overload's C++ entry point, without OpOverload.__call__'s Python frame
     arguments = op._schema.arguments
-    keeps_state = any(arg.name in _state_argument_names() for arg in arguments)
-    positional = [arg for arg in arguments if not arg.kwarg_only]
     # Where tensors can be: positions of the positional arguments, names of the keyword-only ones.
-    tensor_positions = (0,) if keeps_state else tuple(i for i, arg in enumerate(positional) if _holds_tensors(arg.type))
-    tensor_keywords = () if keeps_state else tuple(a.name for a in arguments if a.kwarg_only and _holds_tensors(a.type))
+    tensor_positions = tuple(i for i in _tensor_positions(op) if not arguments[i].kwarg_only)
+    tensor_keywords = tuple(arguments[i].name for i in _tensor_positions(op) if arguments[i].kwarg_only)
     tensor_type = torch.Tensor
     fixed = (torch.float32, _cast_method(torch.float32), _castable_to(torch.float32)) if to_fp32 else None
     autocast_dtype = torch.get_autocast_dtype
@@ -142,7 +153,7 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
         if isinstance(value, tensor_type):
             if value.dtype in castable and on_device(value):
                 copy = cast_to(value)
-                if not copy.is_inference():  # inference tensors keep no version counter (nor do writes matter)
+                if not copy.is_inference():  # no version counter; only arguments no listed op writes are cast
                     copies.append((value, copy, copy._version))
                 return copy
             return value
@@ -202,6 +213,26 @@ def _impl_name(op: torch._ops.OpOverload) -> str:
     return f"{base}.{schema.overload_name}" if schema.overload_name else base
 
 
+class _KernelGroup(Protocol):
+    def release(self) -> None: ...
+
+
+class _PythonKernels:
+    """Python list kernels on one dispatch key, held by a ``torch.library.Library``."""
+
+    def __init__(self, key: str, device_type: str, kernels: list[tuple[torch._ops.OpOverload, bool]]) -> None:
+        self._library = torch.library.Library("aten", "IMPL", key)
+        try:
+            for op, to_fp32 in kernels:
+                self._library.impl(_impl_name(op), _kernel(op, device_type, key, to_fp32), key, allow_override=True)
+        except BaseException:
+            self._library._destroy()
+            raise
+
+    def release(self) -> None:
+        self._library._destroy()
+
+
 class OpListOverride:
     """Apply :class:`~mpnb.oplists.lists.OpLists` to torch.autocast on some device types.
 
@@ -218,13 +249,13 @@ class OpListOverride:
         unknown = [d for d in self.device_types if d not in AUTOCAST_KEYS]
         if unknown:
             raise InvalidChoiceError("device type", unknown[0], AUTOCAST_KEYS)
-        self._libraries: list[torch.library.Library] = []
+        self._groups: list[_KernelGroup] = []
         self._held: list[list[tuple[torch._ops.OpOverload, str]]] = []
 
     @property
     def active(self) -> bool:
         """Whether the overrides are registered now."""
-        return bool(self._libraries)
+        return bool(self._groups)
 
     def apply(self, replacing: OpListOverride | None = None) -> None:
         """Register the kernels (a no-op when already applied).
@@ -233,51 +264,48 @@ class OpListOverride:
             replacing: an applied override this one is about to replace (released right after):
                 its kernels do not count as another override holding an op.
         """
-        if self._libraries:
+        if self._groups:
             return
         try:
             for device_type in self.device_types:
-                self._libraries.append(self._register(device_type, replacing))
+                self._groups.append(self._register(device_type, replacing))
         except BaseException:
             self.release()
             raise
         _CompiledCode.invalidate()
 
-    def _register(self, device_type: str, replacing: OpListOverride | None) -> torch.library.Library:
+    def _register(self, device_type: str, replacing: OpListOverride | None) -> _KernelGroup:
         key = AUTOCAST_KEYS[device_type]
-        library = torch.library.Library("aten", "IMPL", key)
         leaving = collections.Counter(entry for entries in (replacing._held if replacing else []) for entry in entries)
-        held = []
-        try:
-            with warnings.catch_warnings():
-                # torch warns (once per process) that we replace its own autocast kernel: that is the point.
-                warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-                for to_fp32, names in ((True, self.lists.fp32), (False, self.lists.lower)):
-                    for name in names:
-                        for op in aten_overloads(name):
-                            # torch_rule is first read when nobody holds the op (the first holder always
-                            # meets _HELD == 0), so it probes torch's own kernel; later reads are cached.
-                            held_elsewhere = _HELD[op, device_type] - leaving[op, device_type]
-                            rule = "fp32" if to_fp32 else "lower"
-                            if held_elsewhere == 0 and torch_rule(op, device_type) == rule:
-                                continue  # torch's own kernel already does exactly this, at no Python cost
-                            library.impl(
-                                _impl_name(op), _kernel(op, device_type, key, to_fp32), key, allow_override=True
-                            )
-                            held.append((op, device_type))
-        except BaseException:
-            library._destroy()
-            raise
+        held, kernels = [], []
+        for to_fp32, names in ((True, self.lists.fp32), (False, self.lists.lower)):
+            for name in names:
+                for op in aten_overloads(name):
+                    # torch_rule is first read when nobody holds the op (the first holder always
+                    # meets _HELD == 0), so it probes torch's own kernel; later reads are cached.
+                    held_elsewhere = _HELD[op, device_type] - leaving[op, device_type]
+                    if held_elsewhere == 0 and torch_rule(op, device_type) == ("fp32" if to_fp32 else "lower"):
+                        continue  # torch's own kernel already does exactly this, at no Python cost
+                    kernels.append((op, to_fp32))
+                    held.append((op, device_type))
+        with warnings.catch_warnings():
+            # torch warns (once per process) that we replace its own autocast kernel: that is the point.
+            warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+            if compiled_kernels.kind() == "compiled":
+                entries = [(_impl_name(op), to_fp32, _tensor_positions(op)) for op, to_fp32 in kernels]
+                group: _KernelGroup = compiled_kernels.register(key, device_type, entries)
+            else:
+                group = _PythonKernels(key, device_type, kernels)
         _HELD.update(held)
         self._held.append(held)
-        return library
+        return group
 
     def release(self) -> None:
         """Remove every kernel this override registered; torch's own come back."""
-        if not self._libraries:
+        if not self._groups:
             return
-        while self._libraries:
-            self._libraries.pop()._destroy()
+        while self._groups:
+            self._groups.pop().release()
             _HELD.subtract(self._held.pop())
         _CompiledCode.invalidate()
 

@@ -27,6 +27,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
 
+from mpnb.oplists import compiled_kernels
 from mpnb.oplists.lists import OpLists
 from mpnb.oplists.override import OpListOverride
 from mpnb.oplists.torch_rules import autocast_rules
@@ -223,6 +224,11 @@ class SessionOpLists:
             for source in sorted(set(entries.values())):
                 names = sorted(name for name, where in entries.items() if where == source)
                 lines.append(f"  from {source}: {', '.join(names)}")
+        if compiled_kernels.kind() == "compiled":
+            lines.append("kernels: C++ (about 1 us a listed op call)")
+        else:
+            why = compiled_kernels.unavailable_reason() or "MPNB_LIST_KERNELS=python"
+            lines.append(f"kernels: Python (about 15 us a listed op call; C++ not in use: {why})")
         return "\n".join(lines)
 
     def _describe_torch(self, device_type: str) -> str:

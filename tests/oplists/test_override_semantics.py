@@ -10,6 +10,13 @@ from mpnb.errors import MpnbError
 from mpnb.oplists import OpListOverride, OpLists
 
 
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def kernels(request, monkeypatch):
+    """Every semantic holds for both kernel implementations (C++ and Python)."""
+    monkeypatch.setenv("MPNB_LIST_KERNELS", request.param)
+    return request.param
+
+
 def _lists_then_plain(module_factory, lists, x):
     """Train-mode forward of two identical modules: one under the lists, one under plain autocast."""
     torch.manual_seed(0)
@@ -99,10 +106,11 @@ def test_the_other_low_dtype_is_cast_as_torch_casts_it():
 def _has_mpnb_kernel(op_name: str) -> bool:
     """Whether mpnb holds the op's AutocastCPU kernel (other devices' keys are not probed here)."""
     lines = torch._C._dispatch_dump(op_name).splitlines()
-    return any(line.startswith("AutocastCPU") and "override.py" in line for line in lines)
+    mpnb_files = ("override.py", "list_kernel.cpp")  # the Python or the C++ kernels
+    return any(line.startswith("AutocastCPU") and any(f in line for f in mpnb_files) for line in lines)
 
 
-def test_an_op_torch_already_runs_as_listed_gets_no_python_kernel():
+def test_an_op_torch_already_runs_as_listed_gets_no_kernel_of_mpnbs():
     """mm is lowered by torch's own CPU autocast: a lower-list entry for it would only cost time."""
     with OpListOverride(OpLists.of(lower=["mm", "relu"], fp32=["nll_loss"]), ["cpu"]):
         assert not _has_mpnb_kernel("aten::mm") and not _has_mpnb_kernel("aten::nll_loss")
