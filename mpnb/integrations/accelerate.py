@@ -20,7 +20,7 @@ Needs ``pip install accelerate`` (in ``mpnb[transformers]``). One call after eac
 A row is recorded when a micro-batch ends an optimizer step (``accelerator.sync_gradients``),
 with the loss averaged over the step's micro-batches, the loss scale the step used and whether
 the Accelerator's GradScaler skipped it (read from the optimizer, no device sync), the learning
-rate, the step time, the memory and the mode read from autocast during the forward pass. Call
+rate, the step time, the memory and the mode read from autocast and the weights during the forward pass. Call
 ``record`` after your scheduler's step: the learning rate it reads is the next step's.
 
 Example (a plain torch loop, no framework):
@@ -53,7 +53,7 @@ from mpnb.training.telemetry import Sink
 
 __all__ = ["LoopRecorder", "watch"]
 
-_ACCELERATE_MODES = {"no": Mode.FP32, "fp16": Mode.FP16, "bf16": Mode.BF16}
+_ACCELERATE_PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 
 
 class LoopRecorder(WithTelemetry):
@@ -76,11 +76,15 @@ class LoopRecorder(WithTelemetry):
         *,
         scaler: torch.amp.GradScaler | None,
         device: torch.device | str,
-        asked: Mode | None = None,
+        asked: str | Mode | None = None,
         dashboard: str | Sink | None = "auto",
         step_ends: Callable[[], bool] = lambda: True,
     ) -> LoopRecorder:
-        """Attach to ``model`` and ``optimizer`` (the torch optimizer) and show the dashboard."""
+        """Attach to ``model`` and ``optimizer`` (the torch optimizer) and show the dashboard.
+
+        ``asked``: the precision the loop was asked for (``"bf16"``, ``"fp16-true"``..., see
+        :data:`~mpnb.integrations.observed.PRECISIONS`), to have a difference said.
+        """
         telemetry = LoopTelemetry(framework, dashboard)
         telemetry.begin(
             model, optimizer, scaler=scaler, device=device, asked=asked, title=f"{framework}: {type(model).__name__}"
@@ -89,15 +93,15 @@ class LoopRecorder(WithTelemetry):
         telemetry.before_optimizer_step()
         return cls(telemetry, step_ends)
 
-    def record(self, loss: torch.Tensor | float, batch: Any = None) -> bool:
-        """Note a micro-batch's loss (and its example count, from ``batch``); at the end of an
-        optimizer step record its row. Returns True when the loop should stop (Stop pressed,
-        or a non-finite loss with ``on_nonfinite="stop"``)."""
+    def record(self, loss: torch.Tensor | float, batch: Any = None, epoch: int = 0) -> bool:
+        """Note a micro-batch's loss (one number; and its example count, from ``batch``); at the
+        end of an optimizer step record its row, in ``epoch``. Returns True when the loop should
+        stop (Stop pressed, or a non-finite loss with ``on_nonfinite="stop"``)."""
         self.telemetry.add_loss(loss)
         self.telemetry.add_samples(samples_in(batch) if batch is not None else None)
         if not self.step_ends():
             return False
-        checkpoint = self.telemetry.step_end()
+        checkpoint = self.telemetry.step_end(epoch)
         self.telemetry.window_begin()
         self.telemetry.before_optimizer_step()  # the scale and learning rate the next step starts with
         return checkpoint.stop or self.telemetry.stop_requested
@@ -125,7 +129,7 @@ def watch(
         getattr(optimizer, "optimizer", optimizer),  # AcceleratedOptimizer wraps the torch optimizer
         scaler=accelerator.scaler,
         device=accelerator.device,
-        asked=_ACCELERATE_MODES.get(str(accelerator.mixed_precision)),
+        asked=_ACCELERATE_PRECISIONS.get(str(accelerator.mixed_precision)),
         dashboard=dashboard,
         step_ends=lambda: accelerator.sync_gradients,
     )

@@ -1,39 +1,44 @@
 """What a framework does that its user may not know: each said once, as a warning and a history event.
 
+Precisions are named as :mod:`mpnb.integrations.observed` names them (``"bf16"``, ``"bf16-true"``...).
+
 Example:
-    >>> from mpnb.precision.modes import Mode
-    >>> print(precision_mismatch(asked=Mode.FP16, observed=Mode.BF16, framework="Lightning"))
-    Lightning was asked for fp16 but trains in bf16 (read from autocast during the forward pass)
-    >>> precision_mismatch(asked=Mode.BF16, observed=Mode.BF16, framework="Lightning") is None
+    >>> print(precision_mismatch(asked="fp16", observed="bf16", framework="Lightning"))
+    Lightning was asked for fp16 but trains in bf16 (read from autocast and the weights during the forward pass)
+    >>> precision_mismatch(asked="bf16", observed="bf16", framework="Lightning") is None
     True
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import torch
 
 from mpnb.oplists.lists import OpLists
-from mpnb.precision.modes import Mode
 from mpnb.training.history import History
 
 __all__ = ["Notices", "fp16_without_scaling", "precision_mismatch", "session_lists_inside", "session_autocast_around"]
 
 
-def precision_mismatch(asked: Mode | None, observed: Mode | None, framework: str) -> str | None:
-    """Say so when the mode observed differs from the one the framework was asked for."""
-    if asked is None or observed is None or asked is observed:
-        return None
-    return f"{framework} was asked for {asked.value} but trains in {observed.value} (read from autocast during the forward pass)"
-
-
-def fp16_without_scaling(observed: Mode | None, scaler: torch.amp.GradScaler | None, framework: str) -> str | None:
-    """fp16 autocast with no enabled GradScaler: small gradients flush to zero, overflows go unnoticed."""
-    if observed is not Mode.FP16 or (scaler is not None and scaler.is_enabled()):
+def precision_mismatch(asked: str | None, observed: str | None, framework: str) -> str | None:
+    """Say so when the precision observed differs from the one the framework was asked for."""
+    if asked is None or observed is None or asked == observed:
         return None
     return (
-        f"{framework} trains in fp16 autocast without loss scaling (no GradScaler): gradients below fp16's range "
+        f"{framework} was asked for {asked} but trains in {observed} "
+        "(read from autocast and the weights during the forward pass)"
+    )
+
+
+def fp16_without_scaling(observed: str | None, scaler: torch.amp.GradScaler | None, framework: str) -> str | None:
+    """fp16 with no enabled GradScaler: small gradients flush to zero, overflows go unnoticed."""
+    if observed not in ("fp16", "fp16-true") or (scaler is not None and scaler.is_enabled()):
+        return None
+    return (
+        f"{framework} trains in {observed} without loss scaling (no GradScaler): gradients below fp16's range "
         "become zero and overflowing steps are applied, not skipped; use bf16, or a loss scaler "
         "(transformers on CPU: bf16=True; Lightning: precision='bf16-mixed')"
     )
@@ -62,11 +67,19 @@ def session_autocast_around(device_type: str, framework: str) -> str | None:
 
 
 class Notices:
-    """Says each kind of notice at most once per run: a ``RuntimeWarning`` and a history event."""
+    """Says each kind of notice at most once per run: a ``RuntimeWarning`` and a history event.
+
+    The warning points at the first caller outside mpnb, torch and the training frameworks (the
+    notebook cell or script that started training), so a warnings filter on it works.
+    """
 
     def __init__(self, history: History) -> None:
         self.history = history
         self.said: dict[str, str] = {}
+
+    def restart(self) -> None:
+        """A new run: every notice may be said again."""
+        self.said.clear()
 
     def say(self, kind: str, message: str | None, step: int = 0) -> None:
         """Warn and note ``message`` at ``step`` (the optimizer step it was seen at; 0: before training)."""
@@ -74,4 +87,21 @@ class Notices:
             return
         self.said[kind] = message
         self.history.note(message, kind=kind, step=step)
-        warnings.warn(f"mpnb: {message}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"mpnb: {message}", RuntimeWarning, stacklevel=_callers_stacklevel())
+
+
+#: Packages whose frames stand between a notice and the user's code.
+_LIBRARIES = ("mpnb", "torch", "transformers", "accelerate", "lightning", "lightning_fabric", "pytorch_lightning")
+
+
+def _callers_stacklevel() -> int:
+    """The ``stacklevel`` (seen from :meth:`Notices.say`) of the first frame outside :data:`_LIBRARIES`."""
+    folders = tuple(
+        os.path.dirname(module.__file__) + os.sep
+        for name in _LIBRARIES
+        if (module := sys.modules.get(name)) is not None and getattr(module, "__file__", None)
+    )
+    frame, level = sys._getframe(2), 2  # level 1 is say() itself
+    while frame is not None and frame.f_code.co_filename.startswith(folders):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2

@@ -10,8 +10,11 @@ Needs ``pip install 'mpnb[lightning]'``::
     callback.history.summary()
 
 Each row is one optimizer step: the loss ``training_step`` returned (averaged over the
-step's accumulated batches), the loss scale and skipped flag of the GradScaler Lightning's
-precision plugin really uses, and the mode read from autocast during the forward pass.
+step's accumulated batches, a part-filled last window included; a step that returns no loss,
+as manual optimization may, has ``loss_missing``), the loss scale and skipped flag of the
+GradScaler Lightning's precision plugin really uses, the precision read from autocast and the
+weights during the forward pass (``"bf16-true"`` for ``precision="bf16-true"``), and the epoch.
+Validation during training is left out of the next step's time.
 
 Lightning rewrites some requests before any callback runs: on a CPU, ``precision="16-mixed"``
 becomes ``"bf16-mixed"`` ("AMP with fp16 is not supported on CPU"). The Trainer keeps no trace
@@ -42,25 +45,50 @@ from mpnb.training.telemetry import Sink
 __all__ = ["MpnbCallback", "fabric_telemetry", "precision"]
 
 _PRECISIONS = {Mode.FP32: "32-true", Mode.TF32: "32-true", Mode.FP16: "16-mixed", Mode.BF16: "bf16-mixed"}
-_MODES = {"16-mixed": Mode.FP16, "bf16-mixed": Mode.BF16, "32-true": Mode.FP32, "32": Mode.FP32, "16": Mode.FP16}
+#: Lightning's precision settings, each with the precision mpnb observes it as (None: none it names).
+_SETTINGS = {
+    "16-mixed": "fp16",
+    "bf16-mixed": "bf16",
+    "16-true": "fp16-true",
+    "bf16-true": "bf16-true",
+    "32-true": "fp32",
+    "64-true": None,
+    "transformer-engine": None,
+    "transformer-engine-float16": None,
+    "16": "fp16",  # Lightning's older spellings
+    "bf16": "bf16",
+    "32": "fp32",
+    "64": None,
+}
 
 
 def precision(mode: str | Mode | None = None) -> str:
-    """Lightning's ``precision=`` string for a mode (default: the session's ``%amp`` mode).
+    """Lightning's ``precision=`` string for a mode (default: the session's ``%amp`` mode; with the
+    session's mode ``off``, Lightning's own default ``"32-true"``).
     Lightning has no TF32 switch of its own: for tf32, also run ``%tf32 on`` (or ``torch.set_float32_matmul_precision``).
 
     Raises:
-        InvalidChoiceError: an unknown mode, or ``off``.
+        InvalidChoiceError: an unknown mode, or ``off`` asked for by name.
     """
+    if mode is None and session.mode is Mode.OFF:
+        return "32-true"
     chosen = parse_mode(mode) if mode is not None else session.mode
     if chosen not in _PRECISIONS:
         raise InvalidChoiceError("mode for Lightning", chosen.value, [m.value for m in _PRECISIONS])
     return _PRECISIONS[chosen]
 
 
-def asked_mode(setting: str | int | None) -> Mode | None:
-    """The mode a Lightning precision setting asks for (None for settings mpnb has no mode for)."""
-    return _MODES.get(str(setting))
+def asked_precision(setting: str | int | None) -> str | None:
+    """The precision a Lightning setting asks for (None for settings mpnb has no name for).
+
+    Raises:
+        InvalidChoiceError: a setting Lightning does not have, naming those it has.
+    """
+    if setting is None:
+        return None
+    if str(setting) not in _SETTINGS:
+        raise InvalidChoiceError("Lightning precision", setting, list(_SETTINGS))
+    return _SETTINGS[str(setting)]
 
 
 class MpnbCallback(Callback, WithTelemetry):
@@ -79,6 +107,7 @@ class MpnbCallback(Callback, WithTelemetry):
         on_nonfinite: str = "warn",
         flush_every: int = 20,
     ) -> None:
+        asked_precision(precision)  # refuse a setting Lightning does not have, now
         self.telemetry = LoopTelemetry("Lightning", dashboard, on_nonfinite, flush_every)
         self.asked = precision
         self._step_pending = False
@@ -90,7 +119,7 @@ class MpnbCallback(Callback, WithTelemetry):
             trainer.optimizers[0],
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             device=pl_module.device,
-            asked=asked_mode(setting),
+            asked=asked_precision(setting),
             title=f"Lightning: {type(pl_module).__name__}",
         )
         self._step_pending = False
@@ -106,13 +135,20 @@ class MpnbCallback(Callback, WithTelemetry):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            self.telemetry.add_loss(loss, normalized=True)  # Lightning divides by accumulate_grad_batches
+            # Lightning divides by accumulate_grad_batches, the last part-filled window too: undone,
+            # so the step's loss is the mean of its own batches (manual optimization divides nothing)
+            scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            self.telemetry.add_loss(loss * scale if scale != 1 else loss)
         if not self._step_pending:
             return
         self._step_pending = False
-        checkpoint = self.telemetry.step_end()
+        checkpoint = self.telemetry.step_end(trainer.current_epoch)
         if checkpoint.stop or self.telemetry.stop_requested:
             trainer.should_stop = True
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.telemetry.running:  # validation during training: not part of the next step's time
+            self.telemetry.outside_steps()
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.telemetry.end()
@@ -136,6 +172,6 @@ def fabric_telemetry(fabric: Any, model: torch.nn.Module, optimizer: Any, dashbo
         getattr(optimizer, "optimizer", optimizer),
         scaler=getattr(plugin, "scaler", None),
         device=fabric.device,
-        asked=asked_mode(getattr(plugin, "precision", None)),
+        asked=asked_precision(getattr(plugin, "precision", None)),
         dashboard=dashboard,
     )

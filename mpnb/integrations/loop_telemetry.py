@@ -50,7 +50,7 @@ from mpnb.integrations.honesty import (
     session_autocast_around,
     session_lists_inside,
 )
-from mpnb.integrations.observed import PrecisionObserver
+from mpnb.integrations.observed import PrecisionObserver, check_precision
 from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
 from mpnb.precision.policy import session
@@ -73,8 +73,10 @@ class LoopTelemetry:
         framework: the name notices use ("transformers.Trainer", "Lightning", ...).
         dashboard: ``"auto"`` (live plot in a notebook, text progress elsewhere), ``"live"``,
             ``"text"``, a :class:`~mpnb.training.telemetry.Sink`, or None.
-        on_nonfinite: ``"warn"`` (default) or ``"ignore"``: what a NaN/inf loss triggers.
-        flush_every: steps between copies of the device values to the host.
+        on_nonfinite: ``"warn"`` (default), ``"stop"`` or ``"ignore"``: what a NaN/inf loss triggers.
+            A step whose loss could not be read (:meth:`step_end` with no :meth:`add_loss`) is not
+            one: its row says ``loss_missing``.
+        flush_every: steps between copies of the device values to the host (a whole number >= 1).
 
     Attributes:
         history: one row per optimizer step, across every run this object recorded.
@@ -90,6 +92,8 @@ class LoopTelemetry:
         flush_every: int = 20,
     ) -> None:
         check_dashboard(dashboard)
+        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
+            raise ValueError(f"flush_every must be a whole number of steps, at least 1; got {flush_every!r}")
         self.framework, self.dashboard = framework, dashboard
         self.history = History()
         self.control = FitControl()
@@ -97,6 +101,7 @@ class LoopTelemetry:
         self.recorder = Recorder(self.history, flush_every=flush_every, sinks=[self.health])
         self.notices = Notices(self.history)
         self.steps = 0
+        self.runs = 0
         self._run: _Run | None = None
 
     @property
@@ -110,17 +115,25 @@ class LoopTelemetry:
         *,
         scaler: torch.amp.GradScaler | None,
         device: torch.device | str,
-        asked: Mode | None,
+        asked: str | Mode | None,
         title: str | None = None,
     ) -> None:
         """Attach to a run about to start: hooks on ``model`` and ``optimizer``, the dashboard.
 
-        A run that never reached :meth:`end` (its framework raised) is ended first.
+        ``asked``: the precision the framework was asked for (a name in
+        :data:`~mpnb.integrations.observed.PRECISIONS`, or None when unknown). A run that never
+        reached :meth:`end` (its framework raised) is ended first. Each run is marked in the
+        history (an event of kind ``"run"`` at the step it starts after) and says its notices anew.
         """
+        asked = check_precision(asked)
+        device = torch.device(device)
         if self._run is not None:
             self.end()
-        device = torch.device(device)
         self._run = _Run(model, optimizer, scaler, device, asked)
+        self.runs += 1
+        name = title or self.framework
+        self.history.note(f"run {self.runs} ({name}) starts after step {self.steps}", kind="run", step=self.steps)
+        self.notices.restart()
         self.health.restart(self.history)
         sinks = dashboard_sinks(self.dashboard, title or f"{self.framework} (mpnb telemetry)", self.control)
         self.recorder.sinks.extend(sinks)
@@ -143,6 +156,11 @@ class LoopTelemetry:
         to the step's loss (Lightning's accumulation, transformers' ``num_items_in_batch``);
         otherwise the step's loss is the mean of the window's losses."""
         run = self._require_run()
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            raise ValueError(
+                f"{self.framework}: a step's loss must be one number, got a tensor of shape {list(loss.shape)} "
+                "(reduce it first, e.g. loss.mean())"
+            )
         value = loss.detach().float() if isinstance(loss, torch.Tensor) else float(loss)
         if normalized:
             run.summed = value if run.summed is None else run.summed + value
@@ -163,17 +181,21 @@ class LoopTelemetry:
         run.watch.reset()
         run.before_called = True
 
-    def step_end(self) -> Checkpoint:
-        """The optimizer step is over: record its row, say what needs saying, then deliver the
-        dashboard's requests (waits here while paused). The framework stops when ``.stop``."""
+    def step_end(self, epoch: int = 0) -> Checkpoint:
+        """The optimizer step is over: record its row (in the framework's ``epoch``), say what
+        needs saying, then deliver the dashboard's requests (waits here while paused). The
+        framework stops when ``.stop``."""
         run = self._require_run()
         skipped = run.watch.skipped(run.scaler, run.device) if run.before_called else False
-        observed = run.observer.mode
+        observed = run.observer.precision
         used, peak, reserved = run.memory.sample(time.perf_counter())
+        loss = run.step_loss()
         self.steps += 1
         self.recorder.record(
             step=self.steps,
-            loss=run.step_loss(),
+            epoch=epoch,
+            loss=math.nan if loss is None else loss,
+            loss_missing=loss is None,
             loss_scale=run.scale_before,
             skipped=skipped,
             lr=run.lr,
@@ -182,12 +204,19 @@ class LoopTelemetry:
             memory_used=used,
             memory_peak=peak,
             memory_reserved=reserved,
-            mode=observed.value if observed is not None else _NOT_SEEN,
+            mode=observed if observed is not None else _NOT_SEEN,
         )
         run.next_window()
+        if loss is None:
+            self.notices.say("no_loss", _no_loss(self.framework, self.steps), self.steps)
         self.notices.say("precision_mismatch", precision_mismatch(run.asked, observed, self.framework), self.steps)
         self.notices.say("fp16_without_scaling", fp16_without_scaling(observed, run.scaler, self.framework), self.steps)
         return self.control.checkpoint()
+
+    def outside_steps(self) -> None:
+        """Work outside the training steps just ran (an evaluation, a checkpoint save): the next
+        step's time starts at its own first micro-batch instead of at the previous step's end."""
+        self._require_run().clock.restart()
 
     @property
     def stop_requested(self) -> bool:
@@ -217,6 +246,14 @@ class LoopTelemetry:
         return f"<mpnb LoopTelemetry for {self.framework}: {self.steps} steps, {state}>"
 
 
+def _no_loss(framework: str, step: int) -> str:
+    return (
+        f"{framework} gave no loss mpnb can read at step {step} (a training step that returns none, manual "
+        "optimization, a custom loss computed outside the model): those rows hold NaN with loss_missing=True, "
+        "and are not counted as a non-finite loss"
+    )
+
+
 class WithTelemetry:
     """What every integration shows of its :class:`LoopTelemetry` (held as ``self.telemetry``)."""
 
@@ -242,7 +279,7 @@ class _Run:
         optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler | None,
         device: torch.device,
-        asked: Mode | None,
+        asked: str | None,
     ) -> None:
         self.optimizer, self.scaler, self.device, self.asked = optimizer, scaler, device, asked
         self.clock = StepClock(device)
@@ -262,13 +299,13 @@ class _Run:
         self.lr: Any = math.nan
         self.before_called = False
 
-    def step_loss(self) -> torch.Tensor | float:
-        """The summed (normalized) losses plus the mean of the plain ones; NaN when none came."""
+    def step_loss(self) -> torch.Tensor | float | None:
+        """The summed (normalized) losses plus the mean of the plain ones; None when none came."""
         mean = None
         if self.plain_count:
             mean = self.plain if self.plain_count == 1 else self.plain / self.plain_count
         if mean is None:
-            return math.nan if self.summed is None else self.summed
+            return self.summed
         return mean if self.summed is None else self.summed + mean
 
     def detach(self) -> None:

@@ -1,5 +1,9 @@
-"""The precision a framework really trains in, read from torch's autocast state during the forward pass.
+"""The precision a framework really trains in, read from torch's autocast state and the weights'
+dtype during the forward pass.
 
+A precision is named by a mode (``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``: autocast on
+fp32 weights, see :class:`~mpnb.precision.modes.Mode`) or, for weights kept in a low precision
+(Lightning's ``"bf16-true"``, ``model.to(torch.bfloat16)``), ``"bf16-true"`` / ``"fp16-true"``.
 Frameworks enter autocast in different places: around the loss computation (Hugging Face
 Trainer), around ``training_step`` (Lightning), inside a wrapped ``model.forward``
 (Accelerate). All of them are active by the time the model's first leaf module runs, so a
@@ -12,8 +16,11 @@ Example:
     >>> observer = PrecisionObserver(model, "cpu")
     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
     ...     _ = model(torch.ones(1, 2))
-    >>> observer.mode
-    <Mode.BF16: 'bf16'>
+    >>> observer.precision
+    'bf16'
+    >>> _ = model.to(torch.bfloat16)(torch.ones(1, 2, dtype=torch.bfloat16))
+    >>> observer.precision
+    'bf16-true'
     >>> observer.remove()
 """
 
@@ -22,11 +29,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mpnb.errors import InvalidChoiceError
 from mpnb.precision.modes import Mode
 
-__all__ = ["PrecisionObserver", "mode_in_effect"]
+__all__ = ["PRECISIONS", "PrecisionObserver", "check_precision", "mode_in_effect", "precision_in_effect"]
 
 _AUTOCAST_MODES = {torch.float16: Mode.FP16, torch.bfloat16: Mode.BF16}
+_LOW_PRECISION_WEIGHTS = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true"}
+#: Every precision a run can be asked for or observed in.
+PRECISIONS = (*(mode.value for mode in Mode if mode is not Mode.OFF), *_LOW_PRECISION_WEIGHTS.values())
+
+
+def check_precision(precision: str | Mode | None) -> str | None:
+    """The precision's name, refusing one that is not in :data:`PRECISIONS`.
+
+    >>> check_precision(Mode.BF16), check_precision("fp16-true"), check_precision(None)
+    ('bf16', 'fp16-true', None)
+    """
+    if precision is None:
+        return None
+    name = precision.value if isinstance(precision, Mode) else precision
+    if name not in PRECISIONS:
+        raise InvalidChoiceError("precision", precision, PRECISIONS)
+    return name
 
 
 def mode_in_effect(device_type: str) -> Mode:
@@ -41,18 +66,31 @@ def mode_in_effect(device_type: str) -> Mode:
     return Mode.FP32 if torch.get_float32_matmul_precision() == "highest" else Mode.TF32
 
 
+def precision_in_effect(device_type: str, weights: torch.dtype = torch.float32) -> str:
+    """``"bf16-true"`` / ``"fp16-true"`` for weights in that dtype, else :func:`mode_in_effect`'s name.
+
+    >>> precision_in_effect("cpu", torch.bfloat16), precision_in_effect("cpu")
+    ('bf16-true', 'fp32')
+    """
+    low = _LOW_PRECISION_WEIGHTS.get(weights)
+    return low if low is not None else mode_in_effect(device_type).value
+
+
 class PrecisionObserver:
-    """Keeps :attr:`mode`: the mode in effect at the latest training forward pass of ``model``
-    (None until one ran). Passes under ``torch.no_grad`` (evaluation) are left out."""
+    """Keeps :attr:`precision`: the precision in effect at the latest training forward pass of
+    ``model`` (None until one ran), from autocast and the dtype of the model's first floating
+    parameter. Passes under ``torch.no_grad`` (evaluation) are left out."""
 
     def __init__(self, model: nn.Module, device_type: str) -> None:
         self.device_type = device_type
-        self.mode: Mode | None = None
+        self.precision: str | None = None
+        self._weight = next((p for p in model.parameters() if p.is_floating_point()), None)
         self._handle = _first_leaf(model).register_forward_pre_hook(self._observe)
 
     def _observe(self, module: nn.Module, args: object) -> None:
         if torch.is_grad_enabled():
-            self.mode = mode_in_effect(self.device_type)
+            weights = self._weight.dtype if self._weight is not None else torch.float32
+            self.precision = precision_in_effect(self.device_type, weights)
 
     def remove(self) -> None:
         self._handle.remove()

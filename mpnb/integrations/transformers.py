@@ -16,9 +16,13 @@ What each row holds, and where it comes from:
   ``num_items_in_batch``, averaged otherwise), kept on the device until the next flush;
 - loss scale and skipped: the GradScaler the Trainer's Accelerator really uses (none: scale 1,
   nothing skipped), skips seen as the optimizer step GradScaler did not let through;
-- mode: read from autocast during the forward pass, not from ``TrainingArguments``. On a CPU,
+- mode: read from autocast and the weights during the forward pass, not from ``TrainingArguments``. On a CPU,
   ``fp16=True`` trains in fp32 (transformers 5.23 with Accelerate 1.15) or, on older stacks, fp16
   autocast with no scaler at all: either way the callback warns.
+
+A ``compute_loss`` override that computes the loss outside the model (or adds a term to it) is
+not seen: such steps have ``loss_missing`` (or the model's own loss). Evaluation and checkpoint
+saves during training are left out of the next step's time; ``epoch`` is the Trainer's epoch.
 
 Stop on the dashboard (or ``callback.control.stop()``) sets ``control.should_training_stop``:
 the Trainer ends after the current step and runs its own end of training (saving included).
@@ -32,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -63,13 +68,19 @@ def precision_args(mode: str | Mode | None = None, device: str | torch.device | 
     return {"bf16": chosen is Mode.BF16, "fp16": chosen is Mode.FP16, "tf32": tf32}
 
 
-def asked_mode(args: Any) -> Mode:
-    """The mode ``TrainingArguments`` asks for."""
+def asked_precision(args: Any) -> str:
+    """The precision ``TrainingArguments`` asks for (see :data:`~mpnb.integrations.observed.PRECISIONS`)."""
     if getattr(args, "bf16", False):
-        return Mode.BF16
+        return "bf16"
     if getattr(args, "fp16", False):
-        return Mode.FP16
-    return Mode.TF32 if getattr(args, "tf32", None) else Mode.FP32
+        return "fp16"
+    return "tf32" if getattr(args, "tf32", None) else "fp32"
+
+
+def epoch_of_step(state: Any) -> int:
+    """The epoch a step that just ended belongs to: the Trainer's ``state.epoch`` is the progress
+    after it (1.0 at the end of epoch 0)."""
+    return max(0, math.ceil(state.epoch or 0) - 1)
 
 
 class MpnbCallback(TrainerCallback, WithTelemetry):
@@ -99,7 +110,7 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
             inner,
             scaler=getattr(optimizer, "scaler", None),
             device=args.device,
-            asked=asked_mode(args),
+            asked=asked_precision(args),
             title=f"{_FRAMEWORK}: {type(model).__name__}",
         )
         # held by the run: off at on_train_end, or at the next begin() when a train() raised before it
@@ -121,10 +132,18 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
         self.telemetry.before_optimizer_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        checkpoint = self.telemetry.step_end()
+        checkpoint = self.telemetry.step_end(epoch_of_step(state))
         if checkpoint.stop or self.telemetry.stop_requested:
             control.should_training_stop = True
         return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.telemetry.running:  # evaluation during training: not part of the next step's time
+            self.telemetry.outside_steps()
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.telemetry.running:
+            self.telemetry.outside_steps()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.telemetry.end()

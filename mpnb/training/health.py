@@ -66,7 +66,8 @@ class HealthWatch(Sink):
     def update(self, history: History) -> None:
         for index in range(self._checked, len(history)):
             loss, skipped, scale = history.loss[index], history.skipped[index], history.loss_scale[index]
-            if "nonfinite" not in self.found and not skipped and not math.isfinite(loss):
+            unread = history.loss_missing[index]  # NaN that stands for "unknown", not a diverged loss
+            if "nonfinite" not in self.found and not (skipped or unread) and not math.isfinite(loss):
                 self._report(history, index, "nonfinite", f"loss is {loss} at step {history.step[index]}")
             if "collapse" not in self.found and scale < COLLAPSED_SCALE:
                 self._report(

@@ -42,6 +42,7 @@ COLUMNS: dict[str, tuple[type, str]] = {
     "step": (int, "optimizer step number, counting from 1 over the trainer's life"),
     "epoch": (int, "epoch the step belongs to, counting from 0"),
     "loss": (float, "training loss of the step (mean over accumulated micro-batches)"),
+    "loss_missing": (bool, "no loss could be read for the step (a framework step returned none); loss is NaN"),
     "loss_scale": (float, "GradScaler scale the step's backward used (1.0 without a scaler)"),
     "skipped": (bool, "the optimizer step was skipped because gradients overflowed"),
     "lr": (float, "learning rate of the first parameter group during the step"),
@@ -109,6 +110,7 @@ class History:
     step = _Column()
     epoch = _Column()
     loss = _Column()
+    loss_missing = _Column()
     loss_scale = _Column()
     skipped = _Column()
     lr = _Column()
@@ -165,8 +167,8 @@ class History:
         and the run's alarms (a non-finite loss, a collapsed scale; see :mod:`mpnb.training.health`).
 
         The final loss is the last step the optimizer took, NaN or inf included: a diverged run
-        reads as one."""
-        losses = [v for v, s in zip(self.loss, self.skipped) if not s]
+        reads as one (steps whose loss could not be read are left out)."""
+        losses = [v for v, s, missing in zip(self.loss, self.skipped, self.loss_missing) if not (s or missing)]
         timed = self.step_time[1:] or self.step_time  # the first step carries warm-up
         rates = [v for v in self.samples_per_s[1:] or self.samples_per_s if math.isfinite(v)]
         peaks = [v for v in self.memory_peak if math.isfinite(v)]

@@ -87,7 +87,7 @@ def test_fp16_on_cpu_says_that_accelerate_trains_something_else():
     said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
     if observed != "fp16":
         assert said == [
-            f"mpnb: Accelerate was asked for fp16 but trains in {observed} (read from autocast during the forward pass)"
+            f"mpnb: Accelerate was asked for fp16 but trains in {observed} (read from autocast and the weights during the forward pass)"
         ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -87,9 +88,9 @@ def test_16_mixed_on_cpu_is_recorded_as_the_bf16_lightning_runs_with_a_warning()
     assert trainer.precision == "bf16-mixed"  # Lightning's own rewrite
     assert callback.history.mode == ["bf16", "bf16"]
     assert said == [
-        "mpnb: Lightning was asked for fp16 but trains in bf16 (read from autocast during the forward pass)"
+        "mpnb: Lightning was asked for fp16 but trains in bf16 (read from autocast and the weights during the forward pass)"
     ]
-    assert callback.history.events[0]["kind"] == "precision_mismatch"
+    assert [e["kind"] for e in callback.history.events] == ["run", "precision_mismatch"]
 
 
 def test_stop_ends_training_at_the_next_step():
@@ -134,3 +135,86 @@ def test_precision_strings_follow_the_session_and_refuse_what_lightning_lacks():
     assert precision() == "bf16-mixed"
     with pytest.raises(InvalidChoiceError, match="'off'"):
         precision("off")
+    session.set_mode("off")
+    assert precision() == "32-true"  # the session changes nothing: Lightning's own default
+
+
+def test_a_part_filled_last_window_records_the_mean_of_its_own_batches():
+    """12 batches, accumulating 5: windows of 5, 5 and 2; Lightning divides the last by 5 too."""
+    callback = MpnbCallback(dashboard=None)
+    trainer, module, _ = fit(callback, "bf16-mixed", max_steps=-1, max_epochs=1, accumulate_grad_batches=5)
+    assert len(callback.history) == trainer.global_step == 3
+    windows = [module.losses[0:5], module.losses[5:10], module.losses[10:12]]
+    assert callback.history.loss == pytest.approx([sum(w) / len(w) for w in windows], rel=1e-5)
+
+
+@pytest.mark.parametrize(("setting", "name"), [("bf16-true", "bf16-true"), ("32-true", "fp32")])
+def test_true_precisions_are_recorded_from_the_weights_without_a_warning(setting, name):
+    callback = MpnbCallback(dashboard=None)
+    _, _, said = fit(callback, setting, max_steps=2)
+    assert callback.history.mode == [name, name] and said == []
+
+
+def test_an_unknown_precision_setting_is_refused_when_the_callback_is_made():
+    with pytest.raises(InvalidChoiceError, match="'bf16-mixd'.*bf16-mixed"):
+        MpnbCallback(dashboard=None, precision="bf16-mixd")
+
+
+def test_manual_optimization_without_a_returned_loss_is_recorded_as_unknown_loss():
+    class Manual(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_index):
+            optimizer = self.optimizers()
+            inputs, targets = batch
+            loss = nn.functional.cross_entropy(self.net(inputs), targets)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+            return None
+
+    callback = MpnbCallback(dashboard=None, on_nonfinite="stop")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Manual(), loader())
+    said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
+    assert trainer.global_step == len(callback.history) == 3
+    assert callback.history.loss_missing == [True] * 3 and callback.history.summary()["alarms"] == []
+    assert len(said) == 1 and "no loss" in said[0]
+    assert caught[[str(w.message) for w in caught].index(said[0])].filename == __file__  # points here, not at mpnb
+
+
+def test_validation_during_training_is_left_out_of_step_times_and_epochs_are_recorded():
+    class SlowValidation(Classifier):
+        def validation_step(self, batch, batch_index):
+            time.sleep(0.1)
+
+    callback = MpnbCallback(dashboard=None)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        limit_train_batches=4,
+        val_check_interval=2,
+        limit_val_batches=3,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(SlowValidation(), loader(), loader())
+    history = callback.history
+    assert len(history) == 8 and history.epoch == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert max(history.step_time) < 0.1, history.step_time  # each validation slept 0.3 s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -23,7 +24,10 @@ def token_data(count: int = 64, length: int = 12) -> list[dict[str, torch.Tensor
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def train(callback, mode: str, tmp_path, max_steps: int = 6, accumulate: int = 1, data=None):
+def train(
+    callback, mode: str, tmp_path, max_steps: int = 6, accumulate: int = 1, data=None, trainer=Trainer, **options
+):
+    compute_metrics = options.pop("compute_metrics", None)
     args = TrainingArguments(
         str(tmp_path),
         use_cpu=True,
@@ -36,8 +40,16 @@ def train(callback, mode: str, tmp_path, max_steps: int = 6, accumulate: int = 1
         save_strategy="no",
         disable_tqdm=True,
         **precision_args(mode),
+        **options,
     )
-    trainer = Trainer(model=gpt2_model(), args=args, train_dataset=data or token_data(), callbacks=[callback])
+    trainer = trainer(
+        model=gpt2_model(),
+        args=args,
+        train_dataset=data or token_data(),
+        eval_dataset=token_data(16),
+        callbacks=[callback],
+        compute_metrics=compute_metrics,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -74,9 +86,9 @@ def test_fp16_on_cpu_is_reported_as_what_really_runs(tmp_path):
         assert any("without loss scaling" in message for message in said)
     else:
         assert said == [
-            f"mpnb: transformers.Trainer was asked for fp16 but trains in {observed} (read from autocast during the forward pass)"
+            f"mpnb: transformers.Trainer was asked for fp16 but trains in {observed} (read from autocast and the weights during the forward pass)"
         ]
-        assert [event["kind"] for event in callback.history.events] == ["precision_mismatch"]
+        assert [event["kind"] for event in callback.history.events] == ["run", "precision_mismatch"]
 
 
 def test_autocast_left_on_around_the_trainer_is_said_and_so_is_fp16_without_a_scaler(tmp_path):
@@ -84,7 +96,7 @@ def test_autocast_left_on_around_the_trainer_is_said_and_so_is_fp16_without_a_sc
     with torch.autocast("cpu", dtype=torch.float16):  # what a cell under `%amp fp16` is in
         _, said = train(callback, "fp32", tmp_path, max_steps=2)
     assert callback.history.mode == ["fp16", "fp16"]
-    kinds = [event["kind"] for event in callback.history.events]
+    kinds = [event["kind"] for event in callback.history.events if event["kind"] != "run"]
     assert kinds == ["session_autocast", "precision_mismatch", "fp16_without_scaling"]
     assert len(said) == 3 and "already on around transformers.Trainer" in said[0]
 
@@ -159,3 +171,40 @@ def test_a_train_that_raised_mid_step_does_not_double_count_the_next_ones_losses
     again.train()
     assert callback.history.loss[-3:] == pytest.approx(logged(again, "loss"), rel=1e-6)
     assert len(model._forward_hooks) == 0
+
+
+def test_a_loss_computed_outside_the_model_is_recorded_as_unknown_not_as_nan(tmp_path):
+    class OwnLoss(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits  # no labels: the model computes no loss
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    callback = MpnbCallback(dashboard=None, on_nonfinite="stop")
+    trainer, said = train(callback, "bf16", tmp_path, max_steps=3, trainer=OwnLoss)
+    assert trainer.state.global_step == len(callback.history) == 3  # not stopped as if the loss were NaN
+    assert callback.history.loss_missing == [True] * 3 and callback.history.summary()["alarms"] == []
+    assert len(said) == 1 and "no loss" in said[0]
+
+
+def test_evaluation_during_training_is_left_out_of_step_times_and_epochs_are_recorded(tmp_path):
+    def slow_metrics(prediction):
+        time.sleep(0.3)
+        return {}
+
+    callback = MpnbCallback(dashboard=None)
+    trainer, _ = train(
+        callback,
+        "bf16",
+        tmp_path,
+        max_steps=-1,
+        num_train_epochs=2,
+        data=token_data(32),
+        eval_strategy="steps",
+        eval_steps=2,
+        compute_metrics=slow_metrics,
+    )
+    history = callback.history
+    assert len(history) == trainer.state.global_step == 8
+    assert history.epoch == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert max(history.step_time) < 0.25, history.step_time

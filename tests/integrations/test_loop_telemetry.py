@@ -1,0 +1,144 @@
+"""LoopTelemetry, the core every integration shares, driven directly as a hand-written loop would."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+from mpnb.errors import InvalidChoiceError
+from mpnb.integrations.loop_telemetry import LoopTelemetry
+
+
+def run_steps(telemetry, model, steps, *, loss=True, autocast=None, epoch=0):
+    optimizer = telemetry._run.optimizer
+    for _ in range(steps):
+        telemetry.window_begin()
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            value = model(torch.ones(8, 4, dtype=next(model.parameters()).dtype)).float().pow(2).mean()
+        value.backward()
+        if loss:
+            telemetry.add_loss(value)
+        telemetry.add_samples(8)
+        telemetry.before_optimizer_step()
+        optimizer.step()
+        optimizer.zero_grad()
+        telemetry.step_end(epoch=epoch)
+
+
+def begin(telemetry, model, asked=None, **options):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    telemetry.begin(model, optimizer, scaler=None, device="cpu", asked=asked, **options)
+
+
+def recorded_warnings(action):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        action()
+    return [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
+
+
+@pytest.mark.parametrize("on_nonfinite", ["warn", "stop"])
+def test_a_step_with_no_readable_loss_is_unknown_not_nonfinite(on_nonfinite):
+    """A framework step that returned no loss mpnb can read (manual optimization, a custom loss)."""
+    telemetry = LoopTelemetry("my loop", dashboard=None, on_nonfinite=on_nonfinite)
+    model = torch.nn.Linear(4, 1)
+    begin(telemetry, model)
+
+    def three_steps():
+        run_steps(telemetry, model, 3, loss=False)
+        telemetry.end()
+
+    said = recorded_warnings(three_steps)
+    history = telemetry.history
+    assert len(history) == 3 and history.loss_missing == [True] * 3
+    assert not telemetry.stop_requested
+    assert not [e for e in history.events if e["kind"] == "nonfinite"]
+    assert history.summary()["alarms"] == []
+    assert len(said) == 1 and "no loss" in said[0], said
+
+
+def test_a_real_nan_loss_is_still_reported():
+    telemetry = LoopTelemetry("my loop", dashboard=None, on_nonfinite="stop")
+    model = torch.nn.Linear(4, 1)
+    begin(telemetry, model)
+    run_steps(telemetry, model, 1)
+    telemetry.window_begin()
+    telemetry.add_loss(torch.tensor(float("nan")))
+    telemetry.step_end()
+    telemetry.end()
+    assert telemetry.history.loss_missing == [False, False] and telemetry.stop_requested
+
+
+def test_a_loss_that_is_not_one_number_is_refused_and_earlier_rows_are_kept():
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1)
+    begin(telemetry, model)
+    run_steps(telemetry, model, 2)
+    with pytest.raises(ValueError, match=r"one number.*\[8, 1\]"):
+        telemetry.add_loss(torch.ones(8, 1))
+    telemetry.end()
+    assert len(telemetry.history) == 2 and all(v > 0 for v in telemetry.history.loss)
+
+
+@pytest.mark.parametrize(("dtype", "label"), [(torch.bfloat16, "bf16-true"), (torch.float16, "fp16-true")])
+def test_low_precision_weights_are_read_as_what_they_are(dtype, label):
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1).to(dtype)
+    begin(telemetry, model, asked="fp32")
+    said = recorded_warnings(lambda: (run_steps(telemetry, model, 2), telemetry.end()))
+    assert telemetry.history.mode == [label] * 2
+    assert any(f"asked for fp32 but trains in {label}" in message for message in said), said
+
+
+def test_asked_is_checked_when_the_run_begins():
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(InvalidChoiceError, match="'bf17'.*bf16.*bf16-true"):
+        begin(telemetry, model, asked="bf17")
+    assert not telemetry.running
+    begin(telemetry, model, asked="bf16")
+    said = recorded_warnings(lambda: (run_steps(telemetry, model, 1, autocast=torch.bfloat16), telemetry.end()))
+    assert said == [] and telemetry.history.mode == ["bf16"]
+
+
+def test_each_run_says_its_notices_and_is_marked_in_the_history():
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1)
+    for _ in range(2):
+        begin(telemetry, model)
+        said = recorded_warnings(lambda: (run_steps(telemetry, model, 2, autocast=torch.float16), telemetry.end()))
+        assert len(said) == 1 and "without loss scaling" in said[0]
+    events = telemetry.history.events
+    assert [e["step"] for e in events if e["kind"] == "fp16_without_scaling"] == [1, 3]
+    assert [e["step"] for e in events if e["kind"] == "run"] == [0, 2]
+    assert telemetry.history.step == [1, 2, 3, 4]
+
+
+def test_the_epoch_column_holds_the_frameworks_epoch():
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1)
+    begin(telemetry, model)
+    run_steps(telemetry, model, 2, epoch=3)
+    telemetry.end()
+    assert telemetry.history.epoch == [3, 3]
+
+
+def test_work_outside_the_steps_is_left_out_of_the_next_steps_time():
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1)
+    begin(telemetry, model)
+    run_steps(telemetry, model, 1)
+    time.sleep(0.3)  # an evaluation, a checkpoint save
+    telemetry.outside_steps()
+    run_steps(telemetry, model, 1)
+    telemetry.end()
+    assert telemetry.history.step_time[1] < 0.1
+
+
+@pytest.mark.parametrize("flush_every", [0, -1, 2.5, "20"])
+def test_a_bad_flush_every_is_refused_with_its_value(flush_every):
+    with pytest.raises(ValueError, match=f"flush_every.*{flush_every!r}"):
+        LoopTelemetry("my loop", dashboard=None, flush_every=flush_every)
