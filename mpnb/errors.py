@@ -1,4 +1,5 @@
-"""Errors mpnb raises for bad input: each names the bad value and the valid ones.
+"""Errors mpnb raises for bad input: each names the bad value and the valid ones; and
+:func:`warn_user`, how mpnb warns about a run.
 
 Example:
     >>> from mpnb.errors import InvalidChoiceError
@@ -8,9 +9,40 @@ Example:
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Iterable
 
-__all__ = ["MpnbError", "InvalidChoiceError", "DeviceUnavailableError", "quoted"]
+__all__ = ["MpnbError", "InvalidChoiceError", "DeviceUnavailableError", "quoted", "warn_user"]
+
+#: Packages whose frames stand between a warning about a run and the user's code that started it.
+_LIBRARIES = ("mpnb", "torch", "transformers", "accelerate", "lightning", "lightning_fabric", "pytorch_lightning")
+
+
+def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn ``"mpnb: <message>"``, pointing at the first caller outside mpnb, torch and the
+    training frameworks (the notebook cell or script that started training), so the warning
+    names the user's line and a warnings filter on it works.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_user("loss is nan at step 3")
+        >>> str(caught[0].message), caught[0].filename.endswith("errors.py")
+        ('mpnb: loss is nan at step 3', False)
+    """
+    folders = tuple(
+        os.path.dirname(module.__file__) + os.sep
+        for name in _LIBRARIES
+        if (module := sys.modules.get(name)) is not None and getattr(module, "__file__", None)
+    )
+    frame, level = sys._getframe(1), 2  # level 1 is this function
+    while frame is not None and frame.f_code.co_filename.startswith(folders):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(f"mpnb: {message}", category, stacklevel=level if frame is not None else 2)
+
 
 #: How much of a bad value an error message quotes.
 QUOTE_LIMIT = 100

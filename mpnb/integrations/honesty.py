@@ -11,12 +11,9 @@ Example:
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
-
 import torch
 
+from mpnb.errors import warn_user
 from mpnb.oplists.lists import OpLists
 from mpnb.training.history import History
 
@@ -69,8 +66,7 @@ def session_autocast_around(device_type: str, framework: str) -> str | None:
 class Notices:
     """Says each kind of notice at most once per run: a ``RuntimeWarning`` and a history event.
 
-    The warning points at the first caller outside mpnb, torch and the training frameworks (the
-    notebook cell or script that started training), so a warnings filter on it works.
+    The warning points at the user's code (:func:`~mpnb.errors.warn_user`).
     """
 
     def __init__(self, history: History) -> None:
@@ -87,21 +83,4 @@ class Notices:
             return
         self.said[kind] = message
         self.history.note(message, kind=kind, step=step)
-        warnings.warn(f"mpnb: {message}", RuntimeWarning, stacklevel=_callers_stacklevel())
-
-
-#: Packages whose frames stand between a notice and the user's code.
-_LIBRARIES = ("mpnb", "torch", "transformers", "accelerate", "lightning", "lightning_fabric", "pytorch_lightning")
-
-
-def _callers_stacklevel() -> int:
-    """The ``stacklevel`` (seen from :meth:`Notices.say`) of the first frame outside :data:`_LIBRARIES`."""
-    folders = tuple(
-        os.path.dirname(module.__file__) + os.sep
-        for name in _LIBRARIES
-        if (module := sys.modules.get(name)) is not None and getattr(module, "__file__", None)
-    )
-    frame, level = sys._getframe(2), 2  # level 1 is say() itself
-    while frame is not None and frame.f_code.co_filename.startswith(folders):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
+        warn_user(message)

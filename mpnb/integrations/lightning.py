@@ -122,6 +122,12 @@ class MpnbCallback(Callback, WithTelemetry):
             asked=asked_precision(setting),
             title=f"Lightning: {type(pl_module).__name__}",
         )
+        if len(trainer.optimizers) > 1:
+            self.telemetry.notices.say(
+                "optimizers",
+                f"Lightning trains {type(pl_module).__name__} with {len(trainer.optimizers)} optimizers: "
+                "mpnb records the steps, learning rate and skips of the first one only",
+            )
         self._step_pending = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -24,9 +24,8 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
 
-from mpnb.errors import InvalidChoiceError
+from mpnb.errors import InvalidChoiceError, warn_user
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 
@@ -87,7 +86,7 @@ class HealthWatch(Sink):
             message += " (stopping: on_nonfinite='stop')"
         history.note(message, kind=kind, step=history.step[index])
         if self.on_nonfinite != "ignore":
-            warnings.warn(f"mpnb: {message}", RuntimeWarning, stacklevel=3)
+            warn_user(message)
 
     def restart(self, history: History) -> None:
         """Check only rows recorded from now on, and report again (a new fit on a continued history)."""

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from mpnb import views
-from mpnb.errors import InvalidChoiceError
+from mpnb.errors import InvalidChoiceError, warn_user
 from mpnb.precision.backends import Backend
 from mpnb.training.history import COLUMNS, History, column_default
 from mpnb.training.step_clock import seconds
@@ -107,7 +106,7 @@ class MinScaleAlarm(Sink):
                     "gradients overflow fp16 at every scale; try bf16, or keep the overflowing op in fp32"
                 )
                 history.note(message, kind="min-scale alarm", step=step)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                warn_user(message)
         self._checked = len(scales)
 
 
@@ -160,7 +159,7 @@ class Recorder:
         if not self._pending:
             return
         rows, self._pending = self._pending, []
-        columns = {name: [row.get(name, column_default(COLUMNS[name][0])) for row in rows] for name in COLUMNS}
+        columns = {name: [row.get(name, empty) for row in rows] for name, empty in _EMPTY.items()}
         self._to_host(columns)
         _settle_step_times(columns, [row.get("samples") for row in rows])
         self.history.extend(columns)
@@ -187,6 +186,10 @@ class Recorder:
             for (name, index, _), value in zip(entries, host_values):
                 kind = COLUMNS[name][0]
                 columns[name][index] = bool(value) if kind is bool else int(value) if kind is int else value
+
+
+#: Each column's value where a row recorded nothing (read once per flush, for every row).
+_EMPTY = {name: column_default(kind) for name, (kind, _) in COLUMNS.items()}
 
 
 def _settle_step_times(columns: dict[str, list[Any]], samples: list[int | None]) -> None:

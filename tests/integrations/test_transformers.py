@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 
@@ -207,4 +208,6 @@ def test_evaluation_during_training_is_left_out_of_step_times_and_epochs_are_rec
     history = callback.history
     assert len(history) == trainer.state.global_step == 8
     assert history.epoch == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert max(history.step_time) < 0.25, history.step_time
+    after_evaluation = [history.step_time[i] for i in (2, 4, 6)]  # steps 3, 5, 7 follow the evaluations
+    others = statistics.median(history.step_time[i] for i in (1, 3, 5, 7))
+    assert max(after_evaluation) < others + 0.15, history.step_time  # each evaluation slept 0.3 s
