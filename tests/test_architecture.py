@@ -26,6 +26,7 @@ CORE_LAYERS = (
     ("mpnb.training",),
     ("mpnb.analysis", "mpnb.examples"),
     ("mpnb.integrations",),
+    ("mpnb.distributed",),
     ("mpnb.cli", "mpnb.__main__", "mpnb.ui"),
 )
 ROOT_LAYER = len(CORE_LAYERS)
@@ -42,7 +43,7 @@ MAY_IMPORT_UI = {"mpnb", "mpnb.cli"}
 #: What the core may import besides itself: the standard library and these. Optional, imported
 #: where used: scikit-learn (the embedded example data), pandas (History.to_pandas) and Habana's
 #: own device library (the HPU backend, on Gaudi machines).
-CORE_DEPENDENCIES = {"torch", "numpy", "psutil", "sklearn", "pandas", "habana_frameworks"}
+CORE_DEPENDENCIES = {"torch", "numpy", "psutil", "sklearn", "pandas", "habana_frameworks", "cloudpickle"}
 #: The frameworks mpnb plugs into (optional extras), importable only in their own modules.
 INTEGRATIONS = {"mpnb.integrations.transformers": {"transformers"}, "mpnb.integrations.lightning": {"lightning"}}
 MAX_LINES = 400

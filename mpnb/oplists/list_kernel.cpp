@@ -3,8 +3,10 @@
 // benchmarks/oplist_overhead.py).
 //
 // A kernel sits on an Autocast dispatch key in place of torch's own. It casts the tensors
-// torch.autocast itself would cast (at::autocast::cached_cast: floating, on the autocast device,
-// not float64, through autocast's own cast cache) to fp32 or to the current autocast dtype, calls
+// torch.autocast itself would cast (floating, on the autocast device, not float64: autocast's
+// is_autocast_eligible) to fp32 or to the current autocast dtype, at every call (not through
+// autocast's weight cache, which would give a stale copy of a weight changed in place within an
+// autocast region, and the Python kernel has none), calls
 // the op again with that key excluded (as torch's WrapFunction kernels do), and copies back into
 // the caller's tensor whatever the op wrote into a cast copy. Which arguments may hold tensors is
 // read from the schema in Python and passed in, so this file knows nothing of particular ops.
@@ -66,9 +68,13 @@ class ListKernel final : public c10::OperatorKernel {
 
  private:
   at::Tensor cast(const at::Tensor& tensor, at::ScalarType target, CastCopies& copies) const {
-    at::Tensor copy = at::autocast::cached_cast(target, tensor, device_);
+    if (!tensor.defined() || !tensor.is_floating_point() || tensor.scalar_type() == at::kDouble ||
+        tensor.scalar_type() == target || !at::autocast::is_autocast_eligible(tensor, device_)) {
+      return tensor;
+    }
+    at::Tensor copy = tensor.to(target);
     // Inference tensors keep no version counter; only arguments no listed op writes are cast there.
-    if (!copy.is_same(tensor) && !copy.is_inference()) copies.emplace_back(tensor, copy, copy._version());
+    if (!copy.is_inference()) copies.emplace_back(tensor, copy, copy._version());
     return copy;
   }
 

@@ -32,6 +32,7 @@ import collections
 import functools
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -120,7 +121,7 @@ def _tensor_positions(op: torch._ops.OpOverload) -> tuple[int, ...]:
     exactly and never round.
     """
     arguments = op._schema.arguments
-    if any(arg.name in _state_argument_names() for arg in arguments):
+    if any(arg.name in _state_argument_names() and _holds_tensors(arg.type) for arg in arguments):
         return (0,)
     return tuple(i for i, arg in enumerate(arguments) if _holds_tensors(arg.type))
 
@@ -251,6 +252,7 @@ class OpListOverride:
             raise InvalidChoiceError("device type", unknown[0], AUTOCAST_KEYS)
         self._groups: list[_KernelGroup] = []
         self._held: list[list[tuple[torch._ops.OpOverload, str]]] = []
+        self._unhold: weakref.finalize | None = None
 
     @property
     def active(self) -> bool:
@@ -272,6 +274,8 @@ class OpListOverride:
         except BaseException:
             self.release()
             raise
+        # dropped without release(), the groups remove their kernels when collected; so do the holds
+        self._unhold = weakref.finalize(self, _HELD.subtract, [entry for held in self._held for entry in held])
         _CompiledCode.invalidate()
 
     def _register(self, device_type: str, replacing: OpListOverride | None) -> _KernelGroup:
@@ -306,7 +310,12 @@ class OpListOverride:
             return
         while self._groups:
             self._groups.pop().release()
-            _HELD.subtract(self._held.pop())
+        if self._unhold is not None:
+            self._unhold()
+        else:  # apply() failed part way
+            _HELD.subtract([entry for held in self._held for entry in held])
+        self._held.clear()
+        self._unhold = None
         _CompiledCode.invalidate()
 
     def __enter__(self) -> OpListOverride:

@@ -26,7 +26,7 @@ from typing import Any
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.training.telemetry import Sink
 
-__all__ = ["FitCapture", "active_capture", "capture_fits"]
+__all__ = ["FitCapture", "active_capture", "capture_fits", "collect_histories", "note_fit"]
 
 
 @dataclasses.dataclass
@@ -78,3 +78,34 @@ def capture_fits(mode: str | Mode, max_steps: int, sink: Sink | None = None) -> 
         yield capture
     finally:
         _active.reset(token)
+
+
+_collecting: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("mpnb_fit_histories", default=None)
+
+
+@contextlib.contextmanager
+def collect_histories() -> Iterator[list[Any]]:
+    """Collect the :class:`~mpnb.training.history.History` of every trainer that fits in the block
+    (once per trainer, in order of its first fit), changing nothing about the fits.
+
+    Example:
+        >>> import mpnb.examples as ex
+        >>> with collect_histories() as histories:
+        ...     trainer, train, _ = ex.example_trainer("fp32", "cpu", widths=(4, 8), dashboard=None)
+        ...     _ = trainer.fit(train, max_steps=2)
+        >>> [len(history) for history in histories]
+        [2]
+    """
+    histories: list[Any] = []
+    token = _collecting.set(histories)
+    try:
+        yield histories
+    finally:
+        _collecting.reset(token)
+
+
+def note_fit(history: Any) -> None:
+    """A trainer with this history starts a fit (``Trainer.fit`` calls this)."""
+    histories = _collecting.get()
+    if histories is not None and all(kept is not history for kept in histories):
+        histories.append(history)

@@ -27,7 +27,7 @@ from mpnb.precision.modes import Fp32Math, Mode
 from mpnb.precision.policy import session
 from mpnb.training.amp_step import AmpStep
 from mpnb.training.batches import BatchReader, HeldBatches, LossFn, StepFn, batch_loss, resume, samples_in, to_device
-from mpnb.training.capture import FitCapture, active_capture
+from mpnb.training.capture import FitCapture, active_capture, note_fit
 from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_checkpoint
 from mpnb.training.control import FitControl, running_on_this_thread
 from mpnb.training.history import History
@@ -184,6 +184,7 @@ class Trainer:
         self._stopped = False
         if max_steps == 0:  # a capture's budget is spent: the plan stays, for a later fit(data) to go on with
             return self.history
+        note_fit(self.history)
         sinks = self._sinks(capture)
         steps_before = self.amp.steps
         self.history.meta.update(model=self.describe(), device=str(self.device), mode=self.mode.value)

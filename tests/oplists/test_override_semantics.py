@@ -208,3 +208,41 @@ def test_lists_work_under_inference_mode(which):
     dtype = torch.bfloat16 if which == "lower" else torch.float32
     assert [t.dtype for t in listed] == [dtype, dtype]
     assert torch.equal(listed[1], torch.mm(x.to(dtype), w.to(dtype)))
+
+
+# Found by attacking the C++ kernels (each failed before its fix).
+
+
+def test_a_listed_call_reads_a_weight_changed_in_place_within_the_same_autocast_region(kernels):
+    """The cast is made at each call, as the Python kernel makes it: no stale cached copy."""
+    weight = torch.ones(4, requires_grad=True)
+    with OpListOverride(OpLists.of(lower=["relu"]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.relu(weight)
+        with torch.no_grad():
+            weight.add_(1)  # an optimizer step inside the region
+        assert torch.relu(weight).tolist() == [2.0] * 4
+
+
+def test_a_float_argument_named_like_a_state_does_not_stop_the_other_tensors_being_cast():
+    """scaled_dot_product_attention's keyword ``scale`` is a float, not a running statistic."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
+    lists = OpLists.of(fp32=["scaled_dot_product_attention"])
+    with OpListOverride(lists, ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float(), scale=0.5))
+
+
+def test_an_override_dropped_without_release_leaves_no_holds_behind():
+    import gc
+
+    from mpnb.oplists import override
+
+    relu = (torch.ops.aten.relu.default, "cpu")
+    before = override._HELD[relu]
+    dropped = OpListOverride(OpLists.of(lower=["relu"]), ["cpu"])
+    dropped.apply()
+    assert override._HELD[relu] == before + 1
+    del dropped
+    gc.collect()
+    assert override._HELD[relu] == before

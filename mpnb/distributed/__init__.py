@@ -1,0 +1,11 @@
+"""Scale out from the notebook: run training in several processes through torch.distributed.
+
+Example:
+    >>> from mpnb.distributed import launch
+    >>> launch(lambda: __import__("torch.distributed").distributed.get_world_size(), nproc=2).results
+    [2, 2]
+"""
+
+from mpnb.distributed.launch import Launched, LaunchError, default_backend, launch
+
+__all__ = ["Launched", "LaunchError", "default_backend", "launch"]

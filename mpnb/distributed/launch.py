@@ -1,0 +1,231 @@
+"""Run a function in N worker processes with the process group set up, from a notebook cell.
+
+:func:`launch` starts the workers through torch's elastic launcher (the engine behind
+``torchrun``: its c10d rendezvous, its process supervision), never a launcher of mpnb's own.
+Each worker joins the default process group (gloo on CPU, nccl on CUDA, hccl on Habana), calls
+``fn(*args)``, and sends back its return value and the :class:`~mpnb.training.history.History`
+of every ``mpnb.Trainer`` that fitted in it.
+
+Functions and data defined in notebook cells work: the notebook's ``__main__`` cannot be
+imported by a new process, so ``fn`` and ``args`` travel by value (``cloudpickle``), and the
+workers start by ``fork`` (fast, nothing to import again). A process that has already used CUDA
+cannot fork a worker that uses it: there mpnb starts the workers by ``spawn`` (each imports torch
+again, a few seconds). As with Accelerate's notebook launcher, keep CUDA work out of the
+notebook's own process before launching if you want the fast start.
+
+Failures end the whole launch: a worker that raises stops every worker within seconds and
+:func:`launch` raises :class:`LaunchError` naming the rank, with its traceback; a worker still
+running ``timeout`` seconds after it started is ended (its stack goes to stderr) and named the
+same way. No worker outlives the call.
+
+Several machines: call the same :func:`launch` on each with ``nnodes``, ``node_rank`` and a
+shared ``rdzv_endpoint`` (``"host:port"`` of one of them), passed to torch's rendezvous as
+``torchrun --nnodes --node-rank --rdzv-endpoint`` passes them; each launch returns its own
+node's ranks.
+
+Example:
+    >>> def add_ranks(offset):
+    ...     import torch, torch.distributed as dist
+    ...     total = torch.tensor([dist.get_rank() + offset])
+    ...     dist.all_reduce(total)
+    ...     return int(total)
+    >>> launch(add_ranks, 10, nproc=2).results
+    [21, 21]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import faulthandler
+import os
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.training.capture import collect_histories
+from mpnb.training.history import History
+
+__all__ = ["Launched", "LaunchError", "launch", "default_backend"]
+
+#: The exit code of a worker ended by its ``timeout``.
+TIMED_OUT = 124
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+class LaunchError(MpnbError):
+    """A worker failed or timed out; ``rank`` names it, ``details`` holds its traceback or stack."""
+
+    def __init__(self, message: str, rank: int, details: str) -> None:
+        super().__init__(message)
+        self.rank, self.details = rank, details
+
+
+@dataclasses.dataclass
+class Launched:
+    """What a :func:`launch` brought back, indexed by rank.
+
+    Attributes:
+        results: each rank's return value.
+        histories: each rank's list of histories, one per ``mpnb.Trainer`` that fitted there.
+    """
+
+    results: list[Any]
+    histories: list[list[History]]
+
+
+def default_backend(device_type: str) -> str:
+    """The process-group backend for a device type: gloo on CPU, nccl on CUDA, hccl on Habana.
+
+    >>> default_backend("cpu"), default_backend("cuda")
+    ('gloo', 'nccl')
+    """
+    return {"cuda": "nccl", "hpu": "hccl"}.get(device_type, "gloo")
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    nproc: int = 2,
+    backend: str | None = None,
+    timeout: float | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    start_method: str | None = None,
+) -> Launched:
+    """Run ``fn(*args)`` in ``nproc`` processes (per node) with ``torch.distributed`` initialised.
+
+    Args:
+        fn, args: what each worker runs; ``torch.distributed.get_rank()`` tells them apart.
+        nproc: workers on this machine.
+        backend: the process-group backend; default from the device (:func:`default_backend`).
+        timeout: seconds a worker may run (None: no limit); also the process group's timeout.
+        nnodes, node_rank, rdzv_endpoint: several machines (see the module's notes).
+        start_method: ``"fork"`` (default, unless this process has used CUDA), ``"spawn"`` or ``"forkserver"``.
+
+    Raises:
+        LaunchError: a worker raised or timed out (every worker is ended first).
+        MpnbError / InvalidChoiceError: bad arguments (nothing is started).
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint)
+    device_type = _accelerator_type()
+    backend = backend or default_backend(device_type)
+    if backend not in dist.Backend.backend_list:
+        raise InvalidChoiceError("backend", backend, dist.Backend.backend_list)
+    method = start_method or ("spawn" if _accelerator_used() else "fork")
+    if method not in START_METHODS:
+        raise InvalidChoiceError("start_method", method, START_METHODS)
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint=rdzv_endpoint or "localhost:0",
+        rdzv_configs={"rank": node_rank},
+        run_id=f"mpnb-{uuid.uuid4().hex[:8]}" if nnodes == 1 else "mpnb",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=method,
+    )
+    payload = cloudpickle.dumps((fn, args))
+    try:
+        with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:  # the workers' error files, removed after
+            config.logs_specs = DefaultLogsSpecs(log_dir=logs)
+            returned = elastic_launch(config, _worker)(payload, backend, device_type, timeout)
+    except ChildFailedError as failure:  # it read the error files already
+        raise _launch_error(failure, timeout) from None
+    ranks = sorted(returned)
+    unpacked = [cloudpickle.loads(returned[rank]) for rank in ranks]
+    return Launched(
+        results=[result for result, _ in unpacked],
+        histories=[[History.from_dict(history) for history in histories] for _, histories in unpacked],
+    )
+
+
+def _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint) -> None:
+    if not callable(fn):
+        raise MpnbError(f"fn must be callable, got {type(fn).__name__}")
+    for name, value, least in (("nproc", nproc, 1), ("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise MpnbError(f"{name} must be a whole number >= {least}, got {value!r}")
+    if node_rank >= nnodes:
+        raise MpnbError(f"node_rank must be below nnodes={nnodes}, got {node_rank}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
+        raise MpnbError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise MpnbError(f"nnodes={nnodes} needs rdzv_endpoint='host:port' of a machine every node reaches")
+
+
+def _accelerator_type() -> str:
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return accelerator.type if accelerator is not None else "cpu"
+
+
+def _accelerator_used() -> bool:
+    """Whether this process has started CUDA (a forked child could not use it)."""
+    return torch.cuda.is_initialized()
+
+
+def _launch_error(failure: Any, timeout: float | None) -> LaunchError:
+    rank, first = min(failure.failures.items(), key=lambda item: item[1].timestamp)
+    message = first.message
+    if isinstance(message, dict):  # the worker's own error file: its exception and traceback
+        details = message.get("extraInfo", {}).get("py_callstack", "") or str(message.get("message", ""))
+        what = str(message.get("message", "an error"))
+        return LaunchError(f"rank {rank} failed: {what}\n\n{details}", rank, details)
+    if first.exitcode == TIMED_OUT:
+        return LaunchError(
+            f"rank {rank} was still running after timeout={timeout:g} s and was ended (its stack is on stderr)",
+            rank,
+            str(message),
+        )
+    return LaunchError(f"rank {rank} ended with exit code {first.exitcode}: {message}", rank, str(message))
+
+
+def _worker(payload: bytes, backend: str, device_type: str, timeout: float | None) -> bytes:
+    """One worker: join the process group, run the function, send back its result and histories."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_run_worker)(payload, backend, device_type, timeout)
+
+
+def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float | None) -> bytes:
+    if timeout is not None:
+        _end_after(timeout)
+    fn, args = cloudpickle.loads(payload)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    group_timeout = datetime.timedelta(seconds=timeout) if timeout is not None else None
+    dist.init_process_group(backend, timeout=group_timeout)
+    try:
+        with collect_histories() as histories:
+            result = fn(*args)
+        return cloudpickle.dumps((result, [history.to_dict() for history in histories]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _end_after(seconds: float) -> None:
+    """End this worker (exit code :data:`TIMED_OUT`, stack on stderr) once ``seconds`` have passed."""
+
+    def end() -> None:
+        print(f"mpnb: rank {os.environ.get('RANK')} timed out after {seconds:g} s; its threads:", file=sys.stderr)
+        faulthandler.dump_traceback(sys.stderr)
+        os._exit(TIMED_OUT)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
