@@ -16,7 +16,7 @@ notebook's own process before launching if you want the fast start.
 Failures end the whole launch: a worker that raises stops every worker within seconds and
 :func:`launch` raises :class:`LaunchError` naming the rank, with its traceback; a worker still
 running ``timeout`` seconds after it started is ended (its stack goes to stderr) and named the
-same way. No worker outlives the call.
+same way, with where each rank was. No worker outlives the call.
 
 Several machines: call the same :func:`launch` on each with ``nnodes``, ``node_rank`` and a
 shared ``rdzv_endpoint`` (``"host:port"`` of one of them), passed to torch's rendezvous as
@@ -35,15 +35,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
+import glob
+import json
+import logging
 import os
-import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -62,7 +65,8 @@ START_METHODS = ("fork", "spawn", "forkserver")
 
 
 class LaunchError(MpnbError):
-    """A worker failed or timed out; ``rank`` names it, ``details`` holds its traceback or stack."""
+    """A worker failed or timed out; ``rank`` names it (the lowest of those that timed out),
+    ``details`` holds its traceback, or the stacks of the ranks that timed out."""
 
     def __init__(self, message: str, rank: int, details: str) -> None:
         super().__init__(message)
@@ -141,12 +145,13 @@ def launch(
         start_method=method,
     )
     payload = cloudpickle.dumps((fn, args))
-    try:
-        with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:  # the workers' error files, removed after
-            config.logs_specs = DefaultLogsSpecs(log_dir=logs)
-            returned = elastic_launch(config, _worker)(payload, backend, device_type, timeout)
-    except ChildFailedError as failure:  # it read the error files already
-        raise _launch_error(failure, timeout) from None
+    with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:  # error files and stacks, removed after
+        config.logs_specs = DefaultLogsSpecs(log_dir=logs)
+        try:
+            with _agent_logs_quiet():  # a failure is said once, by the LaunchError below
+                returned = elastic_launch(config, _worker)(payload, backend, device_type, timeout, logs)
+        except ChildFailedError as failure:
+            raise _launch_error(failure, timeout, logs) from None
     ranks = sorted(returned)
     unpacked = [cloudpickle.loads(returned[rank]) for rank in ranks]
     return Launched(
@@ -179,51 +184,105 @@ def _accelerator_used() -> bool:
     return torch.cuda.is_initialized()
 
 
-def _launch_error(failure: Any, timeout: float | None) -> LaunchError:
-    rank, first = min(failure.failures.items(), key=lambda item: item[1].timestamp)
-    message = first.message
-    if isinstance(message, dict):  # the worker's own error file: its exception and traceback
-        details = message.get("extraInfo", {}).get("py_callstack", "") or str(message.get("message", ""))
-        what = str(message.get("message", "an error"))
-        return LaunchError(f"rank {rank} failed: {what}\n\n{details}", rank, details)
-    if first.exitcode == TIMED_OUT:
+#: The loggers of torch's launcher that report a failed worker (mpnb's LaunchError says it instead).
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing.spawn")
+
+
+@contextlib.contextmanager
+def _agent_logs_quiet() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _AGENT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _stacks(folder: str) -> dict[int, str]:
+    """The stacks that workers ended by their timeout left, by rank."""
+    stacks = {}
+    for name in os.listdir(folder):
+        if name.startswith("rank-") and name.endswith(".stack"):
+            with open(os.path.join(folder, name)) as file:
+                stacks[int(name[5:-6])] = file.read()
+    return stacks
+
+
+def _error_files(folder: str) -> list[tuple[int, int, dict]]:
+    """``(written at ns, local rank, error)`` for each error file a worker left: its exception and
+    traceback, as ``torch.distributed.elastic``'s ``record`` writes them."""
+    found = []
+    for path in glob.glob(os.path.join(folder, "*", "attempt_*", "*", "error.json")):
+        try:
+            with open(path) as file:
+                error = json.load(file).get("message", {})
+            found.append((os.stat(path).st_mtime_ns, int(os.path.basename(os.path.dirname(path))), error))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return sorted(found, key=lambda entry: entry[:2])
+
+
+def _launch_error(failure: Any, timeout: float | None, logs: str) -> LaunchError:
+    """The error that says what ended the launch: the stacks of the ranks that timed out, else the
+    first exception a rank raised (the launcher may report first a rank that failed only because
+    its peer's connection closed), else the first rank that exited."""
+    stacks = _stacks(logs)
+    if stacks:  # ranks blocked in a collective time out too: each one's stack shows where it was
+        where = "\n\n".join(f"rank {rank}:\n{stack}" for rank, stack in sorted(stacks.items()))
+        ranks = ", ".join(str(rank) for rank in sorted(stacks))
         return LaunchError(
-            f"rank {rank} was still running after timeout={timeout:g} s and was ended (its stack is on stderr)",
-            rank,
-            str(message),
+            f"timeout={timeout:g} s passed with rank{'s' * (len(stacks) > 1)} {ranks} still running and ended; "
+            f"where each was (a rank waiting in a collective waits for the one that hangs):\n\n{where}",
+            min(stacks),
+            where,
         )
-    return LaunchError(f"rank {rank} ended with exit code {first.exitcode}: {message}", rank, str(message))
+    some = next(iter(failure.failures.items()))
+    first_rank = some[0] - some[1].local_rank  # this node's first global rank
+    errors = _error_files(logs)
+    if errors:
+        _, local_rank, error = errors[0]
+        rank = first_rank + local_rank
+        details = error.get("extraInfo", {}).get("py_callstack", "") or str(error.get("message", ""))
+        return LaunchError(f"rank {rank} failed: {error.get('message', 'an error')}\n\n{details}", rank, details)
+    rank, exited = min(failure.failures.items(), key=lambda item: item[1].timestamp)
+    return LaunchError(
+        f"rank {rank} ended with exit code {exited.exitcode}: {exited.message}", rank, str(exited.message)
+    )
 
 
-def _worker(payload: bytes, backend: str, device_type: str, timeout: float | None) -> bytes:
+def _worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str) -> bytes:
     """One worker: join the process group, run the function, send back its result and histories."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_run_worker)(payload, backend, device_type, timeout)
+    return record(_run_worker)(payload, backend, device_type, timeout, logs)
 
 
-def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float | None) -> bytes:
+def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str) -> bytes:
     if timeout is not None:
-        _end_after(timeout)
+        _end_after(timeout, os.path.join(logs, f"rank-{os.environ['RANK']}.stack"))
     fn, args = cloudpickle.loads(payload)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     group_timeout = datetime.timedelta(seconds=timeout) if timeout is not None else None
     dist.init_process_group(backend, timeout=group_timeout)
-    try:
-        with collect_histories() as histories:
-            result = fn(*args)
-        return cloudpickle.dumps((result, [history.to_dict() for history in histories]))
-    finally:
-        dist.destroy_process_group()
+    with collect_histories() as histories:
+        result = fn(*args)
+    # Only on success: a rank that raised keeps its connections until its error file is written
+    # and it exits, so its peers fail after it and the launch names it, not them.
+    dist.destroy_process_group()
+    return cloudpickle.dumps((result, [history.to_dict() for history in histories]))
 
 
-def _end_after(seconds: float) -> None:
-    """End this worker (exit code :data:`TIMED_OUT`, stack on stderr) once ``seconds`` have passed."""
+def _end_after(seconds: float, stack_file: str) -> None:
+    """End this worker (exit code :data:`TIMED_OUT`) once ``seconds`` have passed, leaving the
+    stacks of its threads in ``stack_file``."""
 
     def end() -> None:
-        print(f"mpnb: rank {os.environ.get('RANK')} timed out after {seconds:g} s; its threads:", file=sys.stderr)
-        faulthandler.dump_traceback(sys.stderr)
+        with open(stack_file, "w") as file:
+            faulthandler.dump_traceback(file)
         os._exit(TIMED_OUT)
 
     timer = threading.Timer(seconds, end)

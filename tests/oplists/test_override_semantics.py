@@ -230,7 +230,9 @@ def test_a_float_argument_named_like_a_state_does_not_stop_the_other_tensors_bei
     with OpListOverride(lists, ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
     assert out.dtype == torch.float32
-    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float(), scale=0.5))
+    assert torch.equal(
+        out, torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float(), scale=0.5)
+    )
 
 
 def test_an_override_dropped_without_release_leaves_no_holds_behind():

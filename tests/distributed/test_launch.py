@@ -1,0 +1,134 @@
+"""mpnb.distributed.launch: real worker processes through torch's elastic launcher, gloo, 2 ranks."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from mpnb.distributed import LaunchError, launch
+from mpnb.errors import InvalidChoiceError, MpnbError
+
+
+def no_workers_left() -> bool:
+    """Every process the launch started has ended (the elastic agent reaps its workers)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if not [child for child in psutil.Process().children(recursive=True) if child.is_running()]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def rank_sum(offset: int) -> tuple[int, int]:
+    total = torch.tensor([dist.get_rank() + offset])
+    dist.all_reduce(total)
+    return dist.get_rank(), int(total)
+
+
+def test_each_rank_runs_in_the_process_group_and_returns_its_value():
+    launched = launch(rank_sum, 10, nproc=2)
+    assert launched.results == [(0, 21), (1, 21)]
+    assert launched.histories == [[], []]
+    assert no_workers_left()
+
+
+def fit_on_each_rank(steps: int) -> int:
+    import mpnb.examples as ex
+
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    trainer.fit(train, max_steps=steps)
+    return len(trainer.history)
+
+
+def test_each_ranks_fit_histories_come_back():
+    launched = launch(fit_on_each_rank, 3, nproc=2)
+    assert launched.results == [3, 3]
+    assert [[len(h) for h in histories] for histories in launched.histories] == [[3], [3]]
+    assert launched.histories[1][0].mode == ["bf16"] * 3
+
+
+def fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank one's batch is broken")
+    time.sleep(60)  # rank 0 would run on: the launch must end it
+
+
+def test_a_failing_rank_ends_every_rank_and_is_named_with_its_traceback():
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1 failed: ValueError: rank one's batch is broken") as raised:
+        launch(fail_on_rank_one, nproc=2)
+    assert time.monotonic() - started < 20
+    assert raised.value.rank == 1 and "fail_on_rank_one" in raised.value.details
+    assert no_workers_left()
+
+
+def raise_on_rank_one_while_rank_zero_waits_for_it() -> None:
+    if dist.get_rank() == 1:
+        raise KeyError("no such column")
+    dist.barrier()  # fails too, a moment later, when rank 1's connection closes
+
+
+def test_the_rank_that_failed_first_is_named_not_the_one_its_failure_took_down():
+    for _ in range(3):
+        with pytest.raises(LaunchError, match="rank 1 failed: KeyError") as raised:
+            launch(raise_on_rank_one_while_rank_zero_waits_for_it, nproc=2)
+        assert raised.value.rank == 1
+
+
+def hang_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    dist.barrier()
+
+
+def test_a_hung_rank_ends_at_the_timeout_with_a_clear_error():
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=r"timeout=3 s passed with ranks? .*1.* still running") as raised:
+        launch(hang_on_rank_one, nproc=2, timeout=3)
+    assert time.monotonic() - started < 20
+    assert "rank 1:" in raised.value.details and "hang_on_rank_one" in raised.value.details
+    assert no_workers_left()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "named"),
+    [
+        ({"nproc": 0}, MpnbError, "nproc must be a whole number >= 1, got 0"),
+        ({"backend": "glue"}, InvalidChoiceError, "'glue'.*gloo"),
+        ({"timeout": -1}, MpnbError, "timeout must be a positive number"),
+        ({"nnodes": 2}, MpnbError, "rdzv_endpoint"),
+        ({"start_method": "thread"}, InvalidChoiceError, "'thread'.*fork"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_starts(options, error, named):
+    with pytest.raises(error, match=named):
+        launch(rank_sum, 0, **options)
+    assert no_workers_left()
+
+
+def test_a_function_defined_in_a_notebook_cell_runs_in_the_workers():
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    try:
+        cell = (
+            "import torch, torch.distributed as dist\n"
+            "from mpnb.distributed import launch\n"
+            "scale = 3\n"
+            "def scaled_rank():\n"
+            "    return dist.get_rank() * scale\n"
+            "print(launch(scaled_rank, nproc=2).results)"
+        )
+        printed: list[str] = []
+        reply = client.execute_interactive(
+            cell, timeout=120, output_hook=lambda m: printed.append(m["content"].get("text", ""))
+        )
+        assert reply["content"]["status"] == "ok", printed
+        assert "[0, 3]" in "".join(printed)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
