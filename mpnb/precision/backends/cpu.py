@@ -29,16 +29,23 @@ FP16_CONV_SLOWDOWN = 47
 _BF16_UNITS = ("amx_bf16", "avx512_bf16")
 
 
-def _proc_status_bytes(field: str) -> int | None:
-    """A ``kB`` field of ``/proc/self/status`` in bytes (Linux), else None."""
+def _proc_status_bytes(*fields: str) -> dict[str, int]:
+    """``kB`` fields of ``/proc/self/status`` in bytes, read in one pass (Linux; {} elsewhere)."""
+    found: dict[str, int] = {}
     try:
         with open("/proc/self/status") as file:
             for line in file:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                name, _, value = line.partition(":")
+                if name in fields:
+                    found[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
-    return None
+    return found
+
+
+@functools.cache
+def _total_memory() -> int:
+    return psutil.virtual_memory().total
 
 
 @functools.cache
@@ -89,16 +96,18 @@ class CpuBackend(Backend):
         return notes
 
     def memory(self, index: int | None = None) -> MemorySnapshot:
-        used = psutil.Process().memory_info().rss
-        peak = _proc_status_bytes("VmHWM")
+        # One read of /proc/self/status where there is one: this runs every 50 ms of training.
+        status = _proc_status_bytes("VmRSS", "VmHWM")
+        used = status.get("VmRSS") or psutil.Process().memory_info().rss
+        peak = status.get("VmHWM")
         if peak is None:
             maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             peak = maxrss if sys.platform == "darwin" else maxrss * 1024
         return MemorySnapshot(
-            source="process resident memory (psutil)",
+            source="process resident memory",
             used=used,
             peak=max(peak, used),
-            limit=psutil.virtual_memory().total,
+            limit=_total_memory(),
         )
 
     def reset_peak_memory(self, index: int | None = None) -> bool:
