@@ -209,8 +209,11 @@ class LoopTelemetry:
         run.next_window()
         if loss is None:
             self.notices.say("no_loss", _no_loss(self.framework, self.steps), self.steps)
-        self.notices.say("precision_mismatch", precision_mismatch(run.asked, observed, self.framework), self.steps)
-        self.notices.say("fp16_without_scaling", fp16_without_scaling(observed, run.scaler, self.framework), self.steps)
+        if observed != run.checked_precision:  # the precision's notices, when it is first seen or changes
+            run.checked_precision = observed
+            self.notices.say("precision_mismatch", precision_mismatch(run.asked, observed, self.framework), self.steps)
+            scaling = fp16_without_scaling(observed, run.scaler, self.framework)
+            self.notices.say("fp16_without_scaling", scaling, self.steps)
         return self.control.checkpoint()
 
     def outside_steps(self) -> None:
@@ -288,6 +291,7 @@ class _Run:
         self.observer = PrecisionObserver(model, device.type)
         self.sinks: list[Sink] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.checked_precision: str | None = None  # the observed precision the notices were checked for
         self.next_window()
 
     def next_window(self) -> None:

@@ -180,7 +180,11 @@ class Recorder:
                 if isinstance(value, torch.Tensor):
                     by_device.setdefault(value.device, []).append((name, index, value))
         for entries in by_device.values():
-            packed = torch.stack([tensor.detach().reshape(()).to(torch.float32) for _, _, tensor in entries])
+            tensors = [tensor.detach() for _, _, tensor in entries]
+            try:  # the usual case, every value a 0-dim tensor: one stack, promoted as needed
+                packed = torch.stack(tensors).reshape(len(tensors))
+            except RuntimeError:  # some of shape [1] (or [1, 1]...): one element each all the same
+                packed = torch.stack([tensor.reshape(()).to(torch.float32) for tensor in tensors])
             host_values = packed.to("cpu", torch.float64).tolist()
             self.host_transfers += 1
             for (name, index, _), value in zip(entries, host_values):
