@@ -32,6 +32,7 @@ from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_ch
 from mpnb.training.control import FitControl, running_on_this_thread
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
+from mpnb.training.parallel import check_strategy, rank_share, wrap_model
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.telemetry import Sink, check_dashboard, dashboard_sinks
 
@@ -69,6 +70,8 @@ class Trainer:
             ``"warn"`` (default; an event on the history and the dashboard, and a warning),
             ``"stop"`` (the same, and the fit ends after that step, history kept) or
             ``"ignore"`` (the event only). See :mod:`mpnb.training.health`.
+        strategy: None (one process) or ``"ddp"``: across the processes of torch.distributed's
+            group, each training on its share of the batches (:mod:`mpnb.training.parallel`).
         **amp_options: passed to :class:`~mpnb.training.amp_step.AmpStep` (scheduler,
             accumulate, clip_grad_norm, record_grad_norm, init_scale, growth_factor,
             backoff_factor, growth_interval, min_scale, flush_every).
@@ -90,14 +93,17 @@ class Trainer:
         device: str | torch.device | None = None,
         dashboard: str | Sink | None = "auto",
         on_nonfinite: str = "warn",
+        strategy: str | None = None,
         **amp_options: Any,
     ) -> None:
         if loss_fn is not None and step_fn is not None:
             raise MpnbError("give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss")
         check_dashboard(dashboard)
+        check_strategy(strategy)
         self.amp = AmpStep(optimizer, mode=mode, device=device, on_nonfinite=on_nonfinite, **amp_options)
         self.device = self.amp.precision.device
-        self.model = model.to(self.device)
+        self.strategy = strategy
+        self.model = wrap_model(model.to(self.device), strategy, self.device)
         self.optimizer, self.loss_fn, self.step_fn = optimizer, loss_fn, step_fn
         self.dashboard = dashboard
         self._epoch, self._batch = 0, 0  # position: next batch to train on
@@ -176,6 +182,8 @@ class Trainer:
             raise MpnbError(
                 f"data must be an iterable of batches (a list, a DataLoader, a generator), got {type(data).__name__}"
             )
+        if self.strategy is not None:
+            data = rank_share(data)
         capture = active_capture()
         if capture is not None:
             max_steps = self._join(capture, data, max_steps)

@@ -1,0 +1,84 @@
+"""mpnb.Trainer(strategy="ddp") across 2 real processes (gloo), against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpnb.distributed import launch
+from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.training.trainer import Trainer
+
+
+def batches(count: int = 8, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(size, 8, generator=generator), torch.randn(size, 2, generator=generator)) for _ in range(count)
+    ]
+
+
+def trained(data, mode: str = "fp32", strategy: str | None = None, steps: int = 4, step_fn=None, **amp_options):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        None if step_fn else nn.functional.mse_loss,
+        step_fn=step_fn,
+        mode=mode,
+        device="cpu",
+        dashboard=None,
+        strategy=strategy,
+        **amp_options,
+    )
+    trainer.fit(data, max_steps=steps)
+    inner = trainer.model.module if strategy else trainer.model
+    return [p.detach().clone() for p in inner.parameters()], trainer.history
+
+
+def ddp_rank() -> tuple[list[torch.Tensor], list[float]]:
+    parameters, history = trained(batches(), strategy="ddp")
+    return parameters, history.loss
+
+
+def test_two_ranks_train_as_one_process_on_the_merged_batches():
+    launched = launch(ddp_rank, nproc=2)
+    (rank0, losses0), (rank1, losses1) = launched.results
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks must end identical"
+    data = batches()
+    merged = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(data[0::2], data[1::2])]
+    single, _ = trained(merged)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rank0, single))
+    assert len(losses0) == len(losses1) == 4 and losses0 != losses1  # each rank's own batches
+    assert [len(h) for h in launched.histories[0]] == [4]
+
+
+def overflow_on_rank_one_at_its_third_batch(model, batch):
+    inputs, targets = batch
+    loss = nn.functional.mse_loss(model(inputs), targets)
+    if dist.get_rank() == 1 and bool((inputs[0, 0] == 1000.0).item()):
+        loss = loss * float("inf")  # this rank's gradients overflow; DDP spreads them to every rank
+    return loss
+
+
+def fp16_ddp_rank() -> list[int]:
+    data = batches()
+    data[5][0][0, 0] = 1000.0  # batch 5 is rank 1's third
+    _, history = trained(
+        data, mode="fp16", strategy="ddp", step_fn=overflow_on_rank_one_at_its_third_batch, init_scale=256.0
+    )
+    return history.skipped_steps
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    assert launch(fp16_ddp_rank, nproc=2).results == [[3], [3]]
+
+
+def test_a_strategy_without_a_process_group_or_unknown_is_refused():
+    model = nn.Linear(2, 2)
+    with pytest.raises(MpnbError, match="mpnb.distributed.launch"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dashboard=None, strategy="ddp")
+    with pytest.raises(InvalidChoiceError, match="'dpp'.*ddp"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dashboard=None, strategy="dpp")
