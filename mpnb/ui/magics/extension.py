@@ -20,6 +20,7 @@ from IPython.core.magic import Magics
 
 from mpnb.precision.policy import session
 from mpnb.ui.magics.compare import CompareMagics
+from mpnb.ui.magics.distributed import DistributedMagics
 from mpnb.ui.magics.oplist import OpListMagics
 from mpnb.ui.magics.precision import PrecisionMagics
 
@@ -72,7 +73,7 @@ def load(shell) -> None:
     """Register mpnb's magics and cell hook on ``shell``."""
     if id(shell) in _hooks:
         return
-    magics = [PrecisionMagics(shell), OpListMagics(shell), CompareMagics(shell)]
+    magics = [PrecisionMagics(shell), OpListMagics(shell), CompareMagics(shell), DistributedMagics(shell)]
     for instance in magics:
         shell.register_magics(instance)
     hook = CellModeHook(shell)

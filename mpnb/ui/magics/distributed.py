@@ -1,0 +1,97 @@
+"""``%%distributed``: run a cell in N worker processes, with torch.distributed set up.
+
+Each worker (:func:`mpnb.distributed.launch`, forked from the kernel, so it starts with every
+name the notebook has) runs the cell in the session's mode (``%amp``) with the session's op
+lists in force, as the cell would run here; ``torch.distributed.get_rank()`` tells the ranks
+apart. The names the cell assigns on rank 0 come back into the notebook (those that can be
+pickled; the others are named), and the launch itself is kept in ``_distributed`` (each rank's
+fit histories: ``_distributed.histories``). What the workers print is not shown here. A rank
+that raises ends the cell with that rank's traceback.
+
+Example (in IPython)::
+
+    %%distributed --nproc 2
+    trainer = mpnb.Trainer(model, optimizer, loss_fn, strategy="ddp", dashboard=None)
+    trainer.fit(batches, epochs=1)
+    rank = torch.distributed.get_rank()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+from IPython import get_ipython
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from mpnb.precision.policy import session
+from mpnb.ui.magics.arguments import as_usage_error, parse_line
+from mpnb.ui.magics.cell_runner import run_cell_body
+
+__all__ = ["DistributedMagics", "RESULT_VARIABLE"]
+
+RESULT_VARIABLE = "_distributed"
+
+
+def _cell_on_rank(body: str) -> dict[str, Any] | None:
+    """In a worker: run the cell in the notebook's namespace (as forked); rank 0 returns what it assigned."""
+    shell = get_ipython()
+    before = {name: id(value) for name, value in shell.user_ns.items()}
+    with session.cell_scope():
+        run_cell_body(shell, body)
+    if dist.get_rank() != 0:
+        return None
+    assigned = {
+        name: value
+        for name, value in shell.user_ns.items()
+        if not name.startswith("_") and before.get(name) != id(value)
+    }
+    kept, left = {}, []
+    for name, value in assigned.items():
+        try:
+            cloudpickle.dumps(value)
+            kept[name] = value
+        except Exception:  # any object pickle refuses: a lock, an open file, a generator...
+            left.append(name)
+    return {"names": kept, "left": sorted(left)}
+
+
+@magics_class
+class DistributedMagics(Magics):
+    """The ``%%distributed`` cell magic."""
+
+    @magic_arguments()
+    @argument("--nproc", type=int, default=2, help="worker processes (default 2)")
+    @argument("--timeout", type=float, default=None, help="seconds the workers may run (default: no limit)")
+    @argument("--backend", default=None, help="process-group backend (default: gloo on CPU, nccl on CUDA)")
+    @cell_magic
+    def distributed(self, line: str, cell: str) -> None:
+        """Run the cell in ``--nproc`` processes with torch.distributed set up; rank 0's names come back."""
+        from mpnb.distributed import LaunchError, launch
+
+        args = parse_line(self.distributed, line)
+        if torch.cuda.is_initialized():
+            raise UsageError(
+                "%%distributed forks the kernel so that the workers have the notebook's names, and this kernel "
+                "has used CUDA already (a fork cannot); restart the kernel and run %%distributed before any CUDA "
+                "work, or call mpnb.distributed.launch(fn) with a function"
+            )
+        try:
+            with as_usage_error():
+                launched = launch(
+                    _cell_on_rank, cell, nproc=args.nproc, backend=args.backend, timeout=args.timeout,
+                    start_method="fork",
+                )  # fmt: skip
+        except LaunchError as failure:
+            raise RuntimeError(f"%%distributed: {failure}") from None
+        back = launched.results[0]
+        self.shell.user_ns.update(back["names"])
+        self.shell.user_ns[RESULT_VARIABLE] = launched
+        note = f"mpnb: the cell ran on {args.nproc} ranks; from rank 0: {', '.join(back['names']) or 'no new names'}"
+        if back["left"]:
+            note += f"; not brought back (cannot be pickled): {', '.join(back['left'])}"
+        print(note)

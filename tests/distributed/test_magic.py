@@ -1,0 +1,62 @@
+"""%%distributed in a real Jupyter kernel: the cell runs on 2 ranks, rank 0's names come back."""
+
+from __future__ import annotations
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+
+@pytest.fixture(scope="module")
+def client():
+    manager, client = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    yield client
+    client.stop_channels()
+    manager.shutdown_kernel(now=True)
+
+
+def execute(client, code: str) -> tuple[dict, str]:
+    printed: list[str] = []
+
+    def collect(message):
+        content = message["content"]
+        if message["msg_type"] == "stream":
+            printed.append(content["text"])
+        elif message["msg_type"] == "error":
+            printed.append(f"{content['ename']}: {content['evalue']}")
+
+    reply = client.execute_interactive(code, output_hook=collect, timeout=120)
+    return reply["content"], "".join(printed)
+
+
+def test_the_cell_runs_on_each_rank_in_the_session_mode_and_rank_zeros_names_come_back(client):
+    reply, _ = execute(
+        client,
+        "%load_ext mpnb\n%amp bf16\nimport threading, torch, torch.distributed as dist\nlayer = torch.nn.Linear(4, 4)",
+    )
+    assert reply["status"] == "ok"
+    reply, printed = execute(
+        client,
+        "%%distributed --nproc 2\n"
+        "rank, world = dist.get_rank(), dist.get_world_size()\n"
+        "total = torch.tensor([rank + 1.0]); dist.all_reduce(total)\n"
+        "dtype = str(layer(torch.ones(1, 4)).dtype)\n"
+        "lock = threading.Lock()",
+    )
+    assert reply["status"] == "ok", printed
+    assert "from rank 0: rank, world, total, dtype; not brought back (cannot be pickled): lock" in printed
+    _, printed = execute(
+        client, "print(rank, world, float(total), dtype, 'lock' in globals(), type(_distributed).__name__)"
+    )
+    assert printed.split() == ["0", "2", "3.0", "torch.bfloat16", "False", "Launched"]
+
+
+def test_a_failing_rank_fails_the_cell_with_its_traceback(client):
+    reply, printed = execute(
+        client, "%%distributed --nproc 2\nif dist.get_rank() == 1:\n    raise ValueError('only on rank one')\n"
+    )
+    assert reply["status"] == "error" and "rank 1 failed: ValueError: only on rank one" in printed
+
+
+def test_bad_arguments_are_a_usage_error(client):
+    reply, printed = execute(client, "%%distributed --nproc 0\nx = 1")
+    assert reply["status"] == "error" and "nproc must be a whole number >= 1, got 0" in printed
