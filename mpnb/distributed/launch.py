@@ -263,6 +263,8 @@ def _worker(payload: bytes, backend: str, device_type: str, timeout: float | Non
 def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str) -> bytes:
     if timeout is not None:
         _end_after(timeout, os.path.join(logs, f"rank-{os.environ['RANK']}.stack"))
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: the workers share the cores, not oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     fn, args = cloudpickle.loads(payload)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

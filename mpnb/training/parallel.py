@@ -5,8 +5,10 @@ rank's share of the batches.
 ``DistributedDataParallel`` (gradients averaged across ranks in the backward pass) and trains
 each rank on its share of a plain sequence of batches: batch ``i`` goes to rank
 ``i % world_size``, as ``DistributedSampler`` deals examples without shuffling, so one step of
-N ranks trains on N consecutive batches. A DataLoader that already has a ``DistributedSampler``
-is used as it is. Since DDP averages the gradients before the optimizer sees them, GradScaler
+N ranks trains on N consecutive batches. The last, incomplete round of an epoch (its
+``len % world_size`` batches) is left out: every rank must take the same number of steps, or
+the ranks that took one more would wait for the others forever. A DataLoader that already has
+a ``DistributedSampler`` is used as it is. Since DDP averages the gradients before the optimizer sees them, GradScaler
 finds the same inf/NaN on every rank: all ranks skip a step together, and AmpStep counts it
 as one process does.
 
@@ -67,16 +69,16 @@ def wrap_model(model: nn.Module, strategy: str | None, device: torch.device) -> 
 
 
 class RankShare:
-    """Every ``world_size``-th batch of ``data``, from ``rank`` on; re-iterable as ``data`` is."""
+    """Batch ``rank`` of each complete round of ``world_size`` batches of ``data``; re-iterable as ``data`` is."""
 
     def __init__(self, data: Iterable[Any], rank: int, world_size: int) -> None:
         self.data, self.rank, self.world_size = data, rank, world_size
 
     def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.data), self.rank, None, self.world_size)
+        return _share_of_rounds(iter(self.data), self.rank, self.world_size)
 
     def __len__(self) -> int:
-        return len(range(self.rank, len(self.data), self.world_size))  # type: ignore[arg-type]
+        return len(self.data) // self.world_size  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
         """Passed on to ``data`` (mpnb.examples.Batches reshuffles by epoch)."""
@@ -85,14 +87,23 @@ class RankShare:
             inner(epoch)
 
 
+def _share_of_rounds(batches: Iterator[Any], rank: int, world_size: int) -> Iterator[Any]:
+    while len(round_ := list(itertools.islice(batches, world_size))) == world_size:
+        yield round_[rank]
+
+
 def rank_share(data: Iterable[Any]) -> Iterable[Any]:
     """This rank's share of ``data`` (all of it in a world of one, or when a ``DistributedSampler``
-    deals it already). An iterator stays an iterator (one pass), anything else stays re-iterable."""
+    deals it already). An iterator stays an iterator (one pass), anything else stays re-iterable.
+
+    >>> list(_share_of_rounds(iter(range(7)), 1, 3))  # rounds 0-2 and 3-5; 6 is an incomplete round
+    [1, 4]
+    """
     if isinstance(getattr(data, "sampler", None), torch.utils.data.distributed.DistributedSampler):
         return data
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
         return data
     if isinstance(data, Iterator):
-        return itertools.islice(data, rank, None, world_size)
+        return _share_of_rounds(data, rank, world_size)
     return RankShare(data, rank, world_size)

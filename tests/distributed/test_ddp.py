@@ -82,3 +82,13 @@ def test_a_strategy_without_a_process_group_or_unknown_is_refused():
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dashboard=None, strategy="ddp")
     with pytest.raises(InvalidChoiceError, match="'dpp'.*ddp"):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dashboard=None, strategy="dpp")
+
+
+def uneven_epoch_rank() -> int:
+    parameters, history = trained(batches(count=7), strategy="ddp", steps=None)
+    return len(history)
+
+
+def test_an_epoch_that_does_not_divide_among_the_ranks_does_not_hang():
+    """7 batches on 2 ranks: 3 steps each; rank 0 must not wait for a 4th that rank 1 never takes."""
+    assert launch(uneven_epoch_rank, nproc=2, timeout=60).results == [3, 3]
