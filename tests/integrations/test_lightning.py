@@ -43,25 +43,29 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=8)
 
 
-def fit(callback, setting: str, max_steps: int = 5, **trainer_options):
+def quiet_trainer(callback, **options) -> L.Trainer:
+    """A CPU Lightning Trainer with ``callback`` and nothing else: no logger, checkpoints or bars."""
+    return L.Trainer(
+        accelerator="cpu",
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **options,
+    )
+
+
+def fit(callback, setting: str = "32-true", max_steps: int = 5, module=None, validation=None, **trainer_options):
+    """Fit ``module`` (a fresh Classifier by default); returns the trainer, the module and mpnb's warnings."""
     torch.manual_seed(0)
-    module = Classifier()
+    module = module if module is not None else Classifier()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = L.Trainer(
-            accelerator="cpu",
-            precision=setting,
-            max_steps=max_steps,
-            callbacks=[callback],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            **trainer_options,
-        )
-        trainer.fit(module, loader())
-    said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
-    return trainer, module, said
+        trainer = quiet_trainer(callback, precision=setting, max_steps=max_steps, **trainer_options)
+        trainer.fit(module, loader(), validation)
+    fit.caught = [w for w in caught if str(w.message).startswith("mpnb:")]
+    return trainer, module, [str(w.message) for w in fit.caught]
 
 
 def test_bf16_mixed_rows_hold_the_training_steps_losses():
@@ -112,14 +116,7 @@ def test_an_exception_in_training_takes_the_hooks_off():
 
     callback = MpnbCallback(dashboard=None)
     module = Failing()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=5,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-    )
+    trainer = quiet_trainer(callback, max_steps=5)
     with pytest.raises(ValueError, match="broken batch"):
         trainer.fit(module, loader())
     assert len(callback.history) == 2 and callback.history.mode == ["fp32", "fp32"]
@@ -184,23 +181,11 @@ class Manual(Classifier):
 
 def test_manual_optimization_without_a_returned_loss_is_recorded_as_unknown_loss():
     callback = MpnbCallback(dashboard=None, on_nonfinite="stop")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=3,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(Manual(), loader())
-    said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
+    trainer, _, said = fit(callback, max_steps=3, module=Manual())
     assert trainer.global_step == len(callback.history) == 3
     assert callback.history.loss_missing == [True] * 3 and callback.history.summary()["alarms"] == []
     assert len(said) == 1 and "no loss" in said[0]
-    assert caught[[str(w.message) for w in caught].index(said[0])].filename == __file__  # points here, not at mpnb
+    assert fit.caught[0].filename == __file__  # the warning points here, not at mpnb
 
 
 def test_validation_during_training_is_left_out_of_step_times_and_epochs_are_recorded():
@@ -209,20 +194,10 @@ def test_validation_during_training_is_left_out_of_step_times_and_epochs_are_rec
             time.sleep(0.1)
 
     callback = MpnbCallback(dashboard=None)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=2,
-        limit_train_batches=4,
-        val_check_interval=2,
-        limit_val_batches=3,
-        num_sanity_val_steps=0,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(SlowValidation(), loader(), loader())
+    fit(
+        callback, max_steps=-1, module=SlowValidation(), validation=loader(), max_epochs=2, limit_train_batches=4,
+        val_check_interval=2, limit_val_batches=3, num_sanity_val_steps=0,
+    )  # fmt: skip
     history = callback.history
     assert len(history) == 8 and history.epoch == [0, 0, 0, 0, 1, 1, 1, 1]
     after_validation = [history.step_time[i] for i in (2, 4, 6)]  # steps 3, 5 and 7 follow validations
@@ -232,18 +207,6 @@ def test_validation_during_training_is_left_out_of_step_times_and_epochs_are_rec
 
 def test_a_second_optimizer_is_said_to_go_unrecorded():
     callback = MpnbCallback(dashboard=None)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=4,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(Manual(optimizers=2), loader())
-    said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
+    _, _, said = fit(callback, max_steps=4, module=Manual(optimizers=2))
     assert any("2 optimizers" in message and "first one only" in message for message in said), said
     assert len(callback.history) == 2  # Lightning counts both optimizers' steps: 4 steps, 2 batches
