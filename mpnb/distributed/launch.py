@@ -43,6 +43,7 @@ import glob
 import json
 import logging
 import os
+import signal
 import tempfile
 import threading
 import uuid
@@ -61,6 +62,8 @@ __all__ = ["Launched", "LaunchError", "launch", "default_backend"]
 
 #: The exit code of a worker ended by its ``timeout``.
 TIMED_OUT = 124
+#: Seconds the launcher waits for workers to end after SIGTERM before it kills them.
+SHUTDOWN_S = 5
 START_METHODS = ("fork", "spawn", "forkserver")
 
 
@@ -143,6 +146,7 @@ def launch(
         max_restarts=0,
         monitor_interval=0.1,
         start_method=method,
+        shutdown_timeout=SHUTDOWN_S,
     )
     payload = cloudpickle.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:  # error files and stacks, removed after
@@ -261,6 +265,9 @@ def _worker(payload: bytes, backend: str, device_type: str, timeout: float | Non
 
 
 def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str) -> bytes:
+    # A forked worker inherits the launcher's Python SIGTERM handler, which cannot run while the
+    # worker waits in a collective: the launcher's "stop" would then wait SHUTDOWN_S for nothing.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if timeout is not None:
         _end_after(timeout, os.path.join(logs, f"rank-{os.environ['RANK']}.stack"))
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: the workers share the cores, not oversubscribe them
