@@ -42,6 +42,7 @@ import faulthandler
 import glob
 import json
 import logging
+import math
 import os
 import signal
 import tempfile
@@ -62,6 +63,8 @@ __all__ = ["Launched", "LaunchError", "launch", "default_backend"]
 
 #: The exit code of a worker ended by its ``timeout``.
 TIMED_OUT = 124
+#: The most workers one launch starts on a machine.
+MAX_NPROC = max(64, 4 * (os.cpu_count() or 1))
 #: Seconds the launcher waits for workers to end after SIGTERM before it kills them.
 SHUTDOWN_S = 5
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -124,6 +127,7 @@ def launch(
         MpnbError / InvalidChoiceError: bad arguments (nothing is started).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -156,6 +160,10 @@ def launch(
                 returned = elastic_launch(config, _worker)(payload, backend, device_type, timeout, logs)
         except ChildFailedError as failure:
             raise _launch_error(failure, timeout, logs) from None
+        except SignalException as signalled:  # the launcher turns Ctrl-C / a kernel interrupt into this
+            if signalled.sigval != signal.SIGINT:
+                raise
+            raise KeyboardInterrupt("launch interrupted: every worker was ended") from None
     ranks = sorted(returned)
     unpacked = [cloudpickle.loads(returned[rank]) for rank in ranks]
     return Launched(
@@ -172,10 +180,19 @@ def _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint) -> No
             raise MpnbError(f"{name} must be a whole number >= {least}, got {value!r}")
     if node_rank >= nnodes:
         raise MpnbError(f"node_rank must be below nnodes={nnodes}, got {node_rank}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
-        raise MpnbError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if nproc > MAX_NPROC:
+        raise MpnbError(f"nproc must be at most {MAX_NPROC} (4 per CPU core, 64 at least), got {nproc}")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf
+    ):
+        raise MpnbError(f"timeout must be a positive, finite number of seconds or None, got {timeout!r}")
     if nnodes > 1 and not rdzv_endpoint:
         raise MpnbError(f"nnodes={nnodes} needs rdzv_endpoint='host:port' of a machine every node reaches")
+    host, _, port = (rdzv_endpoint or "localhost:0").rpartition(":")
+    if not host or not port.isdigit():
+        raise MpnbError(f"rdzv_endpoint must be 'host:port', got {rdzv_endpoint!r}")
+    if dist.is_available() and dist.is_initialized():
+        raise MpnbError("launch was called inside a process group (a worker): launch from the notebook's own process")
 
 
 def _accelerator_type() -> str:
@@ -250,10 +267,18 @@ def _launch_error(failure: Any, timeout: float | None, logs: str) -> LaunchError
         _, local_rank, error = errors[0]
         rank = first_rank + local_rank
         details = error.get("extraInfo", {}).get("py_callstack", "") or str(error.get("message", ""))
-        return LaunchError(f"rank {rank} failed: {error.get('message', 'an error')}\n\n{details}", rank, details)
+        what = str(error.get("message", "an error"))
+        if "by peer" in what:  # gloo's word for a peer that went away first, leaving no error of its own
+            what += (
+                "\n(another rank ended first without a Python exception: os._exit, a signal or a crash; "
+                "its exit code is in the launcher's log)"
+            )
+        return LaunchError(f"rank {rank} failed: {what}\n\n{details}", rank, details)
     rank, exited = min(failure.failures.items(), key=lambda item: item[1].timestamp)
     return LaunchError(
-        f"rank {rank} ended with exit code {exited.exitcode}: {exited.message}", rank, str(exited.message)
+        f"rank {rank} ended with exit code {exited.exitcode} and no Python exception (os._exit, a signal or a crash)",
+        rank,
+        str(exited.message),
     )
 
 
@@ -278,7 +303,11 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
     group_timeout = datetime.timedelta(seconds=timeout) if timeout is not None else None
     dist.init_process_group(backend, timeout=group_timeout)
     with collect_histories() as histories:
-        result = fn(*args)
+        try:
+            result = fn(*args)
+        except (SystemExit, KeyboardInterrupt) as stopped:  # no error file for these: say what happened
+            what = f"sys.exit({stopped.code!r})" if isinstance(stopped, SystemExit) else "KeyboardInterrupt"
+            raise RuntimeError(f"the function ended its rank with {what} instead of returning") from stopped
     # Only on success: a rank that raised keeps its connections until its error file is written
     # and it exits, so its peers fail after it and the launch names it, not them.
     dist.destroy_process_group()

@@ -44,12 +44,19 @@ __all__ = ["STRATEGIES", "RankShare", "check_strategy", "rank_share", "wrap_mode
 STRATEGIES = ("ddp",)
 
 
-def check_strategy(strategy: str | None) -> None:
-    """Refuse an unknown strategy, or one asked for without a process group."""
+def check_strategy(strategy: str | None, on_nonfinite: str = "warn") -> None:
+    """Refuse an unknown strategy, one asked for without a process group, or one with
+    ``on_nonfinite="stop"``: each rank would decide alone, and a rank that stopped would leave
+    the others waiting in the next step's all-reduce forever."""
     if strategy is None:
         return
     if strategy not in STRATEGIES:
         raise InvalidChoiceError("strategy", strategy, [*STRATEGIES, "None"])
+    if on_nonfinite == "stop":
+        raise MpnbError(
+            f"on_nonfinite='stop' with strategy={strategy!r} is not supported yet: a rank that stops alone leaves "
+            "the others waiting forever; use 'warn' (every rank records the NaN) and stop from your own code"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise MpnbError(
             f"strategy={strategy!r} trains across processes and needs torch.distributed's process group: "

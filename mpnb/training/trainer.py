@@ -99,7 +99,7 @@ class Trainer:
         if loss_fn is not None and step_fn is not None:
             raise MpnbError("give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss")
         check_dashboard(dashboard)
-        check_strategy(strategy)
+        check_strategy(strategy, on_nonfinite)
         self.amp = AmpStep(optimizer, mode=mode, device=device, on_nonfinite=on_nonfinite, **amp_options)
         self.device = self.amp.precision.device
         self.strategy = strategy

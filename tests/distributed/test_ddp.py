@@ -84,6 +84,18 @@ def test_a_strategy_without_a_process_group_or_unknown_is_refused():
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dashboard=None, strategy="dpp")
 
 
+def ddp_with_stop_on_nonfinite() -> None:
+    model = nn.Linear(2, 2)
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dashboard=None, strategy="ddp", on_nonfinite="stop")
+
+
+def test_stopping_on_a_nonfinite_loss_is_refused_with_ddp_rather_than_hanging_the_other_ranks():
+    from mpnb.distributed import LaunchError
+
+    with pytest.raises(LaunchError, match="on_nonfinite='stop' with strategy='ddp' is not supported"):
+        launch(ddp_with_stop_on_nonfinite, nproc=2, timeout=60)
+
+
 def uneven_epoch_rank() -> int:
     parameters, history = trained(batches(count=7), strategy="ddp", steps=None)
     return len(history)

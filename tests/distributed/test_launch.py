@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import psutil
@@ -99,9 +101,13 @@ def test_a_hung_rank_ends_at_the_timeout_with_a_clear_error():
     [
         ({"nproc": 0}, MpnbError, "nproc must be a whole number >= 1, got 0"),
         ({"backend": "glue"}, InvalidChoiceError, "'glue'.*gloo"),
-        ({"timeout": -1}, MpnbError, "timeout must be a positive number"),
+        ({"timeout": -1}, MpnbError, "timeout must be a positive, finite number"),
         ({"nnodes": 2}, MpnbError, "rdzv_endpoint"),
         ({"start_method": "thread"}, InvalidChoiceError, "'thread'.*fork"),
+        ({"timeout": float("nan")}, MpnbError, "timeout must be a positive, finite number"),
+        ({"timeout": float("inf")}, MpnbError, "timeout must be a positive, finite number"),
+        ({"rdzv_endpoint": "nonsense"}, MpnbError, "rdzv_endpoint must be 'host:port', got 'nonsense'"),
+        ({"nproc": 10**6}, MpnbError, "nproc must be at most"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_starts(options, error, named):
@@ -132,3 +138,43 @@ def test_a_function_defined_in_a_notebook_cell_runs_in_the_workers():
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
+
+
+def exit_on_rank_one(how: str) -> None:
+    if dist.get_rank() == 1:
+        if how == "sys.exit(0)":
+            sys.exit(0)
+        os._exit(3)
+    dist.barrier()
+
+
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [
+        ("sys.exit(0)", r"rank 1 failed: RuntimeError: the function ended its rank with sys.exit\(0\)"),
+    ],
+)
+def test_a_rank_that_ends_without_returning_is_named_and_does_not_hang_the_launch(how, named):
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=named) as raised:
+        launch(exit_on_rank_one, how, nproc=2, timeout=60)
+    assert raised.value.rank == 1 and time.monotonic() - started < 20
+    assert no_workers_left()
+
+
+def test_a_rank_that_exits_without_an_exception_is_said_to_have_ended_first():
+    started = time.monotonic()
+    # Named when the launcher sees its exit first; else its peer's error says another rank ended first.
+    either = "rank 1 ended with exit code 3 and no Python exception|another rank ended first without a Python exception"
+    with pytest.raises(LaunchError, match=either):
+        launch(exit_on_rank_one, "os._exit(3)", nproc=2, timeout=60)
+    assert time.monotonic() - started < 20 and no_workers_left()
+
+
+def launch_from_a_worker() -> None:
+    launch(rank_sum, 0, nproc=2)
+
+
+def test_launch_inside_a_worker_is_refused_with_the_reason():
+    with pytest.raises(LaunchError, match="launch was called inside a process group"):
+        launch(launch_from_a_worker, nproc=2)

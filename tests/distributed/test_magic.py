@@ -55,6 +55,14 @@ def test_a_failing_rank_fails_the_cell_with_its_traceback(client):
         client, "%%distributed --nproc 2\nif dist.get_rank() == 1:\n    raise ValueError('only on rank one')\n"
     )
     assert reply["status"] == "error" and "rank 1 failed: ValueError: only on rank one" in printed
+    assert printed.startswith("RuntimeError: %%distributed: rank 1 failed")  # not shown as a usage error
+
+
+def test_a_name_bound_again_comes_back_even_if_the_new_object_reuses_the_old_ones_id(client):
+    execute(client, "numbers = [1]")
+    reply, printed = execute(client, "%%distributed --nproc 2\ndel numbers\nnumbers = [42]")
+    assert reply["status"] == "ok" and "from rank 0: numbers" in printed
+    assert execute(client, "print(numbers)")[1].strip() == "[42]"
 
 
 def test_bad_arguments_are_a_usage_error(client):

@@ -4,7 +4,8 @@ Each worker (:func:`mpnb.distributed.launch`, forked from the kernel, so it star
 name the notebook has) runs the cell in the session's mode (``%amp``) with the session's op
 lists in force, as the cell would run here; ``torch.distributed.get_rank()`` tells the ranks
 apart. The names the cell assigns on rank 0 come back into the notebook (those that can be
-pickled; the others are named), and the launch itself is kept in ``_distributed`` (each rank's
+pickled; the others are named; an object changed in place is not assigned, so it stays as it
+was here), and the launch itself is kept in ``_distributed`` (each rank's
 fit histories: ``_distributed.histories``). What the workers print is not shown here. A rank
 that raises ends the cell with that rank's traceback.
 
@@ -40,15 +41,16 @@ RESULT_VARIABLE = "_distributed"
 def _cell_on_rank(body: str) -> dict[str, Any] | None:
     """In a worker: run the cell in the notebook's namespace (as forked); rank 0 returns what it assigned."""
     shell = get_ipython()
-    before = {name: id(value) for name, value in shell.user_ns.items()}
+    before = dict(shell.user_ns)  # holds the old objects: a new one cannot take a freed one's id
     with session.cell_scope():
         run_cell_body(shell, body)
     if dist.get_rank() != 0:
         return None
+    missing = object()
     assigned = {
         name: value
         for name, value in shell.user_ns.items()
-        if not name.startswith("_") and before.get(name) != id(value)
+        if not name.startswith("_") and before.get(name, missing) is not value
     }
     kept, left = {}, []
     for name, value in assigned.items():
@@ -80,14 +82,14 @@ class DistributedMagics(Magics):
                 "has used CUDA already (a fork cannot); restart the kernel and run %%distributed before any CUDA "
                 "work, or call mpnb.distributed.launch(fn) with a function"
             )
-        try:
-            with as_usage_error():
+        with as_usage_error():  # bad arguments; a failing rank is not a usage error
+            try:
                 launched = launch(
                     _cell_on_rank, cell, nproc=args.nproc, backend=args.backend, timeout=args.timeout,
                     start_method="fork",
                 )  # fmt: skip
-        except LaunchError as failure:
-            raise RuntimeError(f"%%distributed: {failure}") from None
+            except LaunchError as failure:
+                raise RuntimeError(f"%%distributed: {failure}") from None
         back = launched.results[0]
         self.shell.user_ns.update(back["names"])
         self.shell.user_ns[RESULT_VARIABLE] = launched
