@@ -162,11 +162,11 @@ def test_a_rank_that_ends_without_returning_is_named_and_does_not_hang_the_launc
     assert no_workers_left()
 
 
-def test_a_rank_that_exits_without_an_exception_is_said_to_have_ended_first():
+def test_a_rank_that_exits_without_an_exception_ends_the_launch_and_is_said_to():
+    """Which rank is named is a race: the one that exited, or a peer that gloo then crashed (SIGSEGV seen
+    in CI), or a peer's error that says another rank ended first. None hangs, none is left running."""
     started = time.monotonic()
-    # Named when the launcher sees its exit first; else its peer's error says another rank ended first.
-    either = "rank 1 ended with exit code 3 and no Python exception|another rank ended first without a Python exception"
-    with pytest.raises(LaunchError, match=either):
+    with pytest.raises(LaunchError, match="no Python exception|without a Python exception"):
         launch(exit_on_rank_one, "os._exit(3)", nproc=2, timeout=60)
     assert time.monotonic() - started < 20 and no_workers_left()
 
