@@ -178,3 +178,17 @@ def launch_from_a_worker() -> None:
 def test_launch_inside_a_worker_is_refused_with_the_reason():
     with pytest.raises(LaunchError, match="launch was called inside a process group"):
         launch(launch_from_a_worker, nproc=2)
+
+
+def test_the_launchers_loggers_are_as_found_after_a_failed_launch():
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    loggers[0].setLevel(logging.INFO)  # a user's own choice, to be kept
+    before = [logger.level for logger in loggers]
+    try:
+        with pytest.raises(LaunchError):
+            launch(fail_on_rank_one, nproc=2)
+        assert [logger.level for logger in loggers] == before
+    finally:
+        loggers[0].setLevel(logging.NOTSET)
