@@ -161,7 +161,12 @@ class LoopTelemetry:
                 f"{self.framework}: a step's loss must be one number, got a tensor of shape {list(loss.shape)} "
                 "(reduce it first, e.g. loss.mean())"
             )
-        value = loss.detach().float() if isinstance(loss, torch.Tensor) else float(loss)
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach()
+            if value.dtype != torch.float32:
+                value = value.float()  # a bf16 / fp16 loss is summed over the window in fp32
+        else:
+            value = float(loss)
         if normalized:
             run.summed = value if run.summed is None else run.summed + value
         else:

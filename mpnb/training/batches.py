@@ -89,7 +89,8 @@ def samples_in(batch: Any) -> int | None:
         first = next(_tensors(batch), None)
     if first is None:
         return None
-    return len(first) if first.dim() else None
+    shape = first.shape
+    return shape[0] if shape else None
 
 
 def _first_of(batch: Any) -> Any:

@@ -32,7 +32,16 @@ from mpnb.training.history import History
 #: The trainer a checkpoint belongs to (``mpnb.training.trainer.Trainer``; not imported: it imports this).
 Trainer = Any
 
-__all__ = ["checkpoint_state", "read_checkpoint", "apply_checkpoint", "FORMAT", "VERSION"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "apply_checkpoint",
+    "apply_run_state",
+    "checkpoint_state",
+    "read_checkpoint",
+    "run_mismatch",
+    "run_state",
+]
 
 FORMAT = "mpnb-trainer"
 #: 2 adds the optimizer's type. Version 1 files (no version) are still read.
@@ -55,10 +64,13 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
 
 def _training_state(trainer: Trainer) -> dict[str, Any]:
     """What :func:`_apply` puts into a trainer, but the history: model, optimizer, scaler, scheduler, position."""
+    return {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(), **run_state(trainer)}
+
+
+def run_state(trainer: Trainer) -> dict[str, Any]:
+    """The run's state besides its weights and optimizer: scaler and step counters, scheduler, position."""
     scheduler = trainer.amp.scheduler
     return {
-        "model": trainer.model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
         "amp": trainer.amp.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "position": [trainer._epoch, trainer._batch, trainer._end_epoch],
@@ -119,14 +131,20 @@ def _mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
             shape = tuple(saved[key].shape) if isinstance(saved[key], torch.Tensor) else type(saved[key]).__name__
             return f"model entry {key} has shape {shape}, this model's is {tuple(tensor.shape)}"
     optimizer_type = state.get("optimizer_type")
-    if optimizer_type is not None and optimizer_type != type(trainer.optimizer).__name__:
-        return f"it was saved with a {optimizer_type} optimizer, this trainer has {type(trainer.optimizer).__name__}"
-    problem = _optimizer_mismatch(trainer, state["optimizer"])
+    problem = _optimizer_type_mismatch(trainer, optimizer_type) or _optimizer_mismatch(trainer, state["optimizer"])
     if problem is not None:
         return problem
     if optimizer_type is None and _state_keys(state["optimizer"]) - _state_keys(trainer.optimizer.state_dict()):
         if trainer.optimizer.state:
             return "its optimizer state has other entries (saved with another optimizer type?)"
+    return run_mismatch(trainer, state)
+
+
+def run_mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
+    """What in a :func:`run_state` (with the optimizer's type) cannot be applied to ``trainer``."""
+    problem = _optimizer_type_mismatch(trainer, state.get("optimizer_type"))
+    if problem is not None:
+        return problem
     amp = state["amp"]
     if not isinstance(amp, dict) or not {"scaler", "steps", "epoch"} <= set(amp):
         return "its loss-scaler record is incomplete"
@@ -159,6 +177,12 @@ def _mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
         and (position[2] is None or isinstance(position[2], int))
     ):
         return f"its position {position!r} is not [epoch, batch, end epoch]"
+    return None
+
+
+def _optimizer_type_mismatch(trainer: Trainer, optimizer_type: str | None) -> str | None:
+    if optimizer_type is not None and optimizer_type != type(trainer.optimizer).__name__:
+        return f"it was saved with a {optimizer_type} optimizer, this trainer has {type(trainer.optimizer).__name__}"
     return None
 
 
@@ -207,6 +231,11 @@ def apply_checkpoint(trainer: Trainer, state: dict[str, Any], history: History) 
 def _apply(trainer: Trainer, state: dict[str, Any], history: History) -> None:
     trainer.model.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
+    apply_run_state(trainer, state, history)
+
+
+def apply_run_state(trainer: Trainer, state: dict[str, Any], history: History) -> None:
+    """Put a :func:`run_state` and its history into ``trainer``."""
     trainer.amp.load_state_dict(state["amp"])
     if trainer.amp.scheduler is not None and state["scheduler"] is not None:
         trainer.amp.scheduler.load_state_dict(state["scheduler"])

@@ -47,6 +47,10 @@ class Checkpoint:
     paused_s: float
 
 
+_GO_ON = Checkpoint(stop=False, changed=(), paused_s=0.0)
+_STOP = Checkpoint(stop=True, changed=(), paused_s=0.0)
+
+
 class FitControl:
     """Stop, pause and resume requests for a fit, and the session changes made meanwhile.
 
@@ -107,6 +111,8 @@ class FitControl:
             interrupted: ends a pause too (the fit's Ctrl-C check).
         """
         self._poll()
+        if not (self._paused or self._changed):  # the usual step: nothing to wait for or tell
+            return _STOP if self._stop else _GO_ON
         waited_from = time.perf_counter()
         while self._paused and not self._stop and not interrupted():
             time.sleep(PAUSE_POLL_S)

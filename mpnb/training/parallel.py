@@ -1,4 +1,4 @@
-"""Training across processes with torch.distributed: the model wrapped for a strategy, each
+r"""Training across processes with torch.distributed: the model wrapped for a strategy, each
 rank's share of the batches.
 
 ``mpnb.Trainer(..., strategy="ddp")`` wraps the model in torch's
@@ -11,6 +11,20 @@ the ranks that took one more would wait for the others forever. A DataLoader tha
 a ``DistributedSampler`` is used as it is. Since DDP averages the gradients before the optimizer sees them, GradScaler
 finds the same inf/NaN on every rank: all ranks skip a step together, and AmpStep counts it
 as one process does.
+
+``strategy="fsdp"`` shards the model instead (torch's FSDP2, ``fully_shard``): each block (the
+elements of the model's ``ModuleList``\ s, a transformer's layers; else its children that hold
+parameters), then the whole model, with a ``MixedPrecisionPolicy`` derived from the mode: the
+parameters gathered for compute in bf16 / fp16, the gradients reduced in fp32. Each rank keeps
+only its shard of every weight, gradient and optimizer state. ``fully_shard`` changes the model
+in place and gives it new parameters: the optimizer's parameter groups are pointed at them, so
+the optimizer must not have stepped yet. A gradient overflow reaches only the rank that owns
+the overflowing elements, but GradScaler's inf check on sharded gradients (DTensors) takes the
+maximum of every rank's flag (torch's DTensor handles that op so): all ranks skip the step
+together, as with DDP. The policy is fixed when the Trainer is built; a later ``%amp`` switch
+changes autocast and the scaler, not the parameter dtype.
+
+Stopping (Stop, ``on_nonfinite="stop"``, an interrupt) is agreed across ranks: see :func:`agreed_stop`.
 
 The process group must exist: run the training through :func:`mpnb.distributed.launch` (or
 ``torchrun``).
@@ -37,26 +51,30 @@ import torch.distributed as dist
 from torch import nn
 
 from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.precision.modes import Mode
 
-__all__ = ["STRATEGIES", "RankShare", "check_strategy", "rank_share", "wrap_model"]
+__all__ = [
+    "STRATEGIES",
+    "RankShare",
+    "agreed_stop",
+    "check_strategy",
+    "mixed_precision_policy",
+    "model_blocks",
+    "rank_share",
+    "wrap_model",
+]
 
 #: What ``Trainer(strategy=...)`` accepts besides None (one process).
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "fsdp")
+_LOW_DTYPES = {Mode.BF16: torch.bfloat16, Mode.FP16: torch.float16}
 
 
-def check_strategy(strategy: str | None, on_nonfinite: str = "warn") -> None:
-    """Refuse an unknown strategy, one asked for without a process group, or one with
-    ``on_nonfinite="stop"``: each rank would decide alone, and a rank that stopped would leave
-    the others waiting in the next step's all-reduce forever."""
+def check_strategy(strategy: str | None) -> None:
+    """Refuse an unknown strategy, or one asked for without a process group."""
     if strategy is None:
         return
     if strategy not in STRATEGIES:
         raise InvalidChoiceError("strategy", strategy, [*STRATEGIES, "None"])
-    if on_nonfinite == "stop":
-        raise MpnbError(
-            f"on_nonfinite='stop' with strategy={strategy!r} is not supported yet: a rank that stops alone leaves "
-            "the others waiting forever; use 'warn' (every rank records the NaN) and stop from your own code"
-        )
     if not (dist.is_available() and dist.is_initialized()):
         raise MpnbError(
             f"strategy={strategy!r} trains across processes and needs torch.distributed's process group: "
@@ -64,15 +82,96 @@ def check_strategy(strategy: str | None, on_nonfinite: str = "warn") -> None:
         )
 
 
-def wrap_model(model: nn.Module, strategy: str | None, device: torch.device) -> nn.Module:
-    """``model`` (already on ``device``) as the strategy trains it."""
+def agreed_stop(wants_stop: bool, steps: int, every: int, device: torch.device) -> bool:
+    """Whether training stops before the next step, agreed by all ranks (every rank calls this
+    before each step, after the same number of ``steps``).
+
+    A rank that stopped alone would leave the others waiting in the next step's gradient
+    reduction forever. So a rank's wish (a Stop, a non-finite loss with ``on_nonfinite="stop"``,
+    an interrupt) is shared every ``every`` steps (at the telemetry flushes, which find the
+    non-finite losses; every step with ``on_nonfinite="stop"``) in one small all-reduce, and all
+    ranks stop there if any of them wants to.
+    """
+    if steps % every:
+        return False
+    flag = torch.tensor([float(wants_stop)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def wrap_model(
+    model: nn.Module,
+    strategy: str | None,
+    device: torch.device,
+    optimizer: torch.optim.Optimizer | None = None,
+    mode: Mode = Mode.FP32,
+) -> nn.Module:
+    """``model`` (already on ``device``) as the strategy trains it; for ``"fsdp"``, sharded in
+    place with ``mode``'s policy and ``optimizer`` pointed at the sharded parameters."""
     check_strategy(strategy)
     if strategy is None:
         return model
+    if strategy == "fsdp":
+        return _shard(model, optimizer, mode)
     if device.type != "cuda":  # CPU (and other devices): DDP takes no device ids
         return nn.parallel.DistributedDataParallel(model)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return nn.parallel.DistributedDataParallel(model, device_ids=[index])
+
+
+def mixed_precision_policy(mode: Mode) -> Any:
+    """FSDP2's policy for ``mode``: bf16 / fp16 parameters for compute with fp32 gradient
+    reduction; no casting in fp32 / tf32 / off.
+
+    >>> policy = mixed_precision_policy(Mode.BF16)
+    >>> policy.param_dtype, policy.reduce_dtype
+    (torch.bfloat16, torch.float32)
+    >>> mixed_precision_policy(Mode.TF32).param_dtype is None
+    True
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = _LOW_DTYPES.get(mode)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    r"""The modules FSDP shards one by one: the elements of the model's ``ModuleList``\ s that hold
+    parameters (a transformer's layers), else its children that do.
+
+    >>> model_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1)))
+    [Linear(in_features=2, out_features=2, bias=True), Linear(in_features=2, out_features=1, bias=True)]
+    """
+    lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
+    candidates = [block for blocks in lists for block in blocks] if lists else list(model.children())
+    return [block for block in candidates if any(True for _ in block.parameters())]
+
+
+def _shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: Mode) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    names = {id(param): name for name, param in model.named_parameters()}
+    if optimizer is not None:
+        if optimizer.state:
+            raise MpnbError(
+                f"strategy='fsdp' replaces the model's parameters, but the {type(optimizer).__name__} has already "
+                "stepped (it holds state for the old ones): build the Trainer with an optimizer that has not stepped"
+            )
+        foreign = sum(id(p) not in names for group in optimizer.param_groups for p in group["params"])
+        if foreign:
+            raise MpnbError(
+                f"strategy='fsdp': {foreign} of the optimizer's parameters are not the model's; build the optimizer "
+                "on model.parameters()"
+            )
+    policy = mixed_precision_policy(mode)
+    for block in model_blocks(model):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    if optimizer is not None:
+        sharded = dict(model.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [sharded[names[id(param)]] for param in group["params"]]
+    return model
 
 
 class RankShare:

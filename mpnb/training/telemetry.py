@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -62,12 +63,14 @@ class Sink:
 
 
 class MemorySampler:
-    """Device memory, re-read at most every ``interval`` seconds (a CPU read costs ~35 us).
+    """Device memory, re-read at most every ``interval`` seconds: as often as a live dashboard
+    redraws (a CPU read costs 10-300 us inside a busy training loop, where threads compete for
+    the cores). The peak is the device's own high-water mark, so nothing between reads is missed.
 
     Between reads the last sample is reported again: rows are per step, samples are not.
     """
 
-    def __init__(self, backend: Backend, device: torch.device, interval: float = 0.05) -> None:
+    def __init__(self, backend: Backend, device: torch.device, interval: float = 0.25) -> None:
         self.backend, self.device, self.interval = backend, device, interval
         self._last_read = -math.inf
         self._sample = (math.nan, math.nan, math.nan)
@@ -149,19 +152,23 @@ class Recorder:
             self.flush()
 
     def _sink_due(self) -> bool:
-        if not self.sinks:
-            return False
-        now = time.perf_counter()
-        return any(sink.due(now) for sink in self.sinks)
+        if self.sinks:
+            now = time.perf_counter()
+            for sink in self.sinks:
+                if sink.due(now):
+                    return True
+        return False
 
     def flush(self) -> None:
         """Copy pending rows to the history (one device-to-host transfer) and tell the sinks."""
         if not self._pending:
             return
         rows, self._pending = self._pending, []
-        columns = {name: [row.get(name, empty) for row in rows] for name, empty in _EMPTY.items()}
+        columns = _columns_of(rows)
+        # not a column: the step's example count, for samples_per_s
+        samples = columns.pop("samples", None) or [None] * len(rows)
         self._to_host(columns)
-        _settle_step_times(columns, [row.get("samples") for row in rows])
+        _settle_step_times(columns, samples)
         self.history.extend(columns)
         for sink in self.sinks:
             sink.update(self.history)
@@ -176,16 +183,13 @@ class Recorder:
         """Replace every tensor in ``columns`` by its value, with one copy per device."""
         by_device: dict[torch.device, list[tuple[str, int, torch.Tensor]]] = {}
         for name, values in columns.items():
+            if not any(issubclass(kind, torch.Tensor) for kind in set(map(type, values))):
+                continue  # most columns hold host numbers only
             for index, value in enumerate(values):
                 if isinstance(value, torch.Tensor):
                     by_device.setdefault(value.device, []).append((name, index, value))
         for entries in by_device.values():
-            tensors = [tensor.detach() for _, _, tensor in entries]
-            try:  # the usual case, every value a 0-dim tensor: one stack, promoted as needed
-                packed = torch.stack(tensors).reshape(len(tensors))
-            except RuntimeError:  # some of shape [1] (or [1, 1]...): one element each all the same
-                packed = torch.stack([tensor.reshape(()).to(torch.float32) for tensor in tensors])
-            host_values = packed.to("cpu", torch.float64).tolist()
+            host_values = _read_together([tensor for _, _, tensor in entries])
             self.host_transfers += 1
             for (name, index, _), value in zip(entries, host_values):
                 kind = COLUMNS[name][0]
@@ -196,11 +200,44 @@ class Recorder:
 _EMPTY = {name: column_default(kind) for name, (kind, _) in COLUMNS.items()}
 
 
+def _read_together(tensors: list[torch.Tensor]) -> list[float]:
+    """The values of one-element tensors on one device, with one copy to the host (the CPU's
+    own tensors too: they stand for an accelerator's in the tests that count host reads)."""
+    with torch.no_grad():
+        try:  # the usual case, every value a 0-dim tensor: one stack, promoted as needed
+            packed = torch.stack(tensors).reshape(len(tensors))
+        except RuntimeError:  # some of shape [1] (or [1, 1]...): one element each all the same
+            packed = torch.stack([tensor.reshape(()).to(torch.float32) for tensor in tensors])
+    return packed.to("cpu", torch.float64).tolist()
+
+
+def _columns_of(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The rows column-wise, where a row lacks a name that others have: the column's empty value
+    (None for names that are no column; History.extend refuses those, ``samples`` aside).
+
+    >>> _columns_of([{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}])
+    {'step': [1, 2], 'loss': [0.5, 0.25]}
+    >>> _columns_of([{"step": 1}, {"step": 2, "loss": 0.25}])["loss"]
+    [nan, 0.25]
+    """
+    names = tuple(rows[0])
+    if len(names) > 1 and all(len(row) == len(names) for row in rows):
+        try:  # the usual case, every row with the same names: transposed without a Python loop per value
+            return dict(zip(names, map(list, zip(*map(operator.itemgetter(*names), rows)))))
+        except KeyError:
+            pass
+    return {name: [row.get(name, _EMPTY.get(name)) for row in rows] for name in set().union(*rows)}
+
+
 def _settle_step_times(columns: dict[str, list[Any]], samples: list[int | None]) -> None:
     """Read the device's step times (the copy to the host waited for the device already) and
     derive each row's throughput where its example count is known."""
-    times = columns["step_time"] = [seconds(value) for value in columns["step_time"]]
-    rates = columns["samples_per_s"]
+    if "step_time" not in columns:
+        return
+    times = columns["step_time"]
+    if not set(map(type, times)) <= {float}:  # device intervals: read them now
+        times = columns["step_time"] = [seconds(value) for value in times]
+    rates = columns.setdefault("samples_per_s", [math.nan] * len(times))
     for index, (count, step_time) in enumerate(zip(samples, times)):
         if count is not None:
             rates[index] = count / step_time if count and step_time > 0 else math.nan

@@ -32,7 +32,8 @@ from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_ch
 from mpnb.training.control import FitControl, running_on_this_thread
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
-from mpnb.training.parallel import check_strategy, rank_share, wrap_model
+from mpnb.training.parallel import agreed_stop, check_strategy, rank_share, wrap_model
+from mpnb.training.sharded_checkpoint import load_sharded, save_sharded
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.telemetry import Sink, check_dashboard, dashboard_sinks
 
@@ -70,8 +71,9 @@ class Trainer:
             ``"warn"`` (default; an event on the history and the dashboard, and a warning),
             ``"stop"`` (the same, and the fit ends after that step, history kept) or
             ``"ignore"`` (the event only). See :mod:`mpnb.training.health`.
-        strategy: None (one process) or ``"ddp"``: across the processes of torch.distributed's
-            group, each training on its share of the batches (:mod:`mpnb.training.parallel`).
+        strategy: None (one process), ``"ddp"`` or ``"fsdp"``: across the processes of
+            torch.distributed's group, each training on its share of the batches; ``"fsdp"``
+            shards the model in place (:mod:`mpnb.training.parallel`).
         **amp_options: passed to :class:`~mpnb.training.amp_step.AmpStep` (scheduler,
             accumulate, clip_grad_norm, record_grad_norm, init_scale, growth_factor,
             backoff_factor, growth_interval, min_scale, flush_every).
@@ -99,16 +101,17 @@ class Trainer:
         if loss_fn is not None and step_fn is not None:
             raise MpnbError("give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss")
         check_dashboard(dashboard)
-        check_strategy(strategy, on_nonfinite)
+        check_strategy(strategy)
         self.amp = AmpStep(optimizer, mode=mode, device=device, on_nonfinite=on_nonfinite, **amp_options)
         self.device = self.amp.precision.device
         self.strategy = strategy
-        self.model = wrap_model(model.to(self.device), strategy, self.device)
+        self.model = wrap_model(model.to(self.device), strategy, self.device, optimizer, self.amp.precision.mode)
         self.optimizer, self.loss_fn, self.step_fn = optimizer, loss_fn, step_fn
         self.dashboard = dashboard
         self._epoch, self._batch = 0, 0  # position: next batch to train on
         self._end_epoch: int | None = None  # set while a planned run is unfinished
         self._stopped = False  # the last fit ended at a stop
+        self._peer_stopped = False  # ... that another rank asked for (strategy="ddp" / "fsdp")
         self._window_start = (0, 0)  # position of the current accumulation window's first batch
         self.control = FitControl()
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
@@ -189,7 +192,7 @@ class Trainer:
             max_steps = self._join(capture, data, max_steps)
         if epochs is not None or self._end_epoch is None:
             self._end_epoch = self._epoch + (epochs or 1)  # a partly trained epoch counts as one
-        self._stopped = False
+        self._stopped = self._peer_stopped = False
         if max_steps == 0:  # a capture's budget is spent: the plan stays, for a later fit(data) to go on with
             return self.history
         note_fit(self.history)
@@ -226,9 +229,9 @@ class Trainer:
             )
             self.history.note("interrupted", kind="interrupt")
             raise FitInterrupted(message, self.history)
-        if (self.control.stop_requested or self.amp.health.stop) and not finished:
+        if (self.control.stop_requested or self.amp.health.stop or self._peer_stopped) and not finished:
             self._stopped = True
-            self.history.note("stopped", kind="stop")
+            self.history.note("stopped by another rank" if self._peer_stopped else "stopped", kind="stop")
         return self.history
 
     def _join(self, capture: FitCapture, data: Iterable[Any], max_steps: int | None) -> int:
@@ -264,7 +267,11 @@ class Trainer:
                     self._follow_session(checkpoint.changed)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
-                    if stop.requested or checkpoint.stop or self.amp.health.stop or steps_left == 0:
+                    wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
+                    if self.strategy is not None:  # every rank stops at the same step, or none does
+                        agreed = agreed_stop(wants_stop, self.amp.steps, self.amp.recorder.flush_every, self.device)
+                        self._peer_stopped, wants_stop = agreed and not wants_stop, agreed
+                    if wants_stop or steps_left == 0:
                         position = None if one_shot else (self._epoch, self._batch)
                         self._held = self._reader.hold(data, position, batch)
                         return False
@@ -368,8 +375,13 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save model, optimizer, scaler, scheduler, position and history in one file."""
-        torch.save(checkpoint_state(self), path)
+        """Save model, optimizer, scaler, scheduler, position and history in one file (with
+        ``strategy="fsdp"``: a directory of shards, written by every rank together; see
+        :mod:`mpnb.training.sharded_checkpoint`)."""
+        if self.strategy == "fsdp":
+            save_sharded(self, path)
+        else:
+            torch.save(checkpoint_state(self), path)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Restore a :meth:`save` file: all of it, or nothing (see :mod:`mpnb.training.checkpoint`).
@@ -379,6 +391,9 @@ class Trainer:
                 trainer (another model, optimizer type or parameter groups); names the file
                 and the mismatch, and changes nothing.
         """
+        if self.strategy == "fsdp":
+            load_sharded(self, path)
+            return
         state, history = read_checkpoint(self, path)
         apply_checkpoint(self, state, history)
 

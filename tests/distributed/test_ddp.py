@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +11,7 @@ from torch import nn
 
 from mpnb.distributed import launch
 from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.training.telemetry import Sink
 from mpnb.training.trainer import Trainer
 
 
@@ -84,16 +87,60 @@ def test_a_strategy_without_a_process_group_or_unknown_is_refused():
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dashboard=None, strategy="dpp")
 
 
-def ddp_with_stop_on_nonfinite() -> None:
-    model = nn.Linear(2, 2)
-    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dashboard=None, strategy="ddp", on_nonfinite="stop")
+def nan_on_rank_one_at_its_third_batch(model, batch):
+    inputs, targets = batch
+    loss = nn.functional.mse_loss(model(inputs), targets)
+    if dist.get_rank() == 1 and bool((inputs[0, 0] == 1000.0).item()):
+        loss = loss * float("nan")
+    return loss
 
 
-def test_stopping_on_a_nonfinite_loss_is_refused_with_ddp_rather_than_hanging_the_other_ranks():
-    from mpnb.distributed import LaunchError
+def ddp_stop_on_nonfinite_rank(strategy: str) -> tuple[int, bool, list[str]]:
+    data = batches()
+    data[5][0][0, 0] = 1000.0  # batch 5 is rank 1's third: only rank 1 sees a NaN loss at step 3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn=nan_on_rank_one_at_its_third_batch, mode="bf16",
+        device="cpu", dashboard=None, strategy=strategy, on_nonfinite="stop",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(data, max_steps=4)
+    return len(trainer.history), trainer.stopped, [event["kind"] for event in trainer.history.events]
 
-    with pytest.raises(LaunchError, match="on_nonfinite='stop' with strategy='ddp' is not supported"):
-        launch(ddp_with_stop_on_nonfinite, nproc=2, timeout=60)
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_the_same_step(strategy):
+    # without agreement rank 0 would go on to a 4th step and wait there for rank 1 forever
+    (steps0, stopped0, events0), (steps1, stopped1, events1) = launch(
+        ddp_stop_on_nonfinite_rank, strategy, nproc=2, timeout=60
+    ).results
+    assert steps0 == steps1 == 3 and stopped0 and stopped1
+    assert "nonfinite" in events1 and "nonfinite" not in events0  # rank 0's own loss was finite
+
+
+def stop_on_rank_zero_rank() -> tuple[int, bool]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss, device="cpu", dashboard=None,
+        strategy="ddp", flush_every=2,
+    )  # fmt: skip
+
+    class StopAtStepThree(Sink):
+        def update(self, history):
+            if dist.get_rank() == 0 and len(history) >= 3:
+                trainer.control.stop()
+
+    trainer.amp.recorder.sinks.append(StopAtStepThree())
+    trainer.fit(batches(16), max_steps=8)
+    return len(trainer.history), trainer.stopped
+
+
+def test_a_stop_on_one_rank_ends_every_rank_at_the_next_flush():
+    # rank 0 asks after step 3 (seen at the flush of step 4): all ranks stop before step 5
+    assert launch(stop_on_rank_zero_rank, nproc=2, timeout=60).results == [(4, True), (4, True)]
 
 
 def uneven_epoch_rank() -> int:

@@ -57,6 +57,24 @@ def test_cpu_backend_reports_real_numbers():
     assert "47x" in cpu.dtype_warnings(torch.float16)[0]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak resident memory resets only on Linux")
+def test_cpu_memory_follows_the_process_and_its_peak_reset():
+    import psutil
+
+    cpu = backend_for("cpu")
+    cpu.release_cached_memory()
+    assert abs(cpu.memory().used - psutil.Process().memory_info().rss) < 16 * 2**20
+    block = torch.ones(64 * 2**20)  # 256 MiB, every page touched
+    high = cpu.memory()
+    assert high.peak >= high.used > 256 * 2**20
+    del block
+    cpu.release_cached_memory()
+    assert cpu.reset_peak_memory()
+    after = cpu.memory()
+    assert after.peak < high.peak - 128 * 2**20  # the peak starts again from what is resident now
+    assert after.peak >= after.used
+
+
 def test_cpu_fp32_math_is_described_for_students():
     text = backend_for("cpu").describe_fp32_math()
     assert text.startswith("exact") and "TF32 does not exist on CPUs" in text
