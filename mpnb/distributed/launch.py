@@ -55,6 +55,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from mpnb.distributed.rank_output import rank_lines
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.training.capture import collect_histories
 from mpnb.training.history import History
@@ -302,12 +303,15 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     group_timeout = datetime.timedelta(seconds=timeout) if timeout is not None else None
     dist.init_process_group(backend, timeout=group_timeout)
-    with collect_histories() as histories:
+    with rank_lines(dist.get_rank()), collect_histories() as histories:
         try:
             result = fn(*args)
-        except (SystemExit, KeyboardInterrupt) as stopped:  # no error file for these: say what happened
-            what = f"sys.exit({stopped.code!r})" if isinstance(stopped, SystemExit) else "KeyboardInterrupt"
-            raise RuntimeError(f"the function ended its rank with {what} instead of returning") from stopped
+        except Exception:
+            raise
+        except BaseException as stopped:  # the launcher writes no error file for these: say what happened
+            what = {SystemExit: f"sys.exit({getattr(stopped, 'code', None)!r})", KeyboardInterrupt: "KeyboardInterrupt"}
+            named = what.get(type(stopped), f"{type(stopped).__name__}: {stopped}")
+            raise RuntimeError(f"the function ended its rank with {named} instead of returning") from stopped
     # Only on success: a rank that raised keeps its connections until its error file is written
     # and it exits, so its peers fail after it and the launch names it, not them.
     dist.destroy_process_group()

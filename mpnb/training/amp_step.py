@@ -229,8 +229,11 @@ class AmpStep:
         self.scaler.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.clip_grad_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        return torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        full = getattr(norm, "full_tensor", None)  # sharded gradients (FSDP) give a DTensor: the whole model's norm
+        return full() if callable(full) else norm
 
     def _record(
         self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any

@@ -137,14 +137,30 @@ def mixed_precision_policy(mode: Mode) -> Any:
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
     r"""The modules FSDP shards one by one: the elements of the model's ``ModuleList``\ s that hold
-    parameters (a transformer's layers), else its children that do.
+    parameters (a transformer's layers), else its children that do; but not one that shares a
+    parameter with the rest of the model (a tied embedding): that stays with the whole model.
 
     >>> model_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1)))
     [Linear(in_features=2, out_features=2, bias=True), Linear(in_features=2, out_features=1, bias=True)]
     """
     lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
     candidates = [block for blocks in lists for block in blocks] if lists else list(model.children())
-    return [block for block in candidates if any(True for _ in block.parameters())]
+    candidates = [block for block in candidates if any(True for _ in block.parameters())]
+    # A parameter tied across blocks (an embedding and an output head) must stay in one FSDP group:
+    # blocks holding one that is also used elsewhere in the model are left to the whole model's group.
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            users[id(param)] = users.get(id(param), 0) + 1
+    return [block for block in candidates if not _shares_outside(block, users)]
+
+
+def _shares_outside(block: nn.Module, users: dict[int, int]) -> bool:
+    inside: dict[int, int] = {}
+    for module in block.modules():
+        for param in module.parameters(recurse=False):
+            inside[id(param)] = inside.get(id(param), 0) + 1
+    return any(users[key] > count for key, count in inside.items())
 
 
 def _shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: Mode) -> nn.Module:

@@ -4,13 +4,14 @@ The weights and the optimizer's state go through ``torch.distributed.checkpoint`
 writes and reads only its shards; the directory loads into any number of ranks), obtained and
 put back with its ``get_state_dict`` / ``set_state_dict``. The rest of the run (scaler and step
 counters, scheduler, position, history: the same records as a one-file checkpoint, see
-:mod:`mpnb.training.checkpoint`) is one small file, ``run.pt``, written by rank 0 and read by
-every rank with ``weights_only=True``. Every rank calls :func:`save_sharded` /
-:func:`load_sharded` (the Trainer's ``save`` / ``load`` do), since both are collective.
+:mod:`mpnb.training.checkpoint`) is one small file per rank, ``run-rank<N>.pt``, read with
+``weights_only=True``: each rank gets its own history back (loaded into more ranks than saved
+it, the new ranks take rank 0's). Every rank calls :func:`save_sharded` / :func:`load_sharded`
+(the Trainer's ``save`` / ``load`` do), since both are collective.
 
 Before anything is loaded, the run record is checked against the trainer and the directory's
-weight names against the model's; a mismatch raises :class:`~mpnb.errors.MpnbError` naming the
-directory and changes nothing.
+weight names and shapes against the model's; a mismatch raises :class:`~mpnb.errors.MpnbError`
+naming the directory and changes nothing.
 """
 
 from __future__ import annotations
@@ -28,10 +29,16 @@ from mpnb.training.history import History
 #: The trainer a checkpoint belongs to (``mpnb.training.trainer.Trainer``; not imported: it imports this).
 Trainer = Any
 
-__all__ = ["RUN_FILE", "load_sharded", "save_sharded"]
+__all__ = ["load_sharded", "run_file", "save_sharded"]
 
-#: The file beside the shards that holds the run's records.
-RUN_FILE = "run.pt"
+
+def run_file(path: str | os.PathLike[str], rank: int) -> str:
+    """The file beside the shards that holds ``rank``'s run record.
+
+    >>> run_file("ckpt", 1)
+    'ckpt/run-rank1.pt'
+    """
+    return os.path.join(path, f"run-rank{rank}.pt")
 
 
 def save_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
@@ -39,21 +46,23 @@ def save_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    name = os.fspath(path)
+    if os.path.exists(name) and not os.path.isdir(name):
+        raise MpnbError(f"{name!r} is a file, not a directory: a sharded checkpoint is a directory of shards")
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=os.fspath(path))
-    if dist.get_rank() == 0:
-        scheduler = trainer.amp.scheduler
-        record = {
-            "format": FORMAT,
-            "version": VERSION,
-            "sharded": True,
-            "optimizer_type": type(trainer.optimizer).__name__,
-            "scheduler_type": type(scheduler).__name__ if scheduler is not None else None,
-            **run_state(trainer),
-            "history": trainer.history.to_dict(),
-        }
-        torch.save(record, os.path.join(path, RUN_FILE))
-    dist.barrier()  # no rank reads the directory before run.pt is there
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=name)
+    scheduler = trainer.amp.scheduler
+    record = {
+        "format": FORMAT,
+        "version": VERSION,
+        "sharded": True,
+        "optimizer_type": type(trainer.optimizer).__name__,
+        "scheduler_type": type(scheduler).__name__ if scheduler is not None else None,
+        **run_state(trainer),
+        "history": trainer.history.to_dict(),
+    }
+    torch.save(record, run_file(name, dist.get_rank()))
+    dist.barrier()  # no rank reads the directory before every run record is there
 
 
 def load_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
@@ -70,16 +79,14 @@ def load_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
     name = os.fspath(path)
     record, history = _read_run(trainer, name)
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    saved = dcp.FileSystemReader(name).read_metadata().state_dict_metadata
-    weights = {key.removeprefix("model.") for key in saved if key.startswith("model.")}
-    if weights != set(model_state):
-        extra, absent = sorted(weights - set(model_state))[:3], sorted(set(model_state) - weights)[:3]
-        raise MpnbError(
-            f"{name!r} does not fit this trainer: its model has other parameters (unexpected {extra}, missing "
-            f"{absent}); nothing was loaded"
-        )
+    problem = _weights_mismatch(dcp.FileSystemReader(name).read_metadata().state_dict_metadata, model_state)
+    if problem is not None:
+        raise MpnbError(f"{name!r} does not fit this trainer: {problem}; nothing was loaded")
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=name)
+    try:
+        dcp.load(state, checkpoint_id=name)
+    except dcp.api.CheckpointException as error:  # found while planning the reads, before any weight is written
+        raise MpnbError(f"{name!r} does not fit this trainer ({error}); nothing was loaded") from None
     set_state_dict(
         trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
@@ -87,16 +94,30 @@ def load_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
     trainer.amp.discard_window()  # an unfinished accumulation window belonged to the run replaced
 
 
+def _weights_mismatch(saved: dict[str, Any], model_state: dict[str, Any]) -> str | None:
+    weights = {key.removeprefix("model."): meta for key, meta in saved.items() if key.startswith("model.")}
+    if set(weights) != set(model_state):
+        extra, absent = sorted(set(weights) - set(model_state))[:3], sorted(set(model_state) - set(weights))[:3]
+        return f"its model has other parameters (unexpected {extra}, missing {absent})"
+    for key, tensor in model_state.items():
+        size = getattr(weights[key], "size", None)
+        if size is not None and tuple(size) != tuple(tensor.shape):
+            return f"model entry {key} has shape {tuple(size)}, this model's is {tuple(tensor.shape)}"
+    return None
+
+
 def _read_run(trainer: Trainer, name: str) -> tuple[dict[str, Any], History]:
-    run_file = os.path.join(name, RUN_FILE)
     if not os.path.isdir(name):
         raise FileNotFoundError(f"no checkpoint directory {name!r}")
+    path = run_file(name, dist.get_rank())
+    if not os.path.exists(path):  # loaded into more ranks than saved it
+        path = run_file(name, 0)
     try:
-        record = torch.load(run_file, weights_only=True)
+        record = torch.load(path, weights_only=True)
     except FileNotFoundError:
-        raise MpnbError(f"{name!r} is not a sharded mpnb checkpoint (it has no {RUN_FILE})") from None
+        raise MpnbError(f"{name!r} is not a sharded mpnb checkpoint (it has no {os.path.basename(path)})") from None
     except Exception as error:  # torch reports a damaged file in many ways
-        raise MpnbError(f"{run_file!r} cannot be read (damaged or truncated?): {error!r}") from None
+        raise MpnbError(f"{path!r} cannot be read (damaged or truncated?): {error!r}") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT or not record.get("sharded"):
         raise MpnbError(f"{name!r} is not a sharded mpnb checkpoint (saved by Trainer.save with strategy='fsdp')")
     missing = [key for key in ("amp", "scheduler", "position", "history") if key not in record]

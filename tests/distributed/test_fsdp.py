@@ -181,7 +181,8 @@ def test_a_sharded_checkpoint_resumes_the_run_exactly(tmp_path):
         continued, resumed = result["losses"]
         assert continued == resumed and len(resumed) == 2
         assert result["loaded_steps"] == 3
-        assert "run.pt" in result["files"] and any(name.endswith(".distcp") for name in result["files"])
+        assert {"run-rank0.pt", "run-rank1.pt"} <= set(result["files"])
+        assert any(name.endswith(".distcp") for name in result["files"])
         scaler_refusal, weights_refusal = result["refusals"]
         assert "loss scaler" in scaler_refusal and "nothing was loaded" in scaler_refusal
         assert "other parameters" in weights_refusal
@@ -226,3 +227,84 @@ def test_blocks_are_a_transformers_layers_or_the_children_with_parameters():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
     assert model_blocks(gpt2) == list(gpt2.transformer.h)
     assert [type(b).__name__ for b in model_blocks(model())] == ["Linear", "Linear"]
+
+
+def clipped_fsdp_rank() -> list[float]:
+    trainer = trainer_for("bf16", "fsdp", clip_grad_norm=0.5, record_grad_norm=True)
+    trainer.fit(batches(), max_steps=4)
+    return trainer.history.grad_norm
+
+
+def test_the_clipped_gradient_norm_of_sharded_gradients_is_the_whole_models():
+    norms0, norms1 = launch(clipped_fsdp_rank, nproc=2).results
+    assert norms0 == norms1 and len(norms0) == 4 and all(norm > 0 for norm in norms0)
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output head sharing one weight, in two children (no ModuleList)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(32, 8), nn.LayerNorm(8), nn.Linear(8, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.norm(self.embed(ids)))
+
+
+def tied_fsdp_rank() -> tuple[bool, list[float]]:
+    torch.manual_seed(0)
+    net = TiedLM()
+    trainer = Trainer(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), nn.functional.cross_entropy, mode="bf16", device="cpu",
+        dashboard=None, strategy="fsdp",
+    )  # fmt: skip
+    ids = torch.randint(0, 32, (6,), generator=torch.Generator().manual_seed(0))
+    trainer.fit([(ids, ids)] * 4)
+    return trainer.model.head.weight is trainer.model.embed.weight, trainer.history.loss
+
+
+def test_a_weight_tied_across_two_children_stays_tied_and_trains():
+    for tied, losses in launch(tied_fsdp_rank, nproc=2).results:
+        assert tied and len(losses) == 2 and losses[1] < losses[0]
+
+
+def sharded_checkpoint_refusals_rank(directory: str) -> list[str]:
+    first = trainer_for("fp32", "fsdp")
+    first.fit(batches(), max_steps=2)
+    first.save(directory)
+    messages = []
+    torch.manual_seed(0)
+    wider = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))  # the same names, other shapes
+    other = Trainer(
+        wider, torch.optim.Adam(wider.parameters(), lr=0.01), nn.functional.mse_loss, mode="fp32", device="cpu",
+        dashboard=None, strategy="fsdp",
+    )  # fmt: skip
+    before = full_weights(other)
+    for attempt in (lambda: other.load(directory), lambda: first.save(os.path.join(directory, "run-rank0.pt"))):
+        try:
+            attempt()
+        except MpnbError as error:
+            messages.append(str(error))
+    assert all(torch.equal(a, b) for a, b in zip(before, full_weights(other))), "a refused load changed weights"
+    return messages
+
+
+def test_a_sharded_checkpoint_that_does_not_fit_is_refused_with_a_clear_error(tmp_path):
+    shapes, not_a_directory = launch(sharded_checkpoint_refusals_rank, str(tmp_path / "ckpt"), nproc=2).results[0]
+    assert "0.weight" in shapes and "(32, 8)" in shapes and "(16, 8)" in shapes and "nothing was loaded" in shapes
+    assert "not a directory" in not_a_directory
+
+
+def own_history_rank(directory: str) -> tuple[list[float], list[float]]:
+    first = trainer_for("fp32", "fsdp")
+    first.fit(batches(), max_steps=2)
+    first.save(directory)
+    resumed = trainer_for("fp32", "fsdp")
+    resumed.load(directory)
+    return first.history.loss, resumed.history.loss
+
+
+def test_each_rank_gets_its_own_history_back_from_a_sharded_checkpoint(tmp_path):
+    (saved0, loaded0), (saved1, loaded1) = launch(own_history_rank, str(tmp_path / "ckpt"), nproc=2).results
+    assert loaded0 == saved0 and loaded1 == saved1 and saved0 != saved1

@@ -192,3 +192,18 @@ def test_the_launchers_loggers_are_as_found_after_a_failed_launch():
         assert [logger.level for logger in loggers] == before
     finally:
         loggers[0].setLevel(logging.NOTSET)
+
+
+class _Unusual(BaseException):
+    """Raised by user code: a BaseException that is neither SystemExit nor KeyboardInterrupt."""
+
+
+def raise_unusual() -> None:
+    if dist.get_rank() == 1:
+        raise _Unusual("deep in the user's code")
+
+
+def test_a_rank_raising_an_unusual_base_exception_is_named_with_it():
+    with pytest.raises(LaunchError, match="rank 1") as failure:
+        launch(raise_unusual, nproc=2, timeout=60)
+    assert "_Unusual: deep in the user's code" in str(failure.value) + failure.value.details

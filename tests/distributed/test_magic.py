@@ -68,3 +68,21 @@ def test_a_name_bound_again_comes_back_even_if_the_new_object_reuses_the_old_one
 def test_bad_arguments_are_a_usage_error(client):
     reply, printed = execute(client, "%%distributed --nproc 0\nx = 1")
     assert reply["status"] == "error" and "nproc must be a whole number >= 1, got 0" in printed
+
+
+def test_each_ranks_prints_reach_the_cell_as_whole_lines_marked_with_the_rank(client):
+    execute(client, "%load_ext mpnb\nimport torch.distributed as dist")
+    reply, printed = execute(
+        client,
+        "%%distributed --nproc 2\n"
+        "import sys\n"
+        "for word in ('loss', 'of', 'rank', str(dist.get_rank())):\n"
+        "    print(word, end=' ', flush=True)\n"
+        "print()\n"
+        "print('unfinished', dist.get_rank(), end='')",
+    )
+    assert reply["status"] == "ok", printed
+    lines = printed.splitlines()
+    for rank in (0, 1):
+        assert f"[rank {rank}] loss of rank {rank} " in lines  # not interleaved word by word with the other rank
+        assert f"[rank {rank}] unfinished {rank}" in lines  # a last line without its newline is not lost

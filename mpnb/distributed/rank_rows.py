@@ -1,0 +1,96 @@
+"""Every rank's telemetry as it reaches the launching process, and what to see across ranks.
+
+The ranks of a data-parallel run must agree on the loss scale and on which steps were skipped
+(one rank stepping where another skipped means their weights have parted); their step times
+show a straggler, which every other rank waits for at each gradient reduction.
+
+Example:
+    >>> rows = RankRows()
+    >>> rows.add(0, 0, {"step": [1, 2], "loss": [0.9, 0.7], "step_time": [0.010, 0.010], "skipped": [False, True]})
+    >>> rows.add(1, 0, {"step": [1, 2], "loss": [0.8, 0.6], "step_time": [0.010, 0.016], "skipped": [False, False]})
+    >>> rows.ranks, rows.disagreements(), rows.stragglers(threshold=1.2)
+    ([0, 1], [2], {1: 1.3})
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mpnb.training.history import History
+
+__all__ = ["RankRows", "RanksView"]
+
+
+class RankRows:
+    """Each rank's histories (one per ``mpnb.Trainer`` that fitted there, in order), filled as rows arrive.
+
+    Attributes:
+        histories: rank -> its histories so far.
+    """
+
+    def __init__(self) -> None:
+        self.histories: dict[int, list[History]] = {}
+
+    def add(self, rank: int, index: int, columns: Mapping[str, Sequence[Any]]) -> None:
+        """Rows of the ``index``-th history of ``rank``, given column-wise."""
+        histories = self.histories.setdefault(rank, [])
+        while len(histories) <= index:
+            histories.append(History())
+        histories[index].extend(columns)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.histories)
+
+    def latest(self) -> dict[int, History]:
+        """Each rank's newest history (its running or last fit)."""
+        return {rank: self.histories[rank][-1] for rank in self.ranks}
+
+    def common_steps(self) -> int:
+        """Rows every rank's newest history has (the steps all ranks have reported)."""
+        latest = self.latest()
+        return min((len(history) for history in latest.values()), default=0)
+
+    def disagreements(self) -> list[int]:
+        """Steps (of the newest histories) where the ranks differ in loss scale or skipping:
+        with DDP or FSDP they should never differ."""
+        latest = list(self.latest().values())
+        found = []
+        for row in range(self.common_steps()):
+            skips = {history.skipped[row] for history in latest}
+            scales = {history.loss_scale[row] for history in latest}
+            if len(skips) > 1 or len({repr(scale) for scale in scales}) > 1:  # repr: NaN equals NaN
+                found.append(latest[0].step[row])
+        return found
+
+    def stragglers(self, window: int = 20, threshold: float = 1.15) -> dict[int, float]:
+        """Ranks whose median step time over the last ``window`` common steps is at least
+        ``threshold`` times the median rank's, with that ratio (rounded to 2 places)."""
+        end = self.common_steps()
+        if end == 0 or len(self.histories) < 2:
+            return {}
+        start = max(1, end - window) if end > 1 else 0  # the first step carries warm-up
+        medians = {rank: statistics.median(h.step_time[start:end]) for rank, h in self.latest().items()}
+        typical = statistics.median(medians.values())
+        if not typical > 0:
+            return {}
+        return {rank: round(m / typical, 2) for rank, m in medians.items() if m / typical >= threshold}
+
+
+class RanksView:
+    """Shows a launch's :class:`RankRows` while the ranks train. Override what you need;
+    :func:`~mpnb.distributed.launch` calls :meth:`update` as rows arrive and :meth:`close` once at the end.
+
+    Example:
+        >>> class Steps(RanksView):
+        ...     def update(self, rows):
+        ...         print(rows.common_steps(), "steps on every rank")
+    """
+
+    def update(self, rows: RankRows) -> None:
+        """New rows arrived."""
+
+    def close(self, rows: RankRows) -> None:
+        """The launch ended; ``rows`` holds what streamed in (``Launched.histories`` is complete)."""
