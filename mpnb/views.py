@@ -17,6 +17,9 @@ Where they show something, they ask this module for a view factory:
   its modes while they train; see :class:`~mpnb.analysis.comparison.ComparisonProgress`
   (``sink_for(mode, steps, warmup)``, ``finished(result)``, ``close(comparison)``).
 - ``advice_figure(advice) -> figure``: the numerics advisor's heatmap (``Advice.figure``).
+- ``rank_dashboard(kind, title, control) -> RanksView``: how :func:`mpnb.distributed.launch`
+  shows every rank's telemetry while they train (``kind`` as for ``dashboard``); see
+  :class:`~mpnb.distributed.rank_rows.RanksView`. A Stop button calls ``control.stop()``.
 
 ``import mpnb`` installs the Jupyter implementations from :mod:`mpnb.ui.views` (they import
 their libraries only when called; ``mpnb.ui.views.install()`` puts them back). A front end or
@@ -31,7 +34,7 @@ Example:
     >>> provide(nothing=print)
     Traceback (most recent call last):
     ...
-    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure
+    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure, rank_dashboard
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from mpnb.errors import InvalidChoiceError, MpnbError
 __all__ = ["VIEW_NAMES", "provide", "provided", "view"]
 
 #: The views the core asks for.
-VIEW_NAMES = ("dashboard", "history_figure", "comparison_progress", "advice_figure")
+VIEW_NAMES = ("dashboard", "history_figure", "comparison_progress", "advice_figure", "rank_dashboard")
 
 _factories: dict[str, Callable[..., Any] | None] = dict.fromkeys(VIEW_NAMES)
 

@@ -7,5 +7,6 @@ Example:
 """
 
 from mpnb.distributed.launch import Launched, LaunchError, default_backend, launch
+from mpnb.distributed.rank_rows import RankRows, RanksView
 
-__all__ = ["Launched", "LaunchError", "default_backend", "launch"]
+__all__ = ["Launched", "LaunchError", "RankRows", "RanksView", "default_backend", "launch"]

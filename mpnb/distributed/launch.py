@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import datetime
 import faulthandler
@@ -45,6 +46,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import tempfile
 import threading
 import uuid
@@ -55,10 +57,16 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from mpnb import views
+from mpnb.distributed.channel import LauncherChannel, RankStream, WorkerChannel
 from mpnb.distributed.rank_output import rank_lines
+from mpnb.distributed.rank_rows import RanksView
+from mpnb.distributed.supervise import Supervisor
 from mpnb.errors import InvalidChoiceError, MpnbError
-from mpnb.training.capture import collect_histories
+from mpnb.training.capture import collect_histories, stream_fits
+from mpnb.training.control import FitControl
 from mpnb.training.history import History
+from mpnb.training.telemetry import DASHBOARDS
 
 __all__ = ["Launched", "LaunchError", "launch", "default_backend"]
 
@@ -93,6 +101,20 @@ class Launched:
     histories: list[list[History]]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Link:
+    """What a worker needs to reach the launching process: the channel's address, and whether to stream rows."""
+
+    address: tuple[str, int]
+    stream: bool
+
+
+def _ranks_view(dashboard: str | RanksView | None, title: str, control: FitControl) -> RanksView | None:
+    if dashboard is None or isinstance(dashboard, RanksView):
+        return dashboard
+    return views.view("rank_dashboard")(dashboard, title, control)
+
+
 def default_backend(device_type: str) -> str:
     """The process-group backend for a device type: gloo on CPU, nccl on CUDA, hccl on Habana.
 
@@ -112,6 +134,8 @@ def launch(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     start_method: str | None = None,
+    dashboard: str | RanksView | None = "auto",
+    control: FitControl | None = None,
 ) -> Launched:
     """Run ``fn(*args)`` in ``nproc`` processes (per node) with ``torch.distributed`` initialised.
 
@@ -122,9 +146,16 @@ def launch(
         timeout: seconds a worker may run (None: no limit); also the process group's timeout.
         nnodes, node_rank, rdzv_endpoint: several machines (see the module's notes).
         start_method: ``"fork"`` (default, unless this process has used CUDA), ``"spawn"`` or ``"forkserver"``.
+        dashboard: how every rank's ``mpnb.Trainer`` telemetry is shown while they train:
+            ``"auto"`` (a live per-rank plot in a notebook, a text line elsewhere), ``"live"``,
+            ``"text"``, a :class:`~mpnb.distributed.rank_rows.RanksView`, or None (no
+            streaming). Inside the workers the trainers' own dashboards are replaced by it.
+        control: a :class:`~mpnb.training.control.FitControl` whose ``stop()`` (from a view,
+            another thread or a widget) stops every rank's fit after the same step; they return.
 
     Raises:
         LaunchError: a worker raised or timed out (every worker is ended first).
+        KeyboardInterrupt: a kernel interrupt (Ctrl-C) ends every worker at once.
         MpnbError / InvalidChoiceError: bad arguments (nothing is started).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -133,6 +164,8 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint)
+    if dashboard is not None and not isinstance(dashboard, RanksView) and dashboard not in DASHBOARDS:
+        raise InvalidChoiceError("dashboard", dashboard, [*DASHBOARDS, "None", "a RanksView"])
     device_type = _accelerator_type()
     backend = backend or default_backend(device_type)
     if backend not in dist.Backend.backend_list:
@@ -154,13 +187,22 @@ def launch(
         shutdown_timeout=SHUTDOWN_S,
     )
     payload = cloudpickle.dumps((fn, args))
+    channel = LauncherChannel()
+    link = _Link(channel.address, stream=dashboard is not None)
+    control = control or FitControl()
+    view = _ranks_view(dashboard, f"{getattr(fn, '__name__', 'launch')} on {nproc * nnodes} ranks", control)
+    supervisor = Supervisor(channel, view, control)
     with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:  # error files and stacks, removed after
         config.logs_specs = DefaultLogsSpecs(log_dir=logs)
         try:
             with _agent_logs_quiet():  # a failure is said once, by the LaunchError below
-                returned = elastic_launch(config, _worker)(payload, backend, device_type, timeout, logs)
+                returned = supervisor.run(
+                    lambda: elastic_launch(config, _worker)(payload, backend, device_type, timeout, logs, link)
+                )
         except ChildFailedError as failure:
-            raise _launch_error(failure, timeout, logs) from None
+            raise _launch_error(failure.failures, timeout, logs, node_rank * nproc) from None
+        except (json.JSONDecodeError, EOFError) as unread:  # torch's launcher read an error file half-written
+            raise _launch_error({}, timeout, logs, node_rank * nproc) from unread
         except SignalException as signalled:  # the launcher turns Ctrl-C / a kernel interrupt into this
             if signalled.sigval != signal.SIGINT:
                 raise
@@ -247,10 +289,11 @@ def _error_files(folder: str) -> list[tuple[int, int, dict]]:
     return sorted(found, key=lambda entry: entry[:2])
 
 
-def _launch_error(failure: Any, timeout: float | None, logs: str) -> LaunchError:
+def _launch_error(failures: dict[int, Any], timeout: float | None, logs: str, first_rank: int) -> LaunchError:
     """The error that says what ended the launch: the stacks of the ranks that timed out, else the
     first exception a rank raised (the launcher may report first a rank that failed only because
-    its peer's connection closed), else the first rank that exited."""
+    its peer's connection closed), else the first rank that exited. ``first_rank``: this node's
+    first global rank (error files are named by local rank)."""
     stacks = _stacks(logs)
     if stacks:  # ranks blocked in a collective time out too: each one's stack shows where it was
         where = "\n\n".join(f"rank {rank}:\n{stack}" for rank, stack in sorted(stacks.items()))
@@ -261,8 +304,6 @@ def _launch_error(failure: Any, timeout: float | None, logs: str) -> LaunchError
             min(stacks),
             where,
         )
-    some = next(iter(failure.failures.items()))
-    first_rank = some[0] - some[1].local_rank  # this node's first global rank
     errors = _error_files(logs)
     if errors:
         _, local_rank, error = errors[0]
@@ -275,7 +316,9 @@ def _launch_error(failure: Any, timeout: float | None, logs: str) -> LaunchError
                 "its exit code is in the launcher's log)"
             )
         return LaunchError(f"rank {rank} failed: {what}\n\n{details}", rank, details)
-    rank, exited = min(failure.failures.items(), key=lambda item: item[1].timestamp)
+    if not failures:
+        return LaunchError("a rank failed and left no readable error (see the launcher's log)", first_rank, "")
+    rank, exited = min(failures.items(), key=lambda item: item[1].timestamp)
     return LaunchError(
         f"rank {rank} ended with exit code {exited.exitcode} and no Python exception (os._exit, a signal or a crash)",
         rank,
@@ -283,17 +326,21 @@ def _launch_error(failure: Any, timeout: float | None, logs: str) -> LaunchError
     )
 
 
-def _worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str) -> bytes:
+def _worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str, link: _Link) -> bytes:
     """One worker: join the process group, run the function, send back its result and histories."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_run_worker)(payload, backend, device_type, timeout, logs)
+    return record(_run_worker)(payload, backend, device_type, timeout, logs, link)
 
 
-def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str) -> bytes:
+def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str, link: _Link) -> bytes:
     # A forked worker inherits the launcher's Python SIGTERM handler, which cannot run while the
     # worker waits in a collective: the launcher's "stop" would then wait SHUTDOWN_S for nothing.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # An interrupt is the launching process's to answer (it asks every rank to stop together):
+    # a Ctrl-C sent to the whole process group must not stop one rank alone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _end_with_parent()
     if timeout is not None:
         _end_after(timeout, os.path.join(logs, f"rank-{os.environ['RANK']}.stack"))
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: the workers share the cores, not oversubscribe them
@@ -303,7 +350,14 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     group_timeout = datetime.timedelta(seconds=timeout) if timeout is not None else None
     dist.init_process_group(backend, timeout=group_timeout)
-    with rank_lines(dist.get_rank()), collect_histories() as histories:
+    channels: list[WorkerChannel] = []  # connected when a trainer first fits here
+
+    def stream(index: int, history: History, control: Any) -> RankStream:
+        if not channels:
+            channels.append(WorkerChannel(link.address, dist.get_rank()))
+        return RankStream(channels[0], index, history, control, send_rows=link.stream)
+
+    with rank_lines(dist.get_rank()), collect_histories() as histories, stream_fits(stream):
         try:
             result = fn(*args)
         except Exception:
@@ -316,6 +370,19 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
     # and it exits, so its peers fail after it and the launch names it, not them.
     dist.destroy_process_group()
     return cloudpickle.dumps((result, [history.to_dict() for history in histories]))
+
+
+def _end_with_parent() -> None:
+    """Have Linux end this worker if the launching process dies (nothing else would: it may be
+    waiting in a collective for a peer that is gone)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _end_after(seconds: float, stack_file: str) -> None:

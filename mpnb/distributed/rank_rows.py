@@ -9,7 +9,7 @@ Example:
     >>> rows.add(0, 0, {"step": [1, 2], "loss": [0.9, 0.7], "step_time": [0.010, 0.010], "skipped": [False, True]})
     >>> rows.add(1, 0, {"step": [1, 2], "loss": [0.8, 0.6], "step_time": [0.010, 0.016], "skipped": [False, False]})
     >>> rows.ranks, rows.disagreements(), rows.stragglers(threshold=1.2)
-    ([0, 1], [2], {1: 1.3})
+    ([0, 1], [2], {1: 1.6})
 """
 
 from __future__ import annotations
@@ -66,17 +66,23 @@ class RankRows:
         return found
 
     def stragglers(self, window: int = 20, threshold: float = 1.15) -> dict[int, float]:
-        """Ranks whose median step time over the last ``window`` common steps is at least
-        ``threshold`` times the median rank's, with that ratio (rounded to 2 places)."""
+        """Ranks whose median time of their own work over the last ``window`` common steps is at
+        least ``threshold`` times the median of the other ranks', with that ratio (2 decimals).
+
+        A rank's own work is its ``forward_time`` where recorded (``mpnb.Trainer``): its step
+        time would not do, since data-parallel ranks wait for each other in every gradient
+        reduction and so take the same time a step. Without it, the step time."""
         end = self.common_steps()
         if end == 0 or len(self.histories) < 2:
             return {}
         start = max(1, end - window) if end > 1 else 0  # the first step carries warm-up
-        medians = {rank: statistics.median(h.step_time[start:end]) for rank, h in self.latest().items()}
-        typical = statistics.median(medians.values())
-        if not typical > 0:
-            return {}
-        return {rank: round(m / typical, 2) for rank, m in medians.items() if m / typical >= threshold}
+        medians = {rank: statistics.median(_own_time(h)[start:end]) for rank, h in self.latest().items()}
+        slow = {}
+        for rank, median in medians.items():
+            others = statistics.median(m for other, m in medians.items() if other != rank)
+            if others > 0 and median / others >= threshold:
+                slow[rank] = round(median / others, 2)
+        return slow
 
 
 class RanksView:
@@ -94,3 +100,8 @@ class RanksView:
 
     def close(self, rows: RankRows) -> None:
         """The launch ended; ``rows`` holds what streamed in (``Launched.histories`` is complete)."""
+
+
+def _own_time(history: History) -> list[float]:
+    forward = history.forward_time
+    return forward if forward and all(value == value for value in forward) else history.step_time

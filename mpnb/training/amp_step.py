@@ -41,7 +41,7 @@ from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
-from mpnb.training.step_clock import StepClock
+from mpnb.training.step_clock import DeviceInterval, StepClock
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.step_watch import OptimizerStepWatch, scale_in_use
 from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink
@@ -127,6 +127,8 @@ class AmpStep:
         self._samples = 0
         self._loss_sum: torch.Tensor | None = None
         self.clock = StepClock(self.precision.device)
+        self.forward_clock = StepClock(self.precision.device)  # autocast() to backward(): the rank's own work
+        self._forward_times: list[float | DeviceInterval] = []
         self._window_open = False  # from the first backward of a window until its step is recorded
         self._step_watch = OptimizerStepWatch(optimizer)
 
@@ -135,6 +137,8 @@ class AmpStep:
     def autocast(self) -> torch.autocast:
         """The forward-pass context: autocast in fp16/bf16 modes, explicitly off otherwise."""
         self.clock.start()
+        self.forward_clock.restart()
+        self.forward_clock.start()
         return self.precision.autocast.context()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -145,6 +149,9 @@ class AmpStep:
         """
         _check_loss(loss)
         self.clock.start()
+        if self.forward_clock.running:
+            self._forward_times.append(self.forward_clock.lap())
+            self.forward_clock.restart()
         self._window_open = True  # a failure from here on may leave gradients behind
         if self.accumulate > 1:
             loss = loss / self.accumulate
@@ -239,6 +246,7 @@ class AmpStep:
         self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any
     ) -> None:
         step_time = self.clock.lap()
+        forward_time, self._forward_times = self._forward_times or math.nan, []
         used, peak, reserved = self.memory.sample(time.perf_counter())
         self.steps += 1
         loss_sum, samples = self._loss_sum, self._samples
@@ -251,6 +259,7 @@ class AmpStep:
             skipped=skipped,
             lr=lr,
             step_time=step_time,
+            forward_time=forward_time,
             samples=samples,
             memory_used=used,
             memory_peak=peak,

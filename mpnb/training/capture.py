@@ -20,13 +20,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.training.telemetry import Sink
 
-__all__ = ["FitCapture", "active_capture", "capture_fits", "collect_histories", "note_fit"]
+__all__ = ["FitCapture", "active_capture", "capture_fits", "collect_histories", "note_fit", "stream_fits", "streamed"]
 
 
 @dataclasses.dataclass
@@ -109,3 +109,45 @@ def note_fit(history: Any) -> None:
     histories = _collecting.get()
     if histories is not None and all(kept is not history for kept in histories):
         histories.append(history)
+
+
+#: Makes a fit's sink from (index of its history among those collected, history, the fit's control).
+StreamFactory = Callable[[int, Any, Any], Sink]
+_streaming: contextvars.ContextVar[StreamFactory | None] = contextvars.ContextVar("mpnb_fit_stream", default=None)
+
+
+@contextlib.contextmanager
+def stream_fits(factory: StreamFactory) -> Iterator[None]:
+    """Inside :func:`collect_histories`: every ``Trainer.fit`` in the block reports to
+    ``factory(index, history, control)`` instead of its own dashboard (a launch's workers send
+    their rows to the launching process so; see :mod:`mpnb.distributed.channel`).
+
+    Example:
+        >>> import mpnb.examples as ex
+        >>> from mpnb.training.telemetry import Sink
+        >>> class Count(Sink):
+        ...     def close(self, history):
+        ...         print("fit", self.index, "ended after", len(history), "steps")
+        >>> def make(index, history, control):
+        ...     sink = Count()
+        ...     sink.index = index
+        ...     return sink
+        >>> with collect_histories(), stream_fits(make):
+        ...     trainer, train, _ = ex.example_trainer("fp32", "cpu", widths=(4, 8), dashboard="text")
+        ...     _ = trainer.fit(train, max_steps=2)
+        fit 0 ended after 2 steps
+    """
+    token = _streaming.set(factory)
+    try:
+        yield
+    finally:
+        _streaming.reset(token)
+
+
+def streamed(history: Any, control: Any) -> list[Sink] | None:
+    """The sinks a fit with ``history`` reports to inside :func:`stream_fits`; None outside."""
+    factory, histories = _streaming.get(), _collecting.get()
+    if factory is None or histories is None:
+        return None
+    index = next(i for i, kept in enumerate(histories) if kept is history)
+    return [factory(index, history, control)]

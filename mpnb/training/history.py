@@ -48,6 +48,11 @@ COLUMNS: dict[str, tuple[type, str]] = {
     "lr": (float, "learning rate of the first parameter group during the step"),
     "step_time": (float, "wall seconds from the end of the previous step to the end of this one"),
     "samples_per_s": (float, "samples in the step divided by step_time (NaN when unknown)"),
+    "forward_time": (
+        float,
+        "seconds from each forward pass's start (autocast()) to its backward(), summed over the step: "
+        "the process's own work, where no rank waits for another under DDP (NaN where unknown)",
+    ),
     "memory_used": (float, "bytes in use on the device, sampled (process RSS on CPU)"),
     "memory_peak": (float, "most bytes in use so far on the device"),
     "memory_reserved": (float, "bytes held by the allocator cache (NaN where there is none)"),
@@ -115,6 +120,7 @@ class History:
     skipped = _Column()
     lr = _Column()
     step_time = _Column()
+    forward_time = _Column()
     samples_per_s = _Column()
     memory_used = _Column()
     memory_peak = _Column()

@@ -42,12 +42,14 @@ class DeviceInterval:
         return self.start.elapsed_time(self.end) / 1e3
 
 
-def seconds(step_time: float | DeviceInterval) -> float:
-    """A step time in seconds, whichever clock took it.
+def seconds(step_time: float | DeviceInterval | list[float | DeviceInterval]) -> float:
+    """A time in seconds, whichever clock took it; a list of parts is their sum.
 
-    >>> seconds(0.25)
-    0.25
+    >>> seconds(0.25), seconds([0.25, 0.5])
+    (0.25, 0.75)
     """
+    if isinstance(step_time, list):
+        return sum(seconds(part) for part in step_time)
     return step_time.seconds() if isinstance(step_time, DeviceInterval) else step_time
 
 
@@ -77,6 +79,11 @@ class StepClock:
 
     def restart(self) -> None:
         self._start = None
+
+    @property
+    def running(self) -> bool:
+        """A window is open (started and not yet lapped or restarted)."""
+        return self._start is not None
 
     def _mark(self) -> float | torch.Event:
         if not self.uses_events:

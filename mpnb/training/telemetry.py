@@ -232,6 +232,8 @@ def _columns_of(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
 def _settle_step_times(columns: dict[str, list[Any]], samples: list[int | None]) -> None:
     """Read the device's step times (the copy to the host waited for the device already) and
     derive each row's throughput where its example count is known."""
+    if "forward_time" in columns and not set(map(type, columns["forward_time"])) <= {float}:
+        columns["forward_time"] = [seconds(value) for value in columns["forward_time"]]
     if "step_time" not in columns:
         return
     times = columns["step_time"]

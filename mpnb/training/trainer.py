@@ -23,16 +23,16 @@ import torch
 from torch import nn
 
 from mpnb.errors import MpnbError
-from mpnb.precision.modes import Fp32Math, Mode
-from mpnb.precision.policy import session
+from mpnb.precision.modes import Mode
 from mpnb.training.amp_step import AmpStep
 from mpnb.training.batches import BatchReader, HeldBatches, LossFn, StepFn, batch_loss, resume, samples_in, to_device
-from mpnb.training.capture import FitCapture, active_capture, note_fit
+from mpnb.training.capture import FitCapture, active_capture, note_fit, streamed
 from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_checkpoint
 from mpnb.training.control import FitControl, running_on_this_thread
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
 from mpnb.training.parallel import agreed_stop, check_strategy, rank_share, wrap_model
+from mpnb.training.session_follow import SessionFollower
 from mpnb.training.sharded_checkpoint import load_sharded, save_sharded
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.telemetry import Sink, check_dashboard, dashboard_sinks
@@ -115,7 +115,7 @@ class Trainer:
         self._window_start = (0, 0)  # position of the current accumulation window's first batch
         self.control = FitControl()
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
-        self._followed: tuple[Any, ...] = ()  # the session's wishes the fit last followed
+        self._follower = SessionFollower(self)  # the session's switches made while a fit runs
         # The batches the last fit read and did not train (the one read when it stopped; for a
         # one-shot iterator also an unfinished window after an error), and the iterator to go on with.
         self._held: HeldBatches | None = None
@@ -203,7 +203,7 @@ class Trainer:
         self.model.train()
         self.control.begin()
         self.amp.health.restart(self.history)  # each fit reports its own first problem
-        self._followed = _session_wishes()
+        self._follower.restart()
         try:
             with self._math, StopRequest() as stop:
                 self._math.enter_context(self.amp.precision.math_scope())
@@ -244,6 +244,9 @@ class Trainer:
     def _sinks(self, capture: FitCapture | None) -> list[Sink]:
         if capture is not None:
             return [capture.sink] if capture.sink is not None else []
+        in_a_launch = streamed(self.history, self.control)  # a worker of mpnb.distributed.launch
+        if in_a_launch is not None:
+            return in_a_launch
         return dashboard_sinks(self.dashboard, self.describe(), self.control)
 
     def _run(self, data: Iterable[Any], stop: StopRequest, max_steps: int | None) -> bool:
@@ -264,7 +267,7 @@ class Trainer:
             for batch in self._reader:
                 if self.amp.between_steps:
                     checkpoint = self.control.checkpoint(interrupted=lambda: stop.requested)
-                    self._follow_session(checkpoint.changed)
+                    self._follower.follow(checkpoint.changed)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
                     wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
@@ -309,43 +312,6 @@ class Trainer:
         """This epoch's batches from the trainer's position on (see :func:`~mpnb.training.batches.resume`)."""
         held, self._held = self._held, None
         return resume(held, data, (self._epoch, self._batch), one_shot)
-
-    def _follow_session(self, changed: tuple[str, ...]) -> None:
-        """Apply switches made while the fit runs (from the panel or a widget) before the next step.
-
-        Only what still differs at the step boundary is followed: a scoped switch in model code
-        (``with mpnb.tf32(False):``) is entered and left within a step and changes nothing here.
-        """
-        if not changed:
-            return
-        followed, self._followed = self._followed, _session_wishes()
-        changed = tuple(what for what, old, new in zip(_WISHES, followed, self._followed) if old != new)
-        next_step = self.amp.steps + 1
-        if "mode" in changed:
-            try:
-                self._switch_to(TrainingPrecision.resolve(None, self.device), next_step)
-            except MpnbError as error:
-                self.history.note(f"mode not switched: {error}", kind="switch", step=next_step)
-        if "fp32_math" in changed and "mode" not in changed:  # a new mode brings its own fp32 math
-            level = session.fp32_math.level
-            if self.mode in (Mode.FP32, Mode.TF32):  # the fit's mode owns the flags: move between the two
-                reduced = level is Fp32Math.REDUCED
-                self._switch_to(TrainingPrecision.resolve(Mode.TF32 if reduced else Mode.FP32, self.device), next_step)
-            else:
-                self.history.note(f"fp32 math {level.value if level else 'as found'}", kind="switch", step=next_step)
-        if "oplists" in changed:
-            lists = session.oplists.lists
-            text = f"lower {len(lists.lower)}, fp32 {len(lists.fp32)}" if lists else "none"
-            self.history.note(f"op lists: {text}", kind="switch", step=next_step)
-
-    def _switch_to(self, precision: TrainingPrecision, next_step: int) -> None:
-        if precision.mode is self.mode:
-            return
-        message = f"mode {self.mode.value} -> {precision.mode.value}"
-        self._math.close()
-        self.amp.set_precision(precision)
-        self._math.enter_context(precision.math_scope())
-        self.history.note(message, kind="switch", step=next_step)
 
     def _drop_unfinished_window(self) -> None:
         """After an error mid-window: drop its gradients and go back to the window's first batch
@@ -396,13 +362,3 @@ class Trainer:
             return
         state, history = read_checkpoint(self, path)
         apply_checkpoint(self, state, history)
-
-
-#: What :func:`_session_wishes` returns, in order, named as the session's change notices name them.
-_WISHES = ("mode", "fp32_math", "oplists")
-
-
-def _session_wishes() -> tuple[Any, ...]:
-    """What a running fit follows: the session's mode and device, fp32-math wish, op lists."""
-    snapshot = session.snapshot()
-    return (snapshot.mode, snapshot.device), snapshot.fp32_wish, session.oplists.lists.copy()

@@ -20,11 +20,12 @@ from mpnb.ui.environment import display_kind
 if TYPE_CHECKING:
     from mpnb.analysis.advisor import Advice
     from mpnb.analysis.comparison import ComparisonProgress
+    from mpnb.distributed.rank_rows import RanksView
     from mpnb.training.control import FitControl
     from mpnb.training.history import History
     from mpnb.training.telemetry import Sink
 
-__all__ = ["install", "make_dashboard", "history_figure", "comparison_progress", "advice_figure"]
+__all__ = ["install", "make_dashboard", "make_rank_dashboard", "history_figure", "comparison_progress", "advice_figure"]
 
 
 def make_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> list[Sink]:
@@ -51,6 +52,27 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
     buttons = FitButtons(control)
     display(VBox([buttons.widget, dashboard.figure]))
     return [dashboard, buttons]
+
+
+def make_rank_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> RanksView:
+    """How a launch shows its ranks (see ``kind`` above); a live one is displayed now. It has no
+    Stop button: the kernel's thread is inside torch's launcher and cannot take clicks (interrupt
+    the kernel, or call ``control.stop()`` from code).
+
+    >>> type(make_rank_dashboard("text", "demo")).__name__
+    'TextRanks'
+    """
+    if display_kind(kind) == "text":
+        from mpnb.ui.plots.ranks import TextRanks
+
+        return TextRanks(title)
+    from IPython.display import display
+
+    from mpnb.ui.plots.ranks import LiveRanks
+
+    live = LiveRanks(title)
+    display(live.figure)
+    return live
 
 
 def history_figure(history: History) -> Any:
@@ -81,4 +103,5 @@ def install() -> None:
         history_figure=history_figure,
         comparison_progress=comparison_progress,
         advice_figure=advice_figure,
+        rank_dashboard=make_rank_dashboard,
     )

@@ -1,0 +1,125 @@
+"""Each rank's telemetry reaches the launching process while the ranks train; a Stop or an
+interrupt there stops every rank after the same step (2 gloo processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mpnb.distributed import RankRows, RanksView, launch
+from mpnb.training.trainer import Trainer
+
+from .test_ddp import batches
+
+
+class Recorded(RanksView):
+    """Keeps how many steps every rank had reported at each update."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.final: RankRows | None = None
+
+    def update(self, rows: RankRows) -> None:
+        self.seen.append(rows.common_steps())
+
+    def close(self, rows: RankRows) -> None:
+        self.final = rows
+
+
+def as_text(history) -> dict[str, list[str]]:
+    """The columns with each value as its repr: NaN equals NaN."""
+    return {name: list(map(repr, values)) for name, values in history.columns.items()}
+
+
+def slow_steps(model, batch, pause: float = 0.02):
+    inputs, targets = batch
+    time.sleep(pause * (1 + 2 * dist.get_rank()))  # rank 1 takes three times as long: a straggler
+    return nn.functional.mse_loss(model(inputs), targets)
+
+
+def train_rank(steps: int = 30) -> tuple[int, bool]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn=slow_steps, device="cpu", dashboard="text",
+        strategy="ddp", flush_every=5,
+    )  # fmt: skip
+    trainer.fit(batches(2 * steps), max_steps=steps)
+    return len(trainer.history), trainer.stopped
+
+
+def test_rows_stream_in_while_the_ranks_train_and_end_equal_to_the_histories():
+    view = Recorded()
+    launched = launch(train_rank, nproc=2, dashboard=view, timeout=120)
+    assert any(0 < seen < 30 for seen in view.seen), f"no rows before the end: {view.seen}"
+    rows = view.final
+    assert rows.ranks == [0, 1]
+    for rank in (0, 1):
+        streamed, returned = rows.histories[rank][0], launched.histories[rank][0]
+        assert as_text(streamed) == as_text(returned)  # every row, every column, as the rank recorded it
+    assert rows.disagreements() == []
+    assert list(rows.stragglers()) == [1]
+
+
+class StopAtTen(Recorded):
+    def __init__(self, control) -> None:
+        super().__init__()
+        self.control = control
+
+    def update(self, rows: RankRows) -> None:
+        super().update(rows)
+        if rows.common_steps() >= 10:
+            self.control.stop()
+
+
+def test_a_stop_in_the_launching_process_stops_every_rank_after_the_same_step():
+    from mpnb.training.control import FitControl
+
+    control = FitControl()
+    launched = launch(train_rank, 200, nproc=2, dashboard=StopAtTen(control), control=control, timeout=120)
+    (steps0, stopped0), (steps1, stopped1) = launched.results
+    assert steps0 == steps1 and 10 <= steps0 < 200 and stopped0 and stopped1
+
+
+def sleep_forever() -> None:
+    while True:
+        time.sleep(0.1)
+
+
+def interrupt_soon(after: float) -> threading.Timer:
+    timer = threading.Timer(after, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_an_interrupt_ends_every_worker_at_once_and_leaves_none_behind():
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    interrupt_soon(2.0)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt, match="every worker was ended"):
+        launch(sleep_forever, nproc=2, dashboard=None, timeout=120)
+    assert time.monotonic() - started < 20
+    time.sleep(0.5)
+    assert {child.pid for child in psutil.Process().children(recursive=True)} - before == set()
+
+
+def test_text_progress_names_every_rank_and_the_straggler(capsys):
+    launch(train_rank, nproc=2, dashboard="text", timeout=120)
+    printed = capsys.readouterr().out.splitlines()
+    final = [line for line in printed if line.startswith("finished: step 30 on 2 ranks")]
+    assert final and "same on every rank" in final[0] and "slow: rank 1" in final[0]
+
+
+def test_a_launch_refuses_an_unknown_dashboard_before_starting():
+    from mpnb.errors import InvalidChoiceError
+
+    with pytest.raises(InvalidChoiceError, match="'plot'.*RanksView"):
+        launch(sleep_forever, nproc=2, dashboard="plot")
