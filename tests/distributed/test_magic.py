@@ -86,3 +86,38 @@ def test_each_ranks_prints_reach_the_cell_as_whole_lines_marked_with_the_rank(cl
     for rank in (0, 1):
         assert f"[rank {rank}] loss of rank {rank} " in lines  # not interleaved word by word with the other rank
         assert f"[rank {rank}] unfinished {rank}" in lines  # a last line without its newline is not lost
+
+
+def test_a_launch_in_a_kernel_shows_the_ranks_live_and_brings_their_histories_back(client):
+    shown: list[str] = []
+
+    def collect(message):
+        if message["msg_type"] == "display_data":
+            shown.extend(message["content"]["data"])
+
+    code = (
+        "import torch, torch.distributed as dist, mpnb.examples as ex\n"
+        "from mpnb.distributed import launch\n"
+        "from mpnb.training import Trainer\n"
+        "def train():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = ex.DigitsCNN(widths=(4, 8))\n"
+        "    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-3), torch.nn.functional.cross_entropy,\n"
+        "                      mode='bf16', device='cpu', strategy='ddp', flush_every=2)\n"
+        "    images, labels = ex.load_digits()\n"
+        "    trainer.fit([(images[i:i + 16], labels[i:i + 16]) for i in range(0, 320, 16)])\n"
+        "    return len(trainer.history)\n"
+        "launched = launch(train, nproc=2)\n"
+        "print(launched.results, [len(h[0]) for h in launched.histories])"
+    )
+    printed: list[str] = []
+
+    def hook(message):
+        collect(message)
+        if message["msg_type"] == "stream":
+            printed.append(message["content"]["text"])
+
+    reply = client.execute_interactive(code, output_hook=hook, timeout=180)
+    assert reply["content"]["status"] == "ok", "".join(printed)
+    assert "application/vnd.jupyter.widget-view+json" in shown  # the live per-rank figure
+    assert "[10, 10] [10, 10]" in "".join(printed)
