@@ -8,7 +8,7 @@ Example:
     >>> rows = RankRows()
     >>> rows.add(0, 0, {"step": [1, 2], "loss": [0.9, 0.7], "step_time": [0.010, 0.010], "skipped": [False, True]})
     >>> rows.add(1, 0, {"step": [1, 2], "loss": [0.8, 0.6], "step_time": [0.010, 0.016], "skipped": [False, False]})
-    >>> rows.ranks, rows.disagreements(), rows.stragglers(threshold=1.2)
+    >>> rows.ranks, rows.disagreements(), rows.stragglers(threshold=1.2, least=1)
     ([0, 1], [2], {1: 1.6})
 """
 
@@ -32,6 +32,7 @@ class RankRows:
 
     def __init__(self) -> None:
         self.histories: dict[int, list[History]] = {}
+        self._newest: dict[int, int] = {}  # rank -> index of the history its latest rows went to
 
     def add(self, rank: int, index: int, columns: Mapping[str, Sequence[Any]]) -> None:
         """Rows of the ``index``-th history of ``rank``, given column-wise."""
@@ -39,14 +40,16 @@ class RankRows:
         while len(histories) <= index:
             histories.append(History())
         histories[index].extend(columns)
+        self._newest[rank] = index
 
     @property
     def ranks(self) -> list[int]:
         return sorted(self.histories)
 
     def latest(self) -> dict[int, History]:
-        """Each rank's newest history (its running or last fit)."""
-        return {rank: self.histories[rank][-1] for rank in self.ranks}
+        """Each rank's history that rows came to last (its running or last fit; a trainer that
+        fits again after another one continues its own history)."""
+        return {rank: self.histories[rank][self._newest[rank]] for rank in self.ranks}
 
     def common_steps(self) -> int:
         """Rows every rank's newest history has (the steps all ranks have reported)."""
@@ -65,7 +68,7 @@ class RankRows:
                 found.append(latest[0].step[row])
         return found
 
-    def stragglers(self, window: int = 20, threshold: float = 1.15) -> dict[int, float]:
+    def stragglers(self, window: int = 20, threshold: float = 1.15, least: int = 10) -> dict[int, float]:
         """Ranks whose median time of their own work over the last ``window`` common steps is at
         least ``threshold`` times the median of the other ranks', with that ratio (2 decimals).
 

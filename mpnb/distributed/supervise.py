@@ -24,6 +24,7 @@ import psutil
 
 from mpnb.distributed.channel import LauncherChannel
 from mpnb.distributed.rank_rows import RankRows, RanksView
+from mpnb.errors import warn_user
 from mpnb.training.control import FitControl
 
 __all__ = ["Supervisor"]
@@ -64,8 +65,7 @@ class Supervisor:
             _end_workers(before)  # none should be left; one that is (torch's launcher failed) goes now
             self.control.end()
             self._take_rows()
-            if self.view is not None:
-                self.view.close(self.rows)
+            self._show("close")
 
     def _watch(self, done: threading.Event) -> None:
         while not done.wait(POLL_S):
@@ -79,8 +79,19 @@ class Supervisor:
             arrived = self.channel.received()
             for rank, index, columns in arrived:
                 self.rows.add(rank, index, columns)
-            if arrived and self.view is not None:
-                self.view.update(self.rows)
+            if arrived:
+                self._show("update")
+
+    def _show(self, what: str) -> None:
+        """Call the view's ``update`` or ``close``. A view that fails is said once and left out
+        from then on: the rows, the stop and the launch's result do not depend on it."""
+        if self.view is None:
+            return
+        try:
+            getattr(self.view, what)(self.rows)
+        except Exception as error:
+            warn_user(f"the launch's view {type(self.view).__name__} failed in {what}() and is left out: {error!r}")
+            self.view = None
 
 
 def _end_workers(before: set[int]) -> None:

@@ -123,3 +123,34 @@ def test_a_launch_refuses_an_unknown_dashboard_before_starting():
 
     with pytest.raises(InvalidChoiceError, match="'plot'.*RanksView"):
         launch(sleep_forever, nproc=2, dashboard="plot")
+
+
+class FailsOnceThenStops(Recorded):
+    def __init__(self, control) -> None:
+        super().__init__()
+        self.control, self.failed = control, False
+
+    def update(self, rows: RankRows) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("the view broke")
+        super().update(rows)
+
+
+def test_a_failing_view_is_said_once_and_left_out_while_the_launch_goes_on():
+    from mpnb.training.control import FitControl
+
+    control = FitControl()
+    view = FailsOnceThenStops(control)
+    with pytest.warns(RuntimeWarning, match="FailsOnceThenStops failed in update.*the view broke"):
+        launched = launch(train_rank, 30, nproc=2, dashboard=view, control=control, timeout=120)
+    assert [steps for steps, _ in launched.results] == [30, 30]  # the results came back
+    assert view.seen == [] and view.final is None  # left out after its failure
+
+
+def test_the_latest_history_of_a_rank_is_the_one_its_rows_came_to_last():
+    rows = RankRows()
+    rows.add(0, 0, {"step": [1, 2], "loss": [0.5, 0.4]})  # trainer A
+    rows.add(0, 1, {"step": [1], "loss": [0.9]})  # trainer B
+    rows.add(0, 0, {"step": [3], "loss": [0.3]})  # A again
+    assert rows.latest()[0].step == [1, 2, 3]

@@ -10,17 +10,18 @@ Example:
     >>> from mpnb.distributed.rank_rows import RankRows
     >>> rows = RankRows()
     >>> for rank, seconds in ((0, 0.010), (1, 0.014)):
-    ...     rows.add(rank, 0, {"step": [1, 2, 3], "loss": [0.9, 0.8, 0.7], "step_time": [seconds] * 3})
+    ...     steps = list(range(1, 13))
+    ...     rows.add(rank, 0, {"step": steps, "loss": [1 / s for s in steps], "step_time": [seconds] * 12})
     >>> out = io.StringIO()
     >>> TextRanks("demo", interval=0, stream=out).update(rows)
     >>> print(out.getvalue().splitlines()[-1])
-    step 3 on 2 ranks | loss 0.7 / 0.7 | step 10.0 / 14.0 ms | skipped 0, same on every rank | slow: rank 1 (1.4x)
+    step 12 on 2 ranks | loss 0.08333 / 0.08333 | step 10.0 / 14.0 ms | skipped 0, same on every rank | slow: rank 1 (1.4x)
     >>> live = LiveRanks("demo")
     >>> live.close(rows)
     >>> [trace.name for trace in live.figure.data if trace.showlegend]
     ['rank 0', 'rank 1 (slow: 1.4x)']
     >>> live.figure.layout.title.text
-    'demo: 3 steps on 2 ranks; scale and skips agree; rank 1 is slow (1.4x the others)'
+    'demo: 12 steps on 2 ranks; scale and skips agree; rank 1 is slow (1.4x the others)'
 """
 
 from __future__ import annotations
@@ -115,10 +116,9 @@ class LiveRanks(RanksView):
         self._redraw(rows)
 
     def _ingest(self, rows: RankRows) -> None:
-        for rank, histories in rows.histories.items():
-            history = histories[-1]
-            if self._fit.get(rank) != len(histories):  # a new fit on this rank: its curves start again
-                self._fit[rank], self._seen[rank] = len(histories), 0
+        for rank, history in rows.latest().items():
+            if self._fit.get(rank) != id(history):  # another fit on this rank: its curves start again
+                self._fit[rank], self._seen[rank] = id(history), 0
                 for panel in PANELS:
                     self._series[(rank, panel)] = MinMaxSeries(self.max_points)
             start = self._seen[rank]
