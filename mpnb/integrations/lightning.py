@@ -105,7 +105,7 @@ class MpnbCallback(Callback, WithTelemetry):
         dashboard: str | Sink | None = "auto",
         precision: str | int | None = None,
         on_nonfinite: str = "warn",
-        flush_every: int = 20,
+        flush_every: int = 64,
     ) -> None:
         asked_precision(precision)  # refuse a setting Lightning does not have, now
         self.telemetry = LoopTelemetry("Lightning", dashboard, on_nonfinite, flush_every)

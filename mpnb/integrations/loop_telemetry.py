@@ -76,7 +76,8 @@ class LoopTelemetry:
         on_nonfinite: ``"warn"`` (default), ``"stop"`` or ``"ignore"``: what a NaN/inf loss triggers.
             A step whose loss could not be read (:meth:`step_end` with no :meth:`add_loss`) is not
             one: its row says ``loss_missing``.
-        flush_every: steps between copies of the device values to the host (a whole number >= 1).
+        flush_every: steps between copies of the device values to the host (a whole number >= 1;
+            1 with ``on_nonfinite="stop"``, so that the framework stops at the bad step).
 
     Attributes:
         history: one row per optimizer step, across every run this object recorded.
@@ -89,7 +90,7 @@ class LoopTelemetry:
         framework: str,
         dashboard: str | Sink | None = "auto",
         on_nonfinite: str = "warn",
-        flush_every: int = 20,
+        flush_every: int = 64,
     ) -> None:
         check_dashboard(dashboard)
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
@@ -98,6 +99,8 @@ class LoopTelemetry:
         self.history = History()
         self.control = FitControl()
         self.health = HealthWatch(on_nonfinite)
+        if on_nonfinite == "stop":
+            flush_every = 1  # the framework can stop at the bad step only if it is known there
         self.recorder = Recorder(self.history, flush_every=flush_every, sinks=[self.health])
         self.notices = Notices(self.history)
         self.steps = 0

@@ -99,7 +99,7 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
     """
 
     def __init__(
-        self, dashboard: str | Sink | None = "auto", on_nonfinite: str = "warn", flush_every: int = 20
+        self, dashboard: str | Sink | None = "auto", on_nonfinite: str = "warn", flush_every: int = 64
     ) -> None:
         self.telemetry = LoopTelemetry(_FRAMEWORK, dashboard, on_nonfinite, flush_every)
 

@@ -53,8 +53,20 @@ def _opened(leaf: Any) -> Any:
     return None
 
 
+def _on(part: Any, device: torch.device) -> bool:
+    """A plain tensor already on ``device`` (subclasses such as DTensor take the full path)."""
+    return type(part) is torch.Tensor and part.device == device
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor on ``device`` (non-blocking copies), its structure unchanged."""
+    """``batch`` with every tensor on ``device`` (non-blocking copies), its structure unchanged.
+
+    >>> batch = (torch.zeros(2), torch.ones(2))
+    >>> to_device(batch, torch.device("cpu")) is batch  # the usual case, already there: as it is
+    True
+    """
+    if isinstance(batch, tuple | list) and all(_on(part, device) for part in batch):
+        return batch
 
     def move(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):

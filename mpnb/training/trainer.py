@@ -247,6 +247,8 @@ class Trainer:
         in_a_launch = streamed(self.history, self.control)  # a worker of mpnb.distributed.launch
         if in_a_launch is not None:
             return in_a_launch
+        if self.dashboard is None:
+            return []
         return dashboard_sinks(self.dashboard, self.describe(), self.control)
 
     def _run(self, data: Iterable[Any], stop: StopRequest, max_steps: int | None) -> bool:

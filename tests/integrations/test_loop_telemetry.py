@@ -142,3 +142,17 @@ def test_work_outside_the_steps_is_left_out_of_the_next_steps_time():
 def test_a_bad_flush_every_is_refused_with_its_value(flush_every):
     with pytest.raises(ValueError, match=f"flush_every.*{flush_every!r}"):
         LoopTelemetry("my loop", dashboard=None, flush_every=flush_every)
+
+
+def test_with_on_nonfinite_stop_the_framework_is_told_at_the_step_of_the_nan():
+    telemetry = LoopTelemetry("my loop", dashboard=None, on_nonfinite="stop")  # the default flush_every
+    model = torch.nn.Linear(4, 1)
+    begin(telemetry, model)
+    run_steps(telemetry, model, 1)
+    telemetry.window_begin()
+    telemetry.add_loss(torch.tensor(float("nan")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        telemetry.step_end()
+        assert telemetry.stop_requested  # before end(): the loop must stop after this very step
+    telemetry.end()
