@@ -22,6 +22,7 @@ import statistics
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from on_device import add_device_argument, device_label, settled_clock, to_device
@@ -80,11 +81,15 @@ def accelerate_loop(model: nn.Module, device: torch.device, precision: str) -> R
 
     accelerator = Accelerator(mixed_precision=precision, cpu=device.type == "cpu")
     model, optimizer = accelerator.prepare(model, torch.optim.Adam(model.parameters(), 1e-3))
+    return _framework_loop(model, optimizer, accelerator.backward)
+
+
+def _framework_loop(model: nn.Module, optimizer: Any, backward: Callable[[torch.Tensor], None]) -> Runner:
+    """The loop Accelerate and Fabric users write: the framework autocasts and scales in ``backward``."""
 
     def run(batches: Batches) -> None:
         for inputs, targets in batches:
-            loss = nn.functional.cross_entropy(model(inputs), targets)
-            accelerator.backward(loss)
+            backward(nn.functional.cross_entropy(model(inputs), targets))
             optimizer.step()
             optimizer.zero_grad()
 
@@ -100,15 +105,7 @@ def fabric_loop(model: nn.Module, device: torch.device, precision: str) -> Runne
 
     fabric = L.Fabric(accelerator=device.type, devices=1, precision=_lightning_precision(precision))
     model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), 1e-3))
-
-    def run(batches: Batches) -> None:
-        for inputs, targets in batches:
-            loss = nn.functional.cross_entropy(model(inputs), targets)
-            fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-
-    return run
+    return _framework_loop(model, optimizer, fabric.backward)
 
 
 def lightning_trainer(model: nn.Module, device: torch.device, precision: str) -> Runner:

@@ -24,7 +24,16 @@ from plotly.subplots import make_subplots
 
 from mpnb.training.history import ALARM_KINDS, History
 
-__all__ = ["TRACES", "MARKED_KINDS", "dashboard_figure", "empty_figure", "mark_event", "marked_events", "trace_points"]
+__all__ = [
+    "TRACES",
+    "MARKED_KINDS",
+    "dashboard_figure",
+    "empty_figure",
+    "four_panels",
+    "mark_event",
+    "marked_events",
+    "trace_points",
+]
 
 #: The history events a dashboard marks with a vertical line.
 MARKED_KINDS = ("switch", *ALARM_KINDS)
@@ -53,16 +62,22 @@ _STYLE = {
 
 def empty_figure(title: str = "") -> go.Figure:
     """The dashboard layout with every trace present and empty."""
-    figure = make_subplots(
-        rows=2,
-        cols=2,
-        subplot_titles=("loss", "loss scale (x = skipped step)", "memory (MiB)", "throughput (samples/s)"),
-        horizontal_spacing=0.1,
-        vertical_spacing=0.16,
+    figure = four_panels(
+        ("loss", "loss scale (x = skipped step)", "memory (MiB)", "throughput (samples/s)"), title, log_panel=(1, 2)
     )
     for name, (row, col) in TRACES.items():
         figure.add_trace(go.Scatter(x=[], y=[], name=name, **{"mode": "lines", **_STYLE[name]}), row=row, col=col)
-    figure.update_yaxes(type="log", row=1, col=2)
+    return figure
+
+
+def four_panels(titles: tuple[str, str, str, str], title: str, log_panel: tuple[int, int]) -> go.Figure:
+    """Two rows of two panels over steps, in the dashboards' style; ``log_panel`` (row, column) on a log scale.
+
+    >>> four_panels(("a", "b", "c", "d"), "demo", log_panel=(2, 2)).layout.yaxis4.type
+    'log'
+    """
+    figure = make_subplots(rows=2, cols=2, subplot_titles=titles, horizontal_spacing=0.1, vertical_spacing=0.16)
+    figure.update_yaxes(type="log", row=log_panel[0], col=log_panel[1])
     figure.update_xaxes(title_text="step", row=2)
     figure.update_layout(
         title={"text": title, "font": {"size": 14}},

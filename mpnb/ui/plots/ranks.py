@@ -32,10 +32,10 @@ import time
 from typing import TextIO
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from mpnb.distributed.rank_rows import RankRows, RanksView
 from mpnb.ui.plots.decimate import MinMaxSeries
+from mpnb.ui.plots.figure import four_panels
 from mpnb.ui.plots.pacing import RedrawPacer
 
 __all__ = ["LiveRanks", "TextRanks"]
@@ -100,7 +100,9 @@ class LiveRanks(RanksView):
 
     def __init__(self, title: str = "", *, min_interval: float = 0.5, max_points: int = 300) -> None:
         self.title, self.max_points = title, max_points
-        self.figure = go.FigureWidget(_layout(title))
+        self.figure = go.FigureWidget(
+            four_panels(("loss", "step time (ms)", "memory in use (MiB)", "loss scale"), title, log_panel=(2, 2))
+        )
         self.pacer = RedrawPacer(min_interval)
         self._series: dict[tuple[int, tuple[int, int]], MinMaxSeries] = {}
         self._seen: dict[int, int] = {}
@@ -154,23 +156,3 @@ class LiveRanks(RanksView):
             xs, ys = self._series[(rank, panel)].points()
             trace.x, trace.y = xs, ys
         traces[0].name = f"{label} (slow: {slow}x)" if slow else label
-
-
-def _layout(title: str) -> go.Figure:
-    figure = make_subplots(
-        rows=2,
-        cols=2,
-        subplot_titles=("loss", "step time (ms)", "memory in use (MiB)", "loss scale"),
-        horizontal_spacing=0.1,
-        vertical_spacing=0.16,
-    )
-    figure.update_yaxes(type="log", row=2, col=2)
-    figure.update_xaxes(title_text="step", row=2)
-    figure.update_layout(
-        title={"text": title, "font": {"size": 14}},
-        height=520,
-        margin={"l": 50, "r": 20, "t": 70, "b": 40},
-        legend={"orientation": "h", "y": -0.12},
-        template="plotly_white",
-    )
-    return figure
