@@ -11,6 +11,7 @@ on and no display (``dashboard=None``). A peer that is not installed is skipped 
 (``pip install 'mpnb[bench]'`` installs them). Writes benchmarks/results/peers.json.
 
     python benchmarks/peers.py [--batches 8,32,256] [--rounds 7] [--steps 30] [--fp16] [--device cpu]
+                               [--runners "mpnb.Trainer,AmpStep in a hand loop"]
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def digits_batches(size: int, steps: int, device: torch.device) -> Batches:
     return to_device([(images[pick], labels[pick]) for pick in picks], device)
 
 
-def measure(batch: int, precision: str, device: torch.device, rounds: int, steps: int) -> dict:
+def measure(batch: int, precision: str, device: torch.device, rounds: int, steps: int, runners: list[str]) -> dict:
     batches = digits_batches(batch, steps, device)
     torch.manual_seed(0)
     base = ex.DigitsCNN().to(device)
@@ -168,7 +169,8 @@ def measure(batch: int, precision: str, device: torch.device, rounds: int, steps
         return seconds_per_step
 
     row: dict[str, dict] = {}
-    for name, make in RUNNERS.items():
+    for name in runners:
+        make = RUNNERS[name]
         if precision == "fp16" and device.type == "cpu" and name in NO_CPU_FP16:
             row[name] = {"skipped": "no fp16 autocast of its own on a CPU"}
             continue
@@ -192,22 +194,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--fp16", action="store_true", help="also fp16 (bf16 always)")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help="which of: " + ", ".join(RUNNERS))
     add_device_argument(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     warnings.filterwarnings("ignore")
     sizes = [int(size) for size in args.batches.split(",")]
+    runners = args.runners.split(",")
+    unknown = [name for name in runners if name not in RUNNERS]
+    if unknown:
+        parser.error(f"unknown runners {unknown}; valid: {', '.join(RUNNERS)}")
     results = {}
     for precision in ["bf16", *(["fp16"] if args.fp16 else [])]:
-        table = {size: measure(size, precision, device, args.rounds, args.steps) for size in sizes}
+        table = {size: measure(size, precision, device, args.rounds, args.steps, runners) for size in sizes}
         results[precision] = {str(size): row for size, row in table.items()}
         print(f"\n{device_label(device)}, digits CNN, {precision}: step time over the hand-written torch.amp loop")
         print(f"{'':24s}" + "".join(f"batch {size:<6d}" for size in sizes))
         hand_ms = "".join(
-            f"{table[size]['mpnb.Trainer'].get('median_step_s_hand', float('nan')) * 1e3:6.2f} ms   " for size in sizes
+            f"{next(iter(table[size].values())).get('median_step_s_hand', float('nan')) * 1e3:6.2f} ms   "
+            for size in sizes
         )
         print(f"{'hand loop (1.00)':24s}{hand_ms}")
-        for name in RUNNERS:
+        for name in runners:
             cells = [table[size][name] for size in sizes]
             text = "".join(f"{cell['ratio']:6.3f}x     " if "ratio" in cell else "   -        " for cell in cells)
             skipped = next((cell["skipped"] for cell in cells if "skipped" in cell), "")
