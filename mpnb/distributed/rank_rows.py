@@ -74,11 +74,12 @@ class RankRows:
 
         A rank's own work is its ``forward_time`` where recorded (``mpnb.Trainer``): its step
         time would not do, since data-parallel ranks wait for each other in every gradient
-        reduction and so take the same time a step. Without it, the step time."""
+        reduction and so take the same time a step. Without it, the step time. Said only once
+        more than ``least`` steps are in (the first carries warm-up): fewer are noise."""
         end = self.common_steps()
-        if end == 0 or len(self.histories) < 2:
+        if end <= max(least, 1) or len(self.histories) < 2:  # step 1 alone is all warm-up
             return {}
-        start = max(1, end - window) if end > 1 else 0  # the first step carries warm-up
+        start = max(1, end - window)  # the first step carries warm-up
         medians = {rank: statistics.median(_own_time(h)[start:end]) for rank, h in self.latest().items()}
         slow = {}
         for rank, median in medians.items():

@@ -154,3 +154,13 @@ def test_the_latest_history_of_a_rank_is_the_one_its_rows_came_to_last():
     rows.add(0, 1, {"step": [1], "loss": [0.9]})  # trainer B
     rows.add(0, 0, {"step": [3], "loss": [0.3]})  # A again
     assert rows.latest()[0].step == [1, 2, 3]
+
+
+def test_a_straggler_is_named_only_once_enough_steps_are_in():
+    rows = RankRows()
+    for rank, seconds in ((0, 0.010), (1, 0.020)):
+        rows.add(rank, 0, {"step": [1, 2, 3, 4, 5], "forward_time": [seconds] * 5})
+    assert rows.stragglers() == {}  # 4 steps after warm-up: noise on a shared machine, not a straggler
+    for rank, seconds in ((0, 0.010), (1, 0.020)):
+        rows.add(rank, 0, {"step": list(range(6, 13)), "forward_time": [seconds] * 7})
+    assert rows.stragglers() == {1: 2.0}
