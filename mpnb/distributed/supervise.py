@@ -48,7 +48,6 @@ class Supervisor:
         self.control = control or FitControl()
         self.rows = RankRows()
         self._stop_sent = False
-        self._lock = threading.Lock()  # the view is updated from one thread at a time
 
     def run(self, start: Callable[[], Any]) -> Any:
         """``start()``'s return value (or its exception), watched meanwhile; no worker outlives it."""
@@ -75,12 +74,12 @@ class Supervisor:
                 self.channel.ask_stop()
 
     def _take_rows(self) -> None:
-        with self._lock:
-            arrived = self.channel.received()
-            for rank, index, columns in arrived:
-                self.rows.add(rank, index, columns)
-            if arrived:
-                self._show("update")
+        """Drain the channel into :attr:`rows` (the watcher's, and once more after it has joined)."""
+        arrived = self.channel.received()
+        for rank, index, columns in arrived:
+            self.rows.add(rank, index, columns)
+        if arrived:
+            self._show("update")
 
     def _show(self, what: str) -> None:
         """Call the view's ``update`` or ``close``. A view that fails is said once and left out

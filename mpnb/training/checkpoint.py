@@ -34,30 +34,41 @@ Trainer = Any
 
 __all__ = [
     "FORMAT",
+    "RUN_KEYS",
     "VERSION",
     "apply_checkpoint",
     "apply_run_state",
     "checkpoint_state",
+    "incomplete",
     "read_checkpoint",
     "run_mismatch",
+    "run_record",
     "run_state",
 ]
 
 FORMAT = "mpnb-trainer"
 #: 2 adds the optimizer's type. Version 1 files (no version) are still read.
 VERSION = 2
-_KEYS = ("model", "optimizer", "amp", "scheduler", "position", "history")
+#: The keys of a :func:`run_record`'s run, and those of a whole one-file checkpoint.
+RUN_KEYS = ("amp", "scheduler", "position", "history")
+_KEYS = ("model", "optimizer", *RUN_KEYS)
 
 
 def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
     """Everything :meth:`Trainer.save` writes: plain data and tensors only."""
+    return {**run_record(trainer), "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
+
+
+def run_record(trainer: Trainer) -> dict[str, Any]:
+    """A checkpoint without the weights and the optimizer's state: format, the optimizer's and
+    scheduler's types, :func:`run_state` and the history (a sharded checkpoint's run file)."""
     scheduler = trainer.amp.scheduler
     return {
         "format": FORMAT,
         "version": VERSION,
         "optimizer_type": type(trainer.optimizer).__name__,
         "scheduler_type": type(scheduler).__name__ if scheduler is not None else None,
-        **_training_state(trainer),
+        **run_state(trainer),
         "history": trainer.history.to_dict(),
     }
 
@@ -115,12 +126,9 @@ def read_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> tuple[dic
 
 def _mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
     """What in ``state`` cannot be applied to ``trainer``; None when everything fits."""
-    version = state.get("version", 1)
-    if version not in (1, VERSION):
-        return f"it is format version {version!r}, this mpnb reads 1 and {VERSION}"
-    missing = [key for key in _KEYS if key not in state]
-    if missing:
-        return f"it lacks {missing}"
+    problem = incomplete(state, _KEYS)
+    if problem is not None:
+        return problem
     own = trainer.model.state_dict()
     saved = state["model"]
     if not isinstance(saved, dict) or set(saved) != set(own):
@@ -138,6 +146,16 @@ def _mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
         if trainer.optimizer.state:
             return "its optimizer state has other entries (saved with another optimizer type?)"
     return run_mismatch(trainer, state)
+
+
+def incomplete(state: dict[str, Any], keys: tuple[str, ...]) -> str | None:
+    """What makes ``state`` unreadable as a record with ``keys``: a format version this mpnb does
+    not read, or missing keys; None when complete."""
+    version = state.get("version", 1)
+    if version not in (1, VERSION):
+        return f"it is format version {version!r}, this mpnb reads 1 and {VERSION}"
+    missing = [key for key in keys if key not in state]
+    return f"it lacks {missing}" if missing else None
 
 
 def run_mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:

@@ -42,6 +42,7 @@ Example (one process, a world of one):
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -148,19 +149,13 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     candidates = [block for block in candidates if any(True for _ in block.parameters())]
     # A parameter tied across blocks (an embedding and an output head) must stay in one FSDP group:
     # blocks holding one that is also used elsewhere in the model are left to the whole model's group.
-    users: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            users[id(param)] = users.get(id(param), 0) + 1
-    return [block for block in candidates if not _shares_outside(block, users)]
+    uses = _parameter_uses(model)
+    return [block for block in candidates if all(uses[key] == count for key, count in _parameter_uses(block).items())]
 
 
-def _shares_outside(block: nn.Module, users: dict[int, int]) -> bool:
-    inside: dict[int, int] = {}
-    for module in block.modules():
-        for param in module.parameters(recurse=False):
-            inside[id(param)] = inside.get(id(param), 0) + 1
-    return any(users[key] > count for key, count in inside.items())
+def _parameter_uses(module: nn.Module) -> collections.Counter[int]:
+    """How many submodules of ``module`` hold each parameter (by id): more than one for a tied weight."""
+    return collections.Counter(id(param) for sub in module.modules() for param in sub.parameters(recurse=False))
 
 
 def _shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: Mode) -> nn.Module:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mpnb.errors import MpnbError
-from mpnb.training.checkpoint import FORMAT, VERSION, apply_run_state, run_mismatch, run_state
+from mpnb.training.checkpoint import FORMAT, RUN_KEYS, apply_run_state, incomplete, run_mismatch, run_record
 from mpnb.training.history import History
 
 #: The trainer a checkpoint belongs to (``mpnb.training.trainer.Trainer``; not imported: it imports this).
@@ -51,17 +51,7 @@ def save_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
         raise MpnbError(f"{name!r} is a file, not a directory: a sharded checkpoint is a directory of shards")
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=name)
-    scheduler = trainer.amp.scheduler
-    record = {
-        "format": FORMAT,
-        "version": VERSION,
-        "sharded": True,
-        "optimizer_type": type(trainer.optimizer).__name__,
-        "scheduler_type": type(scheduler).__name__ if scheduler is not None else None,
-        **run_state(trainer),
-        "history": trainer.history.to_dict(),
-    }
-    torch.save(record, run_file(name, dist.get_rank()))
+    torch.save({**run_record(trainer), "sharded": True}, run_file(name, dist.get_rank()))
     dist.barrier()  # no rank reads the directory before every run record is there
 
 
@@ -120,8 +110,7 @@ def _read_run(trainer: Trainer, name: str) -> tuple[dict[str, Any], History]:
         raise MpnbError(f"{path!r} cannot be read (damaged or truncated?): {error!r}") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT or not record.get("sharded"):
         raise MpnbError(f"{name!r} is not a sharded mpnb checkpoint (saved by Trainer.save with strategy='fsdp')")
-    missing = [key for key in ("amp", "scheduler", "position", "history") if key not in record]
-    problem = f"it lacks {missing}" if missing else run_mismatch(trainer, record)
+    problem = incomplete(record, RUN_KEYS) or run_mismatch(trainer, record)
     if problem is None:
         try:
             return record, History.from_dict(record["history"])

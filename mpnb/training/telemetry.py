@@ -232,13 +232,12 @@ def _columns_of(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
 def _settle_step_times(columns: dict[str, list[Any]], samples: list[int | None]) -> None:
     """Read the device's step times (the copy to the host waited for the device already) and
     derive each row's throughput where its example count is known."""
-    if "forward_time" in columns and not set(map(type, columns["forward_time"])) <= {float}:
-        columns["forward_time"] = [seconds(value) for value in columns["forward_time"]]
+    for name in ("forward_time", "step_time"):
+        if name in columns and not set(map(type, columns[name])) <= {float}:  # device intervals: read them now
+            columns[name] = [seconds(value) for value in columns[name]]
     if "step_time" not in columns:
         return
     times = columns["step_time"]
-    if not set(map(type, times)) <= {float}:  # device intervals: read them now
-        times = columns["step_time"] = [seconds(value) for value in times]
     rates = columns.setdefault("samples_per_s", [math.nan] * len(times))
     for index, (count, step_time) in enumerate(zip(samples, times)):
         if count is not None:

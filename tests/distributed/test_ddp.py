@@ -22,20 +22,32 @@ def batches(count: int = 8, size: int = 4) -> list[tuple[torch.Tensor, torch.Ten
     ]
 
 
-def trained(data, mode: str = "fp32", strategy: str | None = None, steps: int = 4, step_fn=None, **amp_options):
+def model() -> nn.Module:
+    """The small model every distributed test trains, from the same seed."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def build_trainer(
+    strategy: str | None, mode: str = "fp32", step_fn=None, optimizer=torch.optim.SGD, lr: float = 0.1, **options
+) -> Trainer:
+    """A CPU Trainer of :func:`model` (mse loss unless ``step_fn``), no dashboard unless ``options`` say."""
+    net = model()
+    options.setdefault("dashboard", None)
+    return Trainer(
+        net,
+        optimizer(net.parameters(), lr=lr),
         None if step_fn else nn.functional.mse_loss,
         step_fn=step_fn,
         mode=mode,
         device="cpu",
-        dashboard=None,
         strategy=strategy,
-        **amp_options,
+        **options,
     )
+
+
+def trained(data, mode: str = "fp32", strategy: str | None = None, steps: int = 4, step_fn=None, **amp_options):
+    trainer = build_trainer(strategy, mode, step_fn, **amp_options)
     trainer.fit(data, max_steps=steps)
     inner = trainer.model.module if strategy else trainer.model
     return [p.detach().clone() for p in inner.parameters()], trainer.history
@@ -98,12 +110,7 @@ def nan_on_rank_one_at_its_third_batch(model, batch):
 def ddp_stop_on_nonfinite_rank(strategy: str) -> tuple[int, bool, list[str]]:
     data = batches()
     data[5][0][0, 0] = 1000.0  # batch 5 is rank 1's third: only rank 1 sees a NaN loss at step 3
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    trainer = Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn=nan_on_rank_one_at_its_third_batch, mode="bf16",
-        device="cpu", dashboard=None, strategy=strategy, on_nonfinite="stop",
-    )  # fmt: skip
+    trainer = build_trainer(strategy, "bf16", step_fn=nan_on_rank_one_at_its_third_batch, on_nonfinite="stop")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(data, max_steps=4)
@@ -121,12 +128,7 @@ def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_the_same_step(strategy
 
 
 def stop_on_rank_zero_rank() -> tuple[int, bool]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    trainer = Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss, device="cpu", dashboard=None,
-        strategy="ddp", flush_every=2,
-    )  # fmt: skip
+    trainer = build_trainer("ddp", flush_every=2)
 
     class StopAtStepThree(Sink):
         def update(self, history):

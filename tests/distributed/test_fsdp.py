@@ -16,27 +16,11 @@ from mpnb.precision.modes import Mode
 from mpnb.training.parallel import mixed_precision_policy, model_blocks
 from mpnb.training.trainer import Trainer
 
-from .test_ddp import batches
+from .test_ddp import batches, build_trainer, model
 
 
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-
-
-def trainer_for(mode: str, strategy: str | None, step_fn=None, **amp_options) -> Trainer:
-    net = model()
-    return Trainer(
-        net,
-        torch.optim.Adam(net.parameters(), lr=0.01),
-        None if step_fn else nn.functional.mse_loss,
-        step_fn=step_fn,
-        mode=mode,
-        device="cpu",
-        dashboard=None,
-        strategy=strategy,
-        **amp_options,
-    )
+def trainer_for(mode: str, strategy: str | None, **options) -> Trainer:
+    return build_trainer(strategy, mode, optimizer=torch.optim.Adam, lr=0.01, **options)
 
 
 def full_weights(trainer: Trainer) -> list[torch.Tensor]:

@@ -10,14 +10,12 @@ import time
 
 import psutil
 import pytest
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from mpnb.distributed import RankRows, RanksView, launch
-from mpnb.training.trainer import Trainer
 
-from .test_ddp import batches
+from .test_ddp import batches, build_trainer
 
 
 class Recorded(RanksView):
@@ -46,12 +44,7 @@ def slow_steps(model, batch, pause: float = 0.02):
 
 
 def train_rank(steps: int = 30) -> tuple[int, bool]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    trainer = Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn=slow_steps, device="cpu", dashboard="text",
-        strategy="ddp", flush_every=5,
-    )  # fmt: skip
+    trainer = build_trainer("ddp", step_fn=slow_steps, dashboard="text", flush_every=5)
     trainer.fit(batches(2 * steps), max_steps=steps)
     return len(trainer.history), trainer.stopped
 

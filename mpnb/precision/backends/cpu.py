@@ -108,7 +108,7 @@ class CpuBackend(Backend):
         return notes
 
     def memory(self, index: int | None = None) -> MemorySnapshot:
-        # This runs every 50 ms of training: two cheap reads, psutil only where there is no /proc.
+        # This runs every 250 ms of training: two cheap reads, psutil only where there is no /proc.
         used = _resident_bytes() or psutil.Process().memory_info().rss
         peak = _peak_resident_bytes()
         return MemorySnapshot(

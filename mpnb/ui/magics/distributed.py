@@ -6,7 +6,7 @@ lists in force, as the cell would run here; ``torch.distributed.get_rank()`` tel
 apart. The names the cell assigns on rank 0 come back into the notebook (those that can be
 pickled; the others are named; an object changed in place is not assigned, so it stays as it
 was here), and the launch itself is kept in ``_distributed`` (each rank's
-fit histories: ``_distributed.histories``). What the workers print is not shown here. A rank
+fit histories: ``_distributed.histories``). What the workers print shows here, each line led by ``[rank N]``. A rank
 that raises ends the cell with that rank's traceback.
 
 Example (in IPython)::
