@@ -159,21 +159,19 @@ class LoopTelemetry:
         to the step's loss (Lightning's accumulation, transformers' ``num_items_in_batch``);
         otherwise the step's loss is the mean of the window's losses."""
         run = self._require_run()
-        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
-            raise ValueError(
-                f"{self.framework}: a step's loss must be one number, got a tensor of shape {list(loss.shape)} "
-                "(reduce it first, e.g. loss.mean())"
-            )
         if isinstance(loss, torch.Tensor):
-            value = loss.detach()
-            if value.dtype != torch.float32:
-                value = value.float()  # a bf16 / fp16 loss is summed over the window in fp32
+            if loss.numel() != 1:
+                raise ValueError(
+                    f"{self.framework}: a step's loss must be one number, got a tensor of shape {list(loss.shape)} "
+                    "(reduce it first, e.g. loss.mean())"
+                )
+            value = loss.detach()  # kept in its dtype: the flush reads a bf16 / fp16 loss exactly
         else:
             value = float(loss)
         if normalized:
-            run.summed = value if run.summed is None else run.summed + value
+            run.summed = _sum(run.summed, value)
         else:
-            run.plain = value if run.plain is None else run.plain + value
+            run.plain = _sum(run.plain, value)
             run.plain_count += 1
 
     def add_samples(self, count: int | None) -> None:
@@ -186,7 +184,8 @@ class LoopTelemetry:
         run = self._require_run()
         run.scale_before = scale_in_use(run.scaler)
         run.lr = run.optimizer.param_groups[0]["lr"]
-        run.watch.reset()
+        if run.watch is not None:
+            run.watch.reset()
         run.before_called = True
 
     def step_end(self, epoch: int = 0) -> Checkpoint:
@@ -194,7 +193,7 @@ class LoopTelemetry:
         needs saying, then deliver the dashboard's requests (waits here while paused). The
         framework stops when ``.stop``."""
         run = self._require_run()
-        skipped = run.watch.skipped(run.scaler, run.device) if run.before_called else False
+        skipped = run.watch.skipped(run.scaler, run.device) if run.watch is not None and run.before_called else False
         observed = run.observer.precision
         used, peak, reserved = run.memory.sample(time.perf_counter())
         loss = run.step_loss()
@@ -265,6 +264,24 @@ def _no_loss(framework: str, step: int) -> str:
     )
 
 
+def _sum(total: torch.Tensor | float | None, value: torch.Tensor | float) -> torch.Tensor | float:
+    """``total + value`` (``value`` alone when ``total`` is None), in fp32 at least: a window's bf16 /
+    fp16 losses are summed without rounding to their own precision at each add.
+
+    >>> _sum(None, 0.5), _sum(torch.tensor(0.5, dtype=torch.bfloat16), 0.25).dtype
+    (0.5, torch.float32)
+    """
+    if total is None:
+        return value
+    return _at_least_fp32(total) + _at_least_fp32(value)
+
+
+def _at_least_fp32(value: torch.Tensor | float) -> torch.Tensor | float:
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
+        return value.float()
+    return value
+
+
 class WithTelemetry:
     """What every integration shows of its :class:`LoopTelemetry` (held as ``self.telemetry``)."""
 
@@ -295,7 +312,8 @@ class _Run:
         self.optimizer, self.scaler, self.device, self.asked = optimizer, scaler, device, asked
         self.clock = StepClock(device)
         self.memory = MemorySampler(backend_for(device), device)
-        self.watch = OptimizerStepWatch(optimizer)
+        # without an enabled scaler no step is ever skipped: nothing to watch, no hook in the optimizer
+        self.watch = OptimizerStepWatch(optimizer) if scaler is not None and scaler.is_enabled() else None
         self.observer = PrecisionObserver(model, device.type)
         self.sinks: list[Sink] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -321,7 +339,8 @@ class _Run:
         return mean if self.summed is None else self.summed + mean
 
     def detach(self) -> None:
-        self.watch.remove()
+        if self.watch is not None:
+            self.watch.remove()
         self.observer.remove()
         for handle in self.handles:
             handle.remove()

@@ -155,7 +155,11 @@ class AmpStep:
         self._window_open = True  # a failure from here on may leave gradients behind
         if self.accumulate > 1:
             loss = loss / self.accumulate
-        with torch.autocast(self.precision.device.type, enabled=False):
+        device_type = self.precision.device.type
+        if torch.is_autocast_enabled(device_type):  # called inside the forward's block: leave autocast for it
+            with torch.autocast(device_type, enabled=False):
+                self.scaler.scale(loss).backward()
+        else:  # the usual place, after the block: no context to build (a few microseconds a step)
             self.scaler.scale(loss).backward()
         value = loss.detach().float()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import time
@@ -202,13 +203,25 @@ _EMPTY = {name: column_default(kind) for name, (kind, _) in COLUMNS.items()}
 
 def _read_together(tensors: list[torch.Tensor]) -> list[float]:
     """The values of one-element tensors on one device, with one copy to the host (the CPU's
-    own tensors too: they stand for an accelerator's in the tests that count host reads)."""
+    own tensors too: they stand for an accelerator's in the tests that count host reads).
+    Every value is read exactly: a bf16 loss beside a bool flag packs in bf16, beside an
+    integer in fp32 (bf16 would round an integer above 256).
+
+    >>> _read_together([torch.tensor(0.1, dtype=torch.bfloat16), torch.tensor(True)])
+    [0.10009765625, 1.0]
+    >>> _read_together([torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(1001)])
+    [0.5, 1001.0]
+    """
+    dtypes = {tensor.dtype for tensor in tensors}
+    packed_dtype = functools.reduce(torch.promote_types, dtypes)
+    if packed_dtype.itemsize < 4 and dtypes - {packed_dtype, torch.bool}:
+        tensors = [tensor.float() for tensor in tensors]  # a low float with integers: rare, one cast each
     with torch.no_grad():
-        try:  # the usual case, every value a 0-dim tensor: one stack, promoted as needed
-            packed = torch.stack(tensors).reshape(len(tensors))
+        try:  # the usual case, every value a 0-dim tensor: one stack (which converts to the common dtype)
+            packed = torch.stack(tensors)
         except RuntimeError:  # some of shape [1] (or [1, 1]...): one element each all the same
-            packed = torch.stack([tensor.reshape(()).to(torch.float32) for tensor in tensors])
-    return packed.to("cpu", torch.float64).tolist()
+            packed = torch.stack([tensor.reshape(()) for tensor in tensors])
+    return packed.reshape(len(tensors)).to("cpu", torch.float64).tolist()
 
 
 def _columns_of(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:

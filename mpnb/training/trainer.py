@@ -258,6 +258,10 @@ class Trainer:
         # A generator goes on where it stopped, nothing to skip. Asked without iter(data): a DataLoader's
         # iterator draws a seed from torch's random state, which would change the run at every fit.
         one_shot = isinstance(data, Iterator)
+
+        def interrupted() -> bool:  # ends a pause too
+            return stop.requested
+
         while self._epoch < self._end_epoch:
             for holder in (data, getattr(data, "sampler", None)):  # Batches; a DataLoader's DistributedSampler
                 if callable(getattr(holder, "set_epoch", None)):
@@ -268,7 +272,7 @@ class Trainer:
             self._one_shot = data if one_shot else None
             for batch in self._reader:
                 if self.amp.between_steps:
-                    checkpoint = self.control.checkpoint(interrupted=lambda: stop.requested)
+                    checkpoint = self.control.checkpoint(interrupted)
                     self._follower.follow(checkpoint.changed)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time

@@ -156,3 +156,23 @@ def test_with_on_nonfinite_stop_the_framework_is_told_at_the_step_of_the_nan():
         telemetry.step_end()
         assert telemetry.stop_requested  # before end(): the loop must stop after this very step
     telemetry.end()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_losses_are_read_exactly_and_summed_in_fp32(dtype):
+    """A bf16 / fp16 loss is kept in its dtype until the flush (no cast per step), read exactly
+    there even beside a bool flag alone, and a window's losses are added in fp32: 1 + 2**-11
+    rounds to 1 in both low precisions."""
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    begin(telemetry, torch.nn.Linear(4, 1))
+    small = 2.0**-11
+    for losses in (
+        [torch.tensor(0.1, dtype=dtype)],
+        [torch.tensor(1.0, dtype=dtype), torch.tensor(small, dtype=dtype)],
+    ):
+        telemetry.window_begin()
+        for loss in losses:
+            telemetry.add_loss(loss, normalized=True)
+        telemetry.step_end()
+    telemetry.end()
+    assert telemetry.history.loss == [torch.tensor(0.1, dtype=dtype).item(), 1.0 + small]

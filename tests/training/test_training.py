@@ -318,3 +318,37 @@ def test_an_error_mid_window_drops_the_partial_window_and_fit_resumes_at_its_sta
     assert len(trainer.history) == 1 and trainer._batch == 4
     history = trainer.fit(train)
     assert history.step == [1, 2, 3] and len(calls) == 6 + 8
+
+
+class _AutocastInBackward(torch.autograd.Function):
+    """Identity whose backward notes whether CPU autocast was on while it ran."""
+
+    seen: list[bool] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _AutocastInBackward.seen.append(torch.is_autocast_enabled("cpu"))
+        return grad
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["after the block", "inside the block"])
+def test_backward_runs_with_autocast_off_wherever_it_is_called(inside):
+    """amp.backward runs the backward pass outside autocast, also when called inside the
+    forward's autocast block; the autocast state is as before once it returns."""
+    model = nn.Linear(4, 1)
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="bf16", device="cpu")
+    _AutocastInBackward.seen = []
+    with amp.autocast():
+        loss = _AutocastInBackward.apply(model(torch.ones(2, 4))).float().mean()
+        if inside:
+            amp.backward(loss)
+            assert torch.is_autocast_enabled("cpu")
+    if not inside:
+        amp.backward(loss)
+    assert not torch.is_autocast_enabled("cpu")
+    amp.step()
+    assert _AutocastInBackward.seen == [False]
