@@ -10,6 +10,8 @@ user pays them. Both sides train the same model object (no difference of memory 
 control pairs the plain run with itself: its ratio shows how far this machine's noise reaches
 (on a shared 2-core machine a whole-run ratio moves by several percent from noise alone); the
 ratio of each side's fastest run is printed beside it (noise only adds time, see ``paired_rounds.py``).
+Where the framework has callbacks, a third side trains with one that does nothing: the cost the
+framework puts on any callback (its hook dispatch), which mpnb's cannot go below.
 A last run with mpnb attached reads mpnb's own time directly (every mpnb hook and callback
 method timed, see ``own_time.py``): its share of the plain step is the cost with the noise left out.
 Target: <= 1.03 (ratio and own share). Writes benchmarks/results/integrations_overhead.json.
@@ -26,6 +28,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from own_time import OwnTime
@@ -64,11 +67,22 @@ def mlp_data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-Runs = tuple[Callable[[], None], Callable[[], None], list[tuple[type, str]]]  # plain, with mpnb, mpnb's code in it
+class Runs(NamedTuple):
+    plain: Callable[[], None]
+    watched: Callable[[], None]  # with mpnb attached
+    mpnb_code: list[tuple[type, str]]  # mpnb's methods that run in it
+    empty: Callable[[], None] | None = None  # with a callback that does nothing: what any callback costs
 
 
 def transformers_runs(steps: int, tmp: str) -> Runs:
-    from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        PrinterCallback,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
     from transformers.utils import logging as hf_logging
 
     from mpnb.integrations.transformers import MpnbCallback
@@ -86,11 +100,12 @@ def transformers_runs(steps: int, tmp: str) -> Runs:
     # one model for both: no difference of memory layout between the two sides
     plain = Trainer(model=model, args=args, train_dataset=data)
     watched = Trainer(model=model, args=args, train_dataset=data, callbacks=[MpnbCallback(dashboard=None)])
-    for trainer in (plain, watched):
-        trainer.remove_callback(PrinterCallback)  # its line of metrics after every train() call, on both sides
+    empty = Trainer(model=model, args=args, train_dataset=data, callbacks=[TrainerCallback()])
+    for trainer in (plain, watched, empty):
+        trainer.remove_callback(PrinterCallback)  # its line of metrics after every train() call, on every side
     hooks = methods(MpnbCallback, "on_train_begin", "_forward_done", "on_step_begin", "on_pre_optimizer_step",
                     "on_step_end", "on_train_end")  # fmt: skip
-    return plain.train, watched.train, hooks
+    return Runs(plain.train, watched.train, hooks, empty.train)
 
 
 def lightning_runs(steps: int, tmp: str) -> Runs:
@@ -127,7 +142,7 @@ def lightning_runs(steps: int, tmp: str) -> Runs:
     module = Module()  # one module for both: no difference of memory layout between the two sides
     hooks = methods(MpnbCallback, "on_train_start", "on_train_batch_start", "on_before_optimizer_step",
                     "on_train_batch_end", "on_train_end")  # fmt: skip
-    return run(module, []), run(module, [MpnbCallback(dashboard=None)]), hooks
+    return Runs(run(module, []), run(module, [MpnbCallback(dashboard=None)]), hooks, run(module, [L.Callback()]))
 
 
 def accelerate_runs(steps: int, tmp: str) -> Runs:
@@ -157,15 +172,13 @@ def accelerate_runs(steps: int, tmp: str) -> Runs:
 
         return loop
 
-    return run(False), run(True), methods(LoopRecorder, "record", "close")
+    return Runs(run(False), run(True), methods(LoopRecorder, "record", "close"))
 
 
 FRAMEWORKS = {"transformers": transformers_runs, "lightning": lightning_runs, "accelerate": accelerate_runs}
 
 
-def measure(
-    plain: Callable[[], None], watched: Callable[[], None], mpnb_code: list[tuple[type, str]], rounds: int, steps: int
-) -> dict:
+def measure(runs: Runs, rounds: int, steps: int) -> dict:
     def timed(run: Callable[[], None]) -> Callable[[int], float]:
         def seconds_per_step(round_index: int) -> float:
             start = time.perf_counter()
@@ -174,13 +187,13 @@ def measure(
 
         return seconds_per_step
 
-    plain_times, watched_times = paired_rounds(timed(plain), timed(watched), rounds)
+    plain_times, watched_times = paired_rounds(timed(runs.plain), timed(runs.watched), rounds)
     # the same plain run on both sides: how far this machine's noise alone moves the ratio
-    control_a, control_b = paired_rounds(timed(plain), timed(plain), rounds)
-    with OwnTime([*TELEMETRY_CODE, *mpnb_code]) as own:
-        watched()
+    control_a, control_b = paired_rounds(timed(runs.plain), timed(runs.plain), rounds)
+    with OwnTime([*TELEMETRY_CODE, *runs.mpnb_code]) as own:
+        runs.watched()
     plain_step = statistics.median(plain_times)
-    return {
+    row = {
         "median_step_s_plain": plain_step,
         "median_step_s_with_mpnb": statistics.median(watched_times),
         "ratio_with_over_plain": median_ratio(plain_times, watched_times),
@@ -192,6 +205,29 @@ def measure(
         "steps_per_run": steps,
         "rounds": rounds,
     }
+    if runs.empty is not None:  # what the framework spends on any callback, one that does nothing
+        bare_times, empty_times = paired_rounds(timed(runs.plain), timed(runs.empty), rounds)
+        row["ratio_empty_callback_over_plain"] = median_ratio(bare_times, empty_times)
+    return row
+
+
+def report(name: str, row: dict) -> str:
+    """The framework's figures, one line each."""
+    lines = [
+        f"{name}: plain {row['median_step_s_plain'] * 1e3:.2f} ms/step, with mpnb "
+        f"{row['median_step_s_with_mpnb'] * 1e3:.2f} ms/step",
+        f"  with mpnb / plain   {row['ratio_with_over_plain']:.3f} (target <= {TARGET}; fastest runs "
+        f"{row['fastest_ratio_with_over_plain']:.3f})",
+        f"  plain / plain       {row['ratio_plain_over_plain']:.3f} (the noise; fastest runs "
+        f"{row['fastest_ratio_plain_over_plain']:.3f})",
+        f"  mpnb's own time     {row['mpnb_own_s_per_step'] * 1e6:.0f} us/step = "
+        f"{1 + row['mpnb_own_share_of_plain_step']:.3f}x",
+    ]
+    if "ratio_empty_callback_over_plain" in row:
+        lines.append(
+            f"  an empty callback   {row['ratio_empty_callback_over_plain']:.3f} (the framework's cost of any callback)"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -207,18 +243,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.frameworks.split(","):
             try:
-                plain, watched, mpnb_code = FRAMEWORKS[name](args.steps, tmp)
+                runs = FRAMEWORKS[name](args.steps, tmp)
             except ImportError as missing:
                 print(f"{name:13s} skipped: {missing}", file=sys.stderr)
                 continue
-            row = results[name] = measure(plain, watched, mpnb_code, args.rounds, args.steps)
-            print(
-                f"{name:13s} plain {row['median_step_s_plain'] * 1e3:7.2f} ms/step  with mpnb "
-                f"{row['median_step_s_with_mpnb'] * 1e3:7.2f} ms/step  ratio {row['ratio_with_over_plain']:.3f} "
-                f"(target <= {TARGET}; plain against itself {row['ratio_plain_over_plain']:.3f}), fastest runs "
-                f"{row['fastest_ratio_with_over_plain']:.3f} (itself {row['fastest_ratio_plain_over_plain']:.3f}); mpnb's own time "
-                f"{row['mpnb_own_s_per_step'] * 1e6:.0f} us/step = {1 + row['mpnb_own_share_of_plain_step']:.3f}x"
-            )
+            results[name] = measure(runs, args.rounds, args.steps)
+            print(report(name, results[name]), flush=True)
     write_results("integrations_overhead", {"target_ratio": TARGET, "frameworks": results})
 
 

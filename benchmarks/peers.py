@@ -5,7 +5,9 @@ where the peer supports it on the device).
 
 For each batch size, blocks of ``--steps`` steps of every runner alternate with the hand loop
 (the order flips every round, after a warm-up round); the figure is the median over rounds of
-each block's time over the hand loop's block in the same round. Each block is a whole call, as
+each block's time over the hand loop's block in the same round (in brackets: each side's fastest
+block over the other's, the reading least moved by noise, which only adds time). The hand loop
+on a second copy of the model runs too, as a control. Each block is a whole call, as
 a user makes it (a ``fit``, a loop), so a trainer's own start counts. mpnb runs with telemetry
 on and no display (``dashboard=None``). A peer that is not installed is skipped with the reason
 (``pip install 'mpnb[bench]'`` installs them). Writes benchmarks/results/peers.json.
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 from on_device import add_device_argument, device_label, settled_clock, to_device
-from paired_rounds import median_ratio, paired_rounds
+from paired_rounds import fastest_ratio, median_ratio, paired_rounds
 from results_file import write_results
 from torch import nn
 
@@ -138,6 +140,7 @@ def lightning_trainer(model: nn.Module, device: torch.device, precision: str) ->
 
 
 RUNNERS = {
+    "hand loop again": hand_loop,  # the control: how far noise and another copy of the model move a ratio
     "mpnb.Trainer": mpnb_trainer,
     "AmpStep in a hand loop": amp_step_loop,
     "Accelerate": accelerate_loop,
@@ -182,6 +185,7 @@ def measure(batch: int, precision: str, device: torch.device, rounds: int, steps
         hand_times, runner_times = paired_rounds(timed(hand), timed(runner), rounds)
         row[name] = {
             "ratio": median_ratio(hand_times, runner_times),
+            "fastest_ratio": fastest_ratio(hand_times, runner_times),
             "median_step_s": statistics.median(runner_times),
             "median_step_s_hand": statistics.median(hand_times),
         }
@@ -209,15 +213,18 @@ def main() -> None:
         table = {size: measure(size, precision, device, args.rounds, args.steps, runners) for size in sizes}
         results[precision] = {str(size): row for size, row in table.items()}
         print(f"\n{device_label(device)}, digits CNN, {precision}: step time over the hand-written torch.amp loop")
-        print(f"{'':24s}" + "".join(f"batch {size:<6d}" for size in sizes))
+        print(f"{'':24s}" + "".join(f"batch {size:<14d}" for size in sizes))
         hand_ms = "".join(
-            f"{next(iter(table[size].values())).get('median_step_s_hand', float('nan')) * 1e3:6.2f} ms   "
+            f"{next(iter(table[size].values())).get('median_step_s_hand', float('nan')) * 1e3:6.2f} ms           "
             for size in sizes
         )
         print(f"{'hand loop (1.00)':24s}{hand_ms}")
         for name in runners:
             cells = [table[size][name] for size in sizes]
-            text = "".join(f"{cell['ratio']:6.3f}x     " if "ratio" in cell else "   -        " for cell in cells)
+            text = "".join(
+                f"{cell['ratio']:6.3f}x ({cell['fastest_ratio']:5.3f})  " if "ratio" in cell else "   -                "
+                for cell in cells
+            )
             skipped = next((cell["skipped"] for cell in cells if "skipped" in cell), "")
             print(f"{name:24s}{text}{skipped}")
     sys.stdout.flush()

@@ -1,9 +1,11 @@
 """What only a CUDA GPU can show: no per-step host-device syncs in a whole Trainer fit, bf16 refused
 where the GPU has none, op lists on the CUDA autocast key, per-mode peak memory from the
-allocator, the live dashboard during a GPU fit. Each test skips with the reason without a GPU.
+allocator, the live dashboard during a GPU fit, the TF32 switch's effect on matmul and cuDNN
+convolution results (measured against fp64), compare's speedup table, and max_batch_size found
+by running out of GPU memory. Each test skips with the reason without a GPU.
 
-Written before any GPU ran them (the session that wrote them had none); their CPU-runnable
-halves (op lists, the dashboard) were run on the CPU with the device swapped.
+Written before any GPU ran them (the sessions that wrote them had none); their CPU-runnable
+halves (op lists, the dashboard, compare and max_batch_size) were run on the CPU with the device swapped.
 """
 
 from __future__ import annotations
@@ -114,3 +116,92 @@ def test_the_live_dashboard_draws_during_a_gpu_fit():
     assert dashboard.redraws >= 2
     loss_trace = dashboard.figure.data[0]
     assert len(loss_trace.x) > 0 and all(value == value for value in loss_trace.y)
+
+
+needs_tf32 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+    reason="TF32 needs an NVIDIA GPU of compute capability 8.0 (Ampere) or newer",
+)
+
+
+def _flags() -> tuple:
+    return (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
+
+
+@needs_tf32
+def test_the_tf32_switch_changes_matmul_and_cudnn_convolution_results_and_puts_the_flags_back():
+    """Measured, not read from a flag: with TF32 on, fp32 matmuls and cuDNN convolutions round
+    their inputs to 10 mantissa bits, so their error against an fp64 reference grows by orders of
+    magnitude; off, they are exact fp32. Every flag is as before once each block ends."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(1024, 1024, device="cuda", generator=generator) for _ in range(2))
+    images = torch.randn(8, 64, 32, 32, device="cuda", generator=generator)
+    kernels = torch.randn(64, 64, 3, 3, device="cuda", generator=generator)
+    reference_mm = (a.double() @ b.double()).float()
+    reference_conv = nn.functional.conv2d(images.double(), kernels.double()).float()
+    before = _flags()
+    errors = {}
+    for enabled in (False, True):
+        with mpnb.tf32(enabled, device="cuda"):
+            errors[enabled] = (
+                (a @ b - reference_mm).abs().max().item(),
+                (nn.functional.conv2d(images, kernels) - reference_conv).abs().max().item(),
+            )
+        assert _flags() == before
+    (mm_exact, conv_exact), (mm_tf32, conv_tf32) = errors[False], errors[True]
+    assert mm_tf32 > 20 * mm_exact, errors
+    assert conv_tf32 > 20 * conv_exact, errors
+
+
+def _digits_run(mode: str):
+    trainer, train, _ = mpnb.examples.example_trainer(mode, "cuda", batch_size=256, dashboard=None, model="mlp")
+    return trainer, train
+
+
+def test_compare_measures_a_speedup_for_every_mode_on_the_gpu():
+    """compare's table on CUDA: every mode trained and timed with the device's clock, a speedup
+    over fp32 with its interval for each, tf32 said to have no effect only where it has none."""
+    comparison = mpnb.compare(_digits_run, ["fp32", "tf32", "bf16", "fp16"], steps=30, warmup=3, progress=None)
+    rows = {row["mode"]: row for row in comparison.rows()}
+    assert set(rows) == {"fp32", "tf32", "bf16", "fp16"}
+    for mode, row in rows.items():
+        assert row["median_step_s"] > 0, row
+        if mode != "fp32":
+            assert row["speedup_low"] <= row["speedup_vs_fp32"] <= row["speedup_high"], row
+            assert row["speedup_verdict"] in ("faster", "slower", "no clear difference"), row
+    text = str(comparison)
+    assert "fp16" in text and "speedup vs fp32" in text
+
+
+def test_max_batch_size_is_found_by_running_out_of_gpu_memory_and_leaves_the_gpu_usable():
+    """On CUDA the search runs trials until the allocator raises out-of-memory (capped here at a
+    budget-free 3 GiB share through a memory fraction, so the test does not fill a big GPU), and
+    bf16 fits at least as large a batch as fp32. After the search the GPU trains again."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, 3 * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    try:
+
+        def make_run(mode: str):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10)).cuda()
+            trainer = mpnb.Trainer(
+                model, torch.optim.Adam(model.parameters()), nn.functional.cross_entropy, mode=mode, device="cuda",
+                dashboard=None,
+            )  # fmt: skip
+            return trainer, [(torch.randn(16, 4096, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))]
+
+        report = mpnb.max_batch_size(make_run, ["fp32", "bf16"], start=1024, limit=2**20)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    fp32, bf16 = report.result("fp32"), report.result("bf16")
+    assert fp32.limited_by == "out of memory" and bf16.limited_by == "out of memory", str(report)
+    assert 1024 <= fp32.batch_size <= bf16.batch_size < 2**20, str(report)
+    model = mlp().cuda()
+    mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, device="cuda",
+                 dashboard=None).fit(batches(2))  # fmt: skip
