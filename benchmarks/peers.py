@@ -9,10 +9,11 @@ each block's time over the hand loop's block in the same round (in brackets: eac
 block over the other's, the reading least moved by noise, which only adds time). The hand loop
 on a second copy of the model runs too, as a control. Each block is a whole call, as
 a user makes it (a ``fit``, a loop), so a trainer's own start counts. mpnb runs with telemetry
-on and no display (``dashboard=None``). A peer that is not installed is skipped with the reason
+on and no display (``dashboard=None``), then with text progress and with the live dashboard
+(headless: a FigureWidget with no browser). A peer that is not installed is skipped with the reason
 (``pip install 'mpnb[bench]'`` installs them). Writes benchmarks/results/peers.json.
 
-    python benchmarks/peers.py [--batches 8,32,256] [--rounds 7] [--steps 30] [--fp16] [--device cpu]
+    python benchmarks/peers.py [--batches 8,32,256] [--rounds 7] [--steps 100] [--fp16] [--device cpu]
                                [--runners "mpnb.Trainer,AmpStep in a hand loop"]
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import statistics
 import sys
 import warnings
@@ -57,12 +59,26 @@ def hand_loop(model: nn.Module, device: torch.device, precision: str) -> Runner:
     return run
 
 
-def mpnb_trainer(model: nn.Module, device: torch.device, precision: str) -> Runner:
+def mpnb_trainer(model: nn.Module, device: torch.device, precision: str, dashboard: Any = None) -> Runner:
     trainer = Trainer(
         model, torch.optim.Adam(model.parameters(), 1e-3), nn.functional.cross_entropy, mode=precision,
-        device=device, dashboard=None,
+        device=device, dashboard=dashboard,
     )  # fmt: skip
     return lambda batches: trainer.fit(batches, epochs=1)
+
+
+def mpnb_trainer_text(model: nn.Module, device: torch.device, precision: str) -> Runner:
+    """Text progress, printed to a null device (as a script's output to a file costs)."""
+    from mpnb.ui.plots.text import TextProgress
+
+    return mpnb_trainer(model, device, precision, TextProgress("peers", stream=open(os.devnull, "w")))
+
+
+def mpnb_trainer_live(model: nn.Module, device: torch.device, precision: str) -> Runner:
+    """The live dashboard, headless: a plotly FigureWidget redrawn with no browser attached."""
+    from mpnb.ui.plots.live import LiveDashboard
+
+    return mpnb_trainer(model, device, precision, LiveDashboard("peers"))
 
 
 def amp_step_loop(model: nn.Module, device: torch.device, precision: str) -> Runner:
@@ -142,6 +158,8 @@ def lightning_trainer(model: nn.Module, device: torch.device, precision: str) ->
 RUNNERS = {
     "hand loop again": hand_loop,  # the control: how far noise and another copy of the model move a ratio
     "mpnb.Trainer": mpnb_trainer,
+    "Trainer + text progress": mpnb_trainer_text,
+    "Trainer + live dashboard": mpnb_trainer_live,
     "AmpStep in a hand loop": amp_step_loop,
     "Accelerate": accelerate_loop,
     "Lightning Fabric": fabric_loop,
@@ -196,7 +214,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="8,32,256")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=100, help="steps per block (one fit, one loop)")
     parser.add_argument("--fp16", action="store_true", help="also fp16 (bf16 always)")
     parser.add_argument("--runners", default=",".join(RUNNERS), help="which of: " + ", ".join(RUNNERS))
     add_device_argument(parser)
