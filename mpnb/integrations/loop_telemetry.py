@@ -59,7 +59,7 @@ from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
 from mpnb.training.step_clock import StepClock
 from mpnb.training.step_watch import OptimizerStepWatch, scale_in_use
-from mpnb.training.telemetry import MemorySampler, Recorder, Sink, check_dashboard, dashboard_sinks
+from mpnb.training.telemetry import MemorySampler, Recorder, Sink, add_in_fp32, check_dashboard, dashboard_sinks
 
 __all__ = ["LoopTelemetry", "WithTelemetry"]
 
@@ -169,9 +169,9 @@ class LoopTelemetry:
         else:
             value = float(loss)
         if normalized:
-            run.summed = _sum(run.summed, value)
+            run.summed = add_in_fp32(run.summed, value)
         else:
-            run.plain = _sum(run.plain, value)
+            run.plain = add_in_fp32(run.plain, value)
             run.plain_count += 1
 
     def add_samples(self, count: int | None) -> None:
@@ -262,24 +262,6 @@ def _no_loss(framework: str, step: int) -> str:
         "optimization, a custom loss computed outside the model): those rows hold NaN with loss_missing=True, "
         "and are not counted as a non-finite loss"
     )
-
-
-def _sum(total: torch.Tensor | float | None, value: torch.Tensor | float) -> torch.Tensor | float:
-    """``total + value`` (``value`` alone when ``total`` is None), in fp32 at least: a window's bf16 /
-    fp16 losses are summed without rounding to their own precision at each add.
-
-    >>> _sum(None, 0.5), _sum(torch.tensor(0.5, dtype=torch.bfloat16), 0.25).dtype
-    (0.5, torch.float32)
-    """
-    if total is None:
-        return value
-    return _at_least_fp32(total) + _at_least_fp32(value)
-
-
-def _at_least_fp32(value: torch.Tensor | float) -> torch.Tensor | float:
-    if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
-        return value.float()
-    return value
 
 
 class WithTelemetry:

@@ -44,7 +44,7 @@ from mpnb.training.history import History
 from mpnb.training.step_clock import DeviceInterval, StepClock
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.step_watch import OptimizerStepWatch, scale_in_use
-from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink
+from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink, add_in_fp32
 
 __all__ = ["AmpStep"]
 
@@ -137,8 +137,7 @@ class AmpStep:
     def autocast(self) -> torch.autocast:
         """The forward-pass context: autocast in fp16/bf16 modes, explicitly off otherwise."""
         self.clock.start()
-        self.forward_clock.restart()
-        self.forward_clock.start()
+        self.forward_clock.start_anew()
         return self.precision.autocast.context()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -149,9 +148,9 @@ class AmpStep:
         """
         _check_loss(loss)
         self.clock.start()
-        if self.forward_clock.running:
-            self._forward_times.append(self.forward_clock.lap())
-            self.forward_clock.restart()
+        forward_time = self.forward_clock.stop()
+        if forward_time is not None:
+            self._forward_times.append(forward_time)
         self._window_open = True  # a failure from here on may leave gradients behind
         if self.accumulate > 1:
             loss = loss / self.accumulate
@@ -161,8 +160,7 @@ class AmpStep:
                 self.scaler.scale(loss).backward()
         else:  # the usual place, after the block: no context to build (a few microseconds a step)
             self.scaler.scale(loss).backward()
-        value = loss.detach().float()
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_sum = add_in_fp32(self._loss_sum, loss.detach())  # kept on the device, read at the flush
         self._micro_batches += 1
 
     def step(self, samples: int | None = None) -> bool:
@@ -180,7 +178,7 @@ class AmpStep:
         if self._micro_batches % self.accumulate:
             return False
         scale_before = scale_in_use(self.scaler)
-        grad_norm = self._unscale_and_clip()
+        grad_norm = self._unscale_and_clip() if self.clip_grad_norm is not None or self.record_grad_norm else math.nan
         lr = self.optimizer.param_groups[0]["lr"]
         self._step_watch.reset()
         try:
@@ -234,9 +232,7 @@ class AmpStep:
             )
         return self._scalers[enabled]
 
-    def _unscale_and_clip(self) -> torch.Tensor | float:
-        if self.clip_grad_norm is None and not self.record_grad_norm:
-            return math.nan
+    def _unscale_and_clip(self) -> torch.Tensor:
         self.scaler.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.clip_grad_norm is not None:

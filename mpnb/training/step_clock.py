@@ -80,6 +80,18 @@ class StepClock:
     def restart(self) -> None:
         self._start = None
 
+    def start_anew(self) -> None:
+        """Forget an open window and open one now."""
+        self._start = self._mark()
+
+    def stop(self) -> float | DeviceInterval | None:
+        """The open window's time, closing it (None when none was open)."""
+        start, self._start = self._start, None
+        if start is None:
+            return None
+        end = self._mark()
+        return end - start if isinstance(end, float) else DeviceInterval(start, end)
+
     @property
     def running(self) -> bool:
         """A window is open (started and not yet lapped or restarted)."""

@@ -37,7 +37,16 @@ from mpnb.precision.backends import Backend
 from mpnb.training.history import COLUMNS, History, column_default
 from mpnb.training.step_clock import seconds
 
-__all__ = ["DASHBOARDS", "Recorder", "Sink", "MemorySampler", "MinScaleAlarm", "check_dashboard", "dashboard_sinks"]
+__all__ = [
+    "DASHBOARDS",
+    "Recorder",
+    "Sink",
+    "MemorySampler",
+    "MinScaleAlarm",
+    "add_in_fp32",
+    "check_dashboard",
+    "dashboard_sinks",
+]
 
 #: The dashboards a run can ask for by name (besides a Sink of its own, or None).
 DASHBOARDS = ("auto", "live", "text")
@@ -199,6 +208,25 @@ class Recorder:
 
 #: Each column's value where a row recorded nothing (read once per flush, for every row).
 _EMPTY = {name: column_default(kind) for name, (kind, _) in COLUMNS.items()}
+
+
+def add_in_fp32(total: torch.Tensor | float | None, value: torch.Tensor | float) -> torch.Tensor | float:
+    """``total + value`` (``value`` alone when ``total`` is None), in fp32 at least: a step's bf16 /
+    fp16 losses are summed over its micro-batches without rounding to their own precision at each
+    add, and a lone loss stays as it is (no cast per step; the flush reads it exactly).
+
+    >>> add_in_fp32(None, 0.5), add_in_fp32(torch.tensor(0.5, dtype=torch.bfloat16), 0.25).dtype
+    (0.5, torch.float32)
+    """
+    if total is None:
+        return value
+    return _at_least_fp32(total) + _at_least_fp32(value)
+
+
+def _at_least_fp32(value: torch.Tensor | float) -> torch.Tensor | float:
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
+        return value.float()
+    return value
 
 
 def _read_together(tensors: list[torch.Tensor]) -> list[float]:
