@@ -246,7 +246,8 @@ class AmpStep:
         self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any
     ) -> None:
         step_time = self.clock.lap()
-        forward_time, self._forward_times = self._forward_times or math.nan, []
+        parts, self._forward_times = self._forward_times, []
+        forward_time = parts[0] if len(parts) == 1 else parts or math.nan  # a list: one part per micro-batch
         used, peak, reserved = self.memory.sample(time.perf_counter())
         self.steps += 1
         loss_sum, samples = self._loss_sum, self._samples
