@@ -144,7 +144,7 @@ class MpnbCallback(Callback, WithTelemetry):
             # Lightning divides by accumulate_grad_batches, the last part-filled window too: undone,
             # so the step's loss is the mean of its own batches (manual optimization divides nothing)
             scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            self.telemetry.add_loss(loss * scale if scale != 1 else loss)
+            self.telemetry.add_loss(loss.float() * scale if scale != 1 else loss)  # in fp32: no second rounding
         if not self._step_pending:
             return
         self._step_pending = False

@@ -313,12 +313,10 @@ class _Run:
 
     def step_loss(self) -> torch.Tensor | float | None:
         """The summed (normalized) losses plus the mean of the plain ones; None when none came."""
-        mean = None
-        if self.plain_count:
-            mean = self.plain if self.plain_count == 1 else self.plain / self.plain_count
-        if mean is None:
+        if not self.plain_count:
             return self.summed
-        return mean if self.summed is None else self.summed + mean
+        mean = self.plain if self.plain_count == 1 else self.plain / self.plain_count  # a sum of several is fp32
+        return add_in_fp32(self.summed, mean)
 
     def detach(self) -> None:
         if self.watch is not None:

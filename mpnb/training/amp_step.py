@@ -152,6 +152,7 @@ class AmpStep:
         if forward_time is not None:
             self._forward_times.append(forward_time)
         self._window_open = True  # a failure from here on may leave gradients behind
+        given = loss.detach()  # recorded as given: summed in fp32, divided once at the step (the mean)
         if self.accumulate > 1:
             loss = loss / self.accumulate
         device_type = self.precision.device.type
@@ -160,7 +161,7 @@ class AmpStep:
                 self.scaler.scale(loss).backward()
         else:  # the usual place, after the block: no context to build (a few microseconds a step)
             self.scaler.scale(loss).backward()
-        self._loss_sum = add_in_fp32(self._loss_sum, loss.detach())  # kept on the device, read at the flush
+        self._loss_sum = add_in_fp32(self._loss_sum, given)  # kept on the device, read at the flush
         self._micro_batches += 1
 
     def step(self, samples: int | None = None) -> bool:
@@ -251,6 +252,8 @@ class AmpStep:
         used, peak, reserved = self.memory.sample(time.perf_counter())
         self.steps += 1
         loss_sum, samples = self._loss_sum, self._samples
+        if self._micro_batches > 1:
+            loss_sum = loss_sum / self._micro_batches  # a sum of several: fp32 already
         self._close_window()  # before the sinks run: a failing sink cannot leave it open
         self.recorder.record(
             step=self.steps,
@@ -280,6 +283,7 @@ class AmpStep:
     def _close_window(self) -> None:
         """Forget the window's micro-batches: their summed loss, count and samples."""
         self._loss_sum, self._micro_batches, self._samples = None, 0, 0
+        self._forward_times = []
         self._window_open = False
 
     @property

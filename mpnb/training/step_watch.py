@@ -29,17 +29,21 @@ __all__ = ["OptimizerStepWatch", "scale_in_use"]
 
 
 class OptimizerStepWatch:
-    """Notes each call of ``optimizer.step()`` that went through (:attr:`stepped`, cleared by :meth:`reset`)."""
+    """Notes each call of ``optimizer.step()`` that went through (:attr:`stepped`, cleared by :meth:`reset`),
+    and the found-inf flag GradScaler handed a fused step (:attr:`found_inf`), which the scaler's
+    own record loses at its ``update()``: frameworks update before mpnb asks."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.stepped = False
+        self.found_inf: torch.Tensor | None = None
         self._handle = optimizer.register_step_post_hook(_StepFlag(self))
         optimizer._optimizer_step_post_hooks.move_to_end(self._handle.id, last=False)
 
     def reset(self) -> None:
         """Forget earlier steps: call just before the step to watch."""
         self.stepped = False
+        self.found_inf = None
 
     def skipped(self, scaler: torch.amp.GradScaler | None, device: torch.device) -> torch.Tensor | bool:
         """Whether the step just taken through ``scaler`` was skipped for inf/NaN gradients.
@@ -52,7 +56,9 @@ class OptimizerStepWatch:
         if scaler is None or not scaler.is_enabled():
             return False
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
-            state = scaler._per_optimizer_states.get(id(self.optimizer))
+            if self.found_inf is not None:
+                return self.found_inf.to(device, non_blocking=True) > 0
+            state = scaler._per_optimizer_states.get(id(self.optimizer))  # an optimizer given the scaler itself
             found = state["found_inf_per_device"].values() if state else ()
             return sum((flag.to(device, non_blocking=True) for flag in found), torch.zeros((), device=device)) > 0
         return not self.stepped
@@ -86,3 +92,4 @@ class _StepFlag:
         owner = self._owner()
         if owner is not None:
             owner.stepped = True
+            owner.found_inf = getattr(optimizer, "found_inf", None)  # set by GradScaler.step for a fused step

@@ -232,8 +232,8 @@ def _at_least_fp32(value: torch.Tensor | float) -> torch.Tensor | float:
 def _read_together(tensors: list[torch.Tensor]) -> list[float]:
     """The values of one-element tensors on one device, with one copy to the host (the CPU's
     own tensors too: they stand for an accelerator's in the tests that count host reads).
-    Every value is read exactly: a bf16 loss beside a bool flag packs in bf16, beside an
-    integer in fp32 (bf16 would round an integer above 256).
+    Floats and flags are read exactly: a bf16 loss beside a bool flag packs in bf16, beside an
+    integer in fp32 (bf16 would round an integer above 256; fp32 rounds one above 2**24).
 
     >>> _read_together([torch.tensor(0.1, dtype=torch.bfloat16), torch.tensor(True)])
     [0.10009765625, 1.0]
@@ -241,9 +241,12 @@ def _read_together(tensors: list[torch.Tensor]) -> list[float]:
     [0.5, 1001.0]
     """
     dtypes = {tensor.dtype for tensor in tensors}
-    packed_dtype = functools.reduce(torch.promote_types, dtypes)
-    if packed_dtype.itemsize < 4 and dtypes - {packed_dtype, torch.bool}:
-        tensors = [tensor.float() for tensor in tensors]  # a low float with integers: rare, one cast each
+    try:
+        packed_dtype = functools.reduce(torch.promote_types, dtypes)
+    except RuntimeError:  # fp8 promotes with nothing: everything in fp32
+        packed_dtype = None
+    if packed_dtype is None or (packed_dtype.itemsize < 4 and dtypes - {packed_dtype, torch.bool}):
+        tensors = [tensor.float() for tensor in tensors]  # a low float with integers, fp8: rare, one cast each
     with torch.no_grad():
         try:  # the usual case, every value a 0-dim tensor: one stack (which converts to the common dtype)
             packed = torch.stack(tensors)

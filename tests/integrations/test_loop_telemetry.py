@@ -176,3 +176,48 @@ def test_low_precision_losses_are_read_exactly_and_summed_in_fp32(dtype):
         telemetry.step_end()
     telemetry.end()
     assert telemetry.history.loss == [torch.tensor(0.1, dtype=dtype).item(), 1.0 + small]
+
+
+def test_a_window_mixing_normalized_and_plain_losses_adds_them_in_fp32():
+    """Normalized and plain losses of one window meet in fp32: fp16 40000 + 30000 does not
+    overflow, and bf16 1 + 2**-8 does not round away (found by a helper attacking 4623017)."""
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    begin(telemetry, torch.nn.Linear(4, 1))
+    windows = [
+        (torch.tensor(40000.0, dtype=torch.float16), torch.tensor(30000.0, dtype=torch.float16)),
+        (torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(2.0**-8, dtype=torch.bfloat16)),
+        (0.5, torch.tensor(3.0, dtype=torch.bfloat16)),
+    ]
+    for normalized, plain in windows:
+        telemetry.window_begin()
+        telemetry.add_loss(normalized, normalized=True)
+        telemetry.add_loss(plain)
+        telemetry.step_end()
+    telemetry.end()
+    assert telemetry.history.loss == [70000.0, 1.0 + 2.0**-8, 3.5]
+    assert not [event for event in telemetry.history.events if event["kind"] == "nonfinite"]
+
+
+def test_skips_of_a_fused_optimizer_are_counted_when_the_scaler_updates_before_the_step_ends():
+    """Lightning and Accelerate call scaler.update() before mpnb's end of step, and update()
+    forgets the found-inf flags a fused optimizer was given: the step hook keeps the flag."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(model.parameters(), fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # inputs of 1 never overflow at this scale
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    telemetry.begin(model, optimizer, scaler=scaler, device="cpu", asked="fp16")
+    for size in (1e4, 1.0, 1e4):
+        telemetry.window_begin()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.ones(8, 4) * size).pow(2).mean()
+        telemetry.add_loss(loss)
+        telemetry.before_optimizer_step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        telemetry.step_end()
+    telemetry.end()
+    assert telemetry.history.skipped_steps == [1, 3]
+    assert telemetry.history.loss_scale == [1024.0, 512.0, 512.0]

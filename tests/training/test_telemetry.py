@@ -192,3 +192,10 @@ def test_decimation_is_bounded_keeps_extremes_and_matches_short_series_exactly()
     assert 54_321 in xs.tolist() and 77_777 in xs.tolist()
     assert float(ys.max()) == 50.0 and float(ys.min()) == -3.0
     assert list(xs) == sorted(xs)
+
+
+def test_a_row_with_an_fp8_value_beside_others_is_read():
+    """fp8 has no type promotion with other dtypes: such a row is still packed and read."""
+    recorder = Recorder(flush_every=1)
+    recorder.record(step=1, loss=torch.tensor(0.5).to(torch.float8_e4m3fn), skipped=torch.tensor(True))
+    assert recorder.history.loss == [0.5] and recorder.history.skipped_steps == [1]

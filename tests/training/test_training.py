@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import time
 import warnings
 
 import pytest
@@ -352,3 +353,33 @@ def test_backward_runs_with_autocast_off_wherever_it_is_called(inside):
     assert not torch.is_autocast_enabled("cpu")
     amp.step()
     assert _AutocastInBackward.seen == [False]
+
+
+@pytest.mark.parametrize("mode, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_an_accumulated_steps_loss_is_the_mean_of_its_micro_batch_losses_in_fp32(mode, dtype):
+    """The recorded loss is the fp32 mean of the micro-batches' losses, not a sum of losses each
+    divided in their own low precision (1/3 rounds in bf16 and fp16)."""
+    weight = nn.Parameter(torch.ones(1))
+    amp = mpnb.AmpStep(torch.optim.SGD([weight], lr=0.0), mode=mode, device="cpu", accumulate=3)
+    for _ in range(3):
+        with amp.autocast():
+            loss = (weight * 1.0).to(dtype).sum()
+        amp.backward(loss)
+        amp.step()
+    assert amp.history.loss == [1.0]
+
+
+def test_a_discarded_windows_forward_time_is_not_counted_in_the_next_step():
+    model = nn.Linear(4, 1)
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="bf16", device="cpu", accumulate=2)
+    with amp.autocast():
+        loss = model(torch.ones(2, 4)).float().mean()
+        time.sleep(0.3)
+    amp.backward(loss)
+    amp.discard_window()  # what the Trainer does after an error mid-window
+    for _ in range(2):
+        with amp.autocast():
+            loss = model(torch.ones(2, 4)).float().mean()
+        amp.backward(loss)
+        amp.step()
+    assert amp.history.forward_time[0] < 0.2
