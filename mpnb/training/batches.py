@@ -53,11 +53,6 @@ def _opened(leaf: Any) -> Any:
     return None
 
 
-def _on(part: Any, device: torch.device) -> bool:
-    """A plain tensor already on ``device`` (subclasses such as DTensor take the full path)."""
-    return type(part) is torch.Tensor and part.device == device
-
-
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor on ``device`` (non-blocking copies), its structure unchanged.
 
@@ -65,8 +60,12 @@ def to_device(batch: Any, device: torch.device) -> Any:
     >>> to_device(batch, torch.device("cpu")) is batch  # the usual case, already there: as it is
     True
     """
-    if isinstance(batch, tuple | list) and all(_on(part, device) for part in batch):
-        return batch
+    if isinstance(batch, (tuple, list)):  # the usual case: every part a plain tensor already there, as it is
+        for part in batch:
+            if type(part) is not torch.Tensor or part.device != device:  # subclasses (DTensor) take the full path
+                break
+        else:
+            return batch
 
     def move(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
