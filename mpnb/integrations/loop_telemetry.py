@@ -195,9 +195,7 @@ class LoopTelemetry:
         run = self._require_run()
         skipped = run.watch.skipped(run.scaler, run.device) if run.watch is not None and run.before_called else False
         observed = run.observer.precision
-        now = time.perf_counter()
-        used, peak, reserved = run.memory.sample(now)
-        run.observer.rearm(now)
+        used, peak, reserved = run.memory.sample(time.perf_counter())
         loss = run.step_loss()
         self.steps += 1
         self.recorder.record(

@@ -8,17 +8,16 @@ Frameworks enter autocast in different places: around the loss computation (Hugg
 Trainer), around ``training_step`` (Lightning), inside a wrapped ``model.forward``
 (Accelerate). All of them are active by the time the model's first leaf module runs, so a
 forward pre-hook there reads what torch will really do. Reading the state is host-only
-(no device work); it is read again at most every quarter second, not at every pass.
+(no device work), a few microseconds per forward pass.
 
 Example:
-    >>> import time, torch
+    >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    >>> observer = PrecisionObserver(model, "cpu", interval=0.0)
+    >>> observer = PrecisionObserver(model, "cpu")
     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
     ...     _ = model(torch.ones(1, 2))
     >>> observer.precision
     'bf16'
-    >>> observer.rearm(time.perf_counter())  # a loop does this at each step's end
     >>> _ = model.to(torch.bfloat16)(torch.ones(1, 2, dtype=torch.bfloat16))
     >>> observer.precision
     'bf16-true'
@@ -26,9 +25,6 @@ Example:
 """
 
 from __future__ import annotations
-
-import math
-import time
 
 import torch
 from torch import nn
@@ -84,47 +80,24 @@ def precision_in_effect(device_type: str, weights: torch.dtype | None = torch.fl
 
 
 class PrecisionObserver:
-    """Keeps :attr:`precision`: the precision in effect at a recent training forward pass of
+    """Keeps :attr:`precision`: the precision in effect at the latest training forward pass of
     ``model`` (None until one ran), from autocast and the dtype of the model's first floating
-    parameter. Passes under ``torch.no_grad`` (evaluation) are left out.
+    parameter. Passes under ``torch.no_grad`` (evaluation) are left out."""
 
-    A forward pre-hook reads it and takes itself off; :meth:`rearm` puts it back at most every
-    ``interval`` seconds (as often as a dashboard redraws). A hook left on would slow every forward
-    pass: a module with a hook leaves torch's fast call path, measured at 10-40 us a step in a
-    Lightning loop, 1-2% of a small model's step.
-    """
-
-    def __init__(self, model: nn.Module, device_type: str, interval: float = 0.25) -> None:
-        self.device_type, self.interval = device_type, interval
+    def __init__(self, model: nn.Module, device_type: str) -> None:
+        self.device_type = device_type
         self.precision: str | None = None
         self._weight = next((p for p in model.parameters() if p.is_floating_point()), None)
-        self._leaf = _first_leaf(model)
-        self._handle: torch.utils.hooks.RemovableHandle | None = None
-        self._read_at = -math.inf
-        self._arm()
-
-    def rearm(self, now: float) -> None:
-        """Read again at the next training forward pass, if ``interval`` has passed since the last
-        reading (``now``: ``time.perf_counter()``)."""
-        if self._handle is None and now - self._read_at >= self.interval:
-            self._arm()
-
-    def _arm(self) -> None:
-        self._handle = self._leaf.register_forward_pre_hook(self._observe)
+        self._handle = _first_leaf(model).register_forward_pre_hook(self._observe)
 
     def _observe(self, module: nn.Module, args: object) -> None:
         if torch.is_grad_enabled():
             self.precision = precision_in_effect(
                 self.device_type, self._weight.dtype if self._weight is not None else None
             )
-            self._read_at = time.perf_counter()
-            self.remove()  # torch iterates over a copy of the hooks: safe from inside one
 
     def remove(self) -> None:
-        """Take the hook off (nothing is read until :meth:`rearm`)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self._handle.remove()
 
 
 def _first_leaf(model: nn.Module) -> nn.Module:

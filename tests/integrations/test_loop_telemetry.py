@@ -221,19 +221,3 @@ def test_skips_of_a_fused_optimizer_are_counted_when_the_scaler_updates_before_t
     telemetry.end()
     assert telemetry.history.skipped_steps == [1, 3]
     assert telemetry.history.loss_scale == [1024.0, 512.0, 512.0]
-
-
-def test_the_precision_hook_reads_once_then_stays_off_until_its_interval_has_passed():
-    """A hook left on a module slows every forward pass (measured 10-40 us a step): the observer's
-    reads once and comes off; the end of a step puts it back after 0.25 s, so a change shows
-    in the row of the step after it is read."""
-    model = torch.nn.Sequential(torch.nn.Linear(4, 1))
-    telemetry = LoopTelemetry("my loop", dashboard=None)
-    begin(telemetry, model)
-    run_steps(telemetry, model, 2, autocast=torch.bfloat16)
-    assert not model[0]._forward_pre_hooks
-    time.sleep(0.3)
-    run_steps(telemetry, model, 2)  # fp32 now: the first of these steps re-arms it, the second is read
-    telemetry.end()
-    assert telemetry.history.mode == ["bf16", "bf16", "bf16", "fp32"]
-    assert not model[0]._forward_pre_hooks
