@@ -221,3 +221,19 @@ def test_skips_of_a_fused_optimizer_are_counted_when_the_scaler_updates_before_t
     telemetry.end()
     assert telemetry.history.skipped_steps == [1, 3]
     assert telemetry.history.loss_scale == [1024.0, 512.0, 512.0]
+
+
+def test_a_compiled_model_has_each_steps_precision_recorded():
+    """torch.compile does not watch module hooks come and go (no guards on them): the precision
+    hook stays on the model for the whole run, so each step's mode is read, bf16 and fp32 alike.
+    (A hook that took itself off between readings left every row at the first reading.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    compiled = torch.compile(model, backend="aot_eager")
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    begin(telemetry, compiled)
+    for autocast in (torch.bfloat16, None, torch.bfloat16):
+        run_steps(telemetry, compiled, 3, autocast=autocast)  # a new autocast state: compiled again
+        time.sleep(0.3)  # past any re-reading interval
+    telemetry.end()
+    assert telemetry.history.mode == ["bf16"] * 3 + ["fp32"] * 3 + ["bf16"] * 3
