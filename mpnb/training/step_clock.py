@@ -56,7 +56,8 @@ def seconds(step_time: float | DeviceInterval | list[float | DeviceInterval]) ->
 class StepClock:
     """Times windows of work that end at each optimizer step: :meth:`start` when a window's work
     begins (a no-op while one is open), :meth:`lap` at the step's end (which also starts the next
-    window there), :meth:`restart` to forget the open window (a pause between fits)."""
+    window there), :meth:`restart` to forget the open window (a pause between fits).
+    :meth:`start_anew` and :meth:`stop` time one stretch inside a step (a forward pass)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -71,11 +72,7 @@ class StepClock:
         """The open window's time (0.0 when none was open), starting the next window now."""
         end = self._mark()
         start, self._start = self._start, end
-        if start is None:
-            return 0.0
-        if isinstance(end, float):
-            return end - start
-        return DeviceInterval(start, end)
+        return 0.0 if start is None else _between(start, end)
 
     def restart(self) -> None:
         self._start = None
@@ -87,15 +84,7 @@ class StepClock:
     def stop(self) -> float | DeviceInterval | None:
         """The open window's time, closing it (None when none was open)."""
         start, self._start = self._start, None
-        if start is None:
-            return None
-        end = self._mark()
-        return end - start if isinstance(end, float) else DeviceInterval(start, end)
-
-    @property
-    def running(self) -> bool:
-        """A window is open (started and not yet lapped or restarted)."""
-        return self._start is not None
+        return None if start is None else _between(start, self._mark())
 
     def _mark(self) -> float | torch.Event:
         if not self.uses_events:
@@ -106,6 +95,11 @@ class StepClock:
 
     def __repr__(self) -> str:
         return f"StepClock({self.device}, {'device timing events' if self.uses_events else 'host clock'})"
+
+
+def _between(start: float | torch.Event, end: float | torch.Event) -> float | DeviceInterval:
+    """The time from ``start`` to ``end``: seconds on the host clock, an interval between device events."""
+    return end - start if isinstance(end, float) else DeviceInterval(start, end)
 
 
 def _timing_events_work(device: torch.device) -> bool:
