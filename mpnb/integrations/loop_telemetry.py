@@ -152,7 +152,9 @@ class LoopTelemetry:
 
     def window_begin(self) -> None:
         """The first micro-batch of an optimizer step starts (a no-op for later ones)."""
-        self._require_run().clock.start()
+        run = self._require_run()
+        run.clock.start()
+        run.observer.rearm()
 
     def add_loss(self, loss: torch.Tensor | float, normalized: bool = False) -> None:
         """A micro-batch's loss. ``normalized``: already divided so that the window's losses sum

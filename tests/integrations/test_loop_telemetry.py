@@ -237,3 +237,78 @@ def test_a_compiled_model_has_each_steps_precision_recorded():
         time.sleep(0.3)  # past any re-reading interval
     telemetry.end()
     assert telemetry.history.mode == ["bf16"] * 3 + ["fp32"] * 3 + ["bf16"] * 3
+
+
+def test_the_precision_hook_reads_once_then_stays_off_until_its_interval_has_passed():
+    """A hook left on a module slows every forward pass (measured 10-40 us a step): the observer
+    reads once and comes off; a step that starts 0.25 s after the reading puts it back, so that
+    step's own forward pass is read."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1))
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    begin(telemetry, model)
+    run_steps(telemetry, model, 2, autocast=torch.bfloat16)
+    assert not model[0]._forward_pre_hooks
+    time.sleep(0.3)
+    run_steps(telemetry, model, 2)
+    telemetry.end()
+    assert telemetry.history.mode == ["bf16", "bf16", "fp32", "fp32"]
+    assert not model[0]._forward_pre_hooks
+
+
+def test_a_second_run_on_a_compiled_model_reads_its_own_precision():
+    """The first run's hook is compiled into the model's code; the second run's observer must
+    still see each step (not leave its rows unread, or read by the first run's observer)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(2):
+        telemetry = LoopTelemetry("my loop", dashboard=None)
+        begin(telemetry, compiled)
+        run_steps(telemetry, compiled, 2, autocast=torch.bfloat16)
+        telemetry.end()
+        assert telemetry.history.mode == ["bf16", "bf16"]
+
+
+def test_a_compiled_step_function_around_an_eager_model_has_each_steps_precision_recorded():
+    """The model is not compiled, the function calling it is: the hook runs inside traced code."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+    @torch.compile(backend="aot_eager")
+    def forward(x):
+        return model(x)
+
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    begin(telemetry, model)
+    for autocast in (torch.bfloat16, None, torch.bfloat16):
+        for _ in range(2):
+            telemetry.window_begin()
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                value = forward(torch.ones(8, 4)).float().pow(2).mean()
+            value.backward()
+            telemetry.add_loss(value)
+            telemetry.before_optimizer_step()
+            telemetry.step_end()
+        time.sleep(0.3)
+    telemetry.end()
+    assert telemetry.history.mode == ["bf16"] * 2 + ["fp32"] * 2 + ["bf16"] * 2
+
+
+def test_the_precision_hook_adds_no_graph_break_or_recompile_to_a_compiled_model():
+    """Traced, the hook stays on (no perf_counter, no removal inside compiled code): one graph,
+    compiled once, however many times the observer would re-read in eager mode."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.reset()  # no code compiled by an earlier test
+    counters.clear()
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    begin(telemetry, compiled)
+    telemetry._run.observer.interval = 0.0  # re-read at every step
+    run_steps(telemetry, compiled, 4, autocast=torch.bfloat16)
+    telemetry.end()
+    assert telemetry.history.mode == ["bf16"] * 4
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["frames"]["total"] == 1, dict(counters["frames"])
