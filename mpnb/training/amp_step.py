@@ -136,8 +136,7 @@ class AmpStep:
 
     def autocast(self) -> torch.autocast:
         """The forward-pass context: autocast in fp16/bf16 modes, explicitly off otherwise."""
-        self.clock.start()
-        self.forward_clock.start_anew()
+        self.clock.start(self.forward_clock.start_anew())  # one reading of the clock opens both
         return self.precision.autocast.context()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -147,9 +146,10 @@ class AmpStep:
             MpnbError: ``loss`` is not a one-element tensor that requires grad (nothing changed).
         """
         _check_loss(loss)
-        self.clock.start()
         forward_time = self.forward_clock.stop()
-        if forward_time is not None:
+        if forward_time is None:  # no autocast() before: the step's window opens here
+            self.clock.start()
+        else:  # autocast() opened it
             self._forward_times.append(forward_time)
         self._window_open = True  # a failure from here on may leave gradients behind
         given = loss.detach()  # recorded as given: summed in fp32, divided once at the step (the mean)

@@ -95,21 +95,19 @@ def samples_in(batch: Any) -> int | None:
     >>> samples_in((torch.zeros(8, 3), torch.zeros(8))), samples_in({"ids": torch.zeros(4, 5)}), samples_in([1, 2])
     (8, 4, None)
     """
-    first = _first_of(batch)  # the common shapes, without flattening the whole batch (once per step)
+    # the common shapes first, without flattening the whole batch (once per step)
+    if isinstance(batch, (tuple, list)):
+        first = batch[0] if batch else None
+    elif isinstance(batch, dict) and batch:
+        first = next(iter(batch.values()))
+    else:
+        first = batch
     if not isinstance(first, torch.Tensor):
         first = next(_tensors(batch), None)
     if first is None:
         return None
     shape = first.shape
     return shape[0] if shape else None
-
-
-def _first_of(batch: Any) -> Any:
-    if isinstance(batch, (tuple, list)) and batch:
-        return batch[0]
-    if isinstance(batch, dict) and batch:
-        return next(iter(batch.values()))
-    return batch
 
 
 def batch_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None, step_fn: StepFn | None) -> torch.Tensor:

@@ -110,7 +110,8 @@ class FitControl:
         Args:
             interrupted: ends a pause too (the fit's Ctrl-C check).
         """
-        self._poll()
+        for poll in self.pollers:
+            poll()
         if not (self._paused or self._changed):  # the usual step: nothing to wait for or tell
             return _STOP if self._stop else _GO_ON
         waited_from = time.perf_counter()

@@ -64,9 +64,10 @@ class StepClock:
         self.uses_events = _timing_events_work(device)
         self._start: float | torch.Event | None = None
 
-    def start(self) -> None:
+    def start(self, at: float | torch.Event | None = None) -> None:
+        """Open a window now (or at ``at``, a mark :meth:`start_anew` returned), unless one is open."""
         if self._start is None:
-            self._start = self._mark()
+            self._start = self._mark() if at is None else at
 
     def lap(self) -> float | DeviceInterval:
         """The open window's time (0.0 when none was open), starting the next window now."""
@@ -77,9 +78,11 @@ class StepClock:
     def restart(self) -> None:
         self._start = None
 
-    def start_anew(self) -> None:
-        """Forget an open window and open one now."""
+    def start_anew(self) -> float | torch.Event:
+        """Forget an open window and open one now; returns its start mark (to open another clock's
+        window at the same moment: ``other.start(clock.start_anew())``)."""
         self._start = self._mark()
+        return self._start
 
     def stop(self) -> float | DeviceInterval | None:
         """The open window's time, closing it (None when none was open)."""

@@ -273,7 +273,8 @@ class Trainer:
             for batch in self._reader:
                 if self.amp.between_steps:
                     checkpoint = self.control.checkpoint(interrupted)
-                    self._follower.follow(checkpoint.changed)
+                    if checkpoint.changed:
+                        self._follower.follow(checkpoint.changed)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
                     wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
