@@ -196,7 +196,7 @@ class LoopTelemetry:
         framework stops when ``.stop``."""
         run = self._require_run()
         skipped = run.watch.skipped(run.scaler, run.device) if run.watch is not None and run.before_called else False
-        observed = run.observer.precision
+        observed = run.observer.step_end()
         used, peak, reserved = run.memory.sample(time.perf_counter())
         loss = run.step_loss()
         self.steps += 1
@@ -218,6 +218,8 @@ class LoopTelemetry:
         run.next_window()
         if loss is None:
             self.notices.say("no_loss", _no_loss(self.framework, self.steps), self.steps)
+        if observed is None:
+            self.notices.say("mode_unseen", _mode_unseen(self.framework, self.steps), self.steps)
         if observed != run.checked_precision:  # the precision's notices, when it is first seen or changes
             run.checked_precision = observed
             self.notices.say("precision_mismatch", precision_mismatch(run.asked, observed, self.framework), self.steps)
@@ -263,6 +265,14 @@ def _no_loss(framework: str, step: int) -> str:
         f"{framework} gave no loss mpnb can read at step {step} (a training step that returns none, manual "
         "optimization, a custom loss computed outside the model): those rows hold NaN with loss_missing=True, "
         "and are not counted as a non-finite loss"
+    )
+
+
+def _mode_unseen(framework: str, step: int) -> str:
+    return (
+        f"{framework}: mpnb saw no training forward pass of the model in step {step}, so that row's mode is "
+        f"'{_NOT_SEEN}': the model ran only in code torch.compile traced before mpnb's hook was on it (call "
+        "torch._dynamo.reset() before training to have it traced again), or the loss came from another model"
     )
 
 

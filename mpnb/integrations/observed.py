@@ -8,8 +8,8 @@ Frameworks enter autocast in different places: around the loss computation (Hugg
 Trainer), around ``training_step`` (Lightning), inside a wrapped ``model.forward``
 (Accelerate). All of them are active by the time the model's first leaf module runs, so a
 forward pre-hook there reads what torch will really do. Reading the state is host-only
-(no device work). In eager mode the hook reads once and comes off until the next step that
-starts a quarter second later: a module with a hook leaves torch's fast call path.
+(no device work). A module with a hook leaves torch's fast call path, so in eager mode the hook
+is on only for some steps (see :class:`PrecisionObserver`).
 
 Example:
     >>> import torch
@@ -17,11 +17,11 @@ Example:
     >>> observer = PrecisionObserver(model, "cpu", interval=0.0)
     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
     ...     _ = model(torch.ones(1, 2))
-    >>> observer.precision
+    >>> observer.step_end()  # a loop calls this as each step ends, rearm() as the next starts
     'bf16'
-    >>> observer.rearm()  # a loop does this as each step starts
+    >>> observer.rearm()
     >>> _ = model.to(torch.bfloat16)(torch.ones(1, 2, dtype=torch.bfloat16))
-    >>> observer.precision
+    >>> observer.step_end()
     'bf16-true'
     >>> observer.remove()
 """
@@ -37,7 +37,14 @@ from torch import nn
 from mpnb.errors import InvalidChoiceError
 from mpnb.precision.modes import Mode
 
-__all__ = ["PRECISIONS", "PrecisionObserver", "check_precision", "mode_in_effect", "precision_in_effect"]
+__all__ = [
+    "PRECISIONS",
+    "PrecisionObserver",
+    "check_precision",
+    "fp32_math_in_effect",
+    "mode_in_effect",
+    "precision_in_effect",
+]
 
 _AUTOCAST_NAMES = {torch.float16: Mode.FP16.value, torch.bfloat16: Mode.BF16.value}
 _LOW_PRECISION_WEIGHTS = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true"}
@@ -69,9 +76,13 @@ def mode_in_effect(device_type: str) -> Mode:
     return Mode(precision_in_effect(device_type))
 
 
-def precision_in_effect(device_type: str, weights: torch.dtype | None = torch.float32) -> str:
+def precision_in_effect(
+    device_type: str, weights: torch.dtype | None = torch.float32, fp32_math: str | None = None
+) -> str:
     """``"bf16-true"`` / ``"fp16-true"`` for weights in that dtype, else :func:`mode_in_effect`'s name.
-    Host state only, a few hundred nanoseconds.
+    Host state only, a few hundred nanoseconds. ``fp32_math``: the name outside autocast
+    (``"fp32"`` / ``"tf32"``) when already known; read from torch otherwise (which code that
+    ``torch.compile`` traces cannot do without a graph break).
 
     >>> precision_in_effect("cpu", torch.bfloat16), precision_in_effect("cpu")
     ('bf16-true', 'fp32')
@@ -81,52 +92,83 @@ def precision_in_effect(device_type: str, weights: torch.dtype | None = torch.fl
         return low
     if torch.is_autocast_enabled(device_type):
         return _AUTOCAST_NAMES.get(torch.get_autocast_dtype(device_type), "fp32")
+    return fp32_math or fp32_math_in_effect()
+
+
+def fp32_math_in_effect() -> str:
+    """``"tf32"`` when fp32 matmuls may use reduced precision, else ``"fp32"``.
+
+    >>> fp32_math_in_effect()
+    'fp32'
+    """
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 class PrecisionObserver:
-    """Keeps :attr:`precision`: the precision in effect at a recent training forward pass of
-    ``model`` (None until one ran), from autocast and the dtype of the model's first floating
-    parameter. Passes under ``torch.no_grad`` (evaluation) are left out.
+    """Reads the precision in effect during ``model``'s training forward passes (those with grad
+    enabled; evaluation is left out), from autocast and the dtype of its first floating parameter.
+    A loop calls :meth:`rearm` as each optimizer step starts and :meth:`step_end` as it ends.
 
-    A hook left on a module slows each of its calls (it leaves torch's fast call path: measured
-    10-40 us a step in a Lightning loop, 1-2% of a small model's step). So in eager mode the hook
-    reads once and takes itself off; :meth:`rearm`, called as a step starts, puts it back once
-    ``interval`` seconds have passed since the reading: each row holds a reading at most that old.
-    Inside code that ``torch.compile`` traces the hook stays on: compiled code keeps no guard on
-    hooks (a hook taken off and put back is not seen), and there the hook costs nothing, since the
-    reading is part of the compiled code, recompiled when autocast changes.
+    A hook left on a module slows each of its calls (the module leaves torch's fast call path:
+    measured 10-40 us a step in a Lightning loop, 1-2% of a small model's step), so in eager mode
+    the hook is on for a step only when that costs little: when the step before took at least
+    ``slow_step`` seconds (under 0.5% of it), or ``interval`` seconds have passed since the last
+    reading. A step with the hook on is read from its own last training pass (a pass that failed
+    and was retried does not count); a step with it off repeats the last reading, at most
+    ``interval`` seconds old. Inside code that ``torch.compile`` traced, the hook is part of the
+    compiled code (recompiled when autocast changes), costs nothing there and stays on.
+    A step with the hook on in which it never ran reads None: the model ran only in compiled code
+    traced while the hook was off (or not at all), so nothing true can be said of it.
     """
 
-    def __init__(self, model: nn.Module, device_type: str, interval: float = 0.25) -> None:
-        self.device_type, self.interval = device_type, interval
+    def __init__(self, model: nn.Module, device_type: str, interval: float = 0.25, slow_step: float = 0.01) -> None:
+        self.model, self.device_type = model, device_type
+        self.interval, self.slow_step = interval, slow_step
+        #: The latest reading (None until one).
         self.precision: str | None = None
-        self._weight = next((p for p in model.parameters() if p.is_floating_point()), None)
-        self._leaf = _first_leaf(model)
-        self._read_at = -math.inf
+        self._seen = False  # read since the hook went on (or since the last step_end)
+        self._traced = False  # torch.compile traced the hook: it stays on
+        self._read_at = self._step_started = -math.inf
         self._handle: torch.utils.hooks.RemovableHandle | None = None
         self._arm()
 
     def rearm(self) -> None:
-        """Read again at the next training forward pass if the hook is off and ``interval``
-        seconds have passed since the last reading."""
-        if self._handle is None and time.perf_counter() - self._read_at >= self.interval:
+        """A step starts: put the hook on if the previous step was slow or the reading is old."""
+        now = time.perf_counter()
+        slow, self._step_started = now - self._step_started >= self.slow_step, now
+        if self._handle is None and (slow or now - self._read_at >= self.interval):
             self._arm()
 
+    def step_end(self) -> str | None:
+        """A step ended: its precision (see the class docstring); takes an eager hook off."""
+        if self._handle is None:
+            return self.precision
+        seen, self._seen = self._seen, False
+        if not self._traced:
+            self.remove()
+        return self.precision if seen else None
+
     def _arm(self) -> None:
-        self._handle = self._leaf.register_forward_pre_hook(self._observe)
+        # found again at each arming: a replaced first module or new parameter objects are followed
+        self._weight = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+        self._fp32_math = fp32_math_in_effect()
+        self._seen = False
+        self._handle = _first_leaf(self.model).register_forward_pre_hook(self._observe)
 
     def _observe(self, module: nn.Module, args: object) -> None:
-        if torch.is_grad_enabled():
-            self.precision = precision_in_effect(
-                self.device_type, self._weight.dtype if self._weight is not None else None
-            )
-            if not torch.compiler.is_compiling():
-                self._read_at = time.perf_counter()
-                self.remove()  # torch calls the hooks from a copy of their list: safe from inside one
+        if not torch.is_grad_enabled():
+            return
+        weights = self._weight.dtype if self._weight is not None else None
+        if torch.compiler.is_compiling():  # what is stored here is stored again at each compiled call
+            self.precision = precision_in_effect(self.device_type, weights, self._fp32_math)
+            self._traced = True
+        else:
+            self.precision = precision_in_effect(self.device_type, weights)
+            self._read_at = time.perf_counter()
+        self._seen = True
 
     def remove(self) -> None:
-        """Take the hook off (nothing more is read until :meth:`rearm`)."""
+        """Take the hook off."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None

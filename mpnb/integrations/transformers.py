@@ -16,7 +16,8 @@ What each row holds, and where it comes from:
   ``num_items_in_batch``, averaged otherwise), kept on the device until the next flush;
 - loss scale and skipped: the GradScaler the Trainer's Accelerator really uses (none: scale 1,
   nothing skipped), skips seen as the optimizer step GradScaler did not let through;
-- mode: read from autocast and the weights during a forward pass (again at most every 0.25 s), not from
+- mode: read from autocast and the weights during the step's forward pass (see
+  :class:`~mpnb.integrations.observed.PrecisionObserver` for which steps are read), not from
   ``TrainingArguments``. On a CPU,
   ``fp16=True`` trains in fp32 (transformers 5.23 with Accelerate 1.15) or, on older stacks, fp16
   autocast with no scaler at all: either way the callback warns.

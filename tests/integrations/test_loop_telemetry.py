@@ -239,10 +239,10 @@ def test_a_compiled_model_has_each_steps_precision_recorded():
     assert telemetry.history.mode == ["bf16"] * 3 + ["fp32"] * 3 + ["bf16"] * 3
 
 
-def test_the_precision_hook_reads_once_then_stays_off_until_its_interval_has_passed():
-    """A hook left on a module slows every forward pass (measured 10-40 us a step): the observer
-    reads once and comes off; a step that starts 0.25 s after the reading puts it back, so that
-    step's own forward pass is read."""
+def test_the_precision_hook_is_off_between_readings_and_a_later_step_reads_its_own_pass():
+    """A hook left on a module slows every forward pass (measured 10-40 us a step): after a fast
+    step is read the hook comes off; a step that starts 0.25 s after the reading puts it back, so
+    that step's own pass is read."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 1))
     telemetry = LoopTelemetry("my loop", dashboard=None)
     begin(telemetry, model)
@@ -255,12 +255,99 @@ def test_the_precision_hook_reads_once_then_stays_off_until_its_interval_has_pas
     assert not model[0]._forward_pre_hooks
 
 
+def test_a_loop_that_records_at_each_steps_end_reads_every_slow_step():
+    """LoopRecorder (Accelerate, Fabric) opens the next window as a step ends, right after a
+    reading: a step that took long enough has the next one read, whatever the interval."""
+    from mpnb.integrations.accelerate import LoopRecorder
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    plan = [torch.bfloat16, None, torch.bfloat16, None, torch.bfloat16]
+    with LoopRecorder.start("my loop", model, optimizer, scaler=None, device="cpu", dashboard=None) as recorder:
+        for dtype in plan:
+            time.sleep(0.02)  # a 20 ms step: the hook costs under 0.2% of it
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                loss = model(torch.ones(8, 4)).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            recorder.record(loss)
+    assert recorder.history.mode == ["bf16", "fp32", "bf16", "fp32", "bf16"]
+
+
+def test_a_pass_that_failed_and_was_retried_in_another_precision_is_not_the_steps_reading():
+    class FailsInBf16(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            hidden = self.first(x)
+            if hidden.dtype == torch.bfloat16:
+                raise RuntimeError("no bf16 kernel for the next op")
+            return self.second(hidden)
+
+    model = FailsInBf16()
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    begin(telemetry, model)
+    for _ in range(2):
+        time.sleep(0.3)
+        telemetry.window_begin()
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.ones(8, 4)).pow(2).mean()
+        except RuntimeError:
+            loss = model(torch.ones(8, 4)).pow(2).mean()  # the step trains in fp32
+        loss.backward()
+        telemetry.add_loss(loss)
+        telemetry.before_optimizer_step()
+        telemetry.step_end()
+    telemetry.end()
+    assert telemetry.history.mode == ["fp32", "fp32"]
+
+
+def test_new_parameter_objects_and_a_replaced_first_module_are_followed():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    begin(telemetry, model)
+    run_steps(telemetry, model, 1)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, assign=True)
+    time.sleep(0.3)
+    run_steps(telemetry, model, 1)
+    model[0], model[2] = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+    time.sleep(0.3)
+    run_steps(telemetry, model, 1, autocast=torch.bfloat16)
+    telemetry.end()
+    assert telemetry.history.mode == ["fp32", "bf16-true", "bf16"]
+    assert not any(module._forward_pre_hooks for module in model.modules())
+
+
+def test_a_model_compiled_and_trained_before_mpnb_attached_has_unseen_rows_and_says_why():
+    """Code torch.compile traced without mpnb's hook never runs it: no reading can be true, so the
+    rows say 'unseen' (not a stale mode) and a notice says what to do."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(torch.ones(8, 4)).float().sum().backward()  # trained a little without mpnb
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    begin(telemetry, compiled)
+    said = recorded_warnings(lambda: run_steps(telemetry, compiled, 2, autocast=torch.bfloat16))
+    telemetry.end()
+    assert telemetry.history.mode == ["unseen", "unseen"]
+    assert len(said) == 1 and "torch._dynamo.reset()" in said[0], said
+
+
 def test_a_second_run_on_a_compiled_model_reads_its_own_precision():
     """The first run's hook is compiled into the model's code; the second run's observer must
     still see each step (not leave its rows unread, or read by the first run's observer)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.reset()  # code traced for another Sequential of this shape would be used again
     for _ in range(2):
         telemetry = LoopTelemetry("my loop", dashboard=None)
         begin(telemetry, compiled)
@@ -278,6 +365,7 @@ def test_a_compiled_step_function_around_an_eager_model_has_each_steps_precision
     def forward(x):
         return model(x)
 
+    torch._dynamo.reset()
     telemetry = LoopTelemetry("my loop", dashboard=None)
     begin(telemetry, model)
     for autocast in (torch.bfloat16, None, torch.bfloat16):
@@ -294,9 +382,10 @@ def test_a_compiled_step_function_around_an_eager_model_has_each_steps_precision
     assert telemetry.history.mode == ["bf16"] * 2 + ["fp32"] * 2 + ["bf16"] * 2
 
 
-def test_the_precision_hook_adds_no_graph_break_or_recompile_to_a_compiled_model():
-    """Traced, the hook stays on (no perf_counter, no removal inside compiled code): one graph,
-    compiled once, however many times the observer would re-read in eager mode."""
+@pytest.mark.parametrize("autocast", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_the_precision_hook_adds_no_graph_break_or_recompile_to_a_compiled_model(autocast):
+    """Traced, the hook stays on and reads nothing a trace cannot hold (no clock, no removal, no
+    matmul-precision query): one graph, compiled once, however often eager mode would re-read."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -307,8 +396,8 @@ def test_the_precision_hook_adds_no_graph_break_or_recompile_to_a_compiled_model
     telemetry = LoopTelemetry("my loop", dashboard=None)
     begin(telemetry, compiled)
     telemetry._run.observer.interval = 0.0  # re-read at every step
-    run_steps(telemetry, compiled, 4, autocast=torch.bfloat16)
+    run_steps(telemetry, compiled, 4, autocast=autocast)
     telemetry.end()
-    assert telemetry.history.mode == ["bf16"] * 4
+    assert telemetry.history.mode == ["bf16" if autocast else "fp32"] * 4
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["frames"]["total"] == 1, dict(counters["frames"])
