@@ -11,7 +11,10 @@ on a second copy of the model runs too, as a control. Each block is a whole call
 a user makes it (a ``fit``, a loop), so a trainer's own start counts. mpnb runs with telemetry
 on and no display (``dashboard=None``), then with text progress and with the live dashboard
 (headless: a FigureWidget with no browser). A peer that is not installed is skipped with the reason
-(``pip install 'mpnb[bench]'`` installs them). Writes benchmarks/results/peers.json.
+(``pip install 'mpnb[bench]'`` installs them). For mpnb's runners and the control, a second set
+of rounds reads their own time a step: the time outside torch's own calls beyond the hand loop's
+(``torch_work.py``), a figure the machine's noise moves far less than a ratio of whole blocks.
+Writes benchmarks/results/peers.json.
 
     python benchmarks/peers.py [--batches 8,32,256] [--rounds 7] [--steps 100] [--fp16] [--device cpu]
                                [--runners "mpnb.Trainer,AmpStep in a hand loop"]
@@ -34,6 +37,7 @@ from on_device import add_device_argument, device_label, settled_clock, to_devic
 from paired_rounds import fastest_ratio, median_ratio, paired_rounds
 from results_file import write_results
 from torch import nn
+from torch_work import TorchWork
 
 import mpnb.examples as ex
 from mpnb.training import AmpStep, Trainer
@@ -165,6 +169,9 @@ RUNNERS = {
     "Lightning Fabric": fabric_loop,
     "Lightning Trainer": lightning_trainer,
 }
+#: The runners whose own time is read too (mpnb's, and the control, which should read about 0).
+OWN_TIME_RUNNERS = ("hand loop again", "mpnb.Trainer", "Trainer + text progress", "Trainer + live dashboard",
+                    "AmpStep in a hand loop")  # fmt: skip
 #: Peers that have no fp16 autocast on a CPU (Lightning turns 16-mixed into bf16 there; Accelerate trains fp32).
 NO_CPU_FP16 = ("Accelerate", "Lightning Fabric", "Lightning Trainer")
 
@@ -207,7 +214,26 @@ def measure(batch: int, precision: str, device: torch.device, rounds: int, steps
             "median_step_s": statistics.median(runner_times),
             "median_step_s_hand": statistics.median(hand_times),
         }
+        if name in OWN_TIME_RUNNERS:
+            own = own_time_over_hand(make, base, batches, device, precision, rounds)
+            row[name].update(own_s_per_step=own, own_share=own / statistics.median(hand_times))
     return row
+
+
+def own_time_over_hand(
+    make: Callable[..., Runner], base: nn.Module, batches: Batches, device: torch.device, precision: str, rounds: int
+) -> float:
+    """Seconds a step of ``make``'s runner spends outside torch's own calls, beyond what the hand
+    loop spends there (see ``torch_work.py``): its own cost with the machine's noise subtracted."""
+    with TorchWork() as work:  # both built inside: a loss function they hold is the timed one
+        hand = hand_loop(copy.deepcopy(base), device, precision)
+        runner = make(copy.deepcopy(base), device, precision)
+        hand_left, runner_left = paired_rounds(
+            lambda _: work.left_per_step(lambda: hand(batches), len(batches)),
+            lambda _: work.left_per_step(lambda: runner(batches), len(batches)),
+            rounds,
+        )
+    return min(runner_left) - min(hand_left)  # each side's least disturbed round (noise only adds time)
 
 
 def main() -> None:
@@ -245,6 +271,14 @@ def main() -> None:
             )
             skipped = next((cell["skipped"] for cell in cells if "skipped" in cell), "")
             print(f"{name:24s}{text}{skipped}")
+        print("own time a step, beyond the hand loop's (run time minus torch's own calls), share of its step")
+        for name in (name for name in runners if name in OWN_TIME_RUNNERS):
+            cells = [table[size][name] for size in sizes]
+            print(f"{name:24s}" + "".join(
+                f"{cell['own_s_per_step'] * 1e6:6.1f} us ({cell['own_share'] * 100:4.1f}%)  " if "own_share" in cell
+                else "   -                "
+                for cell in cells
+            ))  # fmt: skip
     sys.stdout.flush()
     write_results(
         "peers", {"device": device.type, "rounds": args.rounds, "steps_per_block": args.steps, "results": results}
