@@ -167,7 +167,9 @@ class LoopTelemetry:
                     f"{self.framework}: a step's loss must be one number, got a tensor of shape {list(loss.shape)} "
                     "(reduce it first, e.g. loss.mean())"
                 )
-            value = loss.detach()  # kept in its dtype: the flush reads a bf16 / fp16 loss exactly
+            # kept in its dtype (the flush reads a bf16 / fp16 loss exactly), without its graph; a loss
+            # the framework detached already (Lightning's) is kept as it is: no new tensor a step
+            value = loss.detach() if loss.requires_grad else loss
         else:
             value = float(loss)
         if normalized:

@@ -401,3 +401,23 @@ def test_the_precision_hook_adds_no_graph_break_or_recompile_to_a_compiled_model
     assert telemetry.history.mode == ["bf16" if autocast else "fp32"] * 4
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["frames"]["total"] == 1, dict(counters["frames"])
+
+
+def test_a_recorded_loss_holds_no_graph_and_a_detached_one_is_not_copied():
+    """Pending losses wait for the flush (up to 64 steps): none may keep its step's autograd graph."""
+    model = torch.nn.Linear(4, 1)
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    begin(telemetry, model)
+    telemetry.window_begin()
+    loss = model(torch.ones(2, 4)).pow(2).mean()
+    telemetry.add_loss(loss)
+    kept = telemetry._run.plain
+    assert kept.grad_fn is None and not kept.requires_grad and kept.data_ptr() == loss.data_ptr()
+    telemetry.step_end()
+    telemetry.window_begin()
+    detached = loss.detach()
+    telemetry.add_loss(detached)  # as Lightning hands it: detached already
+    assert telemetry._run.plain is detached
+    telemetry.step_end()
+    telemetry.end()
+    assert telemetry.history.loss == [pytest.approx(loss.item())] * 2
