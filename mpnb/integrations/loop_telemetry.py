@@ -151,7 +151,8 @@ class LoopTelemetry:
         self._require_run().handles.append(handle)
 
     def window_begin(self) -> None:
-        """The first micro-batch of an optimizer step starts (a no-op for later ones)."""
+        """The first micro-batch of an optimizer step starts: its time starts (if not already), and
+        the precision hook goes back on if this step is one to read (see ``PrecisionObserver``)."""
         run = self._require_run()
         run.clock.start()
         run.observer.rearm()
