@@ -110,8 +110,7 @@ class FitControl:
         Args:
             interrupted: ends a pause too (the fit's Ctrl-C check).
         """
-        for poll in self.pollers:
-            poll()
+        self._poll()
         if not (self._paused or self._changed):  # the usual step: nothing to wait for or tell
             return _STOP if self._stop else _GO_ON
         waited_from = time.perf_counter()
