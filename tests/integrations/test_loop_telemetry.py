@@ -28,6 +28,11 @@ def run_steps(telemetry, model, steps, *, loss=True, autocast=None, epoch=0):
         telemetry.step_end(epoch=epoch)
 
 
+def small_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
 def begin(telemetry, model, asked=None, **options):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     telemetry.begin(model, optimizer, scaler=None, device="cpu", asked=asked, **options)
@@ -227,8 +232,7 @@ def test_a_compiled_model_has_each_steps_precision_recorded():
     """torch.compile does not watch module hooks come and go (no guards on them): the precision
     hook stays on the model for the whole run, so each step's mode is read, bf16 and fp32 alike.
     (A hook that took itself off between readings left every row at the first reading.)"""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = small_mlp()
     compiled = torch.compile(model, backend="aot_eager")
     telemetry = LoopTelemetry("my loop", dashboard=None)
     begin(telemetry, compiled)
@@ -260,8 +264,7 @@ def test_a_loop_that_records_at_each_steps_end_reads_every_slow_step():
     reading: a step that took long enough has the next one read, whatever the interval."""
     from mpnb.integrations.accelerate import LoopRecorder
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     plan = [torch.bfloat16, None, torch.bfloat16, None, torch.bfloat16]
     with LoopRecorder.start("my loop", model, optimizer, scaler=None, device="cpu", dashboard=None) as recorder:
@@ -308,8 +311,7 @@ def test_a_pass_that_failed_and_was_retried_in_another_precision_is_not_the_step
 
 
 def test_new_parameter_objects_and_a_replaced_first_module_are_followed():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = small_mlp()
     telemetry = LoopTelemetry("my loop", dashboard=None)
     begin(telemetry, model)
     run_steps(telemetry, model, 1)
@@ -327,8 +329,7 @@ def test_new_parameter_objects_and_a_replaced_first_module_are_followed():
 def test_a_model_compiled_and_trained_before_mpnb_attached_has_unseen_rows_and_says_why():
     """Code torch.compile traced without mpnb's hook never runs it: no reading can be true, so the
     rows say 'unseen' (not a stale mode) and a notice says what to do."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = small_mlp()
     compiled = torch.compile(model, backend="aot_eager")
     torch._dynamo.reset()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -344,8 +345,7 @@ def test_a_model_compiled_and_trained_before_mpnb_attached_has_unseen_rows_and_s
 def test_a_second_run_on_a_compiled_model_reads_its_own_precision():
     """The first run's hook is compiled into the model's code; the second run's observer must
     still see each step (not leave its rows unread, or read by the first run's observer)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = small_mlp()
     compiled = torch.compile(model, backend="aot_eager")
     torch._dynamo.reset()  # code traced for another Sequential of this shape would be used again
     for _ in range(2):
@@ -358,8 +358,7 @@ def test_a_second_run_on_a_compiled_model_reads_its_own_precision():
 
 def test_a_compiled_step_function_around_an_eager_model_has_each_steps_precision_recorded():
     """The model is not compiled, the function calling it is: the hook runs inside traced code."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = small_mlp()
 
     @torch.compile(backend="aot_eager")
     def forward(x):
@@ -388,8 +387,7 @@ def test_the_precision_hook_adds_no_graph_break_or_recompile_to_a_compiled_model
     matmul-precision query): one graph, compiled once, however often eager mode would re-read."""
     from torch._dynamo.utils import counters
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = small_mlp()
     compiled = torch.compile(model, backend="aot_eager")
     torch._dynamo.reset()  # no code compiled by an earlier test
     counters.clear()
