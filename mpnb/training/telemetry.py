@@ -23,10 +23,11 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -191,19 +192,23 @@ class Recorder:
 
     def _to_host(self, columns: dict[str, list[Any]]) -> None:
         """Replace every tensor in ``columns`` by its value, with one copy per device."""
-        by_device: dict[torch.device, list[tuple[str, int, torch.Tensor]]] = {}
-        for name, values in columns.items():
-            if not any(issubclass(kind, torch.Tensor) for kind in set(map(type, values))):
-                continue  # most columns hold host numbers only
-            for index, value in enumerate(values):
-                if isinstance(value, torch.Tensor):
-                    by_device.setdefault(value.device, []).append((name, index, value))
-        for entries in by_device.values():
-            host_values = _read_together([tensor for _, _, tensor in entries])
+        held = _tensors_held(columns)
+        devices = set(map(_device_of, itertools.chain.from_iterable(tensors for _, _, tensors in held)))
+        for device in devices:
+            group = held if len(devices) == 1 else [_on_device(device, *entry) for entry in held]
+            values = iter(_read_together(list(itertools.chain.from_iterable(tensors for _, _, tensors in group))))
             self.host_transfers += 1
-            for (name, index, _), value in zip(entries, host_values):
-                kind = COLUMNS[name][0]
-                columns[name][index] = bool(value) if kind is bool else int(value) if kind is int else value
+            for name, places, tensors in group:
+                read = list(itertools.islice(values, len(tensors)))
+                kind = COLUMNS[name][0] if name in COLUMNS else float
+                if kind is bool or kind is int:
+                    read = list(map(kind, read))
+                if isinstance(places, range):  # the whole column
+                    columns[name] = read
+                    continue
+                column = columns[name]
+                for place, value in zip(places, read):
+                    column[place] = value
 
 
 #: Each column's value where a row recorded nothing (read once per flush, for every row).
@@ -240,7 +245,7 @@ def _read_together(tensors: list[torch.Tensor]) -> list[float]:
     >>> _read_together([torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(1001)])
     [0.5, 1001.0]
     """
-    dtypes = {tensor.dtype for tensor in tensors}
+    dtypes = set(map(_dtype_of, tensors))
     try:
         packed_dtype = functools.reduce(torch.promote_types, dtypes)
     except RuntimeError:  # fp8 promotes with nothing: everything in fp32
@@ -255,6 +260,34 @@ def _read_together(tensors: list[torch.Tensor]) -> list[float]:
     return packed.reshape(len(tensors)).to("cpu", torch.float64).tolist()
 
 
+def _tensors_held(columns: dict[str, list[Any]]) -> list[tuple[str, Sequence[int], list[torch.Tensor]]]:
+    """``(column name, positions, tensors)`` for each column that holds tensors (most hold host numbers
+    only); a column of tensors only (the loss) is taken whole, without a look at each value."""
+    held = []
+    for name, values in columns.items():
+        kinds = set(map(type, values))
+        tensor_kinds = [kind for kind in kinds if issubclass(kind, torch.Tensor)]
+        if len(tensor_kinds) == len(kinds):
+            if kinds:
+                held.append((name, range(len(values)), values))
+        elif tensor_kinds:
+            places = [index for index, value in enumerate(values) if isinstance(value, torch.Tensor)]
+            held.append((name, places, [values[index] for index in places]))
+    return held
+
+
+def _on_device(
+    device: torch.device, name: str, places: Sequence[int], tensors: list[torch.Tensor]
+) -> tuple[str, list[int], list[torch.Tensor]]:
+    """The part of a :func:`_tensors_held` entry on ``device`` (rows that recorded on several devices)."""
+    kept = [(place, tensor) for place, tensor in zip(places, tensors) if tensor.device == device]
+    return name, [place for place, _ in kept], [tensor for _, tensor in kept]
+
+
+_device_of = operator.attrgetter("device")
+_dtype_of = operator.attrgetter("dtype")
+
+
 def _columns_of(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """The rows column-wise, where a row lacks a name that others have: the column's empty value
     (None for names that are no column; History.extend refuses those, ``samples`` aside).
@@ -265,7 +298,7 @@ def _columns_of(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     [nan, 0.25]
     """
     names = tuple(rows[0])
-    if len(names) > 1 and all(len(row) == len(names) for row in rows):
+    if len(names) > 1 and set(map(len, rows)) == {len(names)}:
         try:  # the usual case, every row with the same names: transposed without a Python loop per value
             return dict(zip(names, map(list, zip(*map(operator.itemgetter(*names), rows)))))
         except KeyError:
@@ -281,11 +314,11 @@ def _settle_step_times(columns: dict[str, list[Any]], samples: list[int | None])
             columns[name] = [seconds(value) for value in columns[name]]
     if "step_time" not in columns:
         return
-    times = columns["step_time"]
-    rates = columns.setdefault("samples_per_s", [math.nan] * len(times))
-    for index, (count, step_time) in enumerate(zip(samples, times)):
-        if count is not None:
-            rates[index] = count / step_time if count and step_time > 0 else math.nan
+    rates = [count / time if count and time > 0 else math.nan for count, time in zip(samples, columns["step_time"])]
+    given = columns.get("samples_per_s")
+    if given is not None:  # a rate a row gave stands where it gave no example count
+        rates = [rate if count is None else derived for rate, count, derived in zip(given, samples, rates)]
+    columns["samples_per_s"] = rates
 
 
 def check_dashboard(dashboard: object) -> None:

@@ -332,10 +332,7 @@ class Trainer:
 
     def _train_batch(self, batch: Any) -> bool:
         batch = to_device(batch, self.device)
-        with self.amp.autocast():
-            loss = batch_loss(self.model, batch, self.loss_fn, self.step_fn)
-        self.amp.backward(loss)
-        return self.amp.step(samples=samples_in(batch))
+        return self.amp.train_step(lambda: batch_loss(self.model, batch, self.loss_fn, self.step_fn), samples_in(batch))
 
     def describe(self) -> str:
         """``"DigitsCNN, bf16 on cpu, 25,578 parameters"``."""

@@ -205,3 +205,18 @@ def test_max_batch_size_is_found_by_running_out_of_gpu_memory_and_leaves_the_gpu
     model = mlp().cuda()
     mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, device="cuda",
                  dashboard=None).fit(batches(2))  # fmt: skip
+
+
+def test_a_flush_of_values_on_two_devices_reads_each_device_once_and_keeps_every_value_in_place():
+    """A learning rate held as a CPU tensor beside a CUDA loss: one copy per device, each value back
+    in its own row and column."""
+    from mpnb.training.telemetry import Recorder
+
+    recorder = Recorder(flush_every=4)
+    for step in range(1, 5):
+        lr = torch.tensor(0.1 * step) if step % 2 else 0.5  # a CPU tensor in some rows, a number in others
+        recorder.record(step=step, loss=torch.tensor(float(step), device="cuda"), lr=lr, skipped=torch.tensor(step == 3))
+    history = recorder.history
+    assert recorder.host_transfers == 2
+    assert history.loss == [1.0, 2.0, 3.0, 4.0] and history.skipped_steps == [3]
+    assert history.lr == pytest.approx([0.1, 0.5, 0.3, 0.5])

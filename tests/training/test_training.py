@@ -3,6 +3,7 @@ and clipping against the hand-written torch.amp recipe, interrupts, checkpoints.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import signal
@@ -16,6 +17,7 @@ from torch import nn
 import mpnb
 import mpnb.examples as ex
 from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.training.step_precision import TrainingPrecision
 
 SCHEDULER_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
 
@@ -383,3 +385,69 @@ def test_a_discarded_windows_forward_time_is_not_counted_in_the_next_step():
         amp.backward(loss)
         amp.step()
     assert amp.history.forward_time[0] < 0.2
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "fp32"])
+def test_train_step_does_what_the_three_calls_do(mode):
+    """One train_step per micro-batch trains and records exactly as autocast / backward / step:
+    the same weights, losses, scales, gradient norms, skips and modes (with accumulation and
+    clipping; in fp16 with a micro-batch that overflows)."""
+    model, data = linear_problem(steps=8)
+    twin = copy.deepcopy(model)
+    overflow_at = {3} if mode == "fp16" else set()
+    options = dict(mode=mode, device="cpu", init_scale=1024.0, accumulate=2, clip_grad_norm=1.0)
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), **options)
+    history = run_amp_step(model, data, amp, overflow_at)
+    one_call = mpnb.AmpStep(torch.optim.SGD(twin.parameters(), lr=0.1), **options)
+    for step, (x, y) in enumerate(data, start=1):
+        one_call.train_step(lambda: mse(twin(x), y) * (math.inf if step in overflow_at else 1.0), samples=len(x))
+    assert torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias)
+    assert one_call.close().mode == history.mode
+    for name in ("step", "loss", "loss_scale", "skipped", "grad_norm"):
+        assert getattr(one_call.history, name) == pytest.approx(getattr(history, name), rel=0, abs=0, nan_ok=True)
+    assert one_call.history.skipped_steps == ([2] if mode == "fp16" else [])
+
+
+def test_train_step_runs_the_forward_under_the_mode_and_the_backward_outside_any_autocast():
+    """The forward runs in the helper's mode, switched with set_precision; backward runs with
+    autocast off, also when the call sits inside an autocast block (a %%autocast cell), whose
+    state is as before once it returns."""
+    model = nn.Linear(4, 1)
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="bf16", device="cpu")
+    dtypes = []
+
+    def forward():
+        output = _AutocastInBackward.apply(model(torch.ones(2, 4)))
+        dtypes.append(output.dtype)
+        return output.float().mean()
+
+    _AutocastInBackward.seen = []
+    amp.train_step(forward)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp.train_step(forward)
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    amp.set_precision(TrainingPrecision.resolve("fp32", "cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp.train_step(forward)
+    assert not torch.is_autocast_enabled("cpu")
+    assert dtypes == [torch.bfloat16, torch.bfloat16, torch.float32]
+    assert _AutocastInBackward.seen == [False, False, False]
+    assert amp.history.mode == ["bf16", "bf16", "fp32"]
+
+
+def test_a_train_step_inside_another_ones_forward_is_refused_and_changes_nothing():
+    """The forward's context is one object, entered once at a time: a train_step called from inside
+    the forward of another is refused (entering it again would lose the outer autocast state), and a
+    forward that fails leaves the helper ready for the next step with autocast as it was."""
+    model = nn.Linear(4, 1)
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="bf16", device="cpu")
+    loss = lambda: model(torch.ones(2, 4)).float().mean()  # noqa: E731
+    with pytest.raises(RuntimeError, match="inside the forward of another"):
+        amp.train_step(lambda: amp.train_step(loss))
+    with pytest.raises(ZeroDivisionError):
+        amp.train_step(lambda: 1 / 0)
+    assert not torch.is_autocast_enabled("cpu") and amp.between_steps
+    assert amp.train_step(loss) and amp.history.step == [1]
+    with pytest.raises(MpnbError, match="must be a tensor"):
+        amp.train_step(lambda: 0.5)
+    assert amp.between_steps and amp.history.step == [1]
