@@ -176,7 +176,7 @@ class LoopTelemetry:
         if normalized:
             run.summed = add_in_fp32(run.summed, value)
         else:
-            run.plain = add_in_fp32(run.plain, value)
+            run.plain = value if run.plain is None else add_in_fp32(run.plain, value)  # the usual step: one loss
             run.plain_count += 1
 
     def add_samples(self, count: int | None) -> None:
@@ -331,7 +331,7 @@ class _Run:
         if not self.plain_count:
             return self.summed
         mean = self.plain if self.plain_count == 1 else self.plain / self.plain_count  # a sum of several is fp32
-        return add_in_fp32(self.summed, mean)
+        return mean if self.summed is None else add_in_fp32(self.summed, mean)
 
     def detach(self) -> None:
         if self.watch is not None:
