@@ -110,8 +110,12 @@ def test_live_dashboard_updates_reach_the_frontend_while_the_cell_runs(kernel):
 
 def test_kernel_interrupt_during_fit_keeps_history_and_fit_continues(kernel):
     manager, client = kernel
+    # one step first: the dashboard's libraries are imported before the interrupt's timer starts (their
+    # first import can take seconds, and an interrupt before the fit is running is not one during it)
     execute(
-        client, "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('fp16', 'cpu', widths=(8, 16))"
+        client,
+        "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('fp16', 'cpu', widths=(8, 16))\n"
+        "_ = trainer.fit(train, max_steps=1)",
     )
     threading.Timer(3.0, manager.interrupt_kernel).start()
     reply, printed = execute(client, "trainer.fit(train, epochs=500)")
