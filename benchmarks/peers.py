@@ -37,7 +37,7 @@ from on_device import add_device_argument, device_label, settled_clock, to_devic
 from paired_rounds import fastest_ratio, median_ratio, paired_rounds
 from results_file import write_results
 from torch import nn
-from torch_work import TorchWork
+from torch_work import TorchWork, own_time_beyond
 
 import mpnb.examples as ex
 from mpnb.training import AmpStep, Trainer
@@ -228,12 +228,7 @@ def own_time_over_hand(
     with TorchWork() as work:  # both built inside: a loss function they hold is the timed one
         hand = hand_loop(copy.deepcopy(base), device, precision)
         runner = make(copy.deepcopy(base), device, precision)
-        hand_left, runner_left = paired_rounds(
-            lambda _: work.left_per_step(lambda: hand(batches), len(batches)),
-            lambda _: work.left_per_step(lambda: runner(batches), len(batches)),
-            rounds,
-        )
-    return min(runner_left) - min(hand_left)  # each side's least disturbed round (noise only adds time)
+        return own_time_beyond(work, lambda: hand(batches), lambda: runner(batches), len(batches), rounds)
 
 
 def main() -> None:

@@ -31,9 +31,10 @@ from collections.abc import Callable
 
 import torch
 from own_time import OwnTime
+from paired_rounds import paired_rounds
 from torch import nn
 
-__all__ = ["TORCH_STEP_WORK", "TorchWork"]
+__all__ = ["TORCH_STEP_WORK", "TorchWork", "own_time_beyond"]
 
 #: torch's own calls in a training step, as (owner, name) for :class:`~own_time.OwnTime`.
 TORCH_STEP_WORK = [
@@ -63,3 +64,15 @@ class TorchWork(OwnTime):
         start = time.perf_counter()
         block()
         return (time.perf_counter() - start - self.seconds) / steps
+
+
+def own_time_beyond(
+    work: TorchWork, reference: Callable[[], object], candidate: Callable[[], object], steps: int, rounds: int
+) -> float:
+    """Seconds a step of ``candidate`` spends outside torch's own calls beyond what ``reference`` spends
+    there (each a block of ``steps`` steps, built inside ``work``), over ``rounds`` paired rounds: each
+    side's least disturbed round, as noise only adds time."""
+    reference_left, candidate_left = paired_rounds(
+        lambda _: work.left_per_step(reference, steps), lambda _: work.left_per_step(candidate, steps), rounds
+    )
+    return min(candidate_left) - min(reference_left)
