@@ -101,10 +101,10 @@ class LoopRecorder(WithTelemetry):
         self.telemetry.add_samples(samples_in(batch) if batch is not None else None)
         if not self.step_ends():
             return False
-        checkpoint = self.telemetry.step_end(epoch)
+        stop = self.telemetry.step_end(epoch)
         self.telemetry.window_begin()
         self.telemetry.before_optimizer_step()  # the scale and learning rate the next step starts with
-        return checkpoint.stop or self.telemetry.stop_requested
+        return stop
 
     def close(self) -> History:
         """Flush, close the dashboard, take the hooks off; returns the history."""

@@ -148,8 +148,7 @@ class MpnbCallback(Callback, WithTelemetry):
         if not self._step_pending:
             return
         self._step_pending = False
-        checkpoint = self.telemetry.step_end(trainer.current_epoch)
-        if checkpoint.stop or self.telemetry.stop_requested:
+        if self.telemetry.step_end(trainer.current_epoch):
             trainer.should_stop = True
 
     def on_validation_end(self, trainer, pl_module) -> None:

@@ -54,7 +54,7 @@ from mpnb.integrations.observed import PrecisionObserver, check_precision
 from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
 from mpnb.precision.policy import session
-from mpnb.training.control import Checkpoint, FitControl
+from mpnb.training.control import FitControl
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
 from mpnb.training.step_clock import StepClock
@@ -193,10 +193,11 @@ class LoopTelemetry:
             run.watch.reset()
         run.before_called = True
 
-    def step_end(self, epoch: int = 0) -> Checkpoint:
+    def step_end(self, epoch: int = 0) -> bool:
         """The optimizer step is over: record its row (in the framework's ``epoch``), say what
-        needs saying, then deliver the dashboard's requests (waits here while paused). The
-        framework stops when ``.stop``."""
+        needs saying, then deliver the dashboard's requests (waits here while paused). Returns
+        True when the framework should stop: Stop was asked for (the dashboard, ``control.stop()``)
+        or a non-finite loss stops the run (``on_nonfinite="stop"``)."""
         run = self._require_run()
         skipped = run.watch.skipped(run.scaler, run.device) if run.watch is not None and run.before_called else False
         observed = run.observer.step_end()
@@ -228,7 +229,7 @@ class LoopTelemetry:
             self.notices.say("precision_mismatch", precision_mismatch(run.asked, observed, self.framework), self.steps)
             scaling = fp16_without_scaling(observed, run.scaler, self.framework)
             self.notices.say("fp16_without_scaling", scaling, self.steps)
-        return self.control.checkpoint()
+        return self.control.checkpoint().stop or self.health.stop
 
     def outside_steps(self) -> None:
         """Work outside the training steps just ran (an evaluation, a checkpoint save): the next

@@ -134,8 +134,7 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
         self.telemetry.before_optimizer_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        checkpoint = self.telemetry.step_end(epoch_of_step(state))
-        if checkpoint.stop or self.telemetry.stop_requested:
+        if self.telemetry.step_end(epoch_of_step(state)):
             control.should_training_stop = True
         return control
 

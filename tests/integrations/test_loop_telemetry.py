@@ -153,13 +153,27 @@ def test_with_on_nonfinite_stop_the_framework_is_told_at_the_step_of_the_nan():
     telemetry = LoopTelemetry("my loop", dashboard=None, on_nonfinite="stop")  # the default flush_every
     model = torch.nn.Linear(4, 1)
     begin(telemetry, model)
-    run_steps(telemetry, model, 1)
+    telemetry.window_begin()
+    telemetry.add_loss(torch.tensor(0.5))
+    assert telemetry.step_end() is False
     telemetry.window_begin()
     telemetry.add_loss(torch.tensor(float("nan")))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        telemetry.step_end()
-        assert telemetry.stop_requested  # before end(): the loop must stop after this very step
+        assert telemetry.step_end() is True  # the loop must stop after this very step
+        assert telemetry.stop_requested
+    telemetry.end()
+
+
+def test_step_end_says_stop_once_stop_is_pressed():
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1)
+    begin(telemetry, model)
+    telemetry.window_begin()
+    assert telemetry.step_end() is False
+    telemetry.control.stop()
+    telemetry.window_begin()
+    assert telemetry.step_end() is True and telemetry.steps == 2  # the step is recorded all the same
     telemetry.end()
 
 
