@@ -58,7 +58,7 @@ from mpnb.training.control import FitControl
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
 from mpnb.training.step_clock import StepClock
-from mpnb.training.step_watch import OptimizerStepWatch, scale_in_use
+from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
 from mpnb.training.telemetry import MemorySampler, Recorder, Sink, add_in_fp32, check_dashboard, dashboard_sinks
 
 __all__ = ["LoopTelemetry", "WithTelemetry"]
@@ -188,7 +188,7 @@ class LoopTelemetry:
         """The optimizer is about to be called: note the scale it steps with, and the learning rate."""
         run = self._require_run()
         run.scale_before = scale_in_use(run.scaler)
-        run.lr = run.optimizer.param_groups[0]["lr"]
+        run.lr = lr_in_use(run.optimizer)
         if run.watch is not None:
             run.watch.reset()
         run.before_called = True

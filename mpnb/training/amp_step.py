@@ -43,7 +43,7 @@ from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
 from mpnb.training.step_clock import DeviceInterval, StepClock
 from mpnb.training.step_precision import TrainingPrecision
-from mpnb.training.step_watch import OptimizerStepWatch, scale_in_use
+from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
 from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink, add_in_fp32
 
 __all__ = ["AmpStep"]
@@ -167,11 +167,17 @@ class AmpStep:
             ['bf16']
 
         Raises:
+            TypeError: ``forward`` is not a function.
             MpnbError: ``forward`` returned no loss to train on (see :meth:`backward`).
             RuntimeError: called from inside ``forward`` of a ``train_step`` of the same helper.
         """
         if self._in_forward:  # the one context object cannot be entered twice at once
             raise RuntimeError("AmpStep.train_step() called from inside the forward of another train_step()")
+        if not callable(forward):
+            raise TypeError(
+                "train_step wants a function that returns the loss, such as lambda: loss_fn(model(x), y); "
+                f"got a {type(forward).__name__}"
+            )
         outer_autocast = torch.is_autocast_enabled(self.precision.device.type)  # the state backward will run in
         self.clock.start(self.forward_clock.start_anew())
         self._in_forward = True
@@ -219,7 +225,7 @@ class AmpStep:
             return False
         scale_before = scale_in_use(self.scaler)
         grad_norm = self._unscale_and_clip() if self.clip_grad_norm is not None or self.record_grad_norm else math.nan
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = lr_in_use(self.optimizer)
         self._step_watch.reset()
         try:
             self.scaler.step(self.optimizer)
@@ -329,8 +335,9 @@ class AmpStep:
     @property
     def between_steps(self) -> bool:
         """True when no accumulation window is open: no backward ran since the last recorded step,
-        not even one that failed half-way and left some gradients behind."""
-        return not self._window_open
+        not even one that failed half-way and left some gradients behind, and no :meth:`train_step`
+        forward is running."""
+        return not (self._window_open or self._in_forward)
 
     def restart_clock(self) -> None:
         """Forget the time since the last step (call after a pause, before the next batch)."""

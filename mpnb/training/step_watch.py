@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerStepWatch", "scale_in_use"]
+__all__ = ["OptimizerStepWatch", "lr_in_use", "scale_in_use"]
 
 
 class OptimizerStepWatch:
@@ -80,6 +80,21 @@ def scale_in_use(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float:
         return 1.0
     scale = scaler._get_scale_async()
     return scale.clone() if scale is not None else scaler.get_scale()  # get_scale() reads no tensor then
+
+
+def lr_in_use(optimizer: torch.optim.Optimizer) -> Any:
+    """The learning rate of the optimizer's first parameter group, as the next step uses it: a copy when
+    it is a tensor (a scheduler changes it in place, and the row is read at a later flush).
+
+    >>> optimizer = torch.optim.Adam([torch.nn.Parameter(torch.ones(1))], lr=torch.tensor(0.01))
+    >>> lr = lr_in_use(optimizer)
+    >>> optimizer.param_groups[0]["lr"].mul_(0.5)
+    tensor(0.0050)
+    >>> lr
+    tensor(0.0100)
+    """
+    lr = optimizer.param_groups[0]["lr"]
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
 class _StepFlag:

@@ -171,16 +171,46 @@ class Recorder:
         return False
 
     def flush(self) -> None:
-        """Copy pending rows to the history (one device-to-host transfer) and tell the sinks."""
+        """Copy pending rows to the history (one device-to-host transfer) and tell the sinks.
+
+        Raises:
+            ValueError: rows that cannot be recorded (a tensor of several values, an unknown column,
+                NaN for a whole number), named by step and column; every other pending row is recorded.
+        """
         if not self._pending:
             return
         rows, self._pending = self._pending, []
+        try:
+            self._append(rows)
+        except Exception:  # a bad row among them: the others one by one, then name the bad ones
+            refused = self._append_each(rows)
+            self._tell_sinks()
+            shown = "; ".join(refused[:3]) + (f"; and {len(refused) - 3} more" if len(refused) > 3 else "")
+            raise ValueError(f"mpnb telemetry could not record {shown}") from None
+        except BaseException:  # an interrupt: nothing recorded yet, nothing lost
+            self._pending[:0] = rows
+            raise
+        self._tell_sinks()
+
+    def _append(self, rows: list[dict[str, Any]]) -> None:
         columns = _columns_of(rows)
-        # not a column: the step's example count, for samples_per_s
-        samples = columns.pop("samples", None) or [None] * len(rows)
         self._to_host(columns)
+        # not a column: the step's example count, for samples_per_s (read to the host with the rest)
+        samples = columns.pop("samples", None) or [None] * len(rows)
         _settle_step_times(columns, samples)
         self.history.extend(columns)
+
+    def _append_each(self, rows: list[dict[str, Any]]) -> list[str]:
+        """Append the rows one at a time; what went wrong with each row refused."""
+        refused = []
+        for row in rows:
+            try:
+                self._append([row])
+            except Exception as error:
+                refused.append(f"step {row.get('step', '?')}: {error}")
+        return refused
+
+    def _tell_sinks(self) -> None:
         for sink in self.sinks:
             sink.update(self.history)
 
@@ -191,18 +221,29 @@ class Recorder:
             sink.close(self.history)
 
     def _to_host(self, columns: dict[str, list[Any]]) -> None:
-        """Replace every tensor in ``columns`` by its value, with one copy per device."""
+        """Replace every tensor in ``columns`` by its value, with one copy per device.
+
+        Raises:
+            ValueError: a tensor of several values, or a value its column's type cannot hold; names the column.
+        """
         held = _tensors_held(columns)
         devices = set(map(_device_of, itertools.chain.from_iterable(tensors for _, _, tensors in held)))
-        for device in devices:
-            group = held if len(devices) == 1 else [_on_device(device, *entry) for entry in held]
-            values = iter(_read_together(list(itertools.chain.from_iterable(tensors for _, _, tensors in group))))
+        # each device's share is taken before any value is written back (a whole column is a list of columns)
+        groups = [held] if len(devices) == 1 else [[_on_device(device, *entry) for entry in held] for device in devices]
+        for group in groups:
+            try:
+                values = iter(_read_together(list(itertools.chain.from_iterable(tensors for _, _, tensors in group))))
+            except RuntimeError as error:
+                raise ValueError(_several_values(group) or str(error)) from error
             self.host_transfers += 1
             for name, places, tensors in group:
                 read = list(itertools.islice(values, len(tensors)))
                 kind = COLUMNS[name][0] if name in COLUMNS else float
                 if kind is bool or kind is int:
-                    read = list(map(kind, read))
+                    try:
+                        read = list(map(kind, read))
+                    except (ValueError, OverflowError) as error:  # NaN or inf for a whole number
+                        raise ValueError(f"column {name!r}: {error}") from error
                 if isinstance(places, range):  # the whole column
                     columns[name] = read
                     continue
@@ -282,6 +323,15 @@ def _on_device(
     """The part of a :func:`_tensors_held` entry on ``device`` (rows that recorded on several devices)."""
     kept = [(place, tensor) for place, tensor in zip(places, tensors) if tensor.device == device]
     return name, [place for place, _ in kept], [tensor for _, tensor in kept]
+
+
+def _several_values(held: list[tuple[str, Sequence[int], list[torch.Tensor]]]) -> str | None:
+    """What is wrong with the first column holding a tensor of other than one value (None if none does)."""
+    for name, _, tensors in held:
+        for tensor in tensors:
+            if tensor.numel() != 1:
+                return f"column {name!r} holds a tensor of {tensor.numel()} values, where a row holds one number"
+    return None
 
 
 _device_of = operator.attrgetter("device")

@@ -433,3 +433,20 @@ def test_a_recorded_loss_holds_no_graph_and_a_detached_one_is_not_copied():
     telemetry.step_end()
     telemetry.end()
     assert telemetry.history.loss == [pytest.approx(loss.item())] * 2
+
+
+def test_a_learning_rate_held_in_a_tensor_is_recorded_as_it_was_at_each_step():
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    telemetry.begin(model, optimizer, scaler=None, device="cpu", asked=None)
+    for _ in range(3):
+        telemetry.window_begin()
+        model(torch.ones(2, 4)).mean().backward()
+        telemetry.before_optimizer_step()
+        optimizer.step()
+        scheduler.step()
+        telemetry.step_end()
+    telemetry.end()
+    assert telemetry.history.lr == pytest.approx([0.01, 0.005, 0.0025], rel=1e-6)  # fp32 values

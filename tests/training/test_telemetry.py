@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -199,3 +201,76 @@ def test_a_row_with_an_fp8_value_beside_others_is_read():
     recorder = Recorder(flush_every=1)
     recorder.record(step=1, loss=torch.tensor(0.5).to(torch.float8_e4m3fn), skipped=torch.tensor(True))
     assert recorder.history.loss == [0.5] and recorder.history.skipped_steps == [1]
+
+
+_TWO_DEVICES = """
+import json, sys
+import torch
+try:
+    import torch._lazy.ts_backend
+    torch._lazy.ts_backend.init()
+except Exception as error:  # a torch built without it
+    print(json.dumps({"skip": str(error)}))
+    sys.exit()
+from mpnb.training.telemetry import Recorder
+results = {}
+for split in ("within columns", "between columns"):
+    recorder = Recorder(flush_every=100)
+    for step in (1, 2, 3):
+        loss_device = "lazy" if split == "between columns" or step == 2 else "cpu"
+        recorder.record(step=step, loss=torch.tensor(0.5 * step).to(loss_device), grad_norm=torch.tensor(2.0 * step),
+                        skipped=torch.tensor(step == 3).to("lazy"))
+    recorder.flush()
+    history = recorder.history
+    results[split] = [history.loss, history.grad_norm, history.skipped_steps, recorder.host_transfers]
+print(json.dumps(results))
+"""
+
+
+def test_a_flush_of_values_on_two_devices_copies_once_per_device_and_keeps_each_value_in_place():
+    """A model split over two devices puts the loss on one and the gradient norm on another (or
+    mixes them within a column): each value lands in its own row and column, one copy per device.
+    The second device is torch's lazy (TorchScript) device, real on a CPU-only machine; it runs in
+    a process of its own, as starting it registers kernels for the whole process."""
+    done = subprocess.run([sys.executable, "-c", _TWO_DEVICES], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    if "skip" in results:
+        pytest.skip(f"no second device: torch's lazy device is unavailable ({results['skip']})")
+    expected = [[0.5, 1.0, 1.5], [2.0, 4.0, 6.0], [3], 2]
+    assert results == {"within columns": expected, "between columns": expected}
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        ({"unknwon": torch.tensor(1.0)}, "unknwon"),
+        ({"loss": torch.tensor([0.5, 0.25])}, "loss"),
+        ({"epoch": torch.tensor(math.nan)}, "epoch"),
+    ],
+    ids=["unknown column", "two values", "NaN for a whole number"],
+)
+def test_a_bad_row_is_named_and_every_good_pending_row_is_kept(bad, named):
+    recorder = Recorder(flush_every=100)
+    for step in (1, 2, 3):
+        recorder.record(step=step, loss=torch.tensor(0.5))
+    recorder.record(step=4, **bad)
+    recorder.record(step=5, loss=torch.tensor(0.25))
+    with pytest.raises(ValueError, match=rf"step 4\b.*{named}"):
+        recorder.flush()
+    assert recorder.history.step == [1, 2, 3, 5] and recorder.history.loss == [0.5, 0.5, 0.5, 0.25]
+    assert recorder.pending == 0
+    recorder.record(step=6, loss=torch.tensor(0.125))
+    recorder.flush()
+    assert recorder.history.step == [1, 2, 3, 5, 6]
+
+
+def test_an_example_count_held_in_a_tensor_gives_a_number_of_samples_per_second():
+    """A token count is often a tensor (mask.sum()): read with the other values, never kept as a tensor."""
+    recorder = Recorder(flush_every=100)
+    recorder.record(step=1, loss=torch.tensor(0.5), step_time=0.5, samples=torch.tensor(64))
+    recorder.record(step=2, loss=torch.tensor(0.5), step_time=0.25, samples=8)
+    recorder.flush()
+    assert recorder.history.samples_per_s == [128.0, 32.0]
+    assert all(type(value) is float for value in recorder.history.samples_per_s)
+    json.dumps(recorder.history.to_dict())

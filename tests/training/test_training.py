@@ -451,3 +451,38 @@ def test_a_train_step_inside_another_ones_forward_is_refused_and_changes_nothing
     with pytest.raises(MpnbError, match="must be a tensor"):
         amp.train_step(lambda: 0.5)
     assert amp.between_steps and amp.history.step == [1]
+
+
+def test_a_learning_rate_held_in_a_tensor_is_recorded_as_it_was_at_each_step():
+    """A scheduler changes a tensor learning rate in place: each row keeps the rate its step used,
+    not the rate at the flush."""
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    amp = mpnb.AmpStep(optimizer, mode="bf16", device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5))
+    for _ in range(3):
+        amp.train_step(lambda: model(torch.ones(2, 4)).float().mean())
+    assert amp.history.lr == pytest.approx([0.01, 0.005, 0.0025], rel=1e-6)  # fp32 values
+
+
+def test_a_precision_switch_inside_a_train_step_forward_is_refused():
+    """Switching inside the forward would train a forward in one mode and step it with another
+    mode's scaler (an fp16 overflow not skipped): refused, as mid-window."""
+    model = nn.Linear(4, 1)
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="fp16", device="cpu")
+
+    def forward():
+        amp.set_precision(TrainingPrecision.resolve("bf16", "cpu"))
+        return model(torch.ones(2, 4)).float().mean()
+
+    with pytest.raises(RuntimeError, match="only between optimizer steps"):
+        amp.train_step(forward)
+    assert amp.precision.mode.value == "fp16" and amp.between_steps
+
+
+def test_train_step_given_no_function_says_what_it_wants():
+    model = nn.Linear(4, 1)
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="bf16", device="cpu")
+    loss = model(torch.ones(2, 4)).mean()
+    with pytest.raises(TypeError, match=r"a function that returns the loss.*got a Tensor"):
+        amp.train_step(loss)
+    assert amp.between_steps and amp.steps == 0
