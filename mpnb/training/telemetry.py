@@ -228,7 +228,8 @@ class Recorder:
         """
         held = _tensors_held(columns)
         devices = set(map(_device_of, itertools.chain.from_iterable(tensors for _, _, tensors in held)))
-        # each device's share is taken before any value is written back (a whole column is a list of columns)
+        # every device's share is taken before any value is written back: a column taken whole is the very
+        # list its values are written into
         groups = [held] if len(devices) == 1 else [[_on_device(device, *entry) for entry in held] for device in devices]
         for group in groups:
             try:
