@@ -121,6 +121,7 @@ class MpnbCallback(Callback, WithTelemetry):
             device=pl_module.device,
             asked=asked_precision(setting),
             title=f"Lightning: {type(pl_module).__name__}",
+            on_stop=lambda: setattr(trainer, "should_stop", True),
         )
         if len(trainer.optimizers) > 1:
             self.telemetry.notices.say(

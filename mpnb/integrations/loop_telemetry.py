@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -120,13 +121,17 @@ class LoopTelemetry:
         device: torch.device | str,
         asked: str | Mode | None,
         title: str | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         """Attach to a run about to start: hooks on ``model`` and ``optimizer``, the dashboard.
 
         ``asked``: the precision the framework was asked for (a name in
-        :data:`~mpnb.integrations.observed.PRECISIONS`, or None when unknown). A run that never
-        reached :meth:`end` (its framework raised) is ended first. Each run is marked in the
-        history (an event of kind ``"run"`` at the step it starts after) and says its notices anew.
+        :data:`~mpnb.integrations.observed.PRECISIONS`, or None when unknown). ``on_stop``: the
+        framework's own stop (``trainer.should_stop = True``), called the moment Stop is pressed (the
+        dashboard, ``control.stop()`` from anywhere, another callback), so that the step it is pressed
+        in is the last whichever hook runs next. A run that never reached :meth:`end` (its framework
+        raised) is ended first. Each run is marked in the history (an event of kind ``"run"`` at the
+        step it starts after) and says its notices anew.
         """
         asked = check_precision(asked)
         device = torch.device(device)
@@ -142,6 +147,9 @@ class LoopTelemetry:
         self.recorder.sinks.extend(sinks)
         self._run.sinks = sinks
         self.control.begin()
+        if on_stop is not None:
+            self._run.stop_listener = _on_stopping(on_stop)
+            self.control.on_state.append(self._run.stop_listener)
         self.notices.say("session_autocast", session_autocast_around(device.type, self.framework))
         self.notices.say("session_oplists", session_lists_inside(session.oplists.lists, self.framework))
 
@@ -252,6 +260,8 @@ class LoopTelemetry:
             for sink in run.sinks:
                 self.recorder.sinks.remove(sink)
             run.detach()
+            if run.stop_listener is not None:
+                self.control.on_state.remove(run.stop_listener)
             self.control.end()
 
     def _require_run(self) -> _Run:
@@ -262,6 +272,16 @@ class LoopTelemetry:
     def __repr__(self) -> str:
         state = "recording" if self._run is not None else "idle"
         return f"<mpnb LoopTelemetry for {self.framework}: {self.steps} steps, {state}>"
+
+
+def _on_stopping(stop: Callable[[], None]) -> Callable[[str], None]:
+    """A :attr:`FitControl.on_state` listener that calls ``stop`` when the state turns to stopping."""
+
+    def listener(state: str) -> None:
+        if state == "stopping":
+            stop()
+
+    return listener
 
 
 def _no_loss(framework: str, step: int) -> str:
@@ -315,6 +335,7 @@ class _Run:
         self.observer = PrecisionObserver(model, device.type)
         self.sinks: list[Sink] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.stop_listener: Callable[[str], None] | None = None  # passes Stop on to the framework
         self.checked_precision: str | None = None  # the observed precision the notices were checked for
         self.next_window()
 

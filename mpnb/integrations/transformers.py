@@ -114,6 +114,7 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
             device=args.device,
             asked=asked_precision(args),
             title=f"{_FRAMEWORK}: {type(model).__name__}",
+            on_stop=lambda: setattr(control, "should_training_stop", True),
         )
         # held by the run: off at on_train_end, or at the next begin() when a train() raised before it
         self.telemetry.hold(model.register_forward_hook(self._forward_done, with_kwargs=True))

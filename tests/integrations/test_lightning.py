@@ -43,11 +43,11 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=8)
 
 
-def quiet_trainer(callback, **options) -> L.Trainer:
-    """A CPU Lightning Trainer with ``callback`` and nothing else: no logger, checkpoints or bars."""
+def quiet_trainer(*callbacks, **options) -> L.Trainer:
+    """A CPU Lightning Trainer with ``callbacks`` and nothing else: no logger, checkpoints or bars."""
     return L.Trainer(
         accelerator="cpu",
-        callbacks=[callback],
+        callbacks=list(callbacks),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -105,6 +105,30 @@ def test_stop_ends_training_at_the_next_step():
     assert trainer.global_step == len(callback.history) == 2
     assert len(module.losses) == 2
     assert not callback.telemetry.running
+
+
+class StopAtStep(L.Callback):
+    """Presses mpnb's Stop from another callback's on_train_batch_end, after mpnb's own has run."""
+
+    def __init__(self, mpnb_callback: MpnbCallback, step: int) -> None:
+        self.mpnb_callback, self.step = mpnb_callback, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            self.mpnb_callback.control.stop()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_stop_pressed_after_mpnbs_hook_ran_still_ends_training_at_that_step(accumulate):
+    """Stop reaches Lightning when it is pressed, not at mpnb's next hook: the step it was pressed
+    in is the last, whatever the order of the callbacks."""
+    callback = MpnbCallback(dashboard=None)
+    trainer = quiet_trainer(
+        callback, StopAtStep(callback, 2), precision="bf16-mixed", max_steps=10, accumulate_grad_batches=accumulate
+    )
+    trainer.fit(Classifier(), loader())
+    assert trainer.global_step == len(callback.history) == 2
+    assert not callback.telemetry.running and not callback.control.on_state
 
 
 def test_an_exception_in_training_takes_the_hooks_off():

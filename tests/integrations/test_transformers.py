@@ -26,7 +26,7 @@ def token_data(count: int = 64, length: int = 12) -> list[dict[str, torch.Tensor
 
 
 def train(
-    callback, mode: str, tmp_path, max_steps: int = 6, accumulate: int = 1, data=None, trainer=Trainer, **options
+    callback, mode: str, tmp_path, max_steps: int = 6, accumulate: int = 1, data=None, trainer=Trainer, also=(), **options
 ):
     compute_metrics = options.pop("compute_metrics", None)
     args = TrainingArguments(
@@ -48,7 +48,7 @@ def train(
         args=args,
         train_dataset=data or token_data(),
         eval_dataset=token_data(16),
-        callbacks=[callback],
+        callbacks=[callback, *also],
         compute_metrics=compute_metrics,
     )
     with warnings.catch_warnings(record=True) as caught:
@@ -119,6 +119,22 @@ def test_stop_ends_training_through_the_trainers_own_stop(tmp_path):
     assert not callback.telemetry.running  # on_train_end ran: hooks off, dashboard closed
     model = trainer.model
     assert not model._forward_hooks and not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_stop_pressed_after_mpnbs_hook_ran_still_ends_training_at_that_step(tmp_path):
+    """Another callback presses mpnb's Stop in its own on_step_end, after mpnb's has run: the trainer
+    stops at that step, whatever the order of the callbacks."""
+    from transformers import TrainerCallback
+
+    class StopAtStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                callback.control.stop()
+
+    callback = MpnbCallback(dashboard=None)
+    trainer, _ = train(callback, "bf16", tmp_path, max_steps=10, also=[StopAtStep()])
+    assert trainer.state.global_step == len(callback.history) == 2
+    assert not callback.telemetry.running and not callback.control.on_state
 
 
 def test_a_failed_train_leaves_no_hooks_behind_once_the_next_one_starts(tmp_path):
