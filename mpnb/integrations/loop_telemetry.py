@@ -207,7 +207,8 @@ class LoopTelemetry:
         True when the framework should stop: Stop was asked for (the dashboard, ``control.stop()``)
         or a non-finite loss stops the run (``on_nonfinite="stop"``)."""
         run = self._require_run()
-        skipped = run.watch.skipped(run.scaler, run.device) if run.watch is not None and run.before_called else False
+        prepared = run.before_called  # else the step's scale, learning rate and skip are unknown
+        skipped = run.watch.skipped(run.scaler, run.device) if run.watch is not None and prepared else False
         observed = run.observer.step_end()
         used, peak, reserved = run.memory.sample(time.perf_counter())
         loss = run.step_loss()
@@ -230,6 +231,8 @@ class LoopTelemetry:
         run.next_window()
         if loss is None:
             self.notices.say("no_loss", _no_loss(self.framework, self.steps), self.steps)
+        if not prepared:
+            self.notices.say("not_prepared", _not_prepared(self.framework, self.steps), self.steps)
         if observed is None:
             self.notices.say("mode_unseen", _mode_unseen(self.framework, self.steps), self.steps)
         if observed != run.checked_precision:  # the precision's notices, when it is first seen or changes
@@ -289,6 +292,14 @@ def _no_loss(framework: str, step: int) -> str:
         f"{framework} gave no loss mpnb can read at step {step} (a training step that returns none, manual "
         "optimization, a custom loss computed outside the model): those rows hold NaN with loss_missing=True, "
         "and are not counted as a non-finite loss"
+    )
+
+
+def _not_prepared(framework: str, step: int) -> str:
+    return (
+        f"{framework}: step {step} ended without before_optimizer_step(), so its loss scale, learning rate "
+        "and whether it was skipped are unknown (recorded as 1.0, NaN and not skipped): call "
+        "before_optimizer_step() just before each optimizer step"
     )
 
 

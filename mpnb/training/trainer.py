@@ -102,6 +102,7 @@ class Trainer:
             raise MpnbError("give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss")
         check_dashboard(dashboard)
         check_strategy(strategy)
+        _check_optimizer_trains(model, optimizer)
         self.amp = AmpStep(optimizer, mode=mode, device=device, on_nonfinite=on_nonfinite, **amp_options)
         self.device = self.amp.precision.device
         self.strategy = strategy
@@ -366,3 +367,18 @@ class Trainer:
             return
         state, history = read_checkpoint(self, path)
         apply_checkpoint(self, state, history)
+
+
+def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that holds none of the model's parameters (built from another model, or
+    from a copy): it would train nothing, silently in bf16, with torch's "No inf checks" in fp16.
+
+    Raises:
+        MpnbError: says how to build the optimizer.
+    """
+    own = {id(parameter) for parameter in model.parameters()}
+    if not any(id(parameter) in own for group in optimizer.param_groups for parameter in group["params"]):
+        raise MpnbError(
+            f"the optimizer ({type(optimizer).__name__}) holds none of {type(model).__name__}'s parameters, so "
+            "training would change nothing: build it from this model, e.g. torch.optim.Adam(model.parameters())"
+        )

@@ -182,9 +182,10 @@ def fsdp_refusals_rank() -> list[str]:
         Trainer(net, optimizer, nn.functional.mse_loss, device="cpu", dashboard=None, strategy="fsdp")
     except MpnbError as error:
         messages.append(str(error))
-    other = model()
+    other, own = model(), model()  # an optimizer over the model's parameters and some of another's
+    mixed = torch.optim.SGD([*other.parameters(), *own.parameters()], lr=0.1)
     try:
-        Trainer(model(), torch.optim.SGD(other.parameters(), lr=0.1), device="cpu", dashboard=None, strategy="fsdp")
+        Trainer(own, mixed, device="cpu", dashboard=None, strategy="fsdp")
     except MpnbError as error:
         messages.append(str(error))
     return messages

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 
@@ -450,3 +451,22 @@ def test_a_learning_rate_held_in_a_tensor_is_recorded_as_it_was_at_each_step():
         telemetry.step_end()
     telemetry.end()
     assert telemetry.history.lr == pytest.approx([0.01, 0.005, 0.0025], rel=1e-6)  # fp32 values
+
+
+def test_a_step_ended_without_before_optimizer_step_is_said_to_be_unknown():
+    """Without before_optimizer_step nothing tells the scale, rate or skip of the step: said once, not guessed silently."""
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1)
+    begin(telemetry, model)
+
+    def two_steps():
+        for _ in range(2):
+            telemetry.window_begin()
+            telemetry.add_loss(torch.tensor(0.5))
+            telemetry.step_end()
+        telemetry.end()
+
+    said = [message for message in recorded_warnings(two_steps) if "before_optimizer_step" in message]
+    assert len(said) == 1 and "step 1 ended without before_optimizer_step()" in said[0]
+    assert [e["kind"] for e in telemetry.history.events].count("not_prepared") == 1
+    assert math.isnan(telemetry.history.lr[0]) and telemetry.history.loss == [0.5, 0.5]

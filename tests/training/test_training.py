@@ -486,3 +486,11 @@ def test_train_step_given_no_function_says_what_it_wants():
     with pytest.raises(TypeError, match=r"a function that returns the loss.*got a Tensor"):
         amp.train_step(loss)
     assert amp.between_steps and amp.steps == 0
+
+
+def test_an_optimizer_of_another_model_is_refused_before_training():
+    model, other = nn.Linear(4, 1), nn.Linear(4, 1)
+    with pytest.raises(MpnbError, match=r"holds none of Linear's parameters.*model.parameters\(\)"):
+        mpnb.Trainer(model, torch.optim.SGD(other.parameters(), lr=0.1), mse, mode="fp16", device="cpu", dashboard=None)
+    frozen_head = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))  # an optimizer over part of the model is fine
+    mpnb.Trainer(frozen_head, torch.optim.SGD(frozen_head[1].parameters(), lr=0.1), mse, device="cpu", dashboard=None)
