@@ -40,6 +40,7 @@ import ctypes
 import dataclasses
 import datetime
 import faulthandler
+import gc
 import glob
 import json
 import logging
@@ -194,6 +195,7 @@ def launch(
     supervisor = Supervisor(channel, view, control)
     with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:  # error files and stacks, removed after
         config.logs_specs = DefaultLogsSpecs(log_dir=logs)
+        gc.collect()  # this process's garbage finalized here, where it was made, not in a forked worker (see _worker)
         try:
             with _agent_logs_quiet():  # a failure is said once, by the LaunchError below
                 returned = supervisor.run(
@@ -265,13 +267,16 @@ def _agent_logs_quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _stacks(folder: str) -> dict[int, str]:
-    """The stacks that workers ended by their timeout left, by rank."""
+def _stacks(folder: str, ending: str = ".stack") -> dict[int, str]:
+    """The stacks that workers left, by rank: those ended by their timeout (``.stack``), or those that
+    crashed (``.crash``; a file stays empty in a rank that did not)."""
     stacks = {}
     for name in os.listdir(folder):
-        if name.startswith("rank-") and name.endswith(".stack"):
+        if name.startswith("rank-") and name.endswith(ending):
             with open(os.path.join(folder, name)) as file:
-                stacks[int(name[5:-6])] = file.read()
+                stack = file.read()
+            if stack:
+                stacks[int(name[5 : -len(ending)])] = stack
     return stacks
 
 
@@ -319,15 +324,40 @@ def _launch_error(failures: dict[int, Any], timeout: float | None, logs: str, fi
     if not failures:
         return LaunchError("a rank failed and left no readable error (see the launcher's log)", first_rank, "")
     rank, exited = min(failures.items(), key=lambda item: item[1].timestamp)
+    crashed = _stacks(logs, ".crash")
+    if crashed:  # a fatal signal in native code: where the first rank that crashed was
+        rank = rank if rank in crashed else min(crashed)
+        code = failures[rank].exitcode if rank in failures else exited.exitcode
+        return LaunchError(
+            f"rank {rank} crashed{_signal_named(code)} (no Python exception); its Python stacks "
+            f"when it crashed:\n\n{crashed[rank]}",
+            rank,
+            crashed[rank],
+        )
     return LaunchError(
-        f"rank {rank} ended with exit code {exited.exitcode} and no Python exception (os._exit, a signal or a crash)",
+        f"rank {rank} ended{_signal_named(exited.exitcode)} and no Python exception (os._exit, a signal or a crash)",
         rank,
         str(exited.message),
     )
 
 
+def _signal_named(exit_code: int) -> str:
+    """`` with SIGSEGV (exit code -11)`` for an exit by a signal, else `` with exit code 3``."""
+    if exit_code < 0:
+        try:
+            return f" with {signal.Signals(-exit_code).name} (exit code {exit_code})"
+        except ValueError:
+            pass
+    return f" with exit code {exit_code}"
+
+
 def _worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str, link: _Link) -> bytes:
     """One worker: join the process group, run the function, send back its result and histories."""
+    # What a forked worker inherits from the launching process is never collected here, first thing:
+    # finalizers of native objects made there (compiled code, threads, earlier process groups) are not
+    # safe in a child, and workers that collected such garbage crashed (SIGSEGV in the garbage collector,
+    # after the same process had run Lightning, transformers and torch.compile, or a crashed launch).
+    gc.freeze()
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return record(_run_worker)(payload, backend, device_type, timeout, logs, link)
@@ -341,6 +371,7 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
     # a Ctrl-C sent to the whole process group must not stop one rank alone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _end_with_parent()
+    _stacks_on_crash(os.path.join(logs, f"rank-{os.environ['RANK']}.crash"))
     if timeout is not None:
         _end_after(timeout, os.path.join(logs, f"rank-{os.environ['RANK']}.stack"))
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: the workers share the cores, not oversubscribe them
@@ -383,6 +414,12 @@ def _end_with_parent() -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+
+
+def _stacks_on_crash(crash_file: str) -> None:
+    """On a fatal signal (a segfault or an abort in native code), write this worker's Python stacks to
+    ``crash_file`` for the launch's error to show (faulthandler keeps the file open)."""
+    faulthandler.enable(open(crash_file, "w"), all_threads=True)  # noqa: SIM115
 
 
 def _end_after(seconds: float, stack_file: str) -> None:
