@@ -39,9 +39,7 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
-import faulthandler
 import gc
-import glob
 import json
 import logging
 import math
@@ -49,7 +47,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -60,6 +57,7 @@ import torch.distributed as dist
 
 from mpnb import views
 from mpnb.distributed.channel import LauncherChannel, RankStream, WorkerChannel
+from mpnb.distributed.launch_failure import LaunchError, end_after, launch_error, stacks_on_crash
 from mpnb.distributed.rank_output import rank_lines
 from mpnb.distributed.rank_rows import RanksView
 from mpnb.distributed.supervise import Supervisor
@@ -71,22 +69,11 @@ from mpnb.training.telemetry import DASHBOARDS
 
 __all__ = ["Launched", "LaunchError", "launch", "default_backend"]
 
-#: The exit code of a worker ended by its ``timeout``.
-TIMED_OUT = 124
 #: The most workers one launch starts on a machine.
 MAX_NPROC = max(64, 4 * (os.cpu_count() or 1))
 #: Seconds the launcher waits for workers to end after SIGTERM before it kills them.
 SHUTDOWN_S = 5
 START_METHODS = ("fork", "spawn", "forkserver")
-
-
-class LaunchError(MpnbError):
-    """A worker failed or timed out; ``rank`` names it (the lowest of those that timed out),
-    ``details`` holds its traceback, or the stacks of the ranks that timed out."""
-
-    def __init__(self, message: str, rank: int, details: str) -> None:
-        super().__init__(message)
-        self.rank, self.details = rank, details
 
 
 @dataclasses.dataclass
@@ -202,9 +189,9 @@ def launch(
                     lambda: elastic_launch(config, _worker)(payload, backend, device_type, timeout, logs, link)
                 )
         except ChildFailedError as failure:
-            raise _launch_error(failure.failures, timeout, logs, node_rank * nproc) from None
+            raise launch_error(failure.failures, timeout, logs, node_rank * nproc) from None
         except (json.JSONDecodeError, EOFError) as unread:  # torch's launcher read an error file half-written
-            raise _launch_error({}, timeout, logs, node_rank * nproc) from unread
+            raise launch_error({}, timeout, logs, node_rank * nproc) from unread
         except SignalException as signalled:  # the launcher turns Ctrl-C / a kernel interrupt into this
             if signalled.sigval != signal.SIGINT:
                 raise
@@ -267,90 +254,6 @@ def _agent_logs_quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _stacks(folder: str, ending: str = ".stack") -> dict[int, str]:
-    """The stacks that workers left, by rank: those ended by their timeout (``.stack``), or those that
-    crashed (``.crash``; a file stays empty in a rank that did not)."""
-    stacks = {}
-    for name in os.listdir(folder):
-        if name.startswith("rank-") and name.endswith(ending):
-            with open(os.path.join(folder, name)) as file:
-                stack = file.read()
-            if stack:
-                stacks[int(name[5 : -len(ending)])] = stack
-    return stacks
-
-
-def _error_files(folder: str) -> list[tuple[int, int, dict]]:
-    """``(written at ns, local rank, error)`` for each error file a worker left: its exception and
-    traceback, as ``torch.distributed.elastic``'s ``record`` writes them."""
-    found = []
-    for path in glob.glob(os.path.join(folder, "*", "attempt_*", "*", "error.json")):
-        try:
-            with open(path) as file:
-                error = json.load(file).get("message", {})
-            found.append((os.stat(path).st_mtime_ns, int(os.path.basename(os.path.dirname(path))), error))
-        except (OSError, ValueError, AttributeError):
-            continue
-    return sorted(found, key=lambda entry: entry[:2])
-
-
-def _launch_error(failures: dict[int, Any], timeout: float | None, logs: str, first_rank: int) -> LaunchError:
-    """The error that says what ended the launch: the stacks of the ranks that timed out, else the
-    first exception a rank raised (the launcher may report first a rank that failed only because
-    its peer's connection closed), else the first rank that exited. ``first_rank``: this node's
-    first global rank (error files are named by local rank)."""
-    stacks = _stacks(logs)
-    if stacks:  # ranks blocked in a collective time out too: each one's stack shows where it was
-        where = "\n\n".join(f"rank {rank}:\n{stack}" for rank, stack in sorted(stacks.items()))
-        ranks = ", ".join(str(rank) for rank in sorted(stacks))
-        return LaunchError(
-            f"timeout={timeout:g} s passed with rank{'s' * (len(stacks) > 1)} {ranks} still running and ended; "
-            f"where each was (a rank waiting in a collective waits for the one that hangs):\n\n{where}",
-            min(stacks),
-            where,
-        )
-    errors = _error_files(logs)
-    if errors:
-        _, local_rank, error = errors[0]
-        rank = first_rank + local_rank
-        details = error.get("extraInfo", {}).get("py_callstack", "") or str(error.get("message", ""))
-        what = str(error.get("message", "an error"))
-        if "by peer" in what:  # gloo's word for a peer that went away first, leaving no error of its own
-            what += (
-                "\n(another rank ended first without a Python exception: os._exit, a signal or a crash; "
-                "its exit code is in the launcher's log)"
-            )
-        return LaunchError(f"rank {rank} failed: {what}\n\n{details}", rank, details)
-    if not failures:
-        return LaunchError("a rank failed and left no readable error (see the launcher's log)", first_rank, "")
-    rank, exited = min(failures.items(), key=lambda item: item[1].timestamp)
-    crashed = _stacks(logs, ".crash")
-    if crashed:  # a fatal signal in native code: where the first rank that crashed was
-        rank = rank if rank in crashed else min(crashed)
-        code = failures[rank].exitcode if rank in failures else exited.exitcode
-        return LaunchError(
-            f"rank {rank} crashed{_signal_named(code)} (no Python exception); its Python stacks "
-            f"when it crashed:\n\n{crashed[rank]}",
-            rank,
-            crashed[rank],
-        )
-    return LaunchError(
-        f"rank {rank} ended{_signal_named(exited.exitcode)} and no Python exception (os._exit, a signal or a crash)",
-        rank,
-        str(exited.message),
-    )
-
-
-def _signal_named(exit_code: int) -> str:
-    """`` with SIGSEGV (exit code -11)`` for an exit by a signal, else `` with exit code 3``."""
-    if exit_code < 0:
-        try:
-            return f" with {signal.Signals(-exit_code).name} (exit code {exit_code})"
-        except ValueError:
-            pass
-    return f" with exit code {exit_code}"
-
-
 def _worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str, link: _Link) -> bytes:
     """One worker: join the process group, run the function, send back its result and histories."""
     # What a forked worker inherits from the launching process is never collected here, first thing:
@@ -371,9 +274,9 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
     # a Ctrl-C sent to the whole process group must not stop one rank alone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _end_with_parent()
-    _stacks_on_crash(os.path.join(logs, f"rank-{os.environ['RANK']}.crash"))
+    stacks_on_crash(os.path.join(logs, f"rank-{os.environ['RANK']}.crash"))
     if timeout is not None:
-        _end_after(timeout, os.path.join(logs, f"rank-{os.environ['RANK']}.stack"))
+        end_after(timeout, os.path.join(logs, f"rank-{os.environ['RANK']}.stack"))
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: the workers share the cores, not oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     fn, args = cloudpickle.loads(payload)
@@ -414,23 +317,3 @@ def _end_with_parent() -> None:
 
 
 _PR_SET_PDEATHSIG = 1
-
-
-def _stacks_on_crash(crash_file: str) -> None:
-    """On a fatal signal (a segfault or an abort in native code), write this worker's Python stacks to
-    ``crash_file`` for the launch's error to show (faulthandler keeps the file open)."""
-    faulthandler.enable(open(crash_file, "w"), all_threads=True)  # noqa: SIM115
-
-
-def _end_after(seconds: float, stack_file: str) -> None:
-    """End this worker (exit code :data:`TIMED_OUT`) once ``seconds`` have passed, leaving the
-    stacks of its threads in ``stack_file``."""
-
-    def end() -> None:
-        with open(stack_file, "w") as file:
-            faulthandler.dump_traceback(file)
-        os._exit(TIMED_OUT)
-
-    timer = threading.Timer(seconds, end)
-    timer.daemon = True
-    timer.start()

@@ -215,7 +215,9 @@ def test_a_flush_of_values_on_two_devices_reads_each_device_once_and_keeps_every
     recorder = Recorder(flush_every=4)
     for step in range(1, 5):
         lr = torch.tensor(0.1 * step) if step % 2 else 0.5  # a CPU tensor in some rows, a number in others
-        recorder.record(step=step, loss=torch.tensor(float(step), device="cuda"), lr=lr, skipped=torch.tensor(step == 3))
+        recorder.record(
+            step=step, loss=torch.tensor(float(step), device="cuda"), lr=lr, skipped=torch.tensor(step == 3)
+        )
     history = recorder.history
     assert recorder.host_transfers == 2
     assert history.loss == [1.0, 2.0, 3.0, 4.0] and history.skipped_steps == [3]

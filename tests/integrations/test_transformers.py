@@ -26,7 +26,15 @@ def token_data(count: int = 64, length: int = 12) -> list[dict[str, torch.Tensor
 
 
 def train(
-    callback, mode: str, tmp_path, max_steps: int = 6, accumulate: int = 1, data=None, trainer=Trainer, also=(), **options
+    callback,
+    mode: str,
+    tmp_path,
+    max_steps: int = 6,
+    accumulate: int = 1,
+    data=None,
+    trainer=Trainer,
+    also=(),
+    **options,
 ):
     compute_metrics = options.pop("compute_metrics", None)
     args = TrainingArguments(

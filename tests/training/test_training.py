@@ -400,7 +400,9 @@ def test_train_step_does_what_the_three_calls_do(mode):
     history = run_amp_step(model, data, amp, overflow_at)
     one_call = mpnb.AmpStep(torch.optim.SGD(twin.parameters(), lr=0.1), **options)
     for step, (x, y) in enumerate(data, start=1):
-        one_call.train_step(lambda: mse(twin(x), y) * (math.inf if step in overflow_at else 1.0), samples=len(x))
+        one_call.train_step(
+            lambda x=x, y=y, step=step: mse(twin(x), y) * (math.inf if step in overflow_at else 1.0), samples=len(x)
+        )
     assert torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias)
     assert one_call.close().mode == history.mode
     for name in ("step", "loss", "loss_scale", "skipped", "grad_norm"):
@@ -458,7 +460,9 @@ def test_a_learning_rate_held_in_a_tensor_is_recorded_as_it_was_at_each_step():
     not the rate at the flush."""
     model = nn.Linear(4, 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
-    amp = mpnb.AmpStep(optimizer, mode="bf16", device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5))
+    amp = mpnb.AmpStep(
+        optimizer, mode="bf16", device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    )
     for _ in range(3):
         amp.train_step(lambda: model(torch.ones(2, 4)).float().mean())
     assert amp.history.lr == pytest.approx([0.01, 0.005, 0.0025], rel=1e-6)  # fp32 values
