@@ -240,7 +240,8 @@ class LoopTelemetry:
             self.notices.say("precision_mismatch", precision_mismatch(run.asked, observed, self.framework), self.steps)
             scaling = fp16_without_scaling(observed, run.scaler, self.framework)
             self.notices.say("fp16_without_scaling", scaling, self.steps)
-        return self.control.checkpoint().stop or self.health.stop
+        self.control.checkpoint()  # delivers the dashboard's requests, a Stop among them
+        return self.stop_requested
 
     def outside_steps(self) -> None:
         """Work outside the training steps just ran (an evaluation, a checkpoint save): the next
