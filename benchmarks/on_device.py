@@ -37,3 +37,13 @@ def device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
+
+
+def results_name(benchmark: str, device: torch.device) -> str:
+    """The JSON's name: ``benchmark`` on the CPU, ``benchmark-cuda`` (and so on) elsewhere, so that a
+    GPU run never overwrites the CPU figures.
+
+    >>> results_name("peers", torch.device("cuda", 0))
+    'peers-cuda'
+    """
+    return benchmark if device.type == "cpu" else f"{benchmark}-{device.type}"

@@ -33,7 +33,7 @@ import os
 import statistics
 
 import torch
-from on_device import add_device_argument, device_label, settled_clock, to_device
+from on_device import add_device_argument, device_label, results_name, settled_clock, to_device
 from paired_rounds import median_ratio, paired_rounds
 from results_file import write_results
 from torch import nn
@@ -139,7 +139,7 @@ def main() -> None:
             with kernels_forced(label.endswith("kernels"), "python" if label == "python kernels" else "compiled"):
                 models[name][label] = measure(name, batches, args.rounds, chosen, label)
     write_results(
-        "oplist_overhead" if device.type == "cpu" else f"oplist_overhead-{device.type}",
+        results_name("oplist_overhead", device),
         {
             "device": device_label(device),
             "mechanism": f"session op lists: {compiled_kernels.kind()} kernels on every Autocast dispatch key",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import math
 import os
 import statistics
 import sys
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from on_device import add_device_argument, device_label, settled_clock, to_device
+from on_device import add_device_argument, device_label, results_name, settled_clock, to_device
 from paired_rounds import fastest_ratio, median_ratio, paired_rounds
 from results_file import write_results
 from torch import nn
@@ -101,7 +102,10 @@ def amp_step_loop(model: nn.Module, device: torch.device, precision: str) -> Run
 
 def accelerate_loop(model: nn.Module, device: torch.device, precision: str) -> Runner:
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    # Accelerate keeps one process-wide state and refuses a second precision in it: start afresh
+    AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(mixed_precision=precision, cpu=device.type == "cpu")
     model, optimizer = accelerator.prepare(model, torch.optim.Adam(model.parameters(), 1e-3))
     return _framework_loop(model, optimizer, accelerator.backward)
@@ -231,6 +235,11 @@ def own_time_over_hand(
         return own_time_beyond(work, lambda: hand(batches), lambda: runner(batches), len(batches), rounds)
 
 
+def hand_step_s(row: dict) -> float:
+    """The hand loop's median step in one batch size's row: from the first runner that was measured."""
+    return next((cell["median_step_s_hand"] for cell in row.values() if "median_step_s_hand" in cell), math.nan)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="8,32,256")
@@ -253,10 +262,7 @@ def main() -> None:
         results[precision] = {str(size): row for size, row in table.items()}
         print(f"\n{device_label(device)}, digits CNN, {precision}: step time over the hand-written torch.amp loop")
         print(f"{'':24s}" + "".join(f"batch {size:<14d}" for size in sizes))
-        hand_ms = "".join(
-            f"{next(iter(table[size].values())).get('median_step_s_hand', float('nan')) * 1e3:6.2f} ms           "
-            for size in sizes
-        )
+        hand_ms = "".join(f"{hand_step_s(table[size]) * 1e3:6.2f} ms           " for size in sizes)
         print(f"{'hand loop (1.00)':24s}{hand_ms}")
         for name in runners:
             cells = [table[size][name] for size in sizes]
@@ -276,7 +282,8 @@ def main() -> None:
             ))  # fmt: skip
     sys.stdout.flush()
     write_results(
-        "peers", {"device": device.type, "rounds": args.rounds, "steps_per_block": args.steps, "results": results}
+        results_name("peers", device),
+        {"device": device_label(device), "rounds": args.rounds, "steps_per_block": args.steps, "results": results},
     )
 
 

@@ -23,11 +23,11 @@ import copy
 import statistics
 
 import torch
-from on_device import add_device_argument, device_label, settled_clock, to_device
+from on_device import add_device_argument, device_label, results_name, settled_clock, to_device
 from paired_rounds import fastest_ratio, median_ratio, paired_rounds
 from results_file import write_results
-from torch_work import TorchWork, own_time_beyond
 from torch import nn
+from torch_work import TorchWork, own_time_beyond
 
 import mpnb
 import mpnb.examples as ex
@@ -167,7 +167,7 @@ def main() -> None:
     worst_own = 1 + max(row["own_share"] for row in results)
     print(f"worst own time {worst_own:.3f}x, worst ratio {worst:.3f} (target <= {TARGET})")
     write_results(
-        "training_overhead" if device.type == "cpu" else f"training_overhead-{device.type}",
+        results_name("training_overhead", device),
         {
             "device": device_label(device),
             "target_ratio": TARGET,

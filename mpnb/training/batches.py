@@ -53,8 +53,26 @@ def _opened(leaf: Any) -> Any:
     return None
 
 
+def indexed(device: torch.device) -> torch.device:
+    """``device`` as its tensors name it: an accelerator with its index (``cuda`` is the current
+    CUDA device, ``cuda:0``), so that a batch already there is recognised by a comparison.
+    Devices without a current index (``cpu``, ``meta``, ``lazy``) are returned as they are.
+
+    >>> indexed(torch.device("cpu")), indexed(torch.device("meta"))
+    (device(type='cpu'), device(type='meta'))
+    """
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    try:
+        return torch.device(device.type, torch.get_device_module(device.type).current_device())
+    except (RuntimeError, AttributeError, TypeError):  # no device module (lazy), or no current device
+        return device
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor on ``device`` (non-blocking copies), its structure unchanged.
+    A batch whose tensors are all on ``device`` comes back as it is, without a call into torch per
+    tensor (pass an :func:`indexed` device: ``cuda:0`` and not ``cuda``, as the tensors name it).
 
     >>> batch = (torch.zeros(2), torch.ones(2))
     >>> to_device(batch, torch.device("cpu")) is batch  # the usual case, already there: as it is

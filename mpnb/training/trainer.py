@@ -25,7 +25,17 @@ from torch import nn
 from mpnb.errors import MpnbError
 from mpnb.precision.modes import Mode
 from mpnb.training.amp_step import AmpStep
-from mpnb.training.batches import BatchReader, HeldBatches, LossFn, StepFn, batch_loss, resume, samples_in, to_device
+from mpnb.training.batches import (
+    BatchReader,
+    HeldBatches,
+    LossFn,
+    StepFn,
+    batch_loss,
+    indexed,
+    resume,
+    samples_in,
+    to_device,
+)
 from mpnb.training.capture import FitCapture, active_capture, note_fit, streamed
 from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_checkpoint
 from mpnb.training.control import FitControl, running_on_this_thread
@@ -200,6 +210,7 @@ class Trainer:
         sinks = self._sinks(capture)
         steps_before = self.amp.steps
         self.history.meta.update(model=self.describe(), device=str(self.device), mode=self.mode.value)
+        self._batch_device = indexed(self.device)  # cuda:0, as batches already there name it
         self.amp.recorder.sinks.extend(sinks)
         self.model.train()
         self.control.begin()
@@ -332,7 +343,7 @@ class Trainer:
             self._epoch, self._batch = self._window_start
 
     def _train_batch(self, batch: Any) -> bool:
-        batch = to_device(batch, self.device)
+        batch = to_device(batch, self._batch_device)
         return self.amp.train_step(lambda: batch_loss(self.model, batch, self.loss_fn, self.step_fn), samples_in(batch))
 
     def describe(self) -> str:

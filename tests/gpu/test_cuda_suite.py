@@ -18,6 +18,7 @@ from torch import nn
 
 import mpnb
 from mpnb.errors import DeviceUnavailableError
+from mpnb.precision.policy import session
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -132,29 +133,78 @@ def _flags() -> tuple:
     )
 
 
+def _tf32_errors(a, b, images, kernels) -> tuple[float, float]:
+    """The largest error of an fp32 matmul and a cuDNN convolution, each against fp64."""
+    reference_mm = (a.double() @ b.double()).float()
+    reference_conv = nn.functional.conv2d(images.double(), kernels.double()).float()
+    return (
+        (a @ b - reference_mm).abs().max().item(),
+        (nn.functional.conv2d(images, kernels) - reference_conv).abs().max().item(),
+    )
+
+
 @needs_tf32
 def test_the_tf32_switch_changes_matmul_and_cudnn_convolution_results_and_puts_the_flags_back():
     """Measured, not read from a flag: with TF32 on, fp32 matmuls and cuDNN convolutions round
     their inputs to 10 mantissa bits, so their error against an fp64 reference grows by orders of
-    magnitude; off, they are exact fp32. Every flag is as before once each block ends."""
+    magnitude; in mode fp32 both are exact fp32. Every flag is as before once each block ends.
+
+    torch's own defaults differ between the two: matmuls exact, cuDNN convolutions in TF32
+    (``torch.backends.cudnn.allow_tf32`` is True). ``tf32(False)`` outside modes fp32 and tf32
+    puts those defaults back, so there convolutions stay TF32. Measured on an H100 (cuDNN 9.19):
+    convolution error 1.3e-4 exact, 3.4e-2 in TF32; matmul 1.8e-4 and 5.0e-2."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     a, b = (torch.randn(1024, 1024, device="cuda", generator=generator) for _ in range(2))
     images = torch.randn(8, 64, 32, 32, device="cuda", generator=generator)
     kernels = torch.randn(64, 64, 3, 3, device="cuda", generator=generator)
-    reference_mm = (a.double() @ b.double()).float()
-    reference_conv = nn.functional.conv2d(images.double(), kernels.double()).float()
-    before = _flags()
+    before, session_before = _flags(), session.snapshot()
     errors = {}
     for enabled in (False, True):
-        with mpnb.tf32(enabled, device="cuda"):
-            errors[enabled] = (
-                (a @ b - reference_mm).abs().max().item(),
-                (nn.functional.conv2d(images, kernels) - reference_conv).abs().max().item(),
-            )
+        mpnb.set_mode("fp32", device="cuda")
+        try:
+            with mpnb.tf32(enabled, device="cuda"):  # in mode fp32 the switch moves between fp32 and tf32
+                errors[enabled] = _tf32_errors(a, b, images, kernels)
+        finally:
+            session.restore(session_before)
         assert _flags() == before
     (mm_exact, conv_exact), (mm_tf32, conv_tf32) = errors[False], errors[True]
     assert mm_tf32 > 20 * mm_exact, errors
     assert conv_tf32 > 20 * conv_exact, errors
+    mpnb.set_mode("bf16", device="cuda")
+    try:
+        with mpnb.tf32(False, device="cuda"):  # torch's defaults: exact matmuls, TF32 convolutions
+            mm_default, conv_default = _tf32_errors(a, b, images, kernels)
+    finally:
+        session.restore(session_before)
+    assert _flags() == before
+    assert mm_default < 2 * mm_exact and conv_default > 20 * conv_exact, (mm_default, conv_default, errors)
+
+
+def test_a_batch_already_on_the_gpu_goes_to_the_step_as_it_is():
+    """The Trainer names its device ``cuda``; tensors name theirs ``cuda:0``. A batch already there
+    must be recognised as such, without a ``.to`` per tensor (two dispatcher calls, 9 us a step on an
+    H100, where the example CNN's step takes 2.3 ms)."""
+    from torch.overrides import TorchFunctionMode
+
+    data = batches(4)
+    held = {id(tensor) for batch in data for tensor in batch}
+    moves = []
+
+    class WatchMoves(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.to and id(args[0]) in held:
+                moves.append(args[1:])
+            return func(*args, **(kwargs or {}))
+
+    model = mlp().cuda()
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, mode="bf16", device="cuda",
+        dashboard=None,
+    )  # fmt: skip
+    with WatchMoves():
+        trainer.fit(data)
+    assert len(trainer.history) == 4
+    assert moves == []
 
 
 def _digits_run(mode: str):
