@@ -39,7 +39,7 @@ def test_import_mpnb_stays_light():
 
 
 def test_train_prints_progress_and_summary_and_writes_history_and_dashboard(tmp_path):
-    result = mpnb("train", "--steps", "30", "--mode", "fp16", "--batch-size", "128", cwd=tmp_path)
+    result = mpnb("train", "--steps", "30", "--mode", "fp16", "--device", "cpu", "--batch-size", "128", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     notice, out = out.split("\n", 1)  # fp16 on a CPU is announced before training, with a measured estimate

@@ -46,7 +46,7 @@ class Hungry(torch.nn.Module):
 
     def forward(self, x):
         if len(x) > self.threshold:
-            torch.empty(2**40, dtype=torch.uint8)  # a real allocation failure
+            torch.empty(2**60, dtype=torch.uint8)  # a real allocation failure, even where memory is overcommitted
         return self.linear(x.flatten(1))
 
 

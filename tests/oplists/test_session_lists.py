@@ -188,11 +188,14 @@ def test_oplist_magic_drives_the_session_lists(ip, capsys):
     assert "from user: layer_norm, linear" in shown and "from preset hmp:" in shown
     assert "kernels: C++" in shown or "kernels: Python" in shown
     assert "softmax" not in session.oplists.lists.fp32 and "log_softmax" in session.oplists.lists.fp32
-    run(ip, "%%autocast --dtype bf16\ninside_cell = (linear(x).dtype, torch.nn.functional.layer_norm(x, (8,)).dtype)")
+    run(
+        ip,
+        "%%autocast --dtype bf16 --device cpu\ninside_cell = (linear(x).dtype, torch.nn.functional.layer_norm(x, (8,)).dtype)",
+    )
     assert ip.user_ns["inside_cell"] == (torch.float32, torch.float32)
     run(ip, "with torch.autocast('cpu', dtype=torch.bfloat16):\n    own_block = linear(x).dtype")
     assert ip.user_ns["own_block"] == torch.float32
-    run(ip, "%amp bf16")
+    run(ip, "%amp bf16 --device cpu")
     run(ip, "amp_cell = linear(x).dtype")
     assert ip.user_ns["amp_cell"] == torch.float32
     run(ip, "%oplist reset")
@@ -231,11 +234,11 @@ def test_oplist_files_round_trip_through_the_magic(ip, tmp_path, capsys):
 def test_cell_lists_win_for_the_cell_and_vanish_after_it_even_on_error(ip):
     run(ip, "%oplist add fp32 linear")
     table = dispatcher_state()
-    run(ip, "%%autocast --dtype bf16 --lower linear --fp32 softmax,log_softmax\ncell = linear(x).dtype")
+    run(ip, "%%autocast --dtype bf16 --device cpu --lower linear --fp32 softmax,log_softmax\ncell = linear(x).dtype")
     assert ip.user_ns["cell"] == torch.bfloat16
-    run_expecting(ip, "%%autocast --dtype fp16 --lower linear\nlinear(x)\n1 / 0", ZeroDivisionError)
+    run_expecting(ip, "%%autocast --dtype fp16 --device cpu --lower linear\nlinear(x)\n1 / 0", ZeroDivisionError)
     assert dispatcher_state() == table
-    run(ip, "%%autocast --dtype bf16\nnext_cell = linear(x).dtype")
+    run(ip, "%%autocast --dtype bf16 --device cpu\nnext_cell = linear(x).dtype")
     assert ip.user_ns["next_cell"] == torch.float32
 
 
@@ -256,7 +259,7 @@ def test_help_states_the_semantics(ip):
 def test_show_without_lists_reads_torchs_rules(ip, capsys):
     run(ip, "%oplist show")
     shown = capsys.readouterr().out
-    assert "torch's own autocast rules on cpu" in shown
+    assert f"torch's own autocast rules on {session.resolved_device().type}" in shown  # cpu, or cuda on a GPU
     lowered = shown.split("lowered to the autocast dtype")[1].split("\n")[0]
     kept = shown.split("kept in fp32")[1].split("\n")[0]
     assert "mm" in lowered.split(", ") or " mm," in lowered
@@ -264,10 +267,10 @@ def test_show_without_lists_reads_torchs_rules(ip, capsys):
 
 
 def test_trace_cell_shows_and_keeps_the_trace(ip):
-    run(ip, "%%autocast --dtype bf16 --fp32 linear --trace\nout = torch.nn.functional.relu(linear(x))")
+    run(ip, "%%autocast --dtype bf16 --device cpu --fp32 linear --trace\nout = torch.nn.functional.relu(linear(x))")
     trace = ip.user_ns["_trace"]
     assert {(row.op, row.output) for row in trace.ops()} >= {("addmm", "fp32"), ("relu", "fp32")}
-    run_expecting(ip, "%%autocast --dtype bf16 --trace\nlinear(x)\n1 / 0", ZeroDivisionError)
+    run_expecting(ip, "%%autocast --dtype bf16 --device cpu --trace\nlinear(x)\n1 / 0", ZeroDivisionError)
     assert ("addmm", "bf16") in {(row.op, row.output) for row in ip.user_ns["_trace"].ops()}
 
 
