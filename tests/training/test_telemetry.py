@@ -9,6 +9,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpnb
@@ -194,6 +196,24 @@ def test_decimation_is_bounded_keeps_extremes_and_matches_short_series_exactly()
     assert 54_321 in xs.tolist() and 77_777 in xs.tolist()
     assert float(ys.max()) == 50.0 and float(ys.min()) == -3.0
     assert list(xs) == sorted(xs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), max_size=300),
+    max_points=st.integers(4, 40),
+)
+def test_decimated_points_are_real_points_in_x_order_with_every_extreme(values, max_points):
+    series = MinMaxSeries(max_points=max_points)
+    series.extend(range(len(values)), values)
+    xs, ys = series.points()
+    assert len(xs) <= max_points and xs.tolist() == sorted(set(xs.tolist()))  # in order, none twice
+    assert all(ys[i] == values[int(x)] for i, x in enumerate(xs))  # each drawn point is one of the series
+    finite = [v for v in values if math.isfinite(v)]
+    if finite:
+        assert float(ys.min()) == min(finite) and float(ys.max()) == max(finite)
+    else:
+        assert len(xs) == 0
 
 
 def test_a_row_with_an_fp8_value_beside_others_is_read():

@@ -77,12 +77,14 @@ class MinMaxSeries:
         for bucket in self._buckets:
             if bucket is None:
                 continue
-            first, second = sorted(((bucket[0], bucket[1]), (bucket[2], bucket[3])))
-            xs.append(first[0])
-            ys.append(first[1])
-            if second[0] != first[0]:
-                xs.append(second[0])
-                ys.append(second[1])
+            x_first, y_first, x_second, y_second = bucket
+            if x_second < x_first:  # the maximum came first
+                x_first, y_first, x_second, y_second = x_second, y_second, x_first, y_first
+            xs.append(x_first)
+            ys.append(y_first)
+            if x_second != x_first:  # one point when the lowest is the highest
+                xs.append(x_second)
+                ys.append(y_second)
         return np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float32)
 
 
