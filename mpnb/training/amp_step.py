@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
+from mpnb.training.gradients import check_loss, rescale, unscale_and_clip
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
 from mpnb.training.step_clock import DeviceInterval, StepClock
@@ -191,7 +191,7 @@ class AmpStep:
 
     def _backward(self, loss: torch.Tensor, under_autocast: bool) -> None:
         """:meth:`backward`, told whether it is called where autocast is on (inside the forward's block)."""
-        _check_loss(loss)
+        check_loss(loss)
         forward_time = self.forward_clock.stop()
         if forward_time is None:  # no autocast() before: the step's window opens here
             self.clock.start()
@@ -223,8 +223,43 @@ class AmpStep:
         self._samples += samples or 0
         if self._micro_batches % self.accumulate:
             return False
+        return self._optimizer_step()
+
+    def finish_window(self) -> bool:
+        """Step an accumulation window that the data ended before it filled (an epoch's last
+        batches), as the mean of the micro-batches it has: their gradients, each added at
+        ``1/accumulate``, are rescaled to ``1/count`` first. Returns False, doing nothing, when no
+        window is open. :class:`~mpnb.Trainer` calls it at each epoch's end; call it at yours.
+
+        Example:
+            >>> model = torch.nn.Linear(4, 1)
+            >>> amp = AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="bf16", device="cpu", accumulate=4)
+            >>> amp.train_step(lambda: model(torch.ones(8, 4)).float().pow(2).mean())
+            False
+            >>> amp.finish_window(), len(amp.history)
+            (True, 1)
+
+        Raises:
+            RuntimeError: called from inside a :meth:`train_step` forward, or the window's only
+                backward failed half-way (:meth:`discard_window` drops what it left).
+        """
+        if self._in_forward:
+            raise RuntimeError("AmpStep.finish_window() called from inside the forward of a train_step()")
+        if not self._window_open:
+            return False
+        if not self._micro_batches:
+            raise RuntimeError("the open window's only backward failed half-way: discard_window() drops its gradients")
+        rescale(self.optimizer, self.accumulate / self._micro_batches)
+        return self._optimizer_step()
+
+    def _optimizer_step(self) -> bool:
+        """Unscale, clip, step, update the scale and record the window's row."""
         scale_before = scale_in_use(self.scaler)
-        grad_norm = self._unscale_and_clip() if self.clip_grad_norm is not None or self.record_grad_norm else math.nan
+        grad_norm = (
+            unscale_and_clip(self.scaler, self.optimizer, self.clip_grad_norm)
+            if self.clip_grad_norm is not None or self.record_grad_norm
+            else math.nan
+        )
         lr = lr_in_use(self.optimizer)
         self._step_watch.reset()
         try:
@@ -278,16 +313,6 @@ class AmpStep:
                 self.precision.device.type, enabled=enabled, **self._scaler_options
             )
         return self._scalers[enabled]
-
-    def _unscale_and_clip(self) -> torch.Tensor:
-        self.scaler.unscale_(self.optimizer)
-        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if self.clip_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        full = getattr(norm, "full_tensor", None)  # sharded gradients (FSDP) give a DTensor: the whole model's norm
-        return full() if callable(full) else norm
 
     def _record(
         self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any
@@ -370,17 +395,3 @@ class AmpStep:
 
     def __repr__(self) -> str:
         return f"<mpnb.AmpStep {self.precision.describe()}, {self.steps} steps, accumulate={self.accumulate}>"
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, torch.Tensor):
-        raise MpnbError(f"the loss must be a tensor, got {type(loss).__name__}: return the loss tensor itself")
-    if loss.numel() != 1:
-        raise MpnbError(
-            f"the loss must be a single number, got a tensor of shape {tuple(loss.shape)}: reduce it (.mean())"
-        )
-    if not loss.requires_grad:
-        raise MpnbError(
-            "the loss does not require grad (computed under torch.no_grad, detached, or from a frozen model): "
-            "nothing to train"
-        )

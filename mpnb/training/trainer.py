@@ -313,6 +313,8 @@ class Trainer:
                     steps_left -= 1
                 self._batch += 1
                 trained_any = True
+            if self.amp.finish_window() and steps_left is not None:  # the data ended inside a window
+                steps_left -= 1
             if not trained_any and self._batch == 0:
                 warnings.warn(
                     f"mpnb: the data gave no batches in epoch {self._epoch}"

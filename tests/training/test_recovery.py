@@ -108,7 +108,10 @@ def test_loading_drops_the_window_the_replaced_run_left_open(tmp_path):
     fresh.load(tmp_path / "run.pt")
     fresh.fit(data[2:])
     used = mpnb.Trainer(*build(seed=3), mse, mode="bf16", device="cpu", dashboard=None, accumulate=2)
-    used.fit(data[:3])  # ends with one micro-batch of an unfinished window
+    used.fit(data[:2])
+    inputs, targets = data[2]
+    used.amp.train_step(lambda: mse(used.model(inputs), targets))  # one micro-batch of an unfinished window
+    assert not used.amp.between_steps
     used.load(tmp_path / "run.pt")
     assert used.amp.between_steps and all(p.grad is None for p in used.model.parameters())
     used.fit(data[2:])
