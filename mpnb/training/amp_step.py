@@ -41,10 +41,11 @@ from mpnb.precision.modes import Mode
 from mpnb.training.gradients import check_loss, rescale, unscale_and_clip
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
-from mpnb.training.step_clock import DeviceInterval, StepClock
+from mpnb.training.step_clock import StepClock
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
 from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink, add_in_fp32
+from mpnb.training.window import Window
 
 __all__ = ["AmpStep"]
 
@@ -125,13 +126,9 @@ class AmpStep:
         self.memory = MemorySampler(backend_for(self.precision.device), self.precision.device)
         self.steps = self.recorder.history.step[-1] if len(self.recorder.history) else 0
         self.epoch = 0
-        self._micro_batches = 0
-        self._samples = 0
-        self._loss_sum: torch.Tensor | None = None
+        self._window = Window()
         self.clock = StepClock(self.precision.device)
         self.forward_clock = StepClock(self.precision.device)  # autocast() to backward(): the rank's own work
-        self._forward_times: list[float | DeviceInterval] = []
-        self._window_open = False  # from the first backward of a window until its step is recorded
         self._step_watch = OptimizerStepWatch(optimizer)
 
     # -- the three calls of a training step ---------------------------------------------
@@ -196,8 +193,8 @@ class AmpStep:
         if forward_time is None:  # no autocast() before: the step's window opens here
             self.clock.start()
         else:  # autocast() opened it
-            self._forward_times.append(forward_time)
-        self._window_open = True  # a failure from here on may leave gradients behind
+            self._window.forward_times.append(forward_time)
+        self._window.open = self._window.backward_unfinished = True  # until it returns: partial gradients
         given = loss.detach()  # recorded as given: summed in fp32, divided once at the step (the mean)
         if self.accumulate > 1:
             loss = loss / self.accumulate
@@ -206,8 +203,9 @@ class AmpStep:
                 self.scaler.scale(loss).backward()
         else:  # the usual place, after the block: no context to build (a few microseconds a step)
             self.scaler.scale(loss).backward()
-        self._loss_sum = add_in_fp32(self._loss_sum, given)  # kept on the device, read at the flush
-        self._micro_batches += 1
+        self._window.backward_unfinished = False
+        self._window.loss_sum = add_in_fp32(self._window.loss_sum, given)  # kept on the device, read at the flush
+        self._window.micro_batches += 1
 
     def step(self, samples: int | None = None) -> bool:
         """End a micro-batch. At the end of an accumulation window: unscale, clip, step,
@@ -216,12 +214,14 @@ class AmpStep:
         or was skipped for overflow).
 
         Raises:
-            RuntimeError: ``step()`` without a ``backward()`` since the last one.
+            RuntimeError: ``step()`` without a ``backward()`` since the last one, or after one that
+                failed half-way (:meth:`discard_window` drops what it left).
         """
-        if self._micro_batches == 0:
+        self._refuse_partial_gradients()
+        if self._window.micro_batches == 0:
             raise RuntimeError("AmpStep.step() called with no backward(loss) since the previous step")
-        self._samples += samples or 0
-        if self._micro_batches % self.accumulate:
+        self._window.samples += samples or 0
+        if self._window.micro_batches % self.accumulate:
             return False
         return self._optimizer_step()
 
@@ -240,17 +240,25 @@ class AmpStep:
             (True, 1)
 
         Raises:
-            RuntimeError: called from inside a :meth:`train_step` forward, or the window's only
-                backward failed half-way (:meth:`discard_window` drops what it left).
+            RuntimeError: called from inside a :meth:`train_step` forward, or a backward of the
+                window failed half-way (:meth:`discard_window` drops what it left).
         """
         if self._in_forward:
             raise RuntimeError("AmpStep.finish_window() called from inside the forward of a train_step()")
-        if not self._window_open:
+        if not self._window.open:
             return False
-        if not self._micro_batches:
-            raise RuntimeError("the open window's only backward failed half-way: discard_window() drops its gradients")
-        rescale(self.optimizer, self.accumulate / self._micro_batches)
+        self._refuse_partial_gradients()
+        if not self._window.rescaled:  # once: a retry after a failed optimizer step finds them rescaled
+            rescale(self.optimizer, self.accumulate / self._window.micro_batches)
+            self._window.rescaled = True
         return self._optimizer_step()
+
+    def _refuse_partial_gradients(self) -> None:
+        if self._window.backward_unfinished:
+            raise RuntimeError(
+                "a backward of this accumulation window failed half-way, leaving part of its gradients: "
+                "discard_window() drops the window"
+            )
 
     def _optimizer_step(self) -> bool:
         """Unscale, clip, step, update the scale and record the window's row."""
@@ -318,14 +326,14 @@ class AmpStep:
         self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any
     ) -> None:
         step_time = self.clock.lap()
-        parts, self._forward_times = self._forward_times, []
+        parts, self._window.forward_times = self._window.forward_times, []
         forward_time = parts[0] if len(parts) == 1 else parts or math.nan  # a list: one part per micro-batch
         used, peak, reserved = self.memory.sample(time.perf_counter())
         self.steps += 1
-        loss_sum, samples = self._loss_sum, self._samples
-        if self._micro_batches > 1:
-            loss_sum = loss_sum / self._micro_batches  # a sum of several: fp32 already
-        self._close_window()  # before the sinks run: a failing sink cannot leave it open
+        loss_sum, samples = self._window.loss_sum, self._window.samples
+        if self._window.micro_batches > 1:
+            loss_sum = loss_sum / self._window.micro_batches  # a sum of several: fp32 already
+        self._window.close()  # before the sinks run: a failing sink cannot leave it open
         self.recorder.record(
             step=self.steps,
             epoch=self.epoch,
@@ -349,20 +357,14 @@ class AmpStep:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler.is_enabled():
             self.scaler._per_optimizer_states.pop(id(self.optimizer), None)  # a fresh record on next use
-        self._close_window()
-
-    def _close_window(self) -> None:
-        """Forget the window's micro-batches: their summed loss, count and samples."""
-        self._loss_sum, self._micro_batches, self._samples = None, 0, 0
-        self._forward_times = []
-        self._window_open = False
+        self._window.close()
 
     @property
     def between_steps(self) -> bool:
         """True when no accumulation window is open: no backward ran since the last recorded step,
         not even one that failed half-way and left some gradients behind, and no :meth:`train_step`
         forward is running."""
-        return not (self._window_open or self._in_forward)
+        return not (self._window.open or self._in_forward)
 
     def restart_clock(self) -> None:
         """Forget the time since the last step (call after a pause, before the next batch)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -53,6 +54,15 @@ def _opened(leaf: Any) -> Any:
     return None
 
 
+def warn_no_batches(epoch: int, one_shot: bool) -> None:
+    """Say that the data gave no batches in ``epoch`` (a used-up generator, for one): a
+    ``RuntimeWarning`` pointing at the ``fit`` call."""
+    used_up = " (a generator is used up after one pass: pass a list or a DataLoader to train more epochs)"
+    warnings.warn(
+        f"mpnb: the data gave no batches in epoch {epoch}{used_up if one_shot else ''}", RuntimeWarning, stacklevel=5
+    )
+
+
 def indexed(device: torch.device) -> torch.device:
     """``device`` as its tensors name it: an accelerator with its index (``cuda`` is the current
     CUDA device, ``cuda:0``), so that a batch already there is recognised by a comparison.
@@ -65,7 +75,7 @@ def indexed(device: torch.device) -> torch.device:
         return device
     try:
         return torch.device(device.type, torch.get_device_module(device.type).current_device())
-    except (RuntimeError, AttributeError, TypeError):  # no device module (lazy), or no current device
+    except (RuntimeError, AttributeError, TypeError, AssertionError):  # no device module (lazy), torch built without it
         return device
 
 

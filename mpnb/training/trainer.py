@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -35,6 +34,7 @@ from mpnb.training.batches import (
     resume,
     samples_in,
     to_device,
+    warn_no_batches,
 )
 from mpnb.training.capture import FitCapture, active_capture, note_fit, streamed
 from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_checkpoint
@@ -313,21 +313,22 @@ class Trainer:
                     steps_left -= 1
                 self._batch += 1
                 trained_any = True
-            if self.amp.finish_window() and steps_left is not None:  # the data ended inside a window
+            if self._finish_window() and steps_left is not None:
                 steps_left -= 1
             if not trained_any and self._batch == 0:
-                warnings.warn(
-                    f"mpnb: the data gave no batches in epoch {self._epoch}"
-                    + (
-                        " (a generator is used up after one pass: pass a list or a DataLoader to train more epochs)"
-                        if one_shot
-                        else ""
-                    ),
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+                warn_no_batches(self._epoch, one_shot)
             self._epoch, self._batch = self._epoch + 1, 0
         return True
+
+    def _finish_window(self) -> bool:
+        """Step the window the epoch's data ended inside, if any. Once its update happened, its
+        batches are trained, even if what follows the update fails."""
+        steps_before = self.amp.steps
+        try:
+            return self.amp.finish_window()
+        finally:
+            if self.amp.steps != steps_before:
+                self._window_batches = []
 
     def _batches(self, data: Iterable[Any], one_shot: bool) -> BatchReader:
         """This epoch's batches from the trainer's position on (see :func:`~mpnb.training.batches.resume`)."""

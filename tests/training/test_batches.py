@@ -180,3 +180,12 @@ def test_resuming_a_generator_goes_on_where_it_stopped():
     assert trainer.history.step == full.history.step
     for mine, theirs in zip(trainer.model.parameters(), full.model.parameters()):
         assert torch.equal(mine, theirs)
+
+
+def test_indexed_names_the_current_accelerator_and_leaves_others_as_they_are():
+    from mpnb.training.batches import indexed
+
+    cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+    assert indexed(torch.device("cuda")) == cuda  # a torch built without CUDA cannot say: unchanged
+    assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert indexed(torch.device("cpu")) == torch.device("cpu")

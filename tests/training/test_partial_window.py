@@ -1,7 +1,7 @@
 """An accumulation window that the data ends before it fills (an epoch of 7 batches with
-``accumulate=3``) is stepped at the epoch's end, as the mean of the batches it has, as Lightning
-and transformers step theirs. Before, its gradients were carried into the next epoch or fit
-without a word, and a checkpoint saved in between dropped them."""
+``accumulate=3``) is stepped at the epoch's end, as the mean of the batches it has (as
+transformers does; Lightning steps the sum over ``accumulate``). Before, its gradients were carried
+into the next epoch or fit without a word, and a checkpoint saved in between dropped them."""
 
 from __future__ import annotations
 
@@ -95,3 +95,70 @@ def test_amp_step_finish_window_steps_an_open_window_and_nothing_else():
     reference, losses = by_hand([data], "bf16", accumulate=4)
     assert torch.equal(net.weight, reference.weight) and torch.equal(net.bias, reference.bias)
     assert amp.history.loss == pytest.approx(losses, rel=1e-5)
+
+
+def test_a_failure_after_the_short_windows_update_does_not_train_its_batches_again():
+    """A generator's batches are kept for the next fit only while their window has not stepped:
+    a failing optimizer post-hook at the epoch's short window left its batch to be trained twice."""
+    data = batches(7)
+    reference = trainer(accumulate=3)
+    reference.fit(iter(data))
+    run = trainer(accumulate=3)
+    calls = []
+
+    def failing_third_step(*_):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("post-step hook failed")
+
+    run.optimizer.register_step_post_hook(failing_third_step)
+    stream = iter(data)
+    with pytest.raises(RuntimeError, match="post-step hook failed"):
+        run.fit(stream)
+    run.fit(stream)
+    assert run.history.step == [1, 2, 3] and torch.equal(run.model.weight, reference.model.weight)
+
+
+def amp_with_window(accumulate: int, good: int) -> tuple[mpnb.AmpStep, nn.Module]:
+    net = model()
+    amp = mpnb.AmpStep(torch.optim.SGD(net.parameters(), lr=0.1), mode="bf16", device="cpu", accumulate=accumulate)
+    for inputs, targets in batches(good):
+        amp.train_step(lambda x=inputs, y=targets: nn.functional.mse_loss(net(x), y))
+    return amp, net
+
+
+def test_finish_window_retried_after_a_failed_optimizer_step_rescales_once():
+    amp, net = amp_with_window(accumulate=3, good=2)
+    failures = ["transient"]
+
+    def fails_once(*_):
+        if failures:
+            raise RuntimeError(failures.pop())
+
+    handle = amp.optimizer.register_step_pre_hook(fails_once)
+    with pytest.raises(RuntimeError, match="transient"):
+        amp.finish_window()
+    assert amp.finish_window() is True
+    handle.remove()
+    reference, _ = by_hand([batches(2)], "bf16", accumulate=3)
+    assert torch.equal(net.weight, reference.weight) and torch.equal(net.bias, reference.bias)
+
+
+def test_a_window_with_a_backward_that_failed_half_way_is_never_stepped():
+    amp, net = amp_with_window(accumulate=3, good=1)
+    inputs, targets = batches(2)[1]
+
+    def failing_backward():
+        hidden = net(inputs)
+        hidden.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("backward failed")))
+        return nn.functional.mse_loss(hidden, targets)
+
+    with pytest.raises(RuntimeError, match="backward failed"):
+        amp.train_step(failing_backward)
+    weight = net.weight.detach().clone()
+    for end_the_window in (amp.finish_window, amp.step):
+        with pytest.raises(RuntimeError, match="discard_window"):
+            end_the_window()
+    assert torch.equal(net.weight, weight) and len(amp.history) == 0
+    amp.discard_window()
+    assert amp.between_steps and all(p.grad is None for p in net.parameters())
