@@ -87,11 +87,22 @@ class ModeResult:
     inert: bool = False
 
     def block_times(self) -> list[list[float]]:
-        """The timed step times (seconds), one list per turn."""
+        """The timed step times (seconds), one list per turn: steps of the run's usual size only.
+        An epoch's short last batch or accumulation window is a quicker step of less work, which
+        would read as spread (every step is timed where the sizes are unknown)."""
         if self.history is None:
             return []
         blocks = self.blocks or [(self.timed_from, len(self.history))]
-        return [self.history.step_time[start:stop] for start, stop in blocks]
+        times = self.history.step_time
+        sizes = [
+            round(rate * time) if math.isfinite(rate * time) else None
+            for rate, time in zip(self.history.samples_per_s, times)
+        ]
+        known = [sizes[i] for start, stop in blocks for i in range(start, stop) if sizes[i] is not None]
+        if not known:
+            return [times[start:stop] for start, stop in blocks]
+        usual = statistics.mode(known)
+        return [[times[i] for i in range(start, stop) if sizes[i] in (usual, None)] for start, stop in blocks]
 
     @property
     def step_times(self) -> StepTimeStats:

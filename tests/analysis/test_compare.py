@@ -7,7 +7,10 @@ import json
 import math
 
 import pytest
+import torch
+from torch import nn
 
+import mpnb
 import mpnb.examples as ex
 from mpnb.analysis.comparison import compare
 from mpnb.errors import DeviceUnavailableError, InvalidChoiceError
@@ -82,3 +85,39 @@ def test_compare_inside_a_running_fit_is_refused_before_any_mode_runs():
     outer.control.pollers.append(compare_from_a_callback)
     assert len(outer.fit(train, max_steps=2)) == 2
     assert len(refusals) == 3 and "a comparison cannot start inside it" in refusals[0]
+
+
+def test_steps_of_another_size_are_not_timed():
+    """An epoch's short last window (``accumulate``) or batch is a quicker step of less work: timed
+    beside the full ones, it read as a 30-50% spread blamed on other load on the machine."""
+    from mpnb.analysis.results import ModeResult
+    from mpnb.training.history import History
+
+    times = [0.010, 0.0101, 0.0102, 0.0034] * 4  # every fourth step a window of one micro-batch in three
+    samples = [24, 24, 24, 8] * 4
+    history = History()
+    history.extend(
+        {"step": list(range(1, 17)), "step_time": times, "samples_per_s": [n / t for n, t in zip(samples, times)]}
+    )
+    result = ModeResult("bf16", history)
+    assert result.step_times.count == 12 and result.step_times.spread_warning == ""
+    assert result.block_times() == [[t for t, n in zip(times, samples) if n == 24]]
+    unknown = History()
+    unknown.extend({"step": list(range(1, 17)), "step_time": times})  # no sizes known: every step is timed
+    assert ModeResult("bf16", unknown).step_times.count == 16
+
+
+def test_compare_with_accumulation_times_full_windows_only():
+    def accumulating_run(mode):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3)
+        generator = torch.Generator().manual_seed(1)
+        data = [(torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)) for _ in range(7)]
+        trainer = mpnb.Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss, mode=mode, device="cpu",
+            dashboard=None, accumulate=3,
+        )  # fmt: skip
+        return trainer, data
+
+    row = compare(accumulating_run, ["fp32"], steps=9, warmup=0, progress=None).rows()[0]
+    assert row["timed_steps"] == 6  # three epochs of two full windows and a short one
