@@ -87,22 +87,40 @@ class ModeResult:
     inert: bool = False
 
     def block_times(self) -> list[list[float]]:
-        """The timed step times (seconds), one list per turn: steps of the run's usual size only.
-        An epoch's short last batch or accumulation window is a quicker step of less work, which
-        would read as spread (every step is timed where the sizes are unknown)."""
+        """The timed step times (seconds), one list per turn, of :attr:`timed_size` steps."""
+        return self.times_of(self.timed_size)
+
+    def times_of(self, size: int | None) -> list[list[float]]:
+        """The timed step times, one list per turn: of steps of ``size`` samples (and of unknown
+        size) only, or of every step for None."""
         if self.history is None:
             return []
-        blocks = self.blocks or [(self.timed_from, len(self.history))]
         times = self.history.step_time
-        sizes = [
-            round(rate * time) if math.isfinite(rate * time) else None
-            for rate, time in zip(self.history.samples_per_s, times)
-        ]
-        known = [sizes[i] for start, stop in blocks for i in range(start, stop) if sizes[i] is not None]
-        if not known:
-            return [times[start:stop] for start, stop in blocks]
-        usual = statistics.mode(known)
-        return [[times[i] for i in range(start, stop) if sizes[i] in (usual, None)] for start, stop in blocks]
+        return [[times[i] for i in rows] for rows in self._timed_rows(size)]
+
+    @property
+    def timed_size(self) -> int | None:
+        """The samples of the steps that are timed, or None when every step is. An epoch's short
+        last batch or accumulation window is a quicker step of less work, which would read as
+        spread: where the full size (the largest) is that of at least half the steps, only full
+        steps are timed. Where sizes vary more (bucketed lengths) or are unknown, every step is."""
+        if self.history is None:
+            return None
+        sizes = self._sizes()
+        known = [sizes[i] for rows in self._timed_rows(None) for i in rows if sizes[i] is not None]
+        largest = max(known, default=None)
+        return largest if largest is not None and 2 * known.count(largest) >= len(known) else None
+
+    def _timed_rows(self, size: int | None) -> list[list[int]]:
+        sizes = self._sizes()
+        blocks = self.blocks or [(self.timed_from, len(sizes))]
+        return [[i for i in range(start, stop) if size is None or sizes[i] in (size, None)] for start, stop in blocks]
+
+    def _sizes(self) -> list[int | None]:
+        """Each row's samples, from its throughput and time (None where either is unknown)."""
+        assert self.history is not None
+        pairs = zip(self.history.samples_per_s, self.history.step_time)
+        return [round(rate * time) if math.isfinite(rate * time) else None for rate, time in pairs]
 
     @property
     def step_times(self) -> StepTimeStats:
@@ -115,8 +133,12 @@ class ModeResult:
 
     @property
     def samples_per_s(self) -> float:
-        rates = [v for v in (self.history.samples_per_s[self.timed_from :] if self.history else []) if math.isfinite(v)]
-        return statistics.median(rates) if rates else math.nan
+        """The median throughput of the timed steps."""
+        if self.history is None:
+            return math.nan
+        rates = self.history.samples_per_s
+        timed = [rates[i] for rows in self._timed_rows(self.timed_size) for i in rows if math.isfinite(rates[i])]
+        return statistics.median(timed) if timed else math.nan
 
     def summary(self) -> dict[str, Any]:
         """The numbers of the table row, unformatted."""
@@ -170,7 +192,8 @@ class Comparison:
         baseline, result = next((r for r in self.results if r.mode == "fp32" and r.history), None), self.result(mode)
         if baseline is None or result.history is None:
             return NO_SPEEDUP
-        return speedup_over(baseline.block_times(), result.block_times())
+        size = baseline.timed_size if baseline.timed_size == result.timed_size else None  # the same work on both sides
+        return speedup_over(baseline.times_of(size), result.times_of(size))
 
     def rows(self) -> list[dict[str, Any]]:
         """Per mode: the numbers, with the speedup over fp32 and its interval (NaN without an fp32 run)."""

@@ -87,24 +87,54 @@ def test_compare_inside_a_running_fit_is_refused_before_any_mode_runs():
     assert len(refusals) == 3 and "a comparison cannot start inside it" in refusals[0]
 
 
-def test_steps_of_another_size_are_not_timed():
-    """An epoch's short last window (``accumulate``) or batch is a quicker step of less work: timed
-    beside the full ones, it read as a 30-50% spread blamed on other load on the machine."""
+def sized_result(mode, sizes, seconds_per_sample, blocks=()):
+    """A mode's result whose steps have these sizes and take this long per sample."""
     from mpnb.analysis.results import ModeResult
     from mpnb.training.history import History
 
-    times = [0.010, 0.0101, 0.0102, 0.0034] * 4  # every fourth step a window of one micro-batch in three
-    samples = [24, 24, 24, 8] * 4
     history = History()
+    times = [n * seconds_per_sample for n in sizes]
     history.extend(
-        {"step": list(range(1, 17)), "step_time": times, "samples_per_s": [n / t for n, t in zip(samples, times)]}
+        {
+            "step": list(range(1, len(sizes) + 1)),
+            "step_time": times,
+            "samples_per_s": [1 / seconds_per_sample] * len(sizes),
+        }
     )
-    result = ModeResult("bf16", history)
-    assert result.step_times.count == 12 and result.step_times.spread_warning == ""
-    assert result.block_times() == [[t for t, n in zip(times, samples) if n == 24]]
-    unknown = History()
-    unknown.extend({"step": list(range(1, 17)), "step_time": times})  # no sizes known: every step is timed
-    assert ModeResult("bf16", unknown).step_times.count == 16
+    return ModeResult(mode, history, blocks=list(blocks))
+
+
+def test_an_epochs_short_steps_are_not_timed():
+    """An epoch's short last window (``accumulate``) or batch is a quicker step of less work: timed
+    beside the full ones, it read as a 30-50% spread blamed on other load on the machine."""
+    result = sized_result("bf16", [24, 24, 24, 8] * 4, 1e-4)
+    assert result.timed_size == 24 and result.step_times.count == 12 and result.step_times.spread_warning == ""
+    assert result.samples_per_s == pytest.approx(1e4)
+
+
+def test_the_full_steps_are_timed_when_short_ones_are_as_many():
+    """One full and one short batch an epoch: the full steps are timed, whichever comes first."""
+    for sizes in ([438, 1000] * 4, [1000, 438] * 4):
+        result = sized_result("fp32", sizes, 1e-6)
+        assert result.timed_size == 1000 and result.median_step_s == pytest.approx(1e-3)
+
+
+def test_every_step_is_timed_where_sizes_vary_or_are_unknown():
+    assert sized_result("fp32", list(range(4, 40, 3)), 1e-4).step_times.count == 12  # bucketed lengths
+    unknown = sized_result("fp32", [24, 24, 24, 8] * 4, 1e-4)
+    unknown.history = type(unknown.history)()
+    unknown.history.extend({"step": list(range(1, 17)), "step_time": [0.01] * 16})
+    assert unknown.timed_size is None and unknown.step_times.count == 16
+
+
+def test_a_speedup_compares_steps_of_the_same_size():
+    """A mode that stopped early (a diverging run) timed fewer steps: the speedup still sets full
+    steps against full steps. Both run at the same speed per sample: no speedup."""
+    from mpnb.analysis.results import Comparison
+
+    fp32 = sized_result("fp32", [4, 8, 8, 4, 8, 8], 1e-4, blocks=[(0, 3), (3, 6)])
+    bf16 = sized_result("bf16", [4, 8], 1e-4, blocks=[(0, 2)])
+    assert Comparison([fp32, bf16], steps=6, warmup=0).speedup("bf16").median == pytest.approx(1.0)
 
 
 def test_compare_with_accumulation_times_full_windows_only():
