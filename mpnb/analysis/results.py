@@ -88,7 +88,10 @@ class ModeResult:
 
     def block_times(self) -> list[list[float]]:
         """The timed step times (seconds), one list per turn, of :attr:`timed_size` steps."""
-        return self.times_of(self.timed_size)
+        if self.history is None:
+            return []
+        times = self.history.step_time
+        return [[times[i] for i in rows] for rows in self._rows_of_timed_size()]
 
     def times_of(self, size: int | None) -> list[list[float]]:
         """The timed step times, one list per turn: of steps of ``size`` samples (and of unknown
@@ -96,23 +99,23 @@ class ModeResult:
         if self.history is None:
             return []
         times = self.history.step_time
-        return [[times[i] for i in rows] for rows in self._timed_rows(size)]
+        return [[times[i] for i in rows] for rows in self._timed_rows(self._sizes(), size)]
 
     @property
     def timed_size(self) -> int | None:
-        """The samples of the steps that are timed, or None when every step is. An epoch's short
-        last batch or accumulation window is a quicker step of less work, which would read as
-        spread: where the full size (the largest) is that of at least half the steps, only full
-        steps are timed. Where sizes vary more (bucketed lengths) or are unknown, every step is."""
+        """The samples of the steps that are timed, or None when every step is (see :func:`_full_size`)."""
         if self.history is None:
             return None
         sizes = self._sizes()
-        known = [sizes[i] for rows in self._timed_rows(None) for i in rows if sizes[i] is not None]
-        largest = max(known, default=None)
-        return largest if largest is not None and 2 * known.count(largest) >= len(known) else None
+        return _full_size(sizes, self._timed_rows(sizes, None))
 
-    def _timed_rows(self, size: int | None) -> list[list[int]]:
+    def _rows_of_timed_size(self) -> list[list[int]]:
+        """Each timed turn's rows of :attr:`timed_size` (reading the sizes once)."""
         sizes = self._sizes()
+        return self._timed_rows(sizes, _full_size(sizes, self._timed_rows(sizes, None)))
+
+    def _timed_rows(self, sizes: list[int | None], size: int | None) -> list[list[int]]:
+        """Each timed turn's rows: those of ``size`` samples (and of unknown size), or all for None."""
         blocks = self.blocks or [(self.timed_from, len(sizes))]
         return [[i for i in range(start, stop) if size is None or sizes[i] in (size, None)] for start, stop in blocks]
 
@@ -137,7 +140,7 @@ class ModeResult:
         if self.history is None:
             return math.nan
         rates = self.history.samples_per_s
-        timed = [rates[i] for rows in self._timed_rows(self.timed_size) for i in rows if math.isfinite(rates[i])]
+        timed = [rates[i] for rows in self._rows_of_timed_size() for i in rows if math.isfinite(rates[i])]
         return statistics.median(timed) if timed else math.nan
 
     def summary(self) -> dict[str, Any]:
@@ -159,6 +162,16 @@ class ModeResult:
             "skipped_reason": self.skipped_reason,
             "notes": [*self.notes, warning] if warning else list(self.notes),
         }
+
+
+def _full_size(sizes: list[int | None], timed_rows: list[list[int]]) -> int | None:
+    """The size of the steps to time, or None to time every step. An epoch's short last batch or
+    accumulation window is a quicker step of less work, which would read as spread: where the full
+    size (the largest) is that of at least half the timed steps of known size, only full steps are
+    timed. Where sizes vary more (bucketed lengths) or are unknown, every step is."""
+    known = [sizes[i] for rows in timed_rows for i in rows if sizes[i] is not None]
+    largest = max(known, default=None)
+    return largest if largest is not None and 2 * known.count(largest) >= len(known) else None
 
 
 @dataclasses.dataclass

@@ -274,9 +274,9 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
     # a Ctrl-C sent to the whole process group must not stop one rank alone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _end_with_parent()
-    stacks_on_crash(os.path.join(logs, f"rank-{os.environ['RANK']}.crash"))
+    stacks_on_crash(logs, os.environ["RANK"])
     if timeout is not None:
-        end_after(timeout, os.path.join(logs, f"rank-{os.environ['RANK']}.stack"))
+        end_after(timeout, logs, os.environ["RANK"])
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: the workers share the cores, not oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     fn, args = cloudpickle.loads(payload)

@@ -37,6 +37,12 @@ class LaunchError(MpnbError):
         self.rank, self.details = rank, details
 
 
+def _stack_file(folder: str, rank: int | str, ending: str) -> str:
+    """Where a rank leaves its stacks: ``rank-N.stack`` when its timeout ends it, ``rank-N.crash`` for
+    a fatal signal."""
+    return os.path.join(folder, f"rank-{rank}{ending}")
+
+
 def _stacks(folder: str, ending: str = ".stack") -> dict[int, str]:
     """The stacks that workers left, by rank: those ended by their timeout (``.stack``), or those that
     crashed (``.crash``; a file stays empty in a rank that did not)."""
@@ -121,18 +127,18 @@ def _signal_named(exit_code: int) -> str:
     return f" with exit code {exit_code}"
 
 
-def stacks_on_crash(crash_file: str) -> None:
-    """On a fatal signal (a segfault or an abort in native code), write this worker's Python stacks to
-    ``crash_file`` for the launch's error to show (faulthandler keeps the file open)."""
-    faulthandler.enable(open(crash_file, "w"), all_threads=True)
+def stacks_on_crash(folder: str, rank: int | str) -> None:
+    """On a fatal signal (a segfault or an abort in native code), write this worker's Python stacks
+    into ``folder`` for the launch's error to show (faulthandler keeps the file open)."""
+    faulthandler.enable(open(_stack_file(folder, rank, ".crash"), "w"), all_threads=True)
 
 
-def end_after(seconds: float, stack_file: str) -> None:
+def end_after(seconds: float, folder: str, rank: int | str) -> None:
     """End this worker (exit code :data:`TIMED_OUT`) once ``seconds`` have passed, leaving the
-    stacks of its threads in ``stack_file``."""
+    stacks of its threads in ``folder``."""
 
     def end() -> None:
-        with open(stack_file, "w") as file:
+        with open(_stack_file(folder, rank, ".stack"), "w") as file:
             faulthandler.dump_traceback(file)
         os._exit(TIMED_OUT)
 

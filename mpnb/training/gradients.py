@@ -40,13 +40,16 @@ def check_loss(loss: Any) -> None:
         )
 
 
+def _with_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters that have a gradient."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
 def rescale(optimizer: torch.optim.Optimizer, factor: float) -> None:
     """Multiply every gradient the optimizer will use by ``factor`` (in place)."""
     with torch.no_grad():
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(factor)
+        for param in _with_gradients(optimizer):
+            param.grad.mul_(factor)
 
 
 def unscale_and_clip(
@@ -55,7 +58,7 @@ def unscale_and_clip(
     """Unscale the gradients, clip them to ``max_norm`` (None: no clipping) and return their
     total norm before clipping, the whole model's where the gradients are sharded (FSDP)."""
     scaler.unscale_(optimizer)
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    params = _with_gradients(optimizer)
     if max_norm is not None:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     else:
