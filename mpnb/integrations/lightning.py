@@ -14,6 +14,10 @@ step's accumulated batches, a part-filled last window included; a step that retu
 as manual optimization may, has ``loss_missing``), the loss scale and skipped flag of the
 GradScaler Lightning's precision plugin really uses, the precision read from autocast and the
 weights during the forward pass (``"bf16-true"`` for ``precision="bf16-true"``), and the epoch.
+With manual optimization a row is a step of the first optimizer (a batch that steps it twice
+makes two rows, its loss on the second); a batch whose ``training_step`` returned None under
+automatic optimization, which Lightning counts as a step without calling the optimizer, makes a
+row with ``loss_missing`` that is not marked skipped (skipped means gradients overflowed).
 Validation during training is left out of the next step's time.
 
 Lightning rewrites some requests before any callback runs: on a CPU, ``precision="16-mixed"``
@@ -136,6 +140,10 @@ class MpnbCallback(Callback, WithTelemetry):
         self.telemetry.add_samples(samples_in(batch))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if optimizer is not trainer.optimizers[0]:  # the first optimizer's steps only (said at the start)
+            return
+        if self._step_pending:  # manual optimization, a second step in one batch: the first one's row now
+            self._end_step(trainer)
         self.telemetry.before_optimizer_step()
         self._step_pending = True
 
@@ -146,10 +154,13 @@ class MpnbCallback(Callback, WithTelemetry):
             # so the step's loss is the mean of its own batches (manual optimization divides nothing)
             scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
             self.telemetry.add_loss(loss.float() * scale if scale != 1 else loss)  # in fp32: no second rounding
-        if not self._step_pending:
-            return
+        if self._step_pending:
+            # automatic optimization calls no optimizer for a batch without a loss: not an overflow skip
+            self._end_step(trainer, optimizer_called=loss is not None or not pl_module.automatic_optimization)
+
+    def _end_step(self, trainer, optimizer_called: bool = True) -> None:
         self._step_pending = False
-        if self.telemetry.step_end(trainer.current_epoch):
+        if self.telemetry.step_end(trainer.current_epoch, optimizer_called=optimizer_called):
             trainer.should_stop = True
 
     def on_validation_end(self, trainer, pl_module) -> None:

@@ -201,14 +201,19 @@ class LoopTelemetry:
             run.watch.reset()
         run.before_called = True
 
-    def step_end(self, epoch: int = 0) -> bool:
+    def step_end(self, epoch: int = 0, *, optimizer_called: bool = True) -> bool:
         """The optimizer step is over: record its row (in the framework's ``epoch``), say what
         needs saying, then deliver the dashboard's requests (waits here while paused). Returns
         True when the framework should stop: Stop was asked for (the dashboard, ``control.stop()``)
-        or a non-finite loss stops the run (``on_nonfinite="stop"``)."""
+        or a non-finite loss stops the run (``on_nonfinite="stop"``).
+
+        ``optimizer_called=False``: the framework counted the step without calling the optimizer
+        (Lightning does for a ``training_step`` that returned None); the row is not marked skipped,
+        which says that gradients overflowed."""
         run = self._require_run()
         prepared = run.before_called  # else the step's scale, learning rate and skip are unknown
-        skipped = run.watch.skipped(run.scaler, run.device) if run.watch is not None and prepared else False
+        watched = run.watch is not None and prepared and optimizer_called
+        skipped = run.watch.skipped(run.scaler, run.device) if watched else False
         observed = run.observer.step_end()
         used, peak, reserved = run.memory.sample(time.perf_counter())
         loss = run.step_loss()

@@ -234,3 +234,88 @@ def test_a_second_optimizer_is_said_to_go_unrecorded():
     _, _, said = fit(callback, max_steps=4, module=Manual(optimizers=2))
     assert any("2 optimizers" in message and "first one only" in message for message in said), said
     assert len(callback.history) == 2  # Lightning counts both optimizers' steps: 4 steps, 2 batches
+
+
+def fp16_with_scaler() -> L.pytorch.plugins.precision.MixedPrecision:
+    """Lightning's fp16 AMP plugin with a real GradScaler, on the CPU (``"16-mixed"`` becomes bf16 there)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+
+
+class StepsOfFirstOptimizer(L.Callback):
+    """The truth: the first optimizer's real steps, counted by a hook of its own."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.steps = 0
+        self.handle = trainer.optimizers[0].register_step_post_hook(lambda *_: setattr(self, "steps", self.steps + 1))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.handle.remove()
+
+
+class Critic(Classifier):
+    """Manual optimization: the first optimizer steps ``first_steps`` times in every ``every``-th batch;
+    the second optimizer (when there are two) in every batch. Returns the last loss."""
+
+    def __init__(self, optimizers: int, first_steps: int = 1, every: int = 1) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.optimizer_count, self.first_steps, self.every = optimizers, first_steps, every
+
+    def training_step(self, batch, batch_index):
+        inputs, targets = batch
+        optimizers = self.optimizers() if self.optimizer_count > 1 else [self.optimizers()]
+        plan = [(optimizers[0], self.first_steps if batch_index % self.every == 0 else 0)]
+        plan += [(optimizer, 1) for optimizer in optimizers[1:]]
+        for optimizer, steps in plan:
+            for _ in range(steps):
+                loss = nn.functional.cross_entropy(self.net(inputs), targets)
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                optimizer.step()
+        return loss
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.parameters(), lr=0.01) for _ in range(self.optimizer_count)]
+
+
+@pytest.mark.parametrize(
+    ("optimizers", "first_steps", "every"),
+    [(2, 1, 1), (1, 2, 1), (2, 1, 2)],
+    ids=["gan-shape", "two-steps-a-batch", "first-every-second-batch"],
+)
+def test_manual_optimization_records_each_step_of_the_first_optimizer_and_no_false_skip(optimizers, first_steps, every):
+    """Under a GradScaler with no overflow: one row per real step of the first optimizer, none skipped
+    (the second optimizer's hooks once reset the first one's watch: every row read as skipped)."""
+    callback, truth = MpnbCallback(dashboard=None), StepsOfFirstOptimizer()
+    trainer = quiet_trainer(callback, truth, plugins=[fp16_with_scaler()], max_epochs=1, limit_train_batches=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Critic(optimizers, first_steps, every), loader())
+    history = callback.history
+    assert truth.steps == 4 * first_steps // every
+    assert len(history) == truth.steps and history.skipped_steps == []
+    assert history.loss_scale == [1024.0] * truth.steps
+
+
+class Skipping(Classifier):
+    """Overflows at its 3rd batch; returns no loss at its 5th (Lightning then skips the optimizer)."""
+
+    def training_step(self, batch, batch_index):
+        loss = super().training_step(batch, batch_index)
+        if batch_index == 2:
+            return loss * float("inf")
+        return None if batch_index == 4 else loss
+
+
+def test_a_step_lightning_skips_for_want_of_a_loss_is_not_recorded_as_an_overflow():
+    callback = MpnbCallback(dashboard=None)
+    trainer = quiet_trainer(callback, plugins=[fp16_with_scaler()], max_steps=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Skipping(), loader())
+    history = callback.history
+    assert len(history) == 6 and history.skipped_steps == [3]  # the overflow only
+    assert history.loss_missing == [False, False, False, False, True, False]
+    assert history.loss_scale == [1024.0] * 3 + [512.0] * 3  # the one backoff, at the overflow
