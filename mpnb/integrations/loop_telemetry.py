@@ -324,7 +324,10 @@ class WithTelemetry:
 
     @property
     def history(self) -> History:
-        """One row per optimizer step."""
+        """One row per optimizer step, the rows not yet copied to the host included (a framework
+        that raised mid-run, as ``transformers.Trainer`` does without telling its callbacks, leaves
+        them pending)."""
+        self.telemetry.recorder.flush()
         return self.telemetry.history
 
     @property

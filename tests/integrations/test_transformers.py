@@ -235,3 +235,19 @@ def test_evaluation_during_training_is_left_out_of_step_times_and_epochs_are_rec
     after_evaluation = [history.step_time[i] for i in (2, 4, 6)]  # steps 3, 5, 7 follow the evaluations
     others = statistics.median(history.step_time[i] for i in (1, 3, 5, 7))
     assert max(after_evaluation) < others + 0.15, history.step_time  # each evaluation slept 0.3 s
+
+
+def test_the_rows_of_a_train_that_raised_are_in_the_history_at_once(tmp_path):
+    """transformers tells callbacks nothing when train() raises: the rows the run recorded must
+    still be there when the history is read, not held back until the next train() ends the run."""
+    from transformers import TrainerCallback
+
+    class FailAtStep3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise RuntimeError("failed at step 3")
+
+    callback = MpnbCallback(dashboard=None)
+    with pytest.raises(RuntimeError, match="failed at step 3"):
+        train(callback, "bf16", tmp_path, also=[FailAtStep3()])
+    assert callback.history.step == [1, 2, 3]
