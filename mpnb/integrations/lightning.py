@@ -56,13 +56,13 @@ _SETTINGS = {
     "16-true": "fp16-true",
     "bf16-true": "bf16-true",
     "32-true": "fp32",
-    "64-true": None,
+    "64-true": "fp64",
     "transformer-engine": None,
     "transformer-engine-float16": None,
     "16": "fp16",  # Lightning's older spellings
     "bf16": "bf16",
     "32": "fp32",
-    "64": None,
+    "64": "fp64",
 }
 
 

@@ -3,11 +3,13 @@ dtype during the forward pass.
 
 A precision is named by a mode (``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``: autocast on
 fp32 weights, see :class:`~mpnb.precision.modes.Mode`) or, for weights kept in a low precision
-(Lightning's ``"bf16-true"``, ``model.to(torch.bfloat16)``), ``"bf16-true"`` / ``"fp16-true"``.
+(Lightning's ``"bf16-true"``, ``model.to(torch.bfloat16)``), ``"bf16-true"`` / ``"fp16-true"``;
+float64 weights (``"64-true"``), which autocast never casts, are ``"fp64"``.
 Frameworks enter autocast in different places: around the loss computation (Hugging Face
 Trainer), around ``training_step`` (Lightning), inside a wrapped ``model.forward``
 (Accelerate). All of them are active by the time the model's first leaf module runs, so a
-forward pre-hook there reads what torch will really do. Reading the state is host-only
+forward pre-hook on the first leaf that trains (a frozen teacher declared before the student
+is passed over) reads what torch will really do. Reading the state is host-only
 (no device work). A module with a hook leaves torch's fast call path, so in eager mode the hook
 is on only for some steps (see :class:`PrecisionObserver`).
 
@@ -47,9 +49,11 @@ __all__ = [
 ]
 
 _AUTOCAST_NAMES = {torch.float16: Mode.FP16.value, torch.bfloat16: Mode.BF16.value}
-_LOW_PRECISION_WEIGHTS = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true"}
+#: Weights in these dtypes name the precision themselves: autocast never casts float64 (not
+#: eligible), and weights already in bf16 / fp16 run in it with autocast or without.
+_WEIGHT_PRECISIONS = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true", torch.float64: "fp64"}
 #: Every precision a run can be asked for or observed in.
-PRECISIONS = (*(mode.value for mode in Mode if mode is not Mode.OFF), *_LOW_PRECISION_WEIGHTS.values())
+PRECISIONS = (*(mode.value for mode in Mode if mode is not Mode.OFF), *_WEIGHT_PRECISIONS.values())
 
 
 def check_precision(precision: str | Mode | None) -> str | None:
@@ -79,7 +83,7 @@ def mode_in_effect(device_type: str) -> Mode:
 def precision_in_effect(
     device_type: str, weights: torch.dtype | None = torch.float32, fp32_math: str | None = None
 ) -> str:
-    """``"bf16-true"`` / ``"fp16-true"`` for weights in that dtype, else :func:`mode_in_effect`'s name.
+    """``"bf16-true"`` / ``"fp16-true"`` / ``"fp64"`` for weights in that dtype, else :func:`mode_in_effect`'s name.
     Host state only, a few hundred nanoseconds. ``fp32_math``: the name outside autocast
     (``"fp32"`` / ``"tf32"``) when already known; read from torch otherwise (which code that
     ``torch.compile`` traces cannot do without a graph break).
@@ -87,9 +91,9 @@ def precision_in_effect(
     >>> precision_in_effect("cpu", torch.bfloat16), precision_in_effect("cpu")
     ('bf16-true', 'fp32')
     """
-    low = _LOW_PRECISION_WEIGHTS.get(weights)
-    if low is not None:
-        return low
+    named = _WEIGHT_PRECISIONS.get(weights)
+    if named is not None:
+        return named
     if torch.is_autocast_enabled(device_type):
         return _AUTOCAST_NAMES.get(torch.get_autocast_dtype(device_type), "fp32")
     return fp32_math or fp32_math_in_effect()
@@ -106,7 +110,9 @@ def fp32_math_in_effect() -> str:
 
 class PrecisionObserver:
     """Reads the precision in effect during ``model``'s training forward passes (those with grad
-    enabled; evaluation is left out), from autocast and the dtype of its first floating parameter.
+    enabled; evaluation is left out), from autocast and the dtype of its first floating parameter
+    that trains (``requires_grad``), read where its first leaf module that trains runs; a model
+    with nothing to train is read from its first leaf and first floating parameter.
     A loop calls :meth:`rearm` as each optimizer step starts and :meth:`step_end` as it ends.
 
     A hook left on a module slows each of its calls (the module leaves torch's fast call path:
@@ -150,7 +156,7 @@ class PrecisionObserver:
 
     def _arm(self) -> None:
         # found again at each arming: a replaced first module or new parameter objects are followed
-        self._weight = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+        self._weight = _first_weight(self.model)
         self._fp32_math = fp32_math_in_effect()
         self._seen = False
         self._handle = _first_leaf(self.model).register_forward_pre_hook(self._observe)
@@ -174,10 +180,27 @@ class PrecisionObserver:
             self._handle = None
 
 
+def _first_weight(model: nn.Module) -> nn.Parameter | None:
+    """The first floating parameter that trains, else the first floating one (None without any).
+    Stops at the first that trains: called at each arming."""
+    first = None
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            if parameter.requires_grad:
+                return parameter
+            first = first if first is not None else parameter
+    return first
+
+
 def _first_leaf(model: nn.Module) -> nn.Module:
-    """The first module without children (the model itself when it has none): it runs inside
-    whatever the model's own forward enters."""
+    """The first module without children that holds a parameter that trains (else the first module
+    without children, else the model itself): it runs inside whatever the model's own forward
+    enters, and a frozen part that runs first, or without grad, does not stand for what trains.
+    Stops at the first that trains: called at each arming."""
+    first = None
     for module in model.modules():
         if not any(True for _ in module.children()):
-            return module
-    return model
+            if any(p.requires_grad for p in module.parameters(recurse=False)):
+                return module
+            first = first if first is not None else module
+    return first if first is not None else model

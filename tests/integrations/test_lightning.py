@@ -170,7 +170,7 @@ def test_a_part_filled_last_window_records_the_mean_of_its_own_batches():
     assert callback.history.loss == pytest.approx([sum(w) / len(w) for w in windows], rel=1e-5)
 
 
-@pytest.mark.parametrize(("setting", "name"), [("bf16-true", "bf16-true"), ("32-true", "fp32")])
+@pytest.mark.parametrize(("setting", "name"), [("bf16-true", "bf16-true"), ("32-true", "fp32"), ("64-true", "fp64")])
 def test_true_precisions_are_recorded_from_the_weights_without_a_warning(setting, name):
     callback = MpnbCallback(dashboard=None)
     _, _, said = fit(callback, setting, max_steps=2)
