@@ -12,8 +12,12 @@ Needs ``pip install 'mpnb[transformers]'``. Add the callback; change nothing els
 What each row holds, and where it comes from:
 
 - loss: the loss the Trainer adds to its own log for that optimizer step (the model output's
-  ``loss``, summed over the step's micro-batches as the Trainer does when it passes
-  ``num_items_in_batch``, averaged otherwise), kept on the device until the next flush;
+  ``loss``, summed over the step's micro-batches where the Trainer takes it as divided by the
+  step's token count already: a model that takes loss keyword arguments, given labels;
+  averaged otherwise), kept on the device until the next flush. A ``compute_loss`` override
+  that calls such a model without ``num_items_in_batch`` makes the Trainer sum the
+  micro-batches' means (its loss and gradients k times the mean, for k micro-batches): the
+  row holds that sum too, and the callback says why;
 - loss scale and skipped: the GradScaler the Trainer's Accelerator really uses (none: scale 1,
   nothing skipped), skips seen as the optimizer step GradScaler did not let through;
 - mode: read from autocast and the weights during the step's forward pass (see
@@ -38,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -85,6 +90,26 @@ def epoch_of_step(state: Any) -> int:
     return max(0, math.ceil(state.epoch or 0) - 1)
 
 
+def takes_loss_kwargs(model: torch.nn.Module) -> bool:
+    """Whether the Trainer passes ``num_items_in_batch`` to ``model`` (its own rule: the model's
+    ``accepts_loss_kwargs``, else a ``**kwargs`` in its ``forward``)."""
+    declared = getattr(model, "accepts_loss_kwargs", None)
+    if declared is not None:
+        return bool(declared)
+    parameters = inspect.signature(model.forward).parameters.values()
+    return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
+
+
+def _uncounted_loss(model: str, accumulate: int) -> str:
+    return (
+        f"{_FRAMEWORK}: {model} takes loss keyword arguments, so the Trainer takes its loss as divided by the "
+        f"step's token count already, but the model ran without num_items_in_batch (a compute_loss override?): "
+        f"the Trainer's loss and gradients are the sum of the {accumulate} micro-batches' means, {accumulate} "
+        "times their mean. mpnb records the Trainer's figure; pass num_items_in_batch on to the model to train "
+        "on the mean"
+    )
+
+
 class MpnbCallback(TrainerCallback, WithTelemetry):
     """mpnb's telemetry and controls for a ``transformers.Trainer``.
 
@@ -116,6 +141,8 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
             title=f"{_FRAMEWORK}: {type(model).__name__}",
             on_stop=lambda: setattr(control, "should_training_stop", True),
         )
+        self._takes_loss_kwargs = takes_loss_kwargs(model)
+        self._accumulate = args.gradient_accumulation_steps
         # held by the run: off at on_train_end, or at the next begin() when a train() raised before it
         self.telemetry.hold(model.register_forward_hook(self._forward_done, with_kwargs=True))
 
@@ -124,8 +151,12 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
             return
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if isinstance(loss, torch.Tensor):
-            # with num_items_in_batch the model already divided by the step's token count
-            self.telemetry.add_loss(loss, normalized=kwargs.get("num_items_in_batch") is not None)
+            counted = kwargs.get("num_items_in_batch") is not None  # the model divided by the step's tokens
+            # the Trainer's own rule: it divides nothing for a model that takes loss kwargs, given labels
+            summed = counted or (self._takes_loss_kwargs and "labels" in kwargs)
+            self.telemetry.add_loss(loss, normalized=summed)
+            if summed and not counted and self._accumulate > 1:
+                self.telemetry.notices.say("uncounted_loss", _uncounted_loss(type(module).__name__, self._accumulate))
         self.telemetry.add_samples(samples_in(kwargs or args))
 
     def on_step_begin(self, args, state, control, **kwargs):

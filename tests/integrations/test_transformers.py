@@ -251,3 +251,20 @@ def test_the_rows_of_a_train_that_raised_are_in_the_history_at_once(tmp_path):
     with pytest.raises(RuntimeError, match="failed at step 3"):
         train(callback, "bf16", tmp_path, also=[FailAtStep3()])
     assert callback.history.step == [1, 2, 3]
+
+
+def test_a_compute_loss_that_drops_num_items_in_batch_is_recorded_as_the_trainer_logs_it_and_said(tmp_path):
+    """GPT-2 takes loss kwargs, so the Trainer counts the step's tokens and does not divide by the
+    accumulation: an override that calls the model without that count makes the Trainer sum the
+    micro-batches' means (its log and its gradients 4x the mean). mpnb records what the Trainer
+    logs, and says why it is 4x."""
+
+    class DropsTheCount(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(**inputs)
+            return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    callback = MpnbCallback(dashboard=None)
+    trainer, said = train(callback, "bf16", tmp_path, max_steps=3, accumulate=4, data=token_data(96), trainer=DropsTheCount)
+    assert callback.history.loss == pytest.approx(logged(trainer, "loss"), rel=1e-6)
+    assert [message for message in said if "num_items_in_batch" in message and "4 micro-batches" in message], said
