@@ -128,8 +128,10 @@ class LoopTelemetry:
         ``asked``: the precision the framework was asked for (a name in
         :data:`~mpnb.integrations.observed.PRECISIONS`, or None when unknown). ``on_stop``: the
         framework's own stop (``trainer.should_stop = True``), called the moment Stop is pressed (the
-        dashboard, ``control.stop()`` from anywhere, another callback), so that the step it is pressed
-        in is the last whichever hook runs next. A run that never reached :meth:`end` (its framework
+        dashboard, ``control.stop()`` from anywhere, another callback) between two steps, so that the
+        step it is pressed after is the last whichever hook runs next; pressed inside an optimizer
+        step (an accumulation window's micro-batches), at that step's :meth:`step_end`, so that the
+        window is stepped, not thrown away, and is the last. A run that never reached :meth:`end` (its framework
         raised) is ended first. Each run is marked in the history (an event of kind ``"run"`` at the
         step it starts after) and says its notices anew.
         """
@@ -148,7 +150,7 @@ class LoopTelemetry:
         self._run.sinks = sinks
         self.control.begin()
         if on_stop is not None:
-            self._run.stop_listener = _on_stopping(on_stop)
+            self._run.stop_listener = _on_stopping(on_stop, self._run)
             self.control.on_state.append(self._run.stop_listener)
         self.notices.say("session_autocast", session_autocast_around(device.type, self.framework))
         self.notices.say("session_oplists", session_lists_inside(session.oplists.lists, self.framework))
@@ -162,6 +164,7 @@ class LoopTelemetry:
         """The first micro-batch of an optimizer step starts: its time starts (if not already), and
         the precision hook goes back on if this step is one to read (see ``PrecisionObserver``)."""
         run = self._require_run()
+        run.window_open = True
         run.clock.start()
         run.observer.rearm()
 
@@ -283,11 +286,12 @@ class LoopTelemetry:
         return f"<mpnb LoopTelemetry for {self.framework}: {self.steps} steps, {state}>"
 
 
-def _on_stopping(stop: Callable[[], None]) -> Callable[[str], None]:
-    """A :attr:`FitControl.on_state` listener that calls ``stop`` when the state turns to stopping."""
+def _on_stopping(stop: Callable[[], None], run: _Run) -> Callable[[str], None]:
+    """A :attr:`FitControl.on_state` listener that calls ``stop`` when the state turns to stopping
+    between two of ``run``'s steps (inside one, :meth:`LoopTelemetry.step_end` says stop instead)."""
 
     def listener(state: str) -> None:
-        if state == "stopping":
+        if state == "stopping" and not run.window_open:
             stop()
 
     return listener
@@ -364,6 +368,7 @@ class _Run:
         self.plain: torch.Tensor | float | None = None
         self.plain_count = 0
         self.samples = 0
+        self.window_open = False  # an optimizer step's micro-batches have begun
         self.scale_before: torch.Tensor | float = 1.0
         self.lr: Any = math.nan
         self.before_called = False

@@ -319,3 +319,15 @@ def test_a_step_lightning_skips_for_want_of_a_loss_is_not_recorded_as_an_overflo
     assert len(history) == 6 and history.skipped_steps == [3]  # the overflow only
     assert history.loss_missing == [False, False, False, False, True, False]
     assert history.loss_scale == [1024.0] * 3 + [512.0] * 3  # the one backoff, at the overflow
+
+
+def test_a_stop_pressed_inside_an_accumulation_window_ends_training_after_that_windows_step():
+    class StopInStep3(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == 4:  # the first of step 3's two batches
+                callback.control.stop()
+
+    callback = MpnbCallback(dashboard=None)
+    trainer = quiet_trainer(callback, StopInStep3(), max_steps=10, accumulate_grad_batches=2)
+    trainer.fit(Classifier(), loader())
+    assert trainer.global_step == len(callback.history) == 3

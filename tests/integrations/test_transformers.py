@@ -268,3 +268,17 @@ def test_a_compute_loss_that_drops_num_items_in_batch_is_recorded_as_the_trainer
     trainer, said = train(callback, "bf16", tmp_path, max_steps=3, accumulate=4, data=token_data(96), trainer=DropsTheCount)
     assert callback.history.loss == pytest.approx(logged(trainer, "loss"), rel=1e-6)
     assert [message for message in said if "num_items_in_batch" in message and "4 micro-batches" in message], said
+
+
+def test_a_stop_pressed_inside_an_accumulation_window_ends_training_after_that_windows_step(tmp_path):
+    """The step Stop is pressed in is the last, and it is taken: its micro-batches are not thrown away."""
+    from transformers import TrainerCallback
+
+    class StopInStep3(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:  # step 3's first micro-batch is about to run
+                callback.control.stop()
+
+    callback = MpnbCallback(dashboard=None)
+    trainer, _ = train(callback, "bf16", tmp_path, max_steps=6, accumulate=2, also=[StopInStep3()])
+    assert trainer.state.global_step == len(callback.history) == 3
