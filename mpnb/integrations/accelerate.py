@@ -93,13 +93,16 @@ class LoopRecorder(WithTelemetry):
         telemetry.before_optimizer_step()
         return cls(telemetry, step_ends)
 
-    def record(self, loss: torch.Tensor | float, batch: Any = None, epoch: int = 0) -> bool:
+    def record(self, loss: torch.Tensor | float, batch: Any = None, epoch: int = 0, ends_step: bool | None = None) -> bool:
         """Note a micro-batch's loss (one number; and its example count, from ``batch``); at the
         end of an optimizer step record its row, in ``epoch``. Returns True when the loop should
-        stop (Stop pressed, or a non-finite loss with ``on_nonfinite="stop"``)."""
+        stop (Stop pressed, or a non-finite loss with ``on_nonfinite="stop"``).
+
+        ``ends_step``: whether this micro-batch ended an optimizer step, where the loop knows it
+        (Fabric's, with gradient accumulation); None asks :attr:`step_ends`."""
         self.telemetry.add_loss(loss)
         self.telemetry.add_samples(samples_in(batch) if batch is not None else None)
-        if not self.step_ends():
+        if not (self.step_ends() if ends_step is None else ends_step):
             return False
         stop = self.telemetry.step_end(epoch)
         self.telemetry.window_begin()

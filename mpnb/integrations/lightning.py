@@ -177,9 +177,33 @@ class MpnbCallback(Callback, WithTelemetry):
         return f"<mpnb MpnbCallback for Lightning: {self.telemetry.steps} steps>"
 
 
-def fabric_telemetry(fabric: Any, model: torch.nn.Module, optimizer: Any, dashboard: str | Sink | None = "auto"):
+def fabric_telemetry(
+    fabric: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    dashboard: str | Sink | None = "auto",
+    precision: str | int | None = None,
+):
     """Telemetry for a Lightning Fabric loop: a started :class:`~mpnb.integrations.accelerate.LoopRecorder`
-    reading Fabric's own scaler and precision setting. See :mod:`mpnb.integrations.accelerate`."""
+    reading Fabric's own scaler and precision setting. See :mod:`mpnb.integrations.accelerate`.
+    ``precision``: what you passed to Fabric, which rewrites some settings as the Trainer does
+    (``"16-mixed"`` becomes ``"bf16-mixed"`` on a CPU), to have the difference said.
+
+    Fabric does not know where a step ends: with gradient accumulation, tell ``record`` (a row
+    is recorded after every micro-batch otherwise)::
+
+        with fabric_telemetry(fabric, model, optimizer) as recorder:
+            for index, batch in enumerate(loader):
+                ends_step = (index + 1) % accumulate == 0
+                with fabric.no_backward_sync(model, enabled=not ends_step):
+                    loss = loss_fn(model(batch[0]), batch[1])
+                    fabric.backward(loss / accumulate)
+                if ends_step:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                if recorder.record(loss, batch, ends_step=ends_step):  # True once Stop was pressed
+                    break
+    """
     from mpnb.integrations.accelerate import LoopRecorder
 
     plugin = fabric._precision
@@ -189,6 +213,6 @@ def fabric_telemetry(fabric: Any, model: torch.nn.Module, optimizer: Any, dashbo
         getattr(optimizer, "optimizer", optimizer),
         scaler=getattr(plugin, "scaler", None),
         device=fabric.device,
-        asked=asked_precision(getattr(plugin, "precision", None)),
+        asked=asked_precision(precision if precision is not None else getattr(plugin, "precision", None)),
         dashboard=dashboard,
     )
