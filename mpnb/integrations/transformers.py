@@ -27,7 +27,9 @@ What each row holds, and where it comes from:
   autocast with no scaler at all: either way the callback warns.
 
 A ``compute_loss`` override that computes the loss outside the model (or adds a term to it) is
-not seen: such steps have ``loss_missing`` (or the model's own loss). Evaluation and checkpoint
+not seen, nor is the loss of ``label_smoothing_factor`` (the Trainer's label smoother computes
+it outside the model, and the callback says so): such steps have ``loss_missing`` (or the
+model's own loss). Evaluation and checkpoint
 saves during training are left out of the next step's time; ``epoch`` is the Trainer's epoch.
 
 Stop on the dashboard (or ``callback.control.stop()``) sets ``control.should_training_stop``:
@@ -100,6 +102,14 @@ def takes_loss_kwargs(model: torch.nn.Module) -> bool:
     return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
 
 
+def _smoothed_loss(factor: float) -> str:
+    return (
+        f"{_FRAMEWORK}: with label_smoothing_factor={factor} the Trainer computes the loss outside the model "
+        "(its label smoother), where mpnb cannot read it: the rows hold NaN with loss_missing=True and are not "
+        "counted as a non-finite loss; the Trainer's own log has the loss"
+    )
+
+
 def _uncounted_loss(model: str, accumulate: int) -> str:
     return (
         f"{_FRAMEWORK}: {model} takes loss keyword arguments, so the Trainer takes its loss as divided by the "
@@ -141,6 +151,8 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
             title=f"{_FRAMEWORK}: {type(model).__name__}",
             on_stop=lambda: setattr(control, "should_training_stop", True),
         )
+        if getattr(args, "label_smoothing_factor", 0):  # said now, in place of the general no-loss notice
+            self.telemetry.notices.say("no_loss", _smoothed_loss(args.label_smoothing_factor))
         self._takes_loss_kwargs = takes_loss_kwargs(model)
         self._accumulate = args.gradient_accumulation_steps
         # held by the run: off at on_train_end, or at the next begin() when a train() raised before it

@@ -282,3 +282,11 @@ def test_a_stop_pressed_inside_an_accumulation_window_ends_training_after_that_w
     callback = MpnbCallback(dashboard=None)
     trainer, _ = train(callback, "bf16", tmp_path, max_steps=6, accumulate=2, also=[StopInStep3()])
     assert trainer.state.global_step == len(callback.history) == 3
+
+
+def test_label_smoothing_is_named_as_the_reason_no_loss_can_be_read(tmp_path):
+    """The Trainer's label smoother computes the loss outside the model: said once, by its name."""
+    callback = MpnbCallback(dashboard=None)
+    trainer, said = train(callback, "bf16", tmp_path, max_steps=2, label_smoothing_factor=0.1)
+    assert callback.history.loss_missing == [True, True] and len(logged(trainer, "loss")) == 2
+    assert len(said) == 1 and "label_smoothing_factor=0.1" in said[0], said
