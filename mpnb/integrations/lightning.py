@@ -163,6 +163,10 @@ class MpnbCallback(Callback, WithTelemetry):
         if self.telemetry.step_end(trainer.current_epoch, optimizer_called=optimizer_called):
             trainer.should_stop = True
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.telemetry.running:  # maybe between two batches of a step: their time is kept
+            self.telemetry.outside_steps_start()
+
     def on_validation_end(self, trainer, pl_module) -> None:
         if self.telemetry.running:  # validation during training: not part of the next step's time
             self.telemetry.outside_steps()

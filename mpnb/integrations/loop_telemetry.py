@@ -58,7 +58,7 @@ from mpnb.precision.policy import session
 from mpnb.training.control import FitControl
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
-from mpnb.training.step_clock import StepClock
+from mpnb.training.step_clock import DeviceInterval, StepClock
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
 from mpnb.training.telemetry import MemorySampler, Recorder, Sink, add_in_fp32, check_dashboard, dashboard_sinks
 
@@ -229,7 +229,7 @@ class LoopTelemetry:
             loss_scale=run.scale_before,
             skipped=skipped,
             lr=run.lr,
-            step_time=run.clock.lap(),
+            step_time=[*run.step_parts, run.clock.lap()] if run.step_parts else run.clock.lap(),
             samples=run.samples,
             memory_used=used,
             memory_peak=peak,
@@ -251,9 +251,19 @@ class LoopTelemetry:
         self.control.checkpoint()  # delivers the dashboard's requests, a Stop among them
         return self.stop_requested
 
+    def outside_steps_start(self) -> None:
+        """Work outside the training steps starts (an evaluation), maybe between two micro-batches
+        of a step (Lightning validates every n batches, whatever the accumulation): the open
+        step's time so far is kept. Optional before :meth:`outside_steps`."""
+        run = self._require_run()
+        part = run.clock.stop() if run.window_open else None
+        if part is not None:
+            run.step_parts.append(part)
+
     def outside_steps(self) -> None:
         """Work outside the training steps just ran (an evaluation, a checkpoint save): the next
-        step's time starts at its own first micro-batch instead of at the previous step's end."""
+        step's time starts at its own first micro-batch instead of at the previous step's end,
+        and adds to what a step that the work interrupted had run (:meth:`outside_steps_start`)."""
         self._require_run().clock.restart()
 
     @property
@@ -369,6 +379,7 @@ class _Run:
         self.plain_count = 0
         self.samples = 0
         self.window_open = False  # an optimizer step's micro-batches have begun
+        self.step_parts: list[float | DeviceInterval] = []  # its times before work outside the steps
         self.scale_before: torch.Tensor | float = 1.0
         self.lr: Any = math.nan
         self.before_called = False

@@ -331,3 +331,26 @@ def test_a_stop_pressed_inside_an_accumulation_window_ends_training_after_that_w
     trainer = quiet_trainer(callback, StopInStep3(), max_steps=10, accumulate_grad_batches=2)
     trainer.fit(Classifier(), loader())
     assert trainer.global_step == len(callback.history) == 3
+
+
+def test_validation_inside_an_accumulation_window_keeps_the_windows_own_time_and_leaves_its_own_out():
+    """Validation every 2 batches, steps of 4: the batches before it belong to the step's time."""
+
+    class Slow(Classifier):
+        def training_step(self, batch, batch_index):
+            time.sleep(0.05)
+            return super().training_step(batch, batch_index)
+
+        def validation_step(self, batch, batch_index):
+            time.sleep(0.1)
+
+    callback = MpnbCallback(dashboard=None)
+    fit(
+        callback, max_steps=2, module=Slow(), validation=loader(), accumulate_grad_batches=4, val_check_interval=2,
+        limit_val_batches=3, num_sanity_val_steps=0,
+    )  # fmt: skip
+    history = callback.history
+    assert len(history) == 2
+    for step_time, rate in zip(history.step_time, history.samples_per_s):
+        assert 0.2 <= step_time < 0.2 + 0.25, history.step_time  # 4 batches of 50 ms; each validation slept 0.3 s
+        assert rate == pytest.approx(32 / step_time)
