@@ -17,7 +17,20 @@ from mpnb.errors import warn_user
 from mpnb.oplists.lists import OpLists
 from mpnb.training.history import History
 
-__all__ = ["Notices", "fp16_without_scaling", "precision_mismatch", "session_lists_inside", "session_autocast_around"]
+__all__ = [
+    "UNSEEN",
+    "Notices",
+    "fp16_without_scaling",
+    "mode_unseen",
+    "no_loss",
+    "not_prepared",
+    "precision_mismatch",
+    "session_autocast_around",
+    "session_lists_inside",
+]
+
+#: The mode column of a step in which no training forward pass was observed.
+UNSEEN = "unseen"
 
 
 def precision_mismatch(asked: str | None, observed: str | None, framework: str) -> str | None:
@@ -60,6 +73,33 @@ def session_autocast_around(device_type: str, framework: str) -> str | None:
         f"autocast ({dtype}) is already on around {framework}'s training (the session's %amp mode, or an enclosing "
         f"autocast block): where {framework} does not enter autocast itself, it trains in {dtype} anyway; "
         "%amp off (or leaving the block) lets the framework's own setting decide"
+    )
+
+
+def no_loss(framework: str, step: int) -> str:
+    """A step gave no loss to read (said once; its rows hold NaN with ``loss_missing``)."""
+    return (
+        f"{framework} gave no loss mpnb can read at step {step} (a training step that returns none, manual "
+        "optimization, a custom loss computed outside the model): those rows hold NaN with loss_missing=True, "
+        "and are not counted as a non-finite loss"
+    )
+
+
+def not_prepared(framework: str, step: int) -> str:
+    """A step ended without ``before_optimizer_step()``: what of it is unknown."""
+    return (
+        f"{framework}: step {step} ended without before_optimizer_step(), so its loss scale, learning rate "
+        "and whether it was skipped are unknown (recorded as 1.0, NaN and not skipped): call "
+        "before_optimizer_step() just before each optimizer step"
+    )
+
+
+def mode_unseen(framework: str, step: int) -> str:
+    """No training forward pass of the model was seen in a step (its mode is :data:`UNSEEN`)."""
+    return (
+        f"{framework}: mpnb saw no training forward pass of the model in step {step}, so that row's mode is "
+        f"'{UNSEEN}': the model ran only in code torch.compile traced before mpnb's hook was on it (call "
+        "torch._dynamo.reset() before training to have it traced again), or the loss came from another model"
     )
 
 

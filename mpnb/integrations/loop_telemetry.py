@@ -45,8 +45,12 @@ import torch
 from torch import nn
 
 from mpnb.integrations.honesty import (
+    UNSEEN,
     Notices,
     fp16_without_scaling,
+    mode_unseen,
+    no_loss,
+    not_prepared,
     precision_mismatch,
     session_autocast_around,
     session_lists_inside,
@@ -63,9 +67,6 @@ from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
 from mpnb.training.telemetry import MemorySampler, Recorder, Sink, add_in_fp32, check_dashboard, dashboard_sinks
 
 __all__ = ["LoopTelemetry", "WithTelemetry"]
-
-_NOT_SEEN = "unseen"  # the mode column before a forward pass was observed
-
 
 class LoopTelemetry:
     """Telemetry, controls and notices for a loop mpnb does not drive.
@@ -234,15 +235,15 @@ class LoopTelemetry:
             memory_used=used,
             memory_peak=peak,
             memory_reserved=reserved,
-            mode=observed if observed is not None else _NOT_SEEN,
+            mode=observed if observed is not None else UNSEEN,
         )
         run.next_window()
         if loss is None:
-            self.notices.say("no_loss", _no_loss(self.framework, self.steps), self.steps)
+            self.notices.say("no_loss", no_loss(self.framework, self.steps), self.steps)
         if not prepared:
-            self.notices.say("not_prepared", _not_prepared(self.framework, self.steps), self.steps)
+            self.notices.say("not_prepared", not_prepared(self.framework, self.steps), self.steps)
         if observed is None:
-            self.notices.say("mode_unseen", _mode_unseen(self.framework, self.steps), self.steps)
+            self.notices.say("mode_unseen", mode_unseen(self.framework, self.steps), self.steps)
         if observed != run.checked_precision:  # the precision's notices, when it is first seen or changes
             run.checked_precision = observed
             self.notices.say("precision_mismatch", precision_mismatch(run.asked, observed, self.framework), self.steps)
@@ -305,30 +306,6 @@ def _on_stopping(stop: Callable[[], None], run: _Run) -> Callable[[str], None]:
             stop()
 
     return listener
-
-
-def _no_loss(framework: str, step: int) -> str:
-    return (
-        f"{framework} gave no loss mpnb can read at step {step} (a training step that returns none, manual "
-        "optimization, a custom loss computed outside the model): those rows hold NaN with loss_missing=True, "
-        "and are not counted as a non-finite loss"
-    )
-
-
-def _not_prepared(framework: str, step: int) -> str:
-    return (
-        f"{framework}: step {step} ended without before_optimizer_step(), so its loss scale, learning rate "
-        "and whether it was skipped are unknown (recorded as 1.0, NaN and not skipped): call "
-        "before_optimizer_step() just before each optimizer step"
-    )
-
-
-def _mode_unseen(framework: str, step: int) -> str:
-    return (
-        f"{framework}: mpnb saw no training forward pass of the model in step {step}, so that row's mode is "
-        f"'{_NOT_SEEN}': the model ran only in code torch.compile traced before mpnb's hook was on it (call "
-        "torch._dynamo.reset() before training to have it traced again), or the loss came from another model"
-    )
 
 
 class WithTelemetry:
