@@ -183,21 +183,27 @@ def test_an_unknown_precision_setting_is_refused_when_the_callback_is_made():
 
 
 class Manual(Classifier):
-    """Manual optimization, returning no loss, with one or two optimizers (a GAN's shape)."""
+    """Manual optimization, a GAN's shape: the first optimizer steps ``first_steps`` times in every
+    ``every``-th batch, a second one (with ``optimizers=2``) once in every batch. Returns the last
+    loss, or None with ``returns_loss=False``."""
 
-    def __init__(self, optimizers: int = 1) -> None:
+    def __init__(self, optimizers: int = 1, first_steps: int = 1, every: int = 1, returns_loss: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.optimizer_count = optimizers
+        self.optimizer_count, self.first_steps, self.every, self.returns_loss = optimizers, first_steps, every, returns_loss
 
     def training_step(self, batch, batch_index):
         inputs, targets = batch
-        for optimizer in self.optimizers() if self.optimizer_count > 1 else [self.optimizers()]:
-            loss = nn.functional.cross_entropy(self.net(inputs), targets)
-            optimizer.zero_grad()
-            self.manual_backward(loss)
-            optimizer.step()
-        return None
+        optimizers = self.optimizers() if self.optimizer_count > 1 else [self.optimizers()]
+        plan = [(optimizers[0], self.first_steps if batch_index % self.every == 0 else 0)]
+        plan += [(optimizer, 1) for optimizer in optimizers[1:]]
+        for optimizer, steps in plan:
+            for _ in range(steps):
+                loss = nn.functional.cross_entropy(self.net(inputs), targets)
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                optimizer.step()
+        return loss if self.returns_loss else None
 
     def configure_optimizers(self):
         return [torch.optim.SGD(self.parameters(), lr=0.1) for _ in range(self.optimizer_count)]
@@ -254,32 +260,6 @@ class StepsOfFirstOptimizer(L.Callback):
         self.handle.remove()
 
 
-class Critic(Classifier):
-    """Manual optimization: the first optimizer steps ``first_steps`` times in every ``every``-th batch;
-    the second optimizer (when there are two) in every batch. Returns the last loss."""
-
-    def __init__(self, optimizers: int, first_steps: int = 1, every: int = 1) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.optimizer_count, self.first_steps, self.every = optimizers, first_steps, every
-
-    def training_step(self, batch, batch_index):
-        inputs, targets = batch
-        optimizers = self.optimizers() if self.optimizer_count > 1 else [self.optimizers()]
-        plan = [(optimizers[0], self.first_steps if batch_index % self.every == 0 else 0)]
-        plan += [(optimizer, 1) for optimizer in optimizers[1:]]
-        for optimizer, steps in plan:
-            for _ in range(steps):
-                loss = nn.functional.cross_entropy(self.net(inputs), targets)
-                optimizer.zero_grad()
-                self.manual_backward(loss)
-                optimizer.step()
-        return loss
-
-    def configure_optimizers(self):
-        return [torch.optim.SGD(self.parameters(), lr=0.01) for _ in range(self.optimizer_count)]
-
-
 @pytest.mark.parametrize(
     ("optimizers", "first_steps", "every"),
     [(2, 1, 1), (1, 2, 1), (2, 1, 2)],
@@ -292,7 +272,7 @@ def test_manual_optimization_records_each_step_of_the_first_optimizer_and_no_fal
     trainer = quiet_trainer(callback, truth, plugins=[fp16_with_scaler()], max_epochs=1, limit_train_batches=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(Critic(optimizers, first_steps, every), loader())
+        trainer.fit(Manual(optimizers, first_steps, every, returns_loss=True), loader())
     history = callback.history
     assert truth.steps == 4 * first_steps // every
     assert len(history) == truth.steps and history.skipped_steps == []
