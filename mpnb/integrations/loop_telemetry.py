@@ -150,9 +150,8 @@ class LoopTelemetry:
         self.recorder.sinks.extend(sinks)
         self._run.sinks = sinks
         self.control.begin()
-        if on_stop is not None:
-            self._run.stop_listener = _on_stopping(on_stop, self._run)
-            self.control.on_state.append(self._run.stop_listener)
+        self._run.control_listener = self._follow_control(self._run, on_stop)
+        self.control.on_state.append(self._run.control_listener)
         self.notices.say("session_autocast", session_autocast_around(device.type, self.framework))
         self.notices.say("session_oplists", session_lists_inside(session.oplists.lists, self.framework))
 
@@ -283,9 +282,24 @@ class LoopTelemetry:
             for sink in run.sinks:
                 self.recorder.sinks.remove(sink)
             run.detach()
-            if run.stop_listener is not None:
-                self.control.on_state.remove(run.stop_listener)
+            self.control.on_state.remove(run.control_listener)
             self.control.end()
+
+    def _follow_control(self, run: _Run, on_stop: Callable[[], None] | None) -> Callable[[str], None]:
+        """A :attr:`FitControl.on_state` listener for ``run``: Stop pressed between two steps calls
+        ``on_stop`` (inside one, :meth:`step_end` says stop instead); an abandoned run (its notebook
+        cell raised, see :mod:`mpnb.ui.cell_end`) is ended, with a note saying why."""
+
+        def listener(state: str) -> None:
+            if state == "stopping" and on_stop is not None and not run.window_open:
+                on_stop()
+            elif state == "abandoned" and self._run is run:
+                reason = self.control.abandoned_because
+                self.history.note(f"run {self.runs} ended without {self.framework} saying so: {reason}",
+                                  kind="run failed", step=self.steps)  # fmt: skip
+                self.end()
+
+        return listener
 
     def _require_run(self) -> _Run:
         if self._run is None:
@@ -295,17 +309,6 @@ class LoopTelemetry:
     def __repr__(self) -> str:
         state = "recording" if self._run is not None else "idle"
         return f"<mpnb LoopTelemetry for {self.framework}: {self.steps} steps, {state}>"
-
-
-def _on_stopping(stop: Callable[[], None], run: _Run) -> Callable[[str], None]:
-    """A :attr:`FitControl.on_state` listener that calls ``stop`` when the state turns to stopping
-    between two of ``run``'s steps (inside one, :meth:`LoopTelemetry.step_end` says stop instead)."""
-
-    def listener(state: str) -> None:
-        if state == "stopping" and not run.window_open:
-            stop()
-
-    return listener
 
 
 class WithTelemetry:
@@ -346,7 +349,7 @@ class _Run:
         self.observer = PrecisionObserver(model, device.type)
         self.sinks: list[Sink] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
-        self.stop_listener: Callable[[str], None] | None = None  # passes Stop on to the framework
+        self.control_listener: Callable[[str], None] = lambda state: None  # Stop to the framework, and more
         self.checked_precision: str | None = None  # the observed precision the notices were checked for
         self.next_window()
 

@@ -56,7 +56,8 @@ class FitControl:
 
     Attributes:
         pollers: called at every checkpoint, and repeatedly while paused.
-        state: ``"idle"``, ``"running"``, ``"paused"`` or ``"stopping"``; views show it.
+        state: ``"idle"``, ``"running"``, ``"paused"`` or ``"stopping"``; views show it
+            (``"abandoned"`` for a moment, see :meth:`abandon`).
         on_state: called with the new state after each change of :attr:`state`.
     """
 
@@ -64,6 +65,7 @@ class FitControl:
         self.pollers: list[Callable[[], None]] = []
         self.on_state: list[Callable[[str], None]] = []
         self.state = "idle"
+        self.abandoned_because: str | None = None
         self._stop = False
         self._paused = False
         self._changed: list[str] = []
@@ -89,6 +91,17 @@ class FitControl:
     @property
     def stop_requested(self) -> bool:
         return self._stop
+
+    def abandon(self, reason: str) -> None:
+        """The code that drove the fit is gone without ending it (the notebook cell that started it
+        raised inside a framework that tells its callbacks nothing): listeners hear ``"abandoned"``
+        and the fit's owner ends it (``reason`` says why); the state is idle after, whoever ends it."""
+        if self.state == "idle":
+            return
+        self.abandoned_because = reason
+        self._set_state("abandoned")
+        if self.state != "idle":
+            self.end()
 
     def begin(self) -> None:
         """A fit starts: listen to the session; earlier requests are forgotten."""

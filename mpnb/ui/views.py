@@ -31,10 +31,14 @@ __all__ = ["install", "make_dashboard", "make_rank_dashboard", "history_figure",
 def make_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> list[Sink]:
     """Sinks for ``kind`` (see :func:`~mpnb.ui.environment.display_kind`); a live dashboard is displayed now.
 
-    With a ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot.
+    With a ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot, and
+    the fit is abandoned if the cell running now raises and leaves it open (see :mod:`mpnb.ui.cell_end`).
     """
+    from mpnb.ui.cell_end import end_with_its_cell
     from mpnb.ui.plots.text import TextProgress
 
+    if control is not None:
+        end_with_its_cell(control)
     if display_kind(kind) == "text":
         return [TextProgress(title)]
     from IPython.display import display

@@ -470,3 +470,17 @@ def test_a_step_ended_without_before_optimizer_step_is_said_to_be_unknown():
     assert len(said) == 1 and "step 1 ended without before_optimizer_step()" in said[0]
     assert [e["kind"] for e in telemetry.history.events].count("not_prepared") == 1
     assert math.isnan(telemetry.history.lr[0]) and telemetry.history.loss == [0.5, 0.5]
+
+
+def test_a_run_begun_in_one_cell_outlives_an_error_in_a_later_one(ip):
+    """A loop fed from several cells (a LoopRecorder made in one, records from the next) is not
+    ended by a later cell's error: only the cell that began a run ends it by raising."""
+    from tests.conftest import run_expecting
+
+    model = torch.nn.Linear(4, 1)
+    telemetry = LoopTelemetry("my loop", dashboard="text")
+    ip.user_ns.update(telemetry=telemetry, model=model, torch=torch)
+    ip.run_cell("telemetry.begin(model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=None, device='cpu', asked=None)")
+    run_expecting(ip, "raise ValueError('a typo in the loop')", ValueError)
+    assert telemetry.running
+    telemetry.end()

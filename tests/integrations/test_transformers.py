@@ -290,3 +290,29 @@ def test_label_smoothing_is_named_as_the_reason_no_loss_can_be_read(tmp_path):
     trainer, said = train(callback, "bf16", tmp_path, max_steps=2, label_smoothing_factor=0.1)
     assert callback.history.loss_missing == [True, True] and len(logged(trainer, "loss")) == 2
     assert len(said) == 1 and "label_smoothing_factor=0.1" in said[0], said
+
+
+def test_a_train_that_raised_in_a_notebook_cell_is_ended_with_that_cell(tmp_path, ip):
+    """transformers tells its callbacks nothing when train() raises: in IPython, the end of the
+    cell that raised ends mpnb's run (its dashboard closed, its hooks off, the failure noted),
+    instead of leaving it to look alive until the next train()."""
+    from transformers import TrainerCallback
+
+    from tests.conftest import run, run_expecting
+
+    class FailAtStep2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("failed at step 2")
+
+    callback = MpnbCallback(dashboard="text")
+    args = TrainingArguments(str(tmp_path), use_cpu=True, per_device_train_batch_size=8, max_steps=4, report_to=[],
+                             save_strategy="no", disable_tqdm=True)  # fmt: skip
+    trainer = Trainer(model=gpt2_model(), args=args, train_dataset=token_data(), callbacks=[callback, FailAtStep2()])
+    ip.user_ns.update(trainer=trainer)
+    run_expecting(ip, "trainer.train()", RuntimeError)
+    assert not callback.telemetry.running and callback.control.state == "idle"
+    assert not trainer.model._forward_hooks
+    assert len(callback.history) == 2
+    assert [e for e in callback.history.events if e.get("kind") == "run failed" and "failed at step 2" in e["message"]]
+    run(ip, "1 + 1")  # the next cell finds nothing left to end

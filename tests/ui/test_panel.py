@@ -201,6 +201,16 @@ def test_buttons_drive_the_control_and_show_its_state():
     assert buttons.pump not in control.pollers and buttons.state_label.value == "finished"
 
 
+def test_buttons_of_a_fit_its_cell_abandoned_say_so_to_the_end():
+    control = FitControl()
+    buttons = FitButtons(control)
+    control.begin()
+    control.abandon("the cell that ran it raised ValueError: boom")
+    assert control.state == "idle" and buttons.stop_button.disabled and buttons.pause_button.disabled
+    buttons.close(History())
+    assert buttons.state_label.value == "ended: its cell raised an error"
+
+
 def test_switches_are_drawn_as_labelled_lines():
     history = History()
     history.extend({"step": [1, 2, 3, 4], "loss": [1.0, 0.9, 0.8, 0.7]})

@@ -30,6 +30,7 @@ _STATE_TEXT = {
     "running": "running",
     "paused": "paused between steps",
     "stopping": "stopping after this step",
+    "abandoned": "ended: its cell raised an error",
 }
 
 
@@ -59,10 +60,12 @@ class FitButtons(Sink):
             self.control.resume()
 
     def _show_state(self, state: str) -> None:
+        if self.state_label.value == _STATE_TEXT["abandoned"] and state == "idle":
+            return  # the fit's owner ended it after its cell raised: that stays said
         self.state_label.value = _STATE_TEXT[state]
         self.pause_button.description = "Resume" if state == "paused" else "Pause"
         self.pause_button.icon = "play" if state == "paused" else "pause"
-        if state in ("idle", "stopping"):
+        if state in ("idle", "stopping", "abandoned"):
             self.stop_button.disabled = self.pause_button.disabled = True
 
     def close(self, history: History) -> None:
