@@ -137,7 +137,6 @@ class MpnbCallback(Callback, WithTelemetry):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.telemetry.window_begin()
-        self.telemetry.add_samples(samples_in(batch))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if optimizer is not trainer.optimizers[0]:  # the first optimizer's steps only (said at the start)
@@ -148,6 +147,8 @@ class MpnbCallback(Callback, WithTelemetry):
         self._step_pending = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # counted as it ends: a batch that on_train_batch_start returning -1 cut short trained nothing
+        self.telemetry.add_samples(samples_in(batch))
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             # Lightning divides by accumulate_grad_batches, the last part-filled window too: undone,

@@ -129,10 +129,9 @@ class LoopTelemetry:
         ``asked``: the precision the framework was asked for (a name in
         :data:`~mpnb.integrations.observed.PRECISIONS`, or None when unknown). ``on_stop``: the
         framework's own stop (``trainer.should_stop = True``), called the moment Stop is pressed (the
-        dashboard, ``control.stop()`` from anywhere, another callback) between two steps, so that the
-        step it is pressed after is the last whichever hook runs next; pressed inside an optimizer
-        step (an accumulation window's micro-batches), at that step's :meth:`step_end`, so that the
-        window is stepped, not thrown away, and is the last. A run that never reached :meth:`end` (its framework
+        dashboard, ``control.stop()`` from anywhere, another callback), whichever hook runs next:
+        the framework ends as its own stop ends it (Lightning and transformers after the running
+        batch; the micro-batches of an unfinished accumulation window are dropped, unstepped). A run that never reached :meth:`end` (its framework
         raised) is ended first. Each run is marked in the history (an event of kind ``"run"`` at the
         step it starts after) and says its notices anew.
         """
@@ -164,7 +163,6 @@ class LoopTelemetry:
         """The first micro-batch of an optimizer step starts: its time starts (if not already), and
         the precision hook goes back on if this step is one to read (see ``PrecisionObserver``)."""
         run = self._require_run()
-        run.window_open = True
         run.clock.start()
         run.observer.rearm()
 
@@ -184,6 +182,7 @@ class LoopTelemetry:
             value = loss.detach() if loss.requires_grad else loss
         else:
             value = float(loss)
+        run.window_open = True
         if normalized:
             run.summed = add_in_fp32(run.summed, value)
         else:
@@ -192,8 +191,10 @@ class LoopTelemetry:
 
     def add_samples(self, count: int | None) -> None:
         """Examples in a micro-batch (None when unknown)."""
+        run = self._require_run()
+        run.window_open = True
         if count:
-            self._require_run().samples += count
+            run.samples += count
 
     def before_optimizer_step(self) -> None:
         """The optimizer is about to be called: note the scale it steps with, and the learning rate."""
@@ -286,12 +287,12 @@ class LoopTelemetry:
             self.control.end()
 
     def _follow_control(self, run: _Run, on_stop: Callable[[], None] | None) -> Callable[[str], None]:
-        """A :attr:`FitControl.on_state` listener for ``run``: Stop pressed between two steps calls
-        ``on_stop`` (inside one, :meth:`step_end` says stop instead); an abandoned run (its notebook
-        cell raised, see :mod:`mpnb.ui.cell_end`) is ended, with a note saying why."""
+        """A :attr:`FitControl.on_state` listener for ``run``: Stop calls ``on_stop`` the moment it is
+        pressed; an abandoned run (its notebook cell raised, see :mod:`mpnb.ui.cell_end`) is ended,
+        with a note saying why."""
 
         def listener(state: str) -> None:
-            if state == "stopping" and on_stop is not None and not run.window_open:
+            if state == "stopping" and on_stop is not None:
                 on_stop()
             elif state == "abandoned" and self._run is run:
                 reason = self.control.abandoned_because
@@ -358,7 +359,7 @@ class _Run:
         self.plain: torch.Tensor | float | None = None
         self.plain_count = 0
         self.samples = 0
-        self.window_open = False  # an optimizer step's micro-batches have begun
+        self.window_open = False  # a micro-batch of the open step was added (its loss or samples)
         self.step_parts: list[float | DeviceInterval] = []  # its times before work outside the steps
         self.scale_before: torch.Tensor | float = 1.0
         self.lr: Any = math.nan

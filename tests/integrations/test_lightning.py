@@ -301,16 +301,57 @@ def test_a_step_lightning_skips_for_want_of_a_loss_is_not_recorded_as_an_overflo
     assert history.loss_scale == [1024.0] * 3 + [512.0] * 3  # the one backoff, at the overflow
 
 
-def test_a_stop_pressed_inside_an_accumulation_window_ends_training_after_that_windows_step():
+def test_a_stop_pressed_inside_an_accumulation_window_ends_training_as_lightnings_own_stop_does():
+    """Lightning stops after the running batch and drops the unfinished window: the step before is
+    the last, and the rows say so, whichever callback pressed Stop first."""
+
     class StopInStep3(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if batch_idx == 4:  # the first of step 3's two batches
                 callback.control.stop()
 
+    for order in ("mpnb first", "mpnb last"):
+        callback = MpnbCallback(dashboard=None)
+        callbacks = [callback, StopInStep3()] if order == "mpnb first" else [StopInStep3(), callback]
+        trainer = quiet_trainer(*callbacks, max_steps=10, accumulate_grad_batches=2)
+        trainer.fit(Classifier(), loader())
+        assert trainer.global_step == len(callback.history) == 2, order
+        assert not callback.telemetry.running
+
+
+class FirstOptimizerOnlyInEpoch0(Manual):
+    batches = 0
+
+    def training_step(self, batch, batch_index):
+        self.first_steps = 1 if self.current_epoch == 0 else 0
+        self.batches += 1
+        return super().training_step(batch, batch_index)
+
+
+def test_stop_reaches_lightning_when_the_first_optimizer_no_longer_steps():
+    class StopAtEpoch1(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if trainer.current_epoch == 1 and batch_idx == 2:
+                callback.control.stop()
+
     callback = MpnbCallback(dashboard=None)
-    trainer = quiet_trainer(callback, StopInStep3(), max_steps=10, accumulate_grad_batches=2)
-    trainer.fit(Classifier(), loader())
-    assert trainer.global_step == len(callback.history) == 3
+    trainer = quiet_trainer(callback, StopAtEpoch1(), max_epochs=5, limit_train_batches=6)
+    module = FirstOptimizerOnlyInEpoch0(optimizers=2)
+    trainer.fit(module, loader())
+    assert trainer.should_stop and module.batches == 6 + 3  # Lightning stopped after the batch Stop was pressed in
+    assert len(callback.history) == 6  # the first optimizer's steps, all in epoch 0
+
+
+def test_a_batch_cut_short_by_on_train_batch_start_is_not_counted_into_the_next_step():
+    class EndEpochAtBatch3(Classifier):
+        def on_train_batch_start(self, batch, batch_index):
+            return -1 if batch_index == 3 else None
+
+    callback = MpnbCallback(dashboard=None)
+    fit(callback, max_steps=-1, module=EndEpochAtBatch3(), max_epochs=2)
+    history = callback.history
+    assert len(history) == 6 and history.epoch == [0, 0, 0, 1, 1, 1]
+    assert [rate * time for rate, time in zip(history.samples_per_s, history.step_time)] == pytest.approx([8] * 6)
 
 
 def test_validation_inside_an_accumulation_window_keeps_the_windows_own_time_and_leaves_its_own_out():

@@ -270,8 +270,9 @@ def test_a_compute_loss_that_drops_num_items_in_batch_is_recorded_as_the_trainer
     assert [message for message in said if "num_items_in_batch" in message and "4 micro-batches" in message], said
 
 
-def test_a_stop_pressed_inside_an_accumulation_window_ends_training_after_that_windows_step(tmp_path):
-    """The step Stop is pressed in is the last, and it is taken: its micro-batches are not thrown away."""
+def test_a_stop_pressed_inside_an_accumulation_window_ends_training_as_the_trainers_own_stop_does(tmp_path):
+    """The Trainer breaks off after the running micro-batch and drops the unfinished window: the step
+    before is the last, and the rows say so."""
     from transformers import TrainerCallback
 
     class StopInStep3(TrainerCallback):
@@ -281,7 +282,8 @@ def test_a_stop_pressed_inside_an_accumulation_window_ends_training_after_that_w
 
     callback = MpnbCallback(dashboard=None)
     trainer, _ = train(callback, "bf16", tmp_path, max_steps=6, accumulate=2, also=[StopInStep3()])
-    assert trainer.state.global_step == len(callback.history) == 3
+    assert trainer.state.global_step == len(callback.history) == 2
+    assert not callback.telemetry.running
 
 
 def test_label_smoothing_is_named_as_the_reason_no_loss_can_be_read(tmp_path):
