@@ -12,12 +12,13 @@ Needs ``pip install 'mpnb[transformers]'``. Add the callback; change nothing els
 What each row holds, and where it comes from:
 
 - loss: the loss the Trainer adds to its own log for that optimizer step (the model output's
-  ``loss``, summed over the step's micro-batches where the Trainer takes it as divided by the
-  step's token count already: a model that takes loss keyword arguments, given labels;
-  averaged otherwise), kept on the device until the next flush. A ``compute_loss`` override
-  that calls such a model without ``num_items_in_batch`` makes the Trainer sum the
-  micro-batches' means (its loss and gradients k times the mean, for k micro-batches): the
-  row holds that sum too, and the callback says why;
+  ``loss``, summed over the step's micro-batches where the model was given
+  ``num_items_in_batch``, so divided by the step's token count already; averaged otherwise),
+  kept on the device until the next flush. One case differs: a ``compute_loss`` override that
+  calls a model taking loss keyword arguments without passing ``num_items_in_batch`` on makes
+  the Trainer sum the micro-batches' means (its logged loss and its gradients are k times the
+  mean, for k micro-batches), where the row holds the mean. mpnb cannot tell that case from a
+  Trainer told to divide (``trainer.model_accepts_loss_kwargs = False``, as some subclasses set);
 - loss scale and skipped: the GradScaler the Trainer's Accelerator really uses (none: scale 1,
   nothing skipped), skips seen as the optimizer step GradScaler did not let through;
 - mode: read from autocast and the weights during the step's forward pass (see
@@ -44,7 +45,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -92,31 +92,11 @@ def epoch_of_step(state: Any) -> int:
     return max(0, math.ceil(state.epoch or 0) - 1)
 
 
-def takes_loss_kwargs(model: torch.nn.Module) -> bool:
-    """Whether the Trainer passes ``num_items_in_batch`` to ``model`` (its own rule: the model's
-    ``accepts_loss_kwargs``, else a ``**kwargs`` in its ``forward``)."""
-    declared = getattr(model, "accepts_loss_kwargs", None)
-    if declared is not None:
-        return bool(declared)
-    parameters = inspect.signature(model.forward).parameters.values()
-    return any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
-
-
 def _smoothed_loss(factor: float) -> str:
     return (
         f"{_FRAMEWORK}: with label_smoothing_factor={factor} the Trainer computes the loss outside the model "
         "(its label smoother), where mpnb cannot read it: the rows hold NaN with loss_missing=True and are not "
         "counted as a non-finite loss; the Trainer's own log has the loss"
-    )
-
-
-def _uncounted_loss(model: str, accumulate: int) -> str:
-    return (
-        f"{_FRAMEWORK}: {model} takes loss keyword arguments, so the Trainer takes its loss as divided by the "
-        f"step's token count already, but the model ran without num_items_in_batch (a compute_loss override?): "
-        f"the Trainer's loss and gradients are the sum of the {accumulate} micro-batches' means, {accumulate} "
-        "times their mean. mpnb records the Trainer's figure; pass num_items_in_batch on to the model to train "
-        "on the mean"
     )
 
 
@@ -153,8 +133,6 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
         )
         if getattr(args, "label_smoothing_factor", 0):  # said now, in place of the general no-loss notice
             self.telemetry.notices.say("no_loss", _smoothed_loss(args.label_smoothing_factor))
-        self._takes_loss_kwargs = takes_loss_kwargs(model)
-        self._accumulate = args.gradient_accumulation_steps
         # held by the run: off at on_train_end, or at the next begin() when a train() raised before it
         self.telemetry.hold(model.register_forward_hook(self._forward_done, with_kwargs=True))
 
@@ -163,12 +141,8 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
             return
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if isinstance(loss, torch.Tensor):
-            counted = kwargs.get("num_items_in_batch") is not None  # the model divided by the step's tokens
-            # the Trainer's own rule: it divides nothing for a model that takes loss kwargs, given labels
-            summed = counted or (self._takes_loss_kwargs and "labels" in kwargs)
-            self.telemetry.add_loss(loss, normalized=summed)
-            if summed and not counted and self._accumulate > 1:
-                self.telemetry.notices.say("uncounted_loss", _uncounted_loss(type(module).__name__, self._accumulate))
+            # with num_items_in_batch the model already divided by the step's token count
+            self.telemetry.add_loss(loss, normalized=kwargs.get("num_items_in_batch") is not None)
         self.telemetry.add_samples(samples_in(kwargs or args))
 
     def on_step_begin(self, args, state, control, **kwargs):
