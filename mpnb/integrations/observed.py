@@ -8,8 +8,8 @@ float64 weights (``"64-true"``), which autocast never casts, are ``"fp64"``.
 Frameworks enter autocast in different places: around the loss computation (Hugging Face
 Trainer), around ``training_step`` (Lightning), inside a wrapped ``model.forward``
 (Accelerate). All of them are active by the time the model's first leaf module runs, so a
-forward pre-hook on the first leaf that trains (a frozen teacher declared before the student
-is passed over) reads what torch will really do. Reading the state is host-only
+forward pre-hook there, and on the first leaf that trains (a frozen teacher declared before the
+student may run without grad), reads what torch will really do. Reading the state is host-only
 (no device work). A module with a hook leaves torch's fast call path, so in eager mode the hook
 is on only for some steps (see :class:`PrecisionObserver`).
 
@@ -111,8 +111,8 @@ def fp32_math_in_effect() -> str:
 class PrecisionObserver:
     """Reads the precision in effect during ``model``'s training forward passes (those with grad
     enabled; evaluation is left out), from autocast and the dtype of its first floating parameter
-    that trains (``requires_grad``), read where its first leaf module that trains runs; a model
-    with nothing to train is read from its first leaf and first floating parameter.
+    that trains (``requires_grad``; else its first), read where its first leaf module runs and
+    where its first leaf that trains runs, whichever runs with grad enabled.
     A loop calls :meth:`rearm` as each optimizer step starts and :meth:`step_end` as it ends.
 
     A hook left on a module slows each of its calls (the module leaves torch's fast call path:
@@ -135,19 +135,19 @@ class PrecisionObserver:
         self._seen = False  # read since the hook went on (or since the last step_end)
         self._traced = False  # torch.compile traced the hook: it stays on
         self._read_at = self._step_started = -math.inf
-        self._handle: torch.utils.hooks.RemovableHandle | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._arm()
 
     def rearm(self) -> None:
         """A step starts: put the hook on if the previous step was slow or the reading is old."""
         now = time.perf_counter()
         slow, self._step_started = now - self._step_started >= self.slow_step, now
-        if self._handle is None and (slow or now - self._read_at >= self.interval):
+        if not self._handles and (slow or now - self._read_at >= self.interval):
             self._arm()
 
     def step_end(self) -> str | None:
         """A step ended: its precision (see the class docstring); takes an eager hook off."""
-        if self._handle is None:
+        if not self._handles:
             return self.precision
         seen, self._seen = self._seen, False
         if not self._traced:
@@ -159,7 +159,7 @@ class PrecisionObserver:
         self._weight = _first_weight(self.model)
         self._fp32_math = fp32_math_in_effect()
         self._seen = False
-        self._handle = _first_leaf(self.model).register_forward_pre_hook(self._observe)
+        self._handles = [leaf.register_forward_pre_hook(self._observe) for leaf in _observed_leaves(self.model)]
 
     def _observe(self, module: nn.Module, args: object) -> None:
         if not torch.is_grad_enabled():
@@ -175,9 +175,9 @@ class PrecisionObserver:
 
     def remove(self) -> None:
         """Take the hook off."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def _first_weight(model: nn.Module) -> nn.Parameter | None:
@@ -192,15 +192,16 @@ def _first_weight(model: nn.Module) -> nn.Parameter | None:
     return first
 
 
-def _first_leaf(model: nn.Module) -> nn.Module:
-    """The first module without children that holds a parameter that trains (else the first module
-    without children, else the model itself): it runs inside whatever the model's own forward
-    enters, and a frozen part that runs first, or without grad, does not stand for what trains.
+def _observed_leaves(model: nn.Module) -> list[nn.Module]:
+    """Where the hook goes: the first module without children (the model itself when it has none),
+    which runs inside whatever the model's own forward enters, and the first one holding a
+    parameter that trains, if another: a frozen part that runs first without grad does not
+    stand for what trains, and a trainable part may be one the forward never calls.
     Stops at the first that trains: called at each arming."""
     first = None
     for module in model.modules():
         if not any(True for _ in module.children()):
             if any(p.requires_grad for p in module.parameters(recurse=False)):
-                return module
+                return [first, module] if first is not None else [module]
             first = first if first is not None else module
-    return first if first is not None else model
+    return [first if first is not None else model]

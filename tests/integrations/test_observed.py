@@ -57,3 +57,20 @@ def test_a_model_with_nothing_to_train_is_read_from_its_first_leaf():
         model(torch.ones(2, 4))
     assert observer.step_end() == "bf16"
     observer.remove()
+
+
+class UnusedHead(nn.Module):
+    """A frozen first layer that runs, then a trainable module its forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.unused = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return (self.frozen(inputs) * self.scale).float().pow(2).mean()
+
+
+def test_a_trainable_module_that_never_runs_does_not_leave_the_step_unread():
+    assert observed(UnusedHead(), autocast=True) == "bf16"
