@@ -249,7 +249,8 @@ class LoopTelemetry:
             self.notices.say("precision_mismatch", precision_mismatch(run.asked, observed, self.framework), self.steps)
             scaling = fp16_without_scaling(observed, run.scaler, self.framework)
             self.notices.say("fp16_without_scaling", scaling, self.steps)
-        self.control.checkpoint()  # delivers the dashboard's requests, a Stop among them
+        if self.control.checkpoint().paused_s:  # delivers the dashboard's requests (a Stop), waits while paused
+            run.clock.restart()  # the pause is no step's work: the next step's time starts at its first batch
         return self.stop_requested
 
     def outside_steps_start(self) -> None:

@@ -484,3 +484,17 @@ def test_a_run_begun_in_one_cell_outlives_an_error_in_a_later_one(ip):
     run_expecting(ip, "raise ValueError('a typo in the loop')", ValueError)
     assert telemetry.running
     telemetry.end()
+
+
+def test_a_pause_between_steps_is_left_out_of_the_next_steps_time():
+    """Pause on the dashboard holds the framework in step_end; that wait is no step's work."""
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1)
+    begin(telemetry, model)
+    run_steps(telemetry, model, 1)
+    paused_at = time.perf_counter()
+    telemetry.control.pollers.append(lambda: time.perf_counter() - paused_at > 0.3 and telemetry.control.resume())
+    telemetry.control.pause()
+    run_steps(telemetry, model, 2)  # the first of them waits in its step_end until resumed
+    telemetry.end()
+    assert telemetry.history.step_time[2] < 0.1, telemetry.history.step_time
