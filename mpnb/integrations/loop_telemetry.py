@@ -107,6 +107,8 @@ class LoopTelemetry:
         self.notices = Notices(self.history)
         self.steps = 0
         self.runs = 0
+        #: Why a step may give no loss to read, where the framework's settings say (in its notice).
+        self.no_loss_reason: str | None = None
         self._run: _Run | None = None
 
     @property
@@ -239,7 +241,7 @@ class LoopTelemetry:
         )
         run.next_window()
         if loss is None:
-            self.notices.say("no_loss", no_loss(self.framework, self.steps), self.steps)
+            self.notices.say("no_loss", no_loss(self.framework, self.steps, self.no_loss_reason), self.steps)
         if not prepared:
             self.notices.say("not_prepared", not_prepared(self.framework, self.steps), self.steps)
         if observed is None:

@@ -92,14 +92,6 @@ def epoch_of_step(state: Any) -> int:
     return max(0, math.ceil(state.epoch or 0) - 1)
 
 
-def _smoothed_loss(factor: float) -> str:
-    return (
-        f"{_FRAMEWORK}: with label_smoothing_factor={factor} the Trainer computes the loss outside the model "
-        "(its label smoother), where mpnb cannot read it: the rows hold NaN with loss_missing=True and are not "
-        "counted as a non-finite loss; the Trainer's own log has the loss"
-    )
-
-
 class MpnbCallback(TrainerCallback, WithTelemetry):
     """mpnb's telemetry and controls for a ``transformers.Trainer``.
 
@@ -131,8 +123,12 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
             title=f"{_FRAMEWORK}: {type(model).__name__}",
             on_stop=lambda: setattr(control, "should_training_stop", True),
         )
-        if getattr(args, "label_smoothing_factor", 0):  # said now, in place of the general no-loss notice
-            self.telemetry.notices.say("no_loss", _smoothed_loss(args.label_smoothing_factor))
+        smoothing = getattr(args, "label_smoothing_factor", 0)
+        self.telemetry.no_loss_reason = (
+            f"with label_smoothing_factor={smoothing} the Trainer's label smoother computes the loss outside the model"
+            if smoothing
+            else None
+        )
         # held by the run: off at on_train_end, or at the next begin() when a train() raised before it
         self.telemetry.hold(model.register_forward_hook(self._forward_done, with_kwargs=True))
 

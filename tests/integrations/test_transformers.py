@@ -316,3 +316,17 @@ def test_a_train_that_raised_in_a_notebook_cell_is_ended_with_that_cell(tmp_path
     assert len(callback.history) == 2
     assert [e for e in callback.history.events if e.get("kind") == "run failed" and "failed at step 2" in e["message"]]
     run(ip, "1 + 1")  # the next cell finds nothing left to end
+
+
+def test_label_smoothing_the_trainer_turned_off_is_not_blamed_for_a_loss_that_was_read(tmp_path):
+    """The Trainer turns label smoothing off for multi-label models: the loss is the model's, read."""
+
+    class MultiLabel(Trainer):
+        def __init__(self, *args, model, **kwargs):
+            model.config.problem_type = "multi_label_classification"
+            super().__init__(*args, model=model, **kwargs)
+
+    callback = MpnbCallback(dashboard=None)
+    trainer, said = train(callback, "bf16", tmp_path, max_steps=2, label_smoothing_factor=0.1, trainer=MultiLabel)
+    assert callback.history.loss == pytest.approx(logged(trainer, "loss"), rel=1e-6)
+    assert not any("label_smoothing" in message for message in said), said
