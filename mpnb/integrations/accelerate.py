@@ -99,7 +99,15 @@ class LoopRecorder(WithTelemetry):
         stop (Stop pressed, or a non-finite loss with ``on_nonfinite="stop"``).
 
         ``ends_step``: whether this micro-batch ended an optimizer step, where the loop knows it
-        (Fabric's, with gradient accumulation); None asks :attr:`step_ends`."""
+        (Fabric's, with gradient accumulation); None asks :attr:`step_ends`.
+
+        Raises:
+            TypeError: ``ends_step`` that is not True, False or None, an epoch that is not a whole
+                number, or a loss that is not a number (nothing is recorded).
+        """
+        if ends_step is not None and not isinstance(ends_step, bool):
+            raise TypeError(f"ends_step must be True, False or None, got {ends_step!r}")
+        self.telemetry.check_epoch(epoch)
         self.telemetry.add_loss(loss)
         self.telemetry.add_samples(samples_in(batch) if batch is not None else None)
         if not (self.step_ends() if ends_step is None else ends_step):

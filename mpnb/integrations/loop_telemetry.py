@@ -183,7 +183,10 @@ class LoopTelemetry:
             # the framework detached already (Lightning's) is kept as it is: no new tensor a step
             value = loss.detach() if loss.requires_grad else loss
         else:
-            value = float(loss)
+            try:
+                value = float(loss)
+            except (TypeError, ValueError):
+                raise TypeError(f"{self.framework}: a step's loss must be a tensor or a number, got {loss!r}") from None
         run.window_open = True
         if normalized:
             run.summed = add_in_fp32(run.summed, value)
@@ -217,6 +220,7 @@ class LoopTelemetry:
         (Lightning does for a ``training_step`` that returned None); the row is not marked skipped,
         which says that gradients overflowed."""
         run = self._require_run()
+        self.check_epoch(epoch)
         prepared = run.before_called  # else the step's scale, learning rate and skip are unknown
         watched = run.watch is not None and prepared and optimizer_called
         skipped = run.watch.skipped(run.scaler, run.device) if watched else False
@@ -254,6 +258,15 @@ class LoopTelemetry:
         if self.control.checkpoint().paused_s:  # delivers the dashboard's requests (a Stop), waits while paused
             run.clock.restart()  # the pause is no step's work: the next step's time starts at its first batch
         return self.stop_requested
+
+    def check_epoch(self, epoch: object) -> None:
+        """Refuse an epoch that is not a whole number, naming it.
+
+        Raises:
+            TypeError: ``epoch`` is not an int.
+        """
+        if type(epoch) is not int:
+            raise TypeError(f"{self.framework}: epoch must be a whole number, got {epoch!r}")
 
     def outside_steps_start(self) -> None:
         """Work outside the training steps starts (an evaluation), maybe between two micro-batches

@@ -498,3 +498,19 @@ def test_a_pause_between_steps_is_left_out_of_the_next_steps_time():
     run_steps(telemetry, model, 2)  # the first of them waits in its step_end until resumed
     telemetry.end()
     assert telemetry.history.step_time[2] < 0.1, telemetry.history.step_time
+
+
+def test_bad_values_for_a_row_are_refused_with_their_value():
+    from mpnb.integrations.accelerate import LoopRecorder
+
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with LoopRecorder.start("my loop", model, optimizer, scaler=None, device="cpu", dashboard=None) as recorder:
+        with pytest.raises(TypeError, match="ends_step.*'no'"):
+            recorder.record(1.0, ends_step="no")
+        with pytest.raises(TypeError, match="epoch.*'x'"):
+            recorder.record(1.0, epoch="x")
+        with pytest.raises(TypeError, match="loss.*None"):
+            recorder.record(None)
+        recorder.record(torch.tensor(0.5), ends_step=True, epoch=1)
+    assert recorder.history.loss == [0.5] and recorder.history.epoch == [1]
