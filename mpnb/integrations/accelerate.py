@@ -93,7 +93,9 @@ class LoopRecorder(WithTelemetry):
         telemetry.before_optimizer_step()
         return cls(telemetry, step_ends)
 
-    def record(self, loss: torch.Tensor | float, batch: Any = None, epoch: int = 0, ends_step: bool | None = None) -> bool:
+    def record(
+        self, loss: torch.Tensor | float, batch: Any = None, epoch: int = 0, ends_step: bool | None = None
+    ) -> bool:
         """Note a micro-batch's loss (one number; and its example count, from ``batch``); at the
         end of an optimizer step record its row, in ``epoch``. Returns True when the loop should
         stop (Stop pressed, or a non-finite loss with ``on_nonfinite="stop"``).

@@ -79,7 +79,9 @@ def session_autocast_around(device_type: str, framework: str) -> str | None:
 def no_loss(framework: str, step: int, reason: str | None = None) -> str:
     """A step gave no loss to read (said once; its rows hold NaN with ``loss_missing``), and why,
     where the framework's settings say (``reason``)."""
-    reason = reason or "a training step that returns none, manual optimization, a custom loss computed outside the model"
+    reason = (
+        reason or "a training step that returns none, manual optimization, a custom loss computed outside the model"
+    )
     return (
         f"{framework} gave no loss mpnb can read at step {step} ({reason}): those rows hold NaN with "
         "loss_missing=True, and are not counted as a non-finite loss"

@@ -68,6 +68,7 @@ from mpnb.training.telemetry import MemorySampler, Recorder, Sink, add_in_fp32, 
 
 __all__ = ["LoopTelemetry", "WithTelemetry"]
 
+
 class LoopTelemetry:
     """Telemetry, controls and notices for a loop mpnb does not drive.
 

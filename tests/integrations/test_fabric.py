@@ -15,7 +15,9 @@ from mpnb.integrations.lightning import fabric_telemetry  # noqa: E402
 
 def batches(count: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
-    return [(torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(count)]
+    return [
+        (torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(count)
+    ]
 
 
 def fabric_loop(precision: str, accumulate: int = 1, told: str | None = None):

@@ -190,7 +190,12 @@ class Manual(Classifier):
     def __init__(self, optimizers: int = 1, first_steps: int = 1, every: int = 1, returns_loss: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.optimizer_count, self.first_steps, self.every, self.returns_loss = optimizers, first_steps, every, returns_loss
+        self.optimizer_count, self.first_steps, self.every, self.returns_loss = (
+            optimizers,
+            first_steps,
+            every,
+            returns_loss,
+        )
 
     def training_step(self, batch, batch_index):
         inputs, targets = batch

@@ -39,6 +39,14 @@ def begin(telemetry, model, asked=None, **options):
     telemetry.begin(model, optimizer, scaler=None, device="cpu", asked=asked, **options)
 
 
+def linear_run():
+    """A begun LoopTelemetry without a dashboard, and the linear model it watches."""
+    telemetry = LoopTelemetry("my loop", dashboard=None)
+    model = torch.nn.Linear(4, 1)
+    begin(telemetry, model)
+    return telemetry, model
+
+
 def recorded_warnings(action):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -79,9 +87,7 @@ def test_a_real_nan_loss_is_still_reported():
 
 
 def test_a_loss_that_is_not_one_number_is_refused_and_earlier_rows_are_kept():
-    telemetry = LoopTelemetry("my loop", dashboard=None)
-    model = torch.nn.Linear(4, 1)
-    begin(telemetry, model)
+    telemetry, model = linear_run()
     run_steps(telemetry, model, 2)
     with pytest.raises(ValueError, match=r"one number.*\[8, 1\]"):
         telemetry.add_loss(torch.ones(8, 1))
@@ -124,18 +130,14 @@ def test_each_run_says_its_notices_and_is_marked_in_the_history():
 
 
 def test_the_epoch_column_holds_the_frameworks_epoch():
-    telemetry = LoopTelemetry("my loop", dashboard=None)
-    model = torch.nn.Linear(4, 1)
-    begin(telemetry, model)
+    telemetry, model = linear_run()
     run_steps(telemetry, model, 2, epoch=3)
     telemetry.end()
     assert telemetry.history.epoch == [3, 3]
 
 
 def test_work_outside_the_steps_is_left_out_of_the_next_steps_time():
-    telemetry = LoopTelemetry("my loop", dashboard=None)
-    model = torch.nn.Linear(4, 1)
-    begin(telemetry, model)
+    telemetry, model = linear_run()
     run_steps(telemetry, model, 1)
     time.sleep(0.3)  # an evaluation, a checkpoint save
     telemetry.outside_steps()
@@ -167,9 +169,7 @@ def test_with_on_nonfinite_stop_the_framework_is_told_at_the_step_of_the_nan():
 
 
 def test_step_end_says_stop_once_stop_is_pressed():
-    telemetry = LoopTelemetry("my loop", dashboard=None)
-    model = torch.nn.Linear(4, 1)
-    begin(telemetry, model)
+    telemetry, model = linear_run()
     telemetry.window_begin()
     assert telemetry.step_end() is False
     telemetry.control.stop()
@@ -455,9 +455,7 @@ def test_a_learning_rate_held_in_a_tensor_is_recorded_as_it_was_at_each_step():
 
 def test_a_step_ended_without_before_optimizer_step_is_said_to_be_unknown():
     """Without before_optimizer_step nothing tells the scale, rate or skip of the step: said once, not guessed silently."""
-    telemetry = LoopTelemetry("my loop", dashboard=None)
-    model = torch.nn.Linear(4, 1)
-    begin(telemetry, model)
+    telemetry, model = linear_run()
 
     def two_steps():
         for _ in range(2):
@@ -480,7 +478,9 @@ def test_a_run_begun_in_one_cell_outlives_an_error_in_a_later_one(ip):
     model = torch.nn.Linear(4, 1)
     telemetry = LoopTelemetry("my loop", dashboard="text")
     ip.user_ns.update(telemetry=telemetry, model=model, torch=torch)
-    ip.run_cell("telemetry.begin(model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=None, device='cpu', asked=None)")
+    ip.run_cell(
+        "telemetry.begin(model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=None, device='cpu', asked=None)"
+    )
     run_expecting(ip, "raise ValueError('a typo in the loop')", ValueError)
     assert telemetry.running
     telemetry.end()
@@ -488,9 +488,7 @@ def test_a_run_begun_in_one_cell_outlives_an_error_in_a_later_one(ip):
 
 def test_a_pause_between_steps_is_left_out_of_the_next_steps_time():
     """Pause on the dashboard holds the framework in step_end; that wait is no step's work."""
-    telemetry = LoopTelemetry("my loop", dashboard=None)
-    model = torch.nn.Linear(4, 1)
-    begin(telemetry, model)
+    telemetry, model = linear_run()
     run_steps(telemetry, model, 1)
     paused_at = time.perf_counter()
     telemetry.control.pollers.append(lambda: time.perf_counter() - paused_at > 0.3 and telemetry.control.resume())
