@@ -32,7 +32,7 @@ CORE_LAYERS = (
 ROOT_LAYER = len(CORE_LAYERS)
 #: Inside ui/, lowest first.
 UI_LAYERS = (
-    ("mpnb.ui.environment",),
+    ("mpnb.ui.environment", "mpnb.ui.cell_end"),
     ("mpnb.ui.plots",),
     ("mpnb.ui.widgets",),
     ("mpnb.ui.views", "mpnb.ui.magics"),
