@@ -109,7 +109,7 @@ class LoopRecorder(WithTelemetry):
         """
         if ends_step is not None and not isinstance(ends_step, bool):
             raise TypeError(f"ends_step must be True, False or None, got {ends_step!r}")
-        self.telemetry.check_epoch(epoch)
+        epoch = self.telemetry.check_epoch(epoch)
         self.telemetry.add_loss(loss)
         self.telemetry.add_samples(samples_in(batch) if batch is not None else None)
         if not (self.step_ends() if ends_step is None else ends_step):

@@ -37,6 +37,7 @@ Example (a hand-written bf16 loop; a framework's callback makes these calls for 
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,8 +135,8 @@ class LoopTelemetry:
         framework's own stop (``trainer.should_stop = True``), called the moment Stop is pressed (the
         dashboard, ``control.stop()`` from anywhere, another callback), whichever hook runs next:
         the framework ends as its own stop ends it (Lightning and transformers after the running
-        batch; the micro-batches of an unfinished accumulation window are dropped, unstepped). A run that never reached :meth:`end` (its framework
-        raised) is ended first. Each run is marked in the history (an event of kind ``"run"`` at the
+        batch; the micro-batches of an unfinished accumulation window are dropped, unstepped). A
+        run that never reached :meth:`end` (its framework raised) is ended first. Each run is marked in the history (an event of kind ``"run"`` at the
         step it starts after) and says its notices anew.
         """
         asked = check_precision(asked)
@@ -221,7 +222,7 @@ class LoopTelemetry:
         (Lightning does for a ``training_step`` that returned None); the row is not marked skipped,
         which says that gradients overflowed."""
         run = self._require_run()
-        self.check_epoch(epoch)
+        epoch = self.check_epoch(epoch)
         prepared = run.before_called  # else the step's scale, learning rate and skip are unknown
         watched = run.watch is not None and prepared and optimizer_called
         skipped = run.watch.skipped(run.scaler, run.device) if watched else False
@@ -260,14 +261,18 @@ class LoopTelemetry:
             run.clock.restart()  # the pause is no step's work: the next step's time starts at its first batch
         return self.stop_requested
 
-    def check_epoch(self, epoch: object) -> None:
-        """Refuse an epoch that is not a whole number, naming it.
+    def check_epoch(self, epoch: object) -> int:
+        """``epoch`` as an int (a numpy integer is one); refuses anything else, naming it.
 
         Raises:
-            TypeError: ``epoch`` is not an int.
+            TypeError: ``epoch`` is not a whole number (a bool, a float, a string...).
         """
-        if type(epoch) is not int:
-            raise TypeError(f"{self.framework}: epoch must be a whole number, got {epoch!r}")
+        try:
+            if not isinstance(epoch, bool):
+                return operator.index(epoch)
+        except TypeError:
+            pass
+        raise TypeError(f"{self.framework}: epoch must be a whole number, got {epoch!r}")
 
     def outside_steps_start(self) -> None:
         """Work outside the training steps starts (an evaluation), maybe between two micro-batches

@@ -6,6 +6,7 @@ import math
 import time
 import warnings
 
+import numpy
 import pytest
 import torch
 
@@ -510,5 +511,7 @@ def test_bad_values_for_a_row_are_refused_with_their_value():
             recorder.record(1.0, epoch="x")
         with pytest.raises(TypeError, match="loss.*None"):
             recorder.record(None)
-        recorder.record(torch.tensor(0.5), ends_step=True, epoch=1)
-    assert recorder.history.loss == [0.5] and recorder.history.epoch == [1]
+        with pytest.raises(TypeError, match="epoch.*True"):
+            recorder.record(1.0, epoch=True)
+        recorder.record(torch.tensor(0.5), ends_step=True, epoch=numpy.int64(1))  # a whole number
+    assert recorder.history.loss == [0.5] and recorder.history.epoch == [1] and type(recorder.history.epoch[0]) is int
