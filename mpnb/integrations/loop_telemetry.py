@@ -267,11 +267,8 @@ class LoopTelemetry:
         Raises:
             TypeError: ``epoch`` is not a whole number (a bool, a float, a string...).
         """
-        try:
-            if not isinstance(epoch, bool):
-                return operator.index(epoch)
-        except TypeError:
-            pass
+        if hasattr(type(epoch), "__index__") and not isinstance(epoch, bool):
+            return operator.index(epoch)
         raise TypeError(f"{self.framework}: epoch must be a whole number, got {epoch!r}")
 
     def outside_steps_start(self) -> None:
