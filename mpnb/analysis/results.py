@@ -104,15 +104,15 @@ class ModeResult:
     @property
     def timed_size(self) -> int | None:
         """The samples of the steps that are timed, or None when every step is (see :func:`_full_size`)."""
-        if self.history is None:
-            return None
-        sizes = self._sizes()
+        return None if self.history is None else self._timed_size(self._sizes())
+
+    def _timed_size(self, sizes: list[int | None]) -> int | None:
         return _full_size(sizes, self._timed_rows(sizes, None))
 
     def _rows_of_timed_size(self) -> list[list[int]]:
         """Each timed turn's rows of :attr:`timed_size` (reading the sizes once)."""
         sizes = self._sizes()
-        return self._timed_rows(sizes, _full_size(sizes, self._timed_rows(sizes, None)))
+        return self._timed_rows(sizes, self._timed_size(sizes))
 
     def _timed_rows(self, sizes: list[int | None], size: int | None) -> list[list[int]]:
         """Each timed turn's rows: those of ``size`` samples (and of unknown size), or all for None."""
@@ -205,7 +205,8 @@ class Comparison:
         baseline, result = next((r for r in self.results if r.mode == "fp32" and r.history), None), self.result(mode)
         if baseline is None or result.history is None:
             return NO_SPEEDUP
-        size = baseline.timed_size if baseline.timed_size == result.timed_size else None  # the same work on both sides
+        baseline_size, result_size = baseline.timed_size, result.timed_size
+        size = baseline_size if baseline_size == result_size else None  # the same work on both sides
         return speedup_over(baseline.times_of(size), result.times_of(size))
 
     def rows(self) -> list[dict[str, Any]]:
