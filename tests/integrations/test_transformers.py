@@ -310,7 +310,9 @@ def test_a_train_that_raised_in_a_notebook_cell_is_ended_with_that_cell(tmp_path
                              save_strategy="no", disable_tqdm=True)  # fmt: skip
     trainer = Trainer(model=gpt2_model(), args=args, train_dataset=token_data(), callbacks=[callback, FailAtStep2()])
     ip.user_ns.update(trainer=trainer)
+    cell_hooks = list(ip.events.callbacks["post_run_cell"])
     run_expecting(ip, "trainer.train()", RuntimeError)
+    assert ip.events.callbacks["post_run_cell"] == cell_hooks  # mpnb's one-shot cell hook is gone
     assert not callback.telemetry.running and callback.control.state == "idle"
     assert not trainer.model._forward_hooks
     assert len(callback.history) == 2
