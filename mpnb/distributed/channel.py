@@ -1,14 +1,22 @@
 """The line between a launch and its workers while they run: telemetry rows in, a stop out.
 
 The launching process keeps a ``torch.distributed.TCPStore`` (torch's key-value store, the kind
-torchrun's rendezvous uses) on a free local port. Each worker's trainers push their new rows
-into one of its queues at every telemetry flush (every ``flush_every`` steps: no per-step
-traffic, no device sync beyond the flush's own), and look every quarter second whether the
-launch asked them to stop; the launching process drains the queue while it waits.
+torchrun's rendezvous uses) on a free port of the loopback interface: the workers are on the
+same machine (on several machines each node's launch has its own channel for its own workers).
+Each worker's trainers push their new rows into one of its queues at every telemetry flush
+(every ``flush_every`` steps: no per-step traffic, no device sync beyond the flush's own), and
+look every quarter second whether the launch asked them to stop; the launching process drains
+the queue while it waits.
+
+Another process on the machine can reach the store, so nothing read from it is trusted: rows
+are JSON signed with the launch's secret and checked whole (:mod:`mpnb.distributed.rows_message`),
+a stop counts only if it carries the secret's tag. What fails is dropped, counted and said once.
 
 Example (both ends in one process):
-    >>> launcher = LauncherChannel()
-    >>> worker = WorkerChannel(launcher.address, rank=1)
+    >>> from mpnb.distributed.signing import new_secret
+    >>> secret = new_secret()
+    >>> launcher = LauncherChannel(secret, ranks=range(2))
+    >>> worker = WorkerChannel(launcher.address, secret, rank=1)
     >>> worker.send(0, {"step": [1, 2], "loss": [0.5, 0.25]})
     >>> launcher.received()
     [(1, 0, {'step': [1, 2], 'loss': [0.5, 0.25]})]
@@ -19,56 +27,124 @@ Example (both ends in one process):
 from __future__ import annotations
 
 import datetime
-import pickle
+import os
+import socket
 import time
+from collections import Counter
 from typing import Any
 
 import torch.distributed as dist
 
+from mpnb.distributed.rows_message import Refused, RowsMessage, decode, encode
+from mpnb.distributed.signing import Signer
+from mpnb.errors import warn_user
 from mpnb.training.control import FitControl
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 
-__all__ = ["LauncherChannel", "RankStream", "WorkerChannel"]
+__all__ = ["LauncherChannel", "RankStream", "WorkerChannel", "loopback_store"]
 
 _ROWS, _STOP = "mpnb/rows", "mpnb/stop"
+_STOP_WORDS = b"mpnb: stop every rank"
 #: Seconds between a worker's looks at the stop key (each is one store round trip).
 STOP_POLL_S = 0.25
 
 
-class LauncherChannel:
-    """The launching process's end: hosts the store; :attr:`address` is what workers connect to."""
+def loopback_store(**options: Any) -> dist.TCPStore:
+    """A ``TCPStore`` server that listens on 127.0.0.1 only, on a free port.
 
-    def __init__(self) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    torch binds a server to every interface whatever host it is given; handed a socket already
+    bound to loopback (``master_listen_fd``), it listens there and nowhere else.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        fd = listener.detach()
+    try:
+        return dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=fd, **options)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class LauncherChannel:
+    """The launching process's end: hosts the store; :attr:`address` is what workers connect to.
+
+    Args:
+        secret: the launch's secret; the workers sign with it.
+        ranks: the global ranks whose rows this channel takes (this node's workers).
+
+    Attributes:
+        refused: how many messages were dropped, by reason.
+    """
+
+    def __init__(self, secret: bytes, ranks: range) -> None:
+        self.store = loopback_store(wait_for_workers=False, use_libuv=True)
         self.address = ("127.0.0.1", self.store.port)
+        self.ranks = ranks
+        self.refused: Counter[str] = Counter()
+        self._signer = Signer(secret)
+        self._next_seq: dict[tuple[int, int], int] = {}
 
     def received(self) -> list[tuple[int, int, dict[str, list[Any]]]]:
-        """Every ``(rank, fit index, columns)`` batch that arrived since the last call, in order."""
+        """Every ``(rank, fit index, columns)`` batch that arrived since the last call and
+        passed the checks, in order; the others are counted in :attr:`refused`."""
         batches = []
         for _ in range(self.store.queue_len(_ROWS)):
-            batches.append(pickle.loads(self.store.queue_pop(_ROWS, block=False)))
+            try:
+                message = decode(self._signer, self.store.queue_pop(_ROWS, block=False), self.ranks)
+                self._check_order(message)
+            except Refused as refused:
+                self._refuse(str(refused))
+                continue
+            batches.append((message.rank, message.fit, message.columns))
         return batches
 
     def ask_stop(self) -> None:
         """Ask every worker's running fit to stop (they agree on the step: see ``parallel.agreed_stop``)."""
-        self.store.set(_STOP, b"1")
+        self.store.set(_STOP, self._signer.sign(_STOP_WORDS))
+
+    def _check_order(self, message: RowsMessage) -> None:
+        key = (message.rank, message.fit)
+        expected = self._next_seq.get(key, 0)
+        if message.seq < expected:
+            raise Refused(f"rank {message.rank} sent batch {message.seq} of fit {message.fit} again (a replay)")
+        if message.seq > expected:  # taken off the queue by someone else: the view misses those rows
+            self._refuse(f"{message.seq - expected} batch(es) of rank {message.rank}'s rows never arrived")
+        self._next_seq[key] = message.seq + 1
+
+    def _refuse(self, reason: str) -> None:
+        if not self.refused:
+            warn_user(
+                f"the launch dropped a message on its telemetry channel: {reason}. Another process on this "
+                "machine may be writing to it; what it sent was not applied (the results and histories "
+                "the launch returns do not travel this way)."
+            )
+        self.refused[reason] += 1
 
 
 class WorkerChannel:
     """A worker's end: sends its rows, says whether the launch asked to stop."""
 
-    def __init__(self, address: tuple[str, int], rank: int) -> None:
+    def __init__(self, address: tuple[str, int], secret: bytes, rank: int) -> None:
         host, port = address
         self.rank = rank
         self.store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        self._signer = Signer(secret)
+        self._seq: Counter[int] = Counter()
 
     def send(self, index: int, columns: dict[str, list[Any]]) -> None:
         """Rows of this rank's ``index``-th fit history, column-wise."""
-        self.store.queue_push(_ROWS, pickle.dumps((self.rank, index, columns)))
+        message = RowsMessage(self.rank, index, self._seq[index], columns)
+        self._seq[index] += 1
+        self.store.queue_push(_ROWS, encode(self._signer, message))
 
     def stop_asked(self) -> bool:
-        return self.store.check([_STOP])
+        """Whether the launch asked to stop (a stop key someone else wrote does not count)."""
+        if not self.store.check([_STOP]):
+            return False
+        return self._signer.open(self.store.get(_STOP)) == _STOP_WORDS
 
 
 class RankStream(Sink):

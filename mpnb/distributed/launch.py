@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -60,6 +61,7 @@ from mpnb.distributed.channel import LauncherChannel, RankStream, WorkerChannel
 from mpnb.distributed.launch_failure import LaunchError, end_after, launch_error, stacks_on_crash
 from mpnb.distributed.rank_output import rank_lines
 from mpnb.distributed.rank_rows import RanksView
+from mpnb.distributed.signing import SECRET_ENV, new_secret, shared_secret
 from mpnb.distributed.supervise import Supervisor
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.training.capture import collect_histories, stream_fits
@@ -91,10 +93,13 @@ class Launched:
 
 @dataclasses.dataclass(frozen=True)
 class _Link:
-    """What a worker needs to reach the launching process: the channel's address, and whether to stream rows."""
+    """What a worker needs to reach the launching process: the channel's address and secret, whether
+    to stream rows, and whether the launch is on this machine alone (its sockets then stay on loopback)."""
 
     address: tuple[str, int]
+    secret: bytes = dataclasses.field(repr=False)
     stream: bool
+    local: bool
 
 
 def _ranks_view(dashboard: str | RanksView | None, title: str, control: FitControl) -> RanksView | None:
@@ -124,6 +129,7 @@ def launch(
     start_method: str | None = None,
     dashboard: str | RanksView | None = "auto",
     control: FitControl | None = None,
+    secret: str | bytes | None = None,
 ) -> Launched:
     """Run ``fn(*args)`` in ``nproc`` processes (per node) with ``torch.distributed`` initialised.
 
@@ -140,6 +146,10 @@ def launch(
             streaming). Inside the workers the trainers' own dashboards are replaced by it.
         control: a :class:`~mpnb.training.control.FitControl` whose ``stop()`` (from a view,
             another thread or a widget) stops every rank's fit after the same step; they return.
+        secret: several machines: the secret every node's launch is given (at least 16 bytes;
+            default: the ``MPNB_LAUNCH_SECRET`` environment variable). The rendezvous is signed
+            with it; see the README's Security section. One machine needs none: each launch
+            makes its own.
 
     Raises:
         LaunchError: a worker raised or timed out (every worker is ended first).
@@ -151,6 +161,8 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from mpnb.distributed.rendezvous import BACKEND_NAME, rendezvous_for
+
     _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint)
     if dashboard is not None and not isinstance(dashboard, RanksView) and dashboard not in DASHBOARDS:
         raise InvalidChoiceError("dashboard", dashboard, [*DASHBOARDS, "None", "a RanksView"])
@@ -161,22 +173,32 @@ def launch(
     method = start_method or ("spawn" if _accelerator_used() else "fork")
     if method not in START_METHODS:
         raise InvalidChoiceError("start_method", method, START_METHODS)
+    rendezvous_secret = shared_secret(secret)
+    if nnodes > 1 and rendezvous_secret is None:
+        raise MpnbError(
+            f"nnodes={nnodes} needs a secret shared by every node's launch: pass secret=... or set "
+            f"{SECRET_ENV} on each node (make one with python -c 'import secrets; print(secrets.token_hex(32))')"
+        )
+    local = nnodes == 1
+    run_id = f"mpnb-{uuid.uuid4().hex[:8]}" if local else "mpnb"
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc,
-        rdzv_backend="c10d",
+        rdzv_backend=BACKEND_NAME,
         rdzv_endpoint=rdzv_endpoint or "localhost:0",
         rdzv_configs={"rank": node_rank},
-        run_id=f"mpnb-{uuid.uuid4().hex[:8]}" if nnodes == 1 else "mpnb",
+        run_id=run_id,
+        local_addr="127.0.0.1" if local else None,
         max_restarts=0,
         monitor_interval=0.1,
         start_method=method,
         shutdown_timeout=SHUTDOWN_S,
     )
     payload = cloudpickle.dumps((fn, args))
-    channel = LauncherChannel()
-    link = _Link(channel.address, stream=dashboard is not None)
+    channel_secret = new_secret()
+    channel = LauncherChannel(channel_secret, ranks=range(node_rank * nproc, (node_rank + 1) * nproc))
+    link = _Link(channel.address, channel_secret, stream=dashboard is not None, local=local)
     control = control or FitControl()
     view = _ranks_view(dashboard, f"{getattr(fn, '__name__', 'launch')} on {nproc * nnodes} ranks", control)
     supervisor = Supervisor(channel, view, control)
@@ -184,7 +206,7 @@ def launch(
         config.logs_specs = DefaultLogsSpecs(log_dir=logs)
         gc.collect()  # this process's garbage finalized here, where it was made, not in a forked worker (see _worker)
         try:
-            with _agent_logs_quiet():  # a failure is said once, by the LaunchError below
+            with _agent_logs_quiet(), rendezvous_for(run_id, rendezvous_secret or new_secret(), local):
                 returned = supervisor.run(
                     lambda: elastic_launch(config, _worker)(payload, backend, device_type, timeout, logs, link)
                 )
@@ -283,12 +305,21 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     group_timeout = datetime.timedelta(seconds=timeout) if timeout is not None else None
-    dist.init_process_group(backend, timeout=group_timeout)
+    if link.local:
+        from mpnb.distributed.rendezvous import workers_store
+
+        _peer_sockets_on_loopback()
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            backend, store=workers_store(logs), rank=rank, world_size=world_size, timeout=group_timeout
+        )
+    else:
+        dist.init_process_group(backend, timeout=group_timeout)
     channels: list[WorkerChannel] = []  # connected when a trainer first fits here
 
     def stream(index: int, history: History, control: Any) -> RankStream:
         if not channels:
-            channels.append(WorkerChannel(link.address, dist.get_rank()))
+            channels.append(WorkerChannel(link.address, link.secret, dist.get_rank()))
         return RankStream(channels[0], index, history, control, send_rows=link.stream)
 
     with rank_lines(dist.get_rank()), collect_histories() as histories, stream_fits(stream):
@@ -304,6 +335,22 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
     # and it exits, so its peers fail after it and the launch names it, not them.
     dist.destroy_process_group()
     return cloudpickle.dumps((result, [history.to_dict() for history in histories]))
+
+
+#: The variables that name the interface gloo's and NCCL's connections between ranks listen on.
+_SOCKET_INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _peer_sockets_on_loopback() -> None:
+    """On one machine the ranks talk over loopback: gloo and NCCL listen there unless told otherwise
+    (left to themselves, they listen on the address the machine's name resolves to)."""
+    loopback = next(
+        (name for name, addresses in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addresses)),
+        None,
+    )
+    for variable in _SOCKET_INTERFACE_VARIABLES:
+        if loopback is not None and variable not in os.environ:
+            os.environ[variable] = loopback
 
 
 def _end_with_parent() -> None:

@@ -8,7 +8,8 @@ helper thread drains the rows the workers stream (:mod:`mpnb.distributed.channel
 
 Example:
     >>> import time
-    >>> supervisor = Supervisor(LauncherChannel(), view=None)
+    >>> from mpnb.distributed.signing import new_secret
+    >>> supervisor = Supervisor(LauncherChannel(new_secret(), ranks=range(2)), view=None)
     >>> supervisor.run(lambda: time.sleep(0.2) or "done")
     'done'
 """
@@ -47,7 +48,6 @@ class Supervisor:
         self.channel, self.view = channel, view
         self.control = control or FitControl()
         self.rows = RankRows()
-        self._stop_sent = False
 
     def run(self, start: Callable[[], Any]) -> Any:
         """``start()``'s return value (or its exception), watched meanwhile; no worker outlives it."""
@@ -69,8 +69,7 @@ class Supervisor:
     def _watch(self, done: threading.Event) -> None:
         while not done.wait(POLL_S):
             self._take_rows()
-            if self.control.stop_requested and not self._stop_sent:
-                self._stop_sent = True
+            if self.control.stop_requested:  # said at every look: another process could delete the key
                 self.channel.ask_stop()
 
     def _take_rows(self) -> None:

@@ -1,0 +1,281 @@
+"""A launch on a shared machine: another local process, knowing no secret, runs no code in it,
+forges no rows, stops nothing; nothing listens beyond loopback (2 gloo processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+import pytest
+import torch.distributed as dist
+from torch import nn
+
+from mpnb.distributed import RankRows, RanksView, launch
+from mpnb.distributed.channel import LauncherChannel, WorkerChannel
+from mpnb.distributed.rows_message import MAX_MESSAGE_BYTES, Refused, RowsMessage, decode, encode
+from mpnb.distributed.signing import Signer, new_secret
+from mpnb.errors import MpnbError
+
+from .attacker import Payload
+from .test_ddp import batches, build_trainer
+
+ATTACKER = os.path.join(os.path.dirname(__file__), "attacker.py")
+NODE = os.path.join(os.path.dirname(__file__), "launch_node.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NOBODY = 65534
+
+
+class Final(RanksView):
+    def __init__(self) -> None:
+        self.final: RankRows | None = None
+
+    def update(self, rows: RankRows) -> None:
+        pass
+
+    def close(self, rows: RankRows) -> None:
+        self.final = rows
+
+
+def paced_steps(model, batch):
+    time.sleep(0.05)  # long enough for the attacker to strike while the ranks train
+    inputs, targets = batch
+    return nn.functional.mse_loss(model(inputs), targets)
+
+
+def train_rank(steps: int) -> tuple[int, bool]:
+    trainer = build_trainer("ddp", step_fn=paced_steps, dashboard="text", flush_every=2)
+    trainer.fit(batches(2 * steps), max_steps=steps)
+    return len(trainer.history), trainer.stopped
+
+
+def attacker_user() -> int | None:
+    """Attack as the unprivileged user 'nobody' where this process may switch to it and that user
+    can run this Python (a CI virtual environment in a private folder is out of its reach)."""
+    if os.getuid() != 0:
+        return None
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import torch"], user=NOBODY, capture_output=True)
+    except OSError:
+        return None
+    return NOBODY if probe.returncode == 0 else None
+
+
+class Attacker:
+    """tests/distributed/attacker.py in its own process, with a folder it can write to."""
+
+    def __init__(self, *options: str) -> None:
+        self.folder = tempfile.mkdtemp(prefix="mpnb-attacker-")
+        os.chmod(self.folder, 0o777)
+        self.marker = os.path.join(self.folder, "marker")
+        command = [sys.executable, ATTACKER, self.folder, self.marker, *options]
+        self.process = subprocess.Popen(command, user=attacker_user())
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(self.folder, "ready")):
+            assert self.process.poll() is None and time.monotonic() < deadline, "the attacker did not start"
+            time.sleep(0.05)
+
+    def finish(self) -> dict:
+        open(os.path.join(self.folder, "stop"), "w").close()
+        assert self.process.wait(timeout=60) == 0
+        with open(os.path.join(self.folder, "report.json")) as file:
+            return json.load(file)
+
+
+class Listeners:
+    """Every listening socket of this process and its children, sampled while a launch runs."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str, int]] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        me = psutil.Process()
+        while not self._done.wait(0.05):
+            for process in [me, *me.children(recursive=True)]:
+                try:
+                    for connection in process.net_connections(kind="inet"):
+                        if connection.status == psutil.CONN_LISTEN:
+                            who = "launcher" if process.pid == me.pid else "worker"
+                            self.seen.add((who, connection.laddr.ip, connection.laddr.port))
+                except psutil.Error:
+                    pass
+
+    def stop(self) -> set[tuple[str, str, int]]:
+        self._done.set()
+        self._thread.join()
+        return self.seen
+
+
+def test_a_local_attacker_runs_no_code_forges_no_rows_and_stops_nothing():
+    steps = 30
+    attacker = Attacker()
+    listeners = Listeners()
+    view = Final()
+    try:
+        with pytest.warns(RuntimeWarning, match="dropped a message on its telemetry channel"):
+            launched = launch(train_rank, steps, nproc=2, dashboard=view, timeout=180)
+    finally:
+        seen = listeners.stop()
+        report = attacker.finish()
+    assert not os.path.exists(attacker.marker), "the attacker's pickle ran"
+    assert launched.results == [(steps, False), (steps, False)]  # every rank ran every step, none was stopped
+    assert view.final.ranks == [0, 1]
+    for rank in (0, 1):
+        assert view.final.histories[rank][0].loss == launched.histories[rank][0].loss  # no made-up losses
+    assert seen and all(ip == "127.0.0.1" for _, ip, _ in seen), f"listening beyond loopback: {sorted(seen)}"
+    launcher_ports = {port for who, _, port in seen if who == "launcher"}
+    assert len(launcher_ports) == 1  # mpnb's channel; torch's rendezvous and the workers' store have no socket
+    assert launcher_ports <= {int(port) for port in report["stores"]}, report  # and the attacker reached it
+    assert report["pushed"] > 0 and report["stops"] > 0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_nodes_drop_rows_that_lack_the_secret(tmp_path):
+    """Two launch calls on this machine form one two-node launch (a loopback endpoint); the
+    attacker pushes unsigned rows and stop keys into every store it finds."""
+    steps, endpoint = 30, f"127.0.0.1:{free_port()}"
+    environment = {**os.environ, "MPNB_LAUNCH_SECRET": new_secret().hex(), "PYTHONPATH": ROOT}
+    attacker = Attacker("--rows-only")
+    try:
+        nodes = [
+            subprocess.Popen(
+                [sys.executable, NODE, str(rank), endpoint, str(steps), str(tmp_path / f"node{rank}.json")],
+                env=environment,
+                cwd=ROOT,
+            )
+            for rank in (0, 1)
+        ]
+        assert [node.wait(timeout=300) for node in nodes] == [0, 0]
+    finally:
+        report = attacker.finish()
+    assert not os.path.exists(attacker.marker)
+    assert report["pushed"] > 0
+    for rank in (0, 1):
+        with open(tmp_path / f"node{rank}.json") as file:
+            node = json.load(file)
+        assert node["results"] == [[steps, False]]  # each launch returns its own node's rank
+        assert node["streamed_ranks"] == [rank] and node["streamed_losses"] == node["losses"]
+        assert any("dropped a message on its telemetry channel" in text for text in node["warnings"]), node
+
+
+def test_a_rendezvous_state_written_without_the_secret_is_refused_unread(tmp_path):
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    from mpnb.distributed.rendezvous import SignedBackend
+
+    marker = tmp_path / "marker"
+    store = dist.HashStore()
+    signed = SignedBackend(C10dRendezvousBackend(store, "run"), new_secret())
+    state, token, _ = signed.set_state(b"the real state")
+    assert signed.get_state() == (b"the real state", token)
+    evil = pickle.dumps(Payload(str(marker)))
+    C10dRendezvousBackend(store, "run").set_state(evil, token)  # what another process could write into the store
+    with pytest.raises(RendezvousStateError, match="not signed with this launch's secret"):
+        signed.get_state()
+    assert not marker.exists()
+
+
+# The channel's checks, message by message
+
+
+@pytest.fixture
+def channel():
+    secret = new_secret()
+    launcher = LauncherChannel(secret, ranks=range(2, 4))
+    return launcher, WorkerChannel(launcher.address, secret, rank=2), secret
+
+
+def test_rows_signed_with_the_launch_secret_arrive_in_order(channel):
+    launcher, worker, _ = channel
+    worker.send(0, {"step": [1], "loss": [0.5]})
+    worker.send(0, {"step": [2], "loss": [float("nan")]})
+    arrived = launcher.received()
+    assert [rows["step"] for _, _, rows in arrived] == [[1], [2]] and not launcher.refused
+
+
+def hostile_messages(secret: bytes) -> dict[str, bytes]:
+    signer, other = Signer(secret), Signer(new_secret())
+    rows = {"step": [1], "loss": [0.5]}
+    signed = lambda fields: signer.sign(json.dumps(fields).encode())  # noqa: E731
+    return {
+        "not signed with this launch's secret": encode(other, RowsMessage(2, 0, 0, rows)),
+        "not signed with this launch's secret ": pickle.dumps(rows),
+        "rank 5 is not one of this node's ranks": encode(signer, RowsMessage(5, 0, 0, rows)),
+        "unknown column": signed({"rank": 2, "fit": 0, "seq": 0, "columns": {"__class__": [1]}}),
+        "column loss holds 'x'": signed({"rank": 2, "fit": 0, "seq": 0, "columns": {"loss": ["x"]}}),
+        "column step holds True; it takes whole numbers": signed(
+            {"rank": 2, "fit": 0, "seq": 0, "columns": {"step": [True]}}
+        ),
+        "columns of different lengths": signed(
+            {"rank": 2, "fit": 0, "seq": 0, "columns": {"step": [1, 2], "loss": [1.0]}}
+        ),
+        "not a rows message": signed({"rank": 2, "fit": 0, "seq": 0, "columns": rows, "extra": 1}),
+        "seq must be a whole number": signed({"rank": 2, "fit": 0, "seq": -1, "columns": rows}),
+        "not JSON": signer.sign(b"[" * 100_000),
+        "more than the": b"\0" * (MAX_MESSAGE_BYTES + 100),
+    }
+
+
+@pytest.mark.parametrize("reason", list(hostile_messages(b"s" * 32)))
+def test_a_message_that_fails_a_check_is_refused_with_its_reason(reason):
+    secret = b"s" * 32
+    with pytest.raises(Refused, match=reason.strip()):
+        decode(Signer(secret), hostile_messages(secret)[reason], ranks=range(2, 4))
+
+
+def test_refused_and_replayed_messages_are_dropped_counted_and_said_once(channel):
+    launcher, worker, secret = channel
+    worker.send(0, {"step": [1], "loss": [0.5]})
+    replay = launcher.store.queue_pop("mpnb/rows", block=False)
+    launcher.store.queue_push("mpnb/rows", replay)
+    launcher.store.queue_push("mpnb/rows", replay)  # the same signed batch again: a replay
+    for message in hostile_messages(secret).values():
+        launcher.store.queue_push("mpnb/rows", message)
+    with pytest.warns(RuntimeWarning, match="dropped a message") as said:
+        arrived = launcher.received()
+    assert [rows["loss"] for _, _, rows in arrived] == [[0.5]]
+    assert sum(launcher.refused.values()) == 1 + len(hostile_messages(secret))
+    assert len(said) == 1
+
+
+def test_a_stop_key_written_without_the_secret_is_ignored(channel):
+    launcher, worker, _ = channel
+    launcher.store.set("mpnb/stop", b"1")
+    assert not worker.stop_asked()
+    launcher.ask_stop()
+    assert worker.stop_asked()
+
+
+def test_the_channel_listens_on_loopback_only(channel):
+    launcher, _, _ = channel
+    listening = [
+        c.laddr
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == launcher.address[1]
+    ]
+    assert [address.ip for address in listening] == ["127.0.0.1"]
+
+
+def test_several_machines_need_a_shared_secret_and_it_must_be_long_enough(monkeypatch):
+    monkeypatch.delenv("MPNB_LAUNCH_SECRET", raising=False)
+    with pytest.raises(MpnbError, match="needs a secret shared by every node"):
+        launch(train_rank, 1, nnodes=2, rdzv_endpoint="127.0.0.1:29999")
+    with pytest.raises(MpnbError, match="fewer than 16"):
+        launch(train_rank, 1, nnodes=2, rdzv_endpoint="127.0.0.1:29999", secret="short")
+    assert not dist.is_initialized()
