@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import copy
 import os
-import pickle
 from typing import Any
 
 import torch
 
 from mpnb.errors import MpnbError
 from mpnb.training.history import History
+from mpnb.training.safe_load import load_plain
 
 #: The trainer a checkpoint belongs to (``mpnb.training.trainer.Trainer``; not imported: it imports this).
 Trainer = Any
@@ -94,23 +94,12 @@ def read_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> tuple[dic
     Raises:
         MpnbError: unreadable, damaged, not a trainer checkpoint, or saved by another kind of
             run; the message names the file and what does not match. Nothing is changed.
-            A file that holds Python objects (code that unpickling would run) is refused.
+            A file that holds Python objects (code that unpickling would run) is refused
+            without running any of it, naming what it holds.
         FileNotFoundError: there is no such file.
     """
     name = os.fspath(path)
-    try:
-        state = torch.load(path, map_location=trainer.device, weights_only=True)
-    except FileNotFoundError:
-        raise
-    except pickle.UnpicklingError as error:
-        if "Unsupported global" in str(error):
-            raise MpnbError(
-                f"{name!r} holds Python objects that loading would run: refused (only tensors and plain data are "
-                f"read). {str(error).splitlines()[0]}"
-            ) from None
-        raise MpnbError(f"{name!r} cannot be read as a checkpoint (damaged?): {str(error).splitlines()[-1]}") from None
-    except Exception as error:  # torch reports a truncated or foreign file in many ways
-        raise MpnbError(f"{name!r} cannot be read as a checkpoint (damaged or truncated?): {error!r}") from None
+    state = load_plain(name, map_location=trainer.device)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise MpnbError(f"{name!r} is not an mpnb trainer checkpoint (saved by Trainer.save)")
     problem = _mismatch(trainer, state)

@@ -11,7 +11,8 @@ it, the new ranks take rank 0's). Every rank calls :func:`save_sharded` / :func:
 
 Before anything is loaded, the run record is checked against the trainer and the directory's
 weight names and shapes against the model's; a mismatch raises :class:`~mpnb.errors.MpnbError`
-naming the directory and changes nothing.
+naming the directory and changes nothing. Nothing in the directory is unpickled with code
+allowed to run (:mod:`mpnb.training.safe_load`): a file that holds code is refused, named.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from mpnb.errors import MpnbError
 from mpnb.training.checkpoint import FORMAT, RUN_KEYS, apply_run_state, incomplete, run_mismatch, run_record
 from mpnb.training.history import History
+from mpnb.training.safe_load import load_dcp, load_plain, read_dcp_metadata
 
 #: The trainer a checkpoint belongs to (``mpnb.training.trainer.Trainer``; not imported: it imports this).
 Trainer = Any
@@ -59,8 +61,9 @@ def load_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
     """Restore a :func:`save_sharded` directory into ``trainer``; collective.
 
     Raises:
-        MpnbError: not a sharded mpnb checkpoint, or one that does not fit this trainer
-            (other weights, optimizer type, scaler, scheduler); nothing is changed.
+        MpnbError: not a sharded mpnb checkpoint, one that does not fit this trainer
+            (other weights, optimizer type, scaler, scheduler), or one with a file that holds
+            code (named, and none of it run); nothing is changed.
         FileNotFoundError: there is no such directory.
     """
     from torch.distributed import checkpoint as dcp
@@ -69,19 +72,31 @@ def load_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
     name = os.fspath(path)
     record, history = _read_run(trainer, name)
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    problem = _weights_mismatch(dcp.FileSystemReader(name).read_metadata().state_dict_metadata, model_state)
+    problem = _weights_mismatch(read_dcp_metadata(name).state_dict_metadata, model_state)
     if problem is not None:
         raise MpnbError(f"{name!r} does not fit this trainer: {problem}; nothing was loaded")
-    state = {"model": model_state, "optimizer": optimizer_state}
+    # DCP reads into the tensors it is given, and these are the trainer's own: a shard refused or
+    # damaged half-way through must leave the trainer as it was, so the reads go into copies.
+    state = _copy_tensors({"model": model_state, "optimizer": optimizer_state})
     try:
-        dcp.load(state, checkpoint_id=name)
-    except dcp.api.CheckpointException as error:  # found while planning the reads, before any weight is written
+        load_dcp(state, name)
+    except dcp.api.CheckpointException as error:
         raise MpnbError(f"{name!r} does not fit this trainer ({error}); nothing was loaded") from None
     set_state_dict(
         trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
     apply_run_state(trainer, record, history)
     trainer.amp.discard_window()  # an unfinished accumulation window belonged to the run replaced
+
+
+def _copy_tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _copy_tensors(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_tensors(item) for item in value)
+    return value
 
 
 def _weights_mismatch(saved: dict[str, Any], model_state: dict[str, Any]) -> str | None:
@@ -103,11 +118,9 @@ def _read_run(trainer: Trainer, name: str) -> tuple[dict[str, Any], History]:
     if not os.path.exists(path):  # loaded into more ranks than saved it
         path = run_file(name, 0)
     try:
-        record = torch.load(path, weights_only=True)
+        record = load_plain(path)
     except FileNotFoundError:
         raise MpnbError(f"{name!r} is not a sharded mpnb checkpoint (it has no {os.path.basename(path)})") from None
-    except Exception as error:  # torch reports a damaged file in many ways
-        raise MpnbError(f"{path!r} cannot be read (damaged or truncated?): {error!r}") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT or not record.get("sharded"):
         raise MpnbError(f"{name!r} is not a sharded mpnb checkpoint (saved by Trainer.save with strategy='fsdp')")
     problem = incomplete(record, RUN_KEYS) or run_mismatch(trainer, record)
