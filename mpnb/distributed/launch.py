@@ -159,6 +159,7 @@ def launch(
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from mpnb.distributed.rendezvous import BACKEND_NAME, rendezvous_for
@@ -218,6 +219,8 @@ def launch(
             if signalled.sigval != signal.SIGINT:
                 raise
             raise KeyboardInterrupt("launch interrupted: every worker was ended") from None
+        except RendezvousStateError as refused:  # mpnb's signed rendezvous refused a state (see rendezvous.py)
+            raise MpnbError(f"the launch could not meet its other nodes: {refused}") from None
     ranks = sorted(returned)
     unpacked = [cloudpickle.loads(returned[rank]) for rank in ranks]
     return Launched(

@@ -10,6 +10,7 @@ import sys
 import warnings
 
 from mpnb.distributed import RankRows, RanksView, launch
+from mpnb.errors import MpnbError
 from tests.distributed.test_security import train_rank
 
 
@@ -25,6 +26,14 @@ class Final(RanksView):
 
 def main(node_rank: int, endpoint: str, steps: int, out: str) -> None:
     view = Final()
+    try:
+        _launch(node_rank, endpoint, steps, out, view)
+    except MpnbError as error:
+        with open(out, "w") as file:
+            json.dump({"error": str(error)}, file)
+
+
+def _launch(node_rank: int, endpoint: str, steps: int, out: str, view: Final) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         launched = launch(

@@ -173,6 +173,30 @@ def test_two_nodes_drop_rows_that_lack_the_secret(tmp_path):
         assert any("dropped a message on its telemetry channel" in text for text in node["warnings"]), node
 
 
+def test_a_node_given_another_secret_is_refused_at_the_rendezvous(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, NODE, str(rank), endpoint, "1", str(tmp_path / f"node{rank}.json")],
+            env={**os.environ, "MPNB_LAUNCH_SECRET": new_secret().hex(), "PYTHONPATH": ROOT},
+            cwd=ROOT,
+        )
+        for rank in (0, 1)
+    ]
+    deadline = time.monotonic() + 120
+    try:
+        while all(node.poll() is None for node in nodes):  # the node that reads the other's state first ends
+            assert time.monotonic() < deadline, "neither node refused the other's rendezvous state"
+            time.sleep(0.1)
+    finally:
+        for node in nodes:
+            node.kill()
+    first = next(rank for rank, node in enumerate(nodes) if node.returncode == 0)
+    with open(tmp_path / f"node{first}.json") as file:
+        said = json.load(file)["error"]
+    assert "could not meet its other nodes" in said and "not signed with this launch's secret" in said
+
+
 def test_a_rendezvous_state_written_without_the_secret_is_refused_unread(tmp_path):
     from torch.distributed.elastic.rendezvous.api import RendezvousStateError
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
