@@ -84,7 +84,16 @@ def test_invalid_op_names_are_refused_with_a_message_and_change_nothing(panel):
 def test_unloading_the_extension_disables_the_panel(ip, panel):
     ip.run_line_magic("unload_ext", "mpnb")
     assert panel.mode.disabled and panel.add_button.disabled and "unloaded" in panel.message_view.value
+    assert "<code>%load_ext mpnb</code>" in panel.message_view.value
     assert panel.mode.value == "off"
+
+
+@pytest.mark.parametrize("name", ["<img/src=x/onerror=alert(1)>", "<code><img/src=x/onerror=alert(1)>"])
+def test_markup_typed_as_an_op_name_is_shown_as_text_never_rendered(panel, name):
+    panel.list_name.value, panel.op_names.value = "fp32", name
+    panel.add_button.click()
+    shown = panel.message_view.value
+    assert "unknown op" in shown and "<img" not in shown and "&lt;img/src=x/onerror=alert(1)&gt;" in shown
 
 
 def test_amp_panel_magic_shows_a_panel(ip, capsys):

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Callable
 
 import ipywidgets as widgets
@@ -38,6 +39,7 @@ __all__ = ["ControlPanel", "PanelState", "panel"]
 
 _MODES = MODE_NAMES  # off, fp32, tf32, fp16, bf16
 _FP32_MATH_LABEL = "reduced-precision fp32 math (TF32 / bf16 math)"
+_BACKQUOTED = re.compile(r"`([^`]+)`")
 
 
 class PanelState(traitlets.HasTraits):
@@ -131,9 +133,7 @@ class ControlPanel:
     def _on_session(self, what: str) -> None:
         if what == "unloaded":
             self.state.enabled = False
-            self.state.message = _note(
-                "mpnb was unloaded: this panel is off. <code>%load_ext mpnb</code>, then a new panel."
-            )
+            self.state.message = _note("mpnb was unloaded: this panel is off. `%load_ext mpnb`, then a new panel.")
             return
         self.refresh()
 
@@ -204,8 +204,11 @@ class ControlPanel:
 
 
 def _note(text: str, error: bool = False) -> str:
+    """``text`` as HTML: all of it escaped (it may quote what the user typed), then each
+    `backquoted` span set in ``<code>``, the panel's own markup."""
     color = "#b00020" if error else "#555"
-    return f'<span style="color:{color}">{text if "<code>" in text else html.escape(text)}</span>'
+    shown = _BACKQUOTED.sub(r"<code>\1</code>", html.escape(text))
+    return f'<span style="color:{color}">{shown}</span>'
 
 
 def _status_html(owner: Session) -> str:
