@@ -27,6 +27,7 @@ import os
 import statistics
 from typing import Any
 
+from mpnb._files import atomic_write
 from mpnb._render import html_table, text_table
 from mpnb.analysis.timing import NO_SPEEDUP, Speedup, StepTimeStats, speedup_over, step_time_stats
 from mpnb.precision.backends import format_bytes
@@ -265,18 +266,22 @@ class Comparison:
         return html_table(self._columns(), self._table())
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
-        """Write the rows as JSON (NaN and infinities as null: strict JSON has neither)."""
+        """Write the rows as JSON (NaN and infinities as null: strict JSON has neither).
+
+        The file is replaced whole, never written through a link (see :func:`mpnb._files.atomic_write`).
+        """
         rows = [
             {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
             for r in self.rows()
         ]
-        with open(path, "w", encoding="utf-8") as file:
+        with atomic_write(path) as file:
             json.dump({"steps": self.steps, "warmup": self.warmup, "block": self.block, "modes": rows}, file, indent=2)
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
-        """Write the rows as CSV."""
+        """Write the rows as CSV. The file is replaced whole, never written through a link (see
+        :func:`mpnb._files.atomic_write`)."""
         rows = self.rows()
-        with open(path, "w", newline="", encoding="utf-8") as file:
+        with atomic_write(path, newline="") as file:
             writer = csv.DictWriter(file, fieldnames=list(rows[0]) if rows else ["mode"])
             writer.writeheader()
             for row in rows:

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
+from mpnb._files import atomic_write
 from mpnb.errors import InvalidChoiceError, MpnbError, quoted
 
 __all__ = [
@@ -301,12 +302,15 @@ class OpLists:
         return self._list(which)[canonical_name(name)]
 
     def save(self, directory: str | os.PathLike[str]) -> tuple[str, str]:
-        """Write ``lower_list.txt`` and ``fp32_list.txt`` into ``directory``; return their paths."""
+        """Write ``lower_list.txt`` and ``fp32_list.txt`` into ``directory``; return their paths.
+
+        Each file is replaced whole, never written through a link (see :func:`mpnb._files.atomic_write`).
+        """
         os.makedirs(directory, exist_ok=True)
         paths = []
         for which in LIST_NAMES:
             path = os.path.join(directory, f"{which}_list.txt")
-            with open(path, "w", encoding="utf-8") as file:
+            with atomic_write(path) as file:
                 file.write(f"# mpnb {which} op list\n" + "".join(f"{name}\n" for name in sorted(self._list(which))))
             paths.append(path)
         return paths[0], paths[1]

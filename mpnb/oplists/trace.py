@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from mpnb._files import atomic_write
 from mpnb._render import dtype_name
 
 __all__ = ["Trace", "TraceRow", "trace"]
@@ -124,8 +125,9 @@ class Trace:
         )
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
-        """Write the rows as CSV with a header."""
-        with open(path, "w", newline="", encoding="utf-8") as file:
+        """Write the rows as CSV with a header. The file is replaced whole, never written through a
+        link (see :func:`mpnb._files.atomic_write`)."""
+        with atomic_write(path, newline="") as file:
             writer = csv.writer(file)
             writer.writerow(_COLUMNS)
             writer.writerows(dataclasses.astuple(row) for row in self.rows)

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from mpnb import views
+from mpnb._files import atomic_write
 from mpnb._render import html_table, text_table
 from mpnb.precision.backends.base import format_bytes
 
@@ -245,19 +246,25 @@ class History:
         return history
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """Write (or, with no path, return) the history as standard JSON (inf and NaN as strings)."""
+        """Write (or, with no path, return) the history as standard JSON (inf and NaN as strings).
+
+        The file is replaced whole, never written through a link (see :func:`mpnb._files.atomic_write`).
+        """
         data = self.to_dict()
         data["columns"] = {k: [_json_safe(v) for v in vs] for k, vs in data["columns"].items()}
         text = json.dumps(data, allow_nan=False)
         if path is not None:
-            with open(path, "w", encoding="utf-8") as file:
+            with atomic_write(path) as file:
                 file.write(text)
         return text
 
     def to_csv(self, path: str | os.PathLike[str] | None = None) -> str:
         """Write (or return) the history as CSV: a ``# mpnb-history {...}`` line with meta and
         events, then a header row and one row per step. ``pandas.read_csv(path, comment="#")``
-        reads it too."""
+        reads it too.
+
+        The file is replaced whole, never written through a link (see :func:`mpnb._files.atomic_write`).
+        """
         buffer = io.StringIO()
         header = {"version": VERSION, "meta": self.meta, "events": self.events}
         buffer.write(CSV_HEADER_PREFIX + json.dumps(header) + "\n")
@@ -267,7 +274,7 @@ class History:
             writer.writerow(row.values())
         text = buffer.getvalue()
         if path is not None:
-            with open(path, "w", encoding="utf-8", newline="") as file:
+            with atomic_write(path, newline="") as file:
                 file.write(text)
         return text
 

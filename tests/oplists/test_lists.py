@@ -9,6 +9,7 @@ import mpnb.examples as ex
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.oplists.lists import OpLists, aten_overloads
 from mpnb.oplists.override import OpListOverride
+from tests.planted import assert_link_replaced, plant_link
 
 LISTED = ("linear", "softmax", "matmul", "addmm", "conv2d", "log_softmax", "mul")
 
@@ -61,6 +62,16 @@ def test_files_round_trip_in_habanas_format(tmp_path):
     lower_path, fp32_path = lists.save(tmp_path / "saved")
     again = OpLists.from_files(lower_path, fp32_path)
     assert sorted(again.lower) == ["conv2d", "linear"] and list(again.fp32) == ["softmax"]
+
+
+def test_saving_replaces_planted_links_and_leaves_their_targets_alone(tmp_path):
+    folder = tmp_path / "shared" / "lists"
+    victims = [plant_link(folder / name) for name in ("lower_list.txt", "fp32_list.txt")]
+    lists = OpLists({"linear": "test"}, {"softmax": "test"})
+    lower_path, fp32_path = lists.save(folder)
+    assert assert_link_replaced(folder / "lower_list.txt", victims[0]).endswith("linear\n")
+    assert assert_link_replaced(folder / "fp32_list.txt", victims[1]).endswith("softmax\n")
+    assert OpLists.from_files(lower_path, fp32_path).fp32 == {"softmax": "fp32_list.txt"}
 
 
 def test_override_changes_dtypes_only_inside_autocast_and_undoes_exactly():

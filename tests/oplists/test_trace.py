@@ -6,11 +6,14 @@ import copy
 import csv
 import re
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import mpnb
 import mpnb.examples as ex
+from mpnb.oplists.trace import Trace, TraceRow
+from tests.planted import assert_link_replaced, files_in, plant_link
 
 
 def model_and_batch():
@@ -111,3 +114,20 @@ def test_the_summary_shares_count_floating_ops_and_list_the_rest_apart():
     assert re.fullmatch(r"\d+ non-floating: int64 \d+(, \w+ \d+)*\)", rest), summary
     floating = sum(r.count for r in recorded.ops() if r.output in ("bf16", "fp32"))
     assert shares.startswith(f"{floating} ops: ")
+
+
+def test_trace_csv_replaces_a_planted_link_and_leaves_its_target_alone(tmp_path):
+    destination = tmp_path / "shared" / "trace.csv"
+    victim = plant_link(destination)
+    Trace([TraceRow("forward", "Net.fc", "op", "addmm", "bf16", "bf16", 3)]).to_csv(destination)
+    assert "Net.fc" in assert_link_replaced(destination, victim)
+
+
+def test_a_trace_csv_that_cannot_be_written_leaves_the_old_file_whole(tmp_path):
+    Trace([TraceRow("forward", "Net.fc", "op", "addmm", "bf16", "bf16", 3)]).to_csv(tmp_path / "trace.csv")
+    before = (tmp_path / "trace.csv").read_bytes()
+    rows = [TraceRow("forward", f"Net.{i}", "op", "addmm", "bf16", "bf16", 1) for i in range(1000)]
+    rows.append(TraceRow("forward", "Net.\ud800", "op", "addmm", "bf16", "bf16", 1))  # no UTF-8 for it
+    with pytest.raises(UnicodeEncodeError):
+        Trace(rows).to_csv(tmp_path / "trace.csv")
+    assert (tmp_path / "trace.csv").read_bytes() == before and files_in(tmp_path) == ["trace.csv"]

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from mpnb._files import atomic_write
 from mpnb.analysis.comparison import Comparison
 from mpnb.training.history import History
 
@@ -191,8 +192,8 @@ def comparison_html(comparison: Comparison, title: str, device_report: str = "")
 def write_comparison_report(
     path: str | os.PathLike[str], comparison: Comparison, title: str, device_report: str = ""
 ) -> None:
-    """Write :func:`comparison_html` to ``path``."""
-    with open(path, "w", encoding="utf-8") as file:
+    """Write :func:`comparison_html` to ``path``, replacing it whole (never writing through a link)."""
+    with atomic_write(path) as file:
         file.write(comparison_html(comparison, title, device_report))
 
 

@@ -17,6 +17,7 @@ import html
 import os
 from collections.abc import Sequence
 
+from mpnb._files import atomic_write
 from mpnb._render import html_table
 from mpnb.training.history import History
 from mpnb.ui.plots.figure import dashboard_figure
@@ -40,6 +41,6 @@ def report_html(history: History, title: str, extra_rows: Sequence[tuple[str, st
 def write_report(
     path: str | os.PathLike[str], history: History, title: str, extra_rows: Sequence[tuple[str, str]] = ()
 ) -> None:
-    """Write :func:`report_html` to ``path``."""
-    with open(path, "w", encoding="utf-8") as file:
+    """Write :func:`report_html` to ``path``, replacing it whole (never writing through a link)."""
+    with atomic_write(path) as file:
         file.write(report_html(history, title, extra_rows))

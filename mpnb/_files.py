@@ -1,0 +1,121 @@
+"""Files mpnb writes (histories, op lists, traces, reports) land whole or not at all.
+
+:func:`atomic_write` writes to a new file beside the destination and renames it over the
+destination once it is complete: a reader never sees half a file, an error leaves the old file
+as it was, and a symbolic link someone planted at the destination is replaced, not written
+through (``open(path, "w")`` would truncate and fill whatever file the link names).
+
+Example:
+    >>> import pathlib, tempfile
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> with atomic_write(folder / "notes.txt") as file:
+    ...     _ = file.write("whole or not at all\\n")
+    >>> (folder / "notes.txt").read_text(), [path.name for path in folder.iterdir()]
+    ('whole or not at all\\n', ['notes.txt'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from typing import TextIO
+
+__all__ = ["atomic_write"]
+
+#: The characters of the destination's name a temporary file keeps: enough to tell whose it is,
+#: few enough (at 4 UTF-8 bytes each) that its name stays under most file systems' 255 bytes.
+_NAME_KEPT = 40
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike[str], *, newline: str | None = None) -> Iterator[TextIO]:
+    """A UTF-8 text file to write ``path``'s new content into, put in place when the block ends.
+
+    The file is created in ``path``'s own folder (one file system, so the final rename is
+    atomic), flushed and synced to disk, then renamed onto ``path`` with :func:`os.replace`.
+    It gets the permissions ``open(path, "w")`` would give: those of the file it replaces, or
+    0o666 less the umask for a new one (never the 0o600 of :func:`tempfile.mkstemp`).
+
+    Args:
+        path: the destination. A symbolic link there is itself replaced by the new file; the
+            file it pointed to is left untouched.
+        newline: as for :func:`open` (``""`` for the :mod:`csv` module).
+
+    Raises:
+        OSError: the folder is missing or not writable, or ``path`` is a folder. On this or any
+            error inside the block (KeyboardInterrupt included) the temporary file is removed
+            and ``path`` keeps its old content.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "list.txt"
+        >>> _ = path.write_text("old\\n")
+        >>> try:
+        ...     with atomic_write(path) as file:
+        ...         _ = file.write("half of the new")
+        ...         raise RuntimeError("the writer fails midway")
+        ... except RuntimeError:
+        ...     pass
+        >>> path.read_text()
+        'old\\n'
+    """
+    destination = os.fspath(path)
+    folder, name = os.path.split(os.path.abspath(destination))
+    mode = _mode_of(destination)
+    descriptor, temporary = _create_beside(folder, name)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8", newline=newline) as file:
+            if mode is not None:
+                # The replaced file's own permissions, as open(path, "w") keeps them: the umask
+                # must not narrow a file the user made wider, nor a private one get wider.
+                os.fchmod(file.fileno(), mode)
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, destination)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    _sync_folder(folder)
+
+
+def _mode_of(path: str) -> int | None:
+    """The permissions of the regular file at ``path``, or None where there is none. A link's
+    target is never looked at: its permissions are not the destination's."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return stat.S_IMODE(found.st_mode) & 0o777 if stat.S_ISREG(found.st_mode) else None
+
+
+def _create_beside(folder: str, name: str) -> tuple[int, str]:
+    """A new file in ``folder`` named after ``name``, open for writing. ``O_EXCL`` refuses any name
+    that exists, a planted link included, so the file is always one this call made."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        temporary = os.path.join(folder, f".{name[:_NAME_KEPT]}.{secrets.token_hex(8)}.tmp")
+        try:
+            # 0o666 as open() asks: the kernel takes the umask off (and applies a folder's default ACL).
+            return os.open(temporary, flags, 0o666), temporary
+        except FileExistsError:
+            continue
+
+
+def _sync_folder(folder: str) -> None:
+    """Make the rename itself durable: a crash after it must not bring the old file back."""
+    if not hasattr(os, "O_DIRECTORY"):  # Windows: folders cannot be opened, nor synced
+        return
+    try:
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # a folder we may write but not read: the new file is in place all the same
+        return
+    try:
+        with contextlib.suppress(OSError):  # some file systems cannot sync a folder: best effort
+            os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
