@@ -1,4 +1,4 @@
-"""Small helpers that render result objects: tables as text and HTML, dtypes by short name.
+"""Small helpers that render result objects: tables as text, HTML and CSV cells, dtypes by short name.
 
 Example:
     >>> print(text_table(["mode", "dtype"], [["bf16", "bfloat16"]]))
@@ -6,6 +6,8 @@ Example:
     bf16  bfloat16
     >>> dtype_name(torch.bfloat16), dtype_name(torch.int64), dtype_name(None)
     ('bf16', 'torch.int64', '-')
+    >>> csv_cell("=1+1"), csv_cell(-0.5), from_csv_cell(csv_cell("'quoted"))
+    ("'=1+1", -0.5, "'quoted")
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["text_table", "html_table", "html_list", "dtype_name"]
+__all__ = ["text_table", "html_table", "html_list", "csv_cell", "from_csv_cell", "dtype_name"]
+
+#: How a text cell a spreadsheet would run as a formula starts (OWASP's list for CSV injection).
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+#: What spreadsheets take as "this cell is text", shown to no one.
+_TEXT_MARK = "'"
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -40,6 +47,24 @@ def html_list(items: Sequence[str], css_class: str) -> str:
     if not items:
         return ""
     return f"<ul class='{css_class}'>" + "".join(f"<li>{html.escape(i)}</li>" for i in items) + "</ul>"
+
+
+def csv_cell(value: object) -> object:
+    """``value`` as a CSV cell a spreadsheet shows and never runs, as OWASP advises.
+
+    Text that starts like a formula (``=``, ``+``, ``-``, ``@``, a tab or a carriage return)
+    gets a leading ``'``; so does text that already starts with ``'``, so that
+    :func:`from_csv_cell` gives back exactly what was written. Anything else (a negative
+    number, ``-inf``) is left to the :mod:`csv` writer: numbers stay numbers.
+    """
+    if isinstance(value, str) and value.startswith((*_FORMULA_STARTS, _TEXT_MARK)):
+        return _TEXT_MARK + value
+    return value
+
+
+def from_csv_cell(text: str) -> str:
+    """A text cell written by :func:`csv_cell`, as it was before (one leading ``'`` taken off)."""
+    return text.removeprefix(_TEXT_MARK)
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:

@@ -7,6 +7,8 @@ import pathlib
 
 #: What the link's target holds before mpnb writes, and must hold after.
 VICTIM_TEXT = "someone else's file: mpnb must not write here\n"
+#: Characters that make a spreadsheet run a cell as a formula (OWASP's list for CSV injection).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def plant_link(destination: pathlib.Path) -> pathlib.Path:

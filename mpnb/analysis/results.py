@@ -28,7 +28,7 @@ import statistics
 from typing import Any
 
 from mpnb._files import atomic_write
-from mpnb._render import html_table, text_table
+from mpnb._render import csv_cell, html_table, text_table
 from mpnb.analysis.timing import NO_SPEEDUP, Speedup, StepTimeStats, speedup_over, step_time_stats
 from mpnb.precision.backends import format_bytes
 from mpnb.precision.modes import parse_mode
@@ -278,14 +278,16 @@ class Comparison:
             json.dump({"steps": self.steps, "warmup": self.warmup, "block": self.block, "modes": rows}, file, indent=2)
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
-        """Write the rows as CSV. The file is replaced whole, never written through a link (see
-        :func:`mpnb._files.atomic_write`)."""
+        """Write the rows as CSV, each text as a spreadsheet shows it and never runs it (a skip
+        reason starting with ``=`` is no formula). The file is replaced whole, never written
+        through a link (see :func:`mpnb._files.atomic_write`)."""
         rows = self.rows()
         with atomic_write(path, newline="") as file:
             writer = csv.DictWriter(file, fieldnames=list(rows[0]) if rows else ["mode"])
             writer.writeheader()
             for row in rows:
-                writer.writerow({**row, "notes": "; ".join(row["notes"])})
+                cells = {**row, "notes": "; ".join(row["notes"])}
+                writer.writerow({name: csv_cell(value) for name, value in cells.items()})
 
 
 def _number(value: float, pattern: str) -> str:

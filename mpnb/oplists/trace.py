@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from mpnb._files import atomic_write
-from mpnb._render import dtype_name
+from mpnb._render import csv_cell, dtype_name
 
 __all__ = ["Trace", "TraceRow", "trace"]
 
@@ -125,12 +125,12 @@ class Trace:
         )
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
-        """Write the rows as CSV with a header. The file is replaced whole, never written through a
-        link (see :func:`mpnb._files.atomic_write`)."""
+        """Write the rows as CSV with a header, each text as a spreadsheet shows it and never runs
+        it. The file is replaced whole, never written through a link (see :func:`mpnb._files.atomic_write`)."""
         with atomic_write(path, newline="") as file:
             writer = csv.writer(file)
             writer.writerow(_COLUMNS)
-            writer.writerows(dataclasses.astuple(row) for row in self.rows)
+            writer.writerows(map(csv_cell, dataclasses.astuple(row)) for row in self.rows)
 
     def __str__(self) -> str:
         table = [_COLUMNS] + [tuple(str(value) for value in dataclasses.astuple(row)) for row in self.rows]

@@ -15,9 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
 import os
 import statistics
@@ -28,62 +25,22 @@ from mpnb import views
 from mpnb._files import atomic_write
 from mpnb._render import html_table, text_table
 from mpnb.precision.backends.base import format_bytes
+from mpnb.training.history_format import (
+    COLUMNS,
+    FORMAT,
+    VERSION,
+    checked_record,
+    column_default,
+    parse_csv,
+    parse_json,
+    record_csv,
+    record_json,
+)
 
 __all__ = ["History", "COLUMNS", "column_default"]
 
 #: Event kinds that mean the run went wrong (put there by mpnb.training.health).
 ALARM_KINDS = ("nonfinite", "collapse")
-
-FORMAT = "mpnb-history"
-VERSION = 1
-CSV_HEADER_PREFIX = f"# {FORMAT} "
-
-#: Every column a History keeps, with its type and meaning.
-COLUMNS: dict[str, tuple[type, str]] = {
-    "step": (int, "optimizer step number, counting from 1 over the trainer's life"),
-    "epoch": (int, "epoch the step belongs to, counting from 0"),
-    "loss": (float, "training loss of the step (mean over accumulated micro-batches)"),
-    "loss_missing": (bool, "no loss could be read for the step (a framework step returned none); loss is NaN"),
-    "loss_scale": (float, "GradScaler scale the step's backward used (1.0 without a scaler)"),
-    "skipped": (bool, "the optimizer step was skipped because gradients overflowed"),
-    "lr": (float, "learning rate of the first parameter group during the step"),
-    "step_time": (float, "wall seconds from the end of the previous step to the end of this one"),
-    "samples_per_s": (float, "samples in the step divided by step_time (NaN when unknown)"),
-    "forward_time": (
-        float,
-        "seconds from each forward pass's start (autocast()) to its backward(), summed over the step: "
-        "the process's own work, where no rank waits for another under DDP (NaN where unknown)",
-    ),
-    "memory_used": (float, "bytes in use on the device, sampled (process RSS on CPU)"),
-    "memory_peak": (float, "most bytes in use so far on the device"),
-    "memory_reserved": (float, "bytes held by the allocator cache (NaN where there is none)"),
-    "grad_norm": (float, "total norm of the unscaled gradients (NaN unless clipping or asked for)"),
-    "mode": (str, "precision mode the step ran in"),
-}
-
-
-def column_default(kind: type) -> Any:
-    """The value a column of type ``kind`` holds where nothing was recorded (NaN for floats)."""
-    return {int: 0, float: math.nan, bool: False, str: ""}[kind]
-
-
-def _parse_cell(kind: type, text: str) -> Any:
-    if kind is bool:
-        return text.strip().lower() in ("true", "1")
-    if kind is str:
-        return text
-    return kind(float(text)) if kind is int else float(text)
-
-
-def _json_safe(value: Any) -> Any:
-    """inf / -inf / NaN as the strings float() reads back; JSON itself has no such numbers."""
-    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def _from_json(kind: type, value: Any) -> Any:
-    if value is None:
-        return column_default(kind)
-    return float(value) if kind is float else value
 
 
 class _Column:
@@ -229,20 +186,16 @@ class History:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> History:
-        """Rebuild a History from :meth:`to_dict` output.
+        """Rebuild a History from :meth:`to_dict` output, every column checked against its type.
 
         Raises:
-            ValueError: the data is not an mpnb history of a version this mpnb reads.
+            ValueError: the data is not an mpnb history of a version this mpnb reads, or a field
+                holds what its column or event cannot: the message names the field and the value.
         """
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise ValueError(
-                f"not an {FORMAT} version {VERSION} record (format={data.get('format')!r}, "
-                f"version={data.get('version')!r})"
-            )
-        history = cls(data.get("meta"))
-        history.events = list(data.get("events", []))
-        columns = data["columns"]
-        history.extend({name: [_from_json(COLUMNS[name][0], v) for v in values] for name, values in columns.items()})
+        record = checked_record(data)
+        history = cls(record["meta"])
+        history.events = record["events"]
+        history.extend(record["columns"])
         return history
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
@@ -250,9 +203,7 @@ class History:
 
         The file is replaced whole, never written through a link (see :func:`mpnb._files.atomic_write`).
         """
-        data = self.to_dict()
-        data["columns"] = {k: [_json_safe(v) for v in vs] for k, vs in data["columns"].items()}
-        text = json.dumps(data, allow_nan=False)
+        text = record_json(self.to_dict())
         if path is not None:
             with atomic_write(path) as file:
                 file.write(text)
@@ -261,18 +212,11 @@ class History:
     def to_csv(self, path: str | os.PathLike[str] | None = None) -> str:
         """Write (or return) the history as CSV: a ``# mpnb-history {...}`` line with meta and
         events, then a header row and one row per step. ``pandas.read_csv(path, comment="#")``
-        reads it too.
+        reads it too; a spreadsheet shows every text as text, never running one as a formula.
 
         The file is replaced whole, never written through a link (see :func:`mpnb._files.atomic_write`).
         """
-        buffer = io.StringIO()
-        header = {"version": VERSION, "meta": self.meta, "events": self.events}
-        buffer.write(CSV_HEADER_PREFIX + json.dumps(header) + "\n")
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(COLUMNS)
-        for row in self.rows():
-            writer.writerow(row.values())
-        text = buffer.getvalue()
+        text = record_csv(self.to_dict())
         if path is not None:
             with atomic_write(path, newline="") as file:
                 file.write(text)
@@ -283,33 +227,24 @@ class History:
         """Read a history written by :meth:`to_csv` (``.csv``) or :meth:`to_json` (anything else).
 
         Raises:
-            ValueError: the file is not an mpnb history.
+            ValueError: the file is not an mpnb history, or not a sound one: the message names
+                the file and the line (CSV) or the field (JSON), and what is wrong there.
         """
-        with open(path, encoding="utf-8", newline="") as file:
-            text = file.read()
-        if os.fspath(path).endswith(".csv"):
-            return cls._from_csv(text, path)
-        return cls.from_dict(json.loads(text))
-
-    @classmethod
-    def _from_csv(cls, text: str, path: str | os.PathLike[str]) -> History:
-        first, _, body = text.partition("\n")
-        if not first.startswith(CSV_HEADER_PREFIX):
-            raise ValueError(f"{os.fspath(path)!r} is not an mpnb history CSV (first line {first[:40]!r})")
-        header = json.loads(first[len(CSV_HEADER_PREFIX) :])
-        reader = csv.reader(io.StringIO(body))
-        names = next(reader, [])
-        unknown = sorted(set(names) - set(COLUMNS))
-        if unknown:
-            raise ValueError(f"{os.fspath(path)!r} has unknown columns {unknown}")
-        values: dict[str, list[Any]] = {name: [] for name in names}
-        for row in reader:
-            for name, cell in zip(names, row):
-                values[name].append(_parse_cell(COLUMNS[name][0], cell))
-        history = cls(header.get("meta"))
-        history.events = list(header.get("events", []))
-        history.extend(values)
-        return history
+        name = os.fspath(path)
+        with open(path, "rb") as file:
+            raw = file.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            line = raw.count(b"\n", 0, error.start) + 1
+            raise ValueError(f"{name!r}, line {line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        if name.endswith(".csv"):
+            return cls.from_dict(parse_csv(text, name))
+        data = parse_json(text, name)
+        try:
+            return cls.from_dict(data)
+        except ValueError as error:
+            raise ValueError(f"{name!r}: {error}") from None
 
     def to_pandas(self) -> Any:
         """The rows as a pandas DataFrame (needs ``pip install pandas``)."""

@@ -1,7 +1,8 @@
-"""A comparison's CSV and JSON: written whole, never through a planted link."""
+"""A comparison's CSV and JSON: text a spreadsheet never runs, written whole, never through a link."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.training.history import History
-from tests.planted import assert_link_replaced, files_in, plant_link
+from tests.planted import FORMULA_STARTS, assert_link_replaced, files_in, plant_link
 
 
 def comparison(skipped_reason: str = "no fp16 here", metric: object = 0.5, note: str = "a note") -> Comparison:
@@ -17,6 +18,26 @@ def comparison(skipped_reason: str = "no fp16 here", metric: object = 0.5, note:
     history.extend({"step": [1, 2, 3, 4], "loss": [-1.0, -2.0, -3.0, -4.5], "step_time": [0.02, 0.02, 0.021, 0.02]})
     fp32 = ModeResult("fp32", history, blocks=[(0, 2), (2, 4)], metric=metric, notes=[note])
     return Comparison([fp32, ModeResult("fp16", skipped_reason=skipped_reason)], steps=4, warmup=0)
+
+
+def test_a_skip_reason_or_note_that_looks_like_a_formula_opens_in_a_spreadsheet_as_text(tmp_path):
+    formulas = comparison(skipped_reason='=HYPERLINK("http://evil.example")', note="-cmd|' /C calc'!A0")
+    formulas.to_csv(tmp_path / "comparison.csv")
+    with open(tmp_path / "comparison.csv", newline="", encoding="utf-8") as file:
+        rows = list(csv.DictReader(file))
+    assert rows[1]["skipped_reason"] == '\'=HYPERLINK("http://evil.example")'
+    assert rows[0]["notes"] == "'-cmd|' /C calc'!A0"
+    text_cells = [cell for row in rows for cell in row.values() if not is_number(cell)]
+    assert not [cell for cell in text_cells if cell.startswith(FORMULA_STARTS)]
+    assert rows[0]["final_loss"] == "-4.5"  # a number stays a number
+
+
+def is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("name", ["comparison.csv", "comparison.json"])

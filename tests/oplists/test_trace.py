@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import mpnb
 import mpnb.examples as ex
 from mpnb.oplists.trace import Trace, TraceRow
-from tests.planted import assert_link_replaced, files_in, plant_link
+from tests.planted import FORMULA_STARTS, assert_link_replaced, files_in, plant_link
 
 
 def model_and_batch():
@@ -114,6 +114,17 @@ def test_the_summary_shares_count_floating_ops_and_list_the_rest_apart():
     assert re.fullmatch(r"\d+ non-floating: int64 \d+(, \w+ \d+)*\)", rest), summary
     floating = sum(r.count for r in recorded.ops() if r.output in ("bf16", "fp32"))
     assert shares.startswith(f"{floating} ops: ")
+
+
+def test_module_names_that_look_like_formulas_open_in_a_spreadsheet_as_text(tmp_path):
+    modules = ["=HYPERLINK(0)", "+1", "-2+3", "@SUM(A1)", "\tx", "\rx", "'quoted"]
+    Trace([TraceRow("forward", module, "op", "addmm", "bf16", "bf16", 1) for module in modules]).to_csv(
+        tmp_path / "trace.csv"
+    )
+    with open(tmp_path / "trace.csv", newline="", encoding="utf-8") as file:
+        rows = list(csv.DictReader(file))
+    assert [row["module"] for row in rows] == [f"'{module}" for module in modules]
+    assert not [cell for row in rows for cell in row.values() if cell.startswith(FORMULA_STARTS)]
 
 
 def test_trace_csv_replaces_a_planted_link_and_leaves_its_target_alone(tmp_path):
