@@ -48,6 +48,10 @@ _ROWS, _STOP = "mpnb/rows", "mpnb/stop"
 _STOP_WORDS = b"mpnb: stop every rank"
 #: Seconds between a worker's looks at the stop key (each is one store round trip).
 STOP_POLL_S = 0.25
+#: The most messages one look at the queue takes (the workers send one a flush each).
+MAX_MESSAGES_PER_LOOK = 10_000
+#: What a look at the stop key gets back when there is none (never a signed stop).
+_NO_STOP = b"\0"
 
 
 def loopback_store(**options: Any) -> dist.TCPStore:
@@ -89,11 +93,19 @@ class LauncherChannel:
 
     def received(self) -> list[tuple[int, int, dict[str, list[Any]]]]:
         """Every ``(rank, fit index, columns)`` batch that arrived since the last call and
-        passed the checks, in order; the others are counted in :attr:`refused`."""
+        passed the checks, in order; the others are counted in :attr:`refused`.
+
+        The queue is read until it is empty, at most :data:`MAX_MESSAGES_PER_LOOK` messages a call:
+        another process may empty or flood it between two reads.
+        """
         batches = []
-        for _ in range(self.store.queue_len(_ROWS)):
+        for _ in range(MAX_MESSAGES_PER_LOOK):
             try:
-                message = decode(self._signer, self.store.queue_pop(_ROWS, block=False), self.ranks)
+                data = self.store.queue_pop(_ROWS, block=False)
+            except dist.QueueEmptyError:
+                break
+            try:
+                message = decode(self._signer, data, self.ranks)
                 self._check_order(message)
             except Refused as refused:
                 self._refuse(str(refused))
@@ -142,9 +154,10 @@ class WorkerChannel:
 
     def stop_asked(self) -> bool:
         """Whether the launch asked to stop (a stop key someone else wrote does not count)."""
-        if not self.store.check([_STOP]):
-            return False
-        return self._signer.open(self.store.get(_STOP)) == _STOP_WORDS
+        # One round trip that never waits: the key's value, or _NO_STOP where there is none (a check
+        # then a get would wait for a key another process deleted in between).
+        found = self.store.compare_set(_STOP, _NO_STOP, _NO_STOP)
+        return self._signer.open(found) == _STOP_WORDS
 
 
 class RankStream(Sink):

@@ -45,7 +45,8 @@ class Supervisor:
     """
 
     def __init__(self, channel: LauncherChannel, view: RanksView | None, control: FitControl | None = None) -> None:
-        self.channel, self.view = channel, view
+        self.channel: LauncherChannel | None = channel
+        self.view = view
         self.control = control or FitControl()
         self.rows = RankRows()
 
@@ -69,16 +70,33 @@ class Supervisor:
     def _watch(self, done: threading.Event) -> None:
         while not done.wait(POLL_S):
             self._take_rows()
-            if self.control.stop_requested:  # said at every look: another process could delete the key
-                self.channel.ask_stop()
+            if self.control.stop_requested:
+                self._ask_stop()  # at every look: another process could delete the key
 
     def _take_rows(self) -> None:
-        """Drain the channel into :attr:`rows` (the watcher's, and once more after it has joined)."""
-        arrived = self.channel.received()
+        """Drain the channel into :attr:`rows` (the watcher's, and once more after it has joined).
+        A channel that fails is said once and read no more: the launch's result does not depend on it."""
+        if self.channel is None:
+            return
+        try:
+            arrived = self.channel.received()
+        except Exception as error:
+            warn_user(f"the launch's telemetry channel failed and is read no more (the ranks go on): {error!r}")
+            self.channel = None
+            return
         for rank, index, columns in arrived:
             self.rows.add(rank, index, columns)
         if arrived:
             self._show("update")
+
+    def _ask_stop(self) -> None:
+        if self.channel is None:
+            return
+        try:
+            self.channel.ask_stop()
+        except Exception as error:  # the ranks' own stop still works: a worker's interrupt, the timeout
+            warn_user(f"the launch's stop could not reach the ranks (its channel failed): {error!r}")
+            self.channel = None
 
     def _show(self, what: str) -> None:
         """Call the view's ``update`` or ``close``. A view that fails is said once and left out

@@ -4,10 +4,11 @@ It knows no secret. While the launch runs it finds every TCP port that started l
 it did (from /proc/net/tcp, as any user can), and on each: writes a pickle to the raw socket,
 connects as a ``TCPStore`` client, overwrites every key it can list with a pickle that would
 create the marker file if anything unpickled it, pushes such pickles and forged unsigned rows
-into mpnb's row queue, and sets the stop key. It writes what it did to ``report.json``.
+into mpnb's row queue, pushes and pops junk there (the queue empties under the reader's feet),
+and sets the stop key. It writes what it did to ``report.json``.
 
 Usage: python attacker.py FOLDER MARKER [--rows-only]
-(``--rows-only``: push rows and stop keys, but leave the stores' other keys alone)
+(``--rows-only``: push rows and stop keys, but leave the stores' other keys and the queue's rows alone)
 (``FOLDER/ready`` appears once it has its baseline; it stops when ``FOLDER/stop`` appears.)
 """
 
@@ -93,6 +94,18 @@ def store_attack(port: int, evil: bytes, report: dict, rows_only: bool = False) 
             report["pushed"] += 1
         except Exception:
             pass
+    for _ in range(0 if rows_only else 20):  # junk in and out again: the queue empties under the launcher's reads
+        for message in (b"junk",) * 25:
+            try:
+                store.queue_push("mpnb/rows", message)
+            except Exception:
+                pass
+        for _ in range(25):
+            try:
+                store.queue_pop("mpnb/rows", block=False)
+                report["popped"] += 1
+            except Exception:
+                pass
     for key in ("mpnb/stop", "stop", "mpnb/rows"):
         try:
             store.set(key, b"1")
@@ -105,7 +118,15 @@ def store_attack(port: int, evil: bytes, report: dict, rows_only: bool = False) 
 def main(folder: str, marker: str, rows_only: bool) -> None:
     evil = pickle.dumps(Payload(marker))
     baseline = listening_ports()
-    report: dict = {"uid": os.getuid(), "listeners": [], "stores": {}, "overwritten": 0, "pushed": 0, "stops": 0}
+    report: dict = {
+        "uid": os.getuid(),
+        "listeners": [],
+        "stores": {},
+        "overwritten": 0,
+        "pushed": 0,
+        "popped": 0,
+        "stops": 0,
+    }
     stop = os.path.join(folder, "stop")
 
     def attack(port: int) -> None:
@@ -127,6 +148,7 @@ def main(folder: str, marker: str, rows_only: bool) -> None:
         thread.join(timeout=10)
     with open(os.path.join(folder, "report.json"), "w") as file:
         json.dump(report, file)
+    os._exit(0)  # not torch's teardown of stores whose servers are gone, with threads maybe still in them
 
 
 if __name__ == "__main__":

@@ -56,6 +56,13 @@ def train_rank(steps: int) -> tuple[int, bool]:
     return len(trainer.history), trainer.stopped
 
 
+def only_real_rows(streamed: list[float], returned: list[float]) -> bool:
+    """Whether the streamed losses are the rank's own, in order. The attacker takes rows off the
+    queue too: the view may miss some (the channel says so), never hold one the rank did not send."""
+    remaining = iter(returned)
+    return bool(streamed) and all(any(loss == real for real in remaining) for loss in streamed)
+
+
 def attacker_user() -> int | None:
     """Attack as the unprivileged user 'nobody' where this process may switch to it and that user
     can run this Python (a CI virtual environment in a private folder is out of its reach)."""
@@ -131,7 +138,7 @@ def test_a_local_attacker_runs_no_code_forges_no_rows_and_stops_nothing():
     assert launched.results == [(steps, False), (steps, False)]  # every rank ran every step, none was stopped
     assert view.final.ranks == [0, 1]
     for rank in (0, 1):
-        assert view.final.histories[rank][0].loss == launched.histories[rank][0].loss  # no made-up losses
+        assert only_real_rows(view.final.histories[rank][0].loss, launched.histories[rank][0].loss)
     assert seen and all(ip == "127.0.0.1" for _, ip, _ in seen), f"listening beyond loopback: {sorted(seen)}"
     launcher_ports = {port for who, _, port in seen if who == "launcher"}
     assert len(launcher_ports) == 1  # mpnb's channel; torch's rendezvous and the workers' store have no socket
