@@ -102,15 +102,22 @@ def read_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> tuple[dic
     state = load_plain(name, map_location=trainer.device)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise MpnbError(f"{name!r} is not an mpnb trainer checkpoint (saved by Trainer.save)")
-    problem = _mismatch(trainer, state)
+    try:
+        problem = _mismatch(trainer, state)
+    except _MALFORMED as error:  # data of the wrong shape where the checks expect another (a tensor for a flag...)
+        problem = f"its contents are not what Trainer.save writes ({type(error).__name__}: {error})"
     if problem is None:
         try:
             history = History.from_dict(state["history"])
-        except (KeyError, TypeError, ValueError) as error:
+        except _MALFORMED as error:
             problem = f"its history is unreadable ({error!r})"
     if problem is not None:
         raise MpnbError(f"{name!r} does not fit this trainer: {problem}; nothing was loaded")
     return state, history
+
+
+#: What checking a file's contents of unexpected types can raise (a tensor's truth value is a RuntimeError).
+_MALFORMED = (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError)
 
 
 def _mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:

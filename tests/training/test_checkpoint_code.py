@@ -153,3 +153,29 @@ def test_a_sharded_checkpoint_whose_run_file_holds_code_is_refused_and_runs_noth
 def test_a_sharded_checkpoint_whose_metadata_is_no_dcp_metadata_is_an_mpnb_error_naming_it(planted):
     for messages in planted[1]:
         assert ".metadata' is not a torch.distributed.checkpoint metadata file" in messages["foreign metadata"]
+
+
+@pytest.mark.parametrize(
+    "where, value",
+    [
+        (("model",), None),
+        (("amp", "scaler"), torch.ones(7, 3)),
+        (("history", "meta"), torch.ones(7, 3)),
+    ],
+    ids=["model is None", "scaler state is a tensor", "history meta is a tensor"],
+)
+def test_a_checkpoint_of_plain_data_in_the_wrong_shape_is_an_mpnb_error_and_changes_nothing(tmp_path, where, value):
+    trainer = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)[0]
+    path = tmp_path / "run.pt"
+    trainer.save(path)
+    state = torch.load(path, weights_only=True)
+    *parents, last = where
+    target = state
+    for key in parents:
+        target = target[key]
+    target[last] = value
+    torch.save(state, path)
+    before = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+    with pytest.raises(MpnbError, match="run.pt"):
+        trainer.load(path)
+    assert all(torch.equal(before[name], tensor) for name, tensor in trainer.model.state_dict().items())
