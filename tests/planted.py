@@ -30,3 +30,12 @@ def assert_link_replaced(destination: pathlib.Path, victim: pathlib.Path) -> str
 def files_in(folder: pathlib.Path) -> list[str]:
     """The names in ``folder``: a temporary file left behind would show here."""
     return sorted(path.name for path in folder.iterdir())
+
+
+def is_number(cell: str) -> bool:
+    """Whether a CSV cell is a number (a spreadsheet shows it as one, never as a formula)."""
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True

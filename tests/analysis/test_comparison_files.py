@@ -10,7 +10,7 @@ import torch
 
 from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.training.history import History
-from tests.planted import FORMULA_STARTS, assert_link_replaced, files_in, plant_link
+from tests.planted import FORMULA_STARTS, assert_link_replaced, files_in, is_number, plant_link
 
 
 def comparison(skipped_reason: str = "no fp16 here", metric: object = 0.5, note: str = "a note") -> Comparison:
@@ -30,14 +30,6 @@ def test_a_skip_reason_or_note_that_looks_like_a_formula_opens_in_a_spreadsheet_
     text_cells = [cell for row in rows for cell in row.values() if not is_number(cell)]
     assert not [cell for cell in text_cells if cell.startswith(FORMULA_STARTS)]
     assert rows[0]["final_loss"] == "-4.5"  # a number stays a number
-
-
-def is_number(cell: str) -> bool:
-    try:
-        float(cell)
-    except ValueError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("name", ["comparison.csv", "comparison.json"])

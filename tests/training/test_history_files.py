@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mpnb.training.history import COLUMNS, History
-from tests.planted import FORMULA_STARTS, assert_link_replaced, files_in, plant_link
+from tests.planted import FORMULA_STARTS, assert_link_replaced, files_in, is_number, plant_link
 
 FORMULAS = [
     '=HYPERLINK("http://evil.example","click")',
@@ -50,14 +50,6 @@ def text_a_spreadsheet_sees(text: str) -> list[str]:
     file splits them (spaces after a comma taken off, as some spreadsheets do)."""
     cells = [cell.lstrip(" ") for row in csv.reader(io.StringIO(text, newline="")) for cell in row]
     return [cell for cell in cells if not is_number(cell)]
-
-
-def is_number(cell: str) -> bool:
-    try:
-        float(cell)
-    except ValueError:
-        return False
-    return True
 
 
 def same(a: History, b: History) -> bool:
