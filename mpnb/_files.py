@@ -21,7 +21,7 @@ import os
 import secrets
 import stat
 from collections.abc import Iterator
-from typing import TextIO
+from typing import IO, Any
 
 __all__ = ["atomic_write"]
 
@@ -31,8 +31,11 @@ _NAME_KEPT = 40
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike[str], *, newline: str | None = None) -> Iterator[TextIO]:
-    """A UTF-8 text file to write ``path``'s new content into, put in place when the block ends.
+def atomic_write(
+    path: str | os.PathLike[str], *, newline: str | None = None, binary: bool = False
+) -> Iterator[IO[Any]]:
+    """A UTF-8 text file (or, with ``binary``, a byte file) to write ``path``'s new content into,
+    put in place when the block ends.
 
     The file is created in ``path``'s own folder (one file system, so the final rename is
     atomic), flushed and synced to disk, then renamed onto ``path`` with :func:`os.replace`.
@@ -43,6 +46,7 @@ def atomic_write(path: str | os.PathLike[str], *, newline: str | None = None) ->
         path: the destination. A symbolic link there is itself replaced by the new file; the
             file it pointed to is left untouched.
         newline: as for :func:`open` (``""`` for the :mod:`csv` module).
+        binary: a file of bytes (``torch.save`` writes into one), not of text.
 
     Raises:
         OSError: the folder is missing or not writable, or ``path`` is a folder. On this or any
@@ -67,7 +71,10 @@ def atomic_write(path: str | os.PathLike[str], *, newline: str | None = None) ->
     mode = _mode_of(destination)
     descriptor, temporary = _create_beside(folder, name)
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8", newline=newline) as file:
+        opened = (
+            os.fdopen(descriptor, "wb") if binary else os.fdopen(descriptor, "w", encoding="utf-8", newline=newline)
+        )
+        with opened as file:
             if mode is not None:
                 # The replaced file's own permissions, as open(path, "w") keeps them: the umask
                 # must not narrow a file the user made wider, nor a private one get wider.

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mpnb._files import atomic_write
 from mpnb.errors import MpnbError
 from mpnb.training.history import History
 from mpnb.training.safe_load import load_plain
@@ -44,6 +45,7 @@ __all__ = [
     "run_mismatch",
     "run_record",
     "run_state",
+    "write_checkpoint",
 ]
 
 FORMAT = "mpnb-trainer"
@@ -57,6 +59,13 @@ _KEYS = ("model", "optimizer", *RUN_KEYS)
 def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
     """Everything :meth:`Trainer.save` writes: plain data and tensors only."""
     return {**run_record(trainer), "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
+
+
+def write_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
+    """Write :func:`checkpoint_state` to ``path`` whole or not at all: a file beside it, renamed
+    over it at the end (a link someone planted at ``path`` is replaced, never written through)."""
+    with atomic_write(path, binary=True) as file:
+        torch.save(checkpoint_state(trainer), file)
 
 
 def run_record(trainer: Trainer) -> dict[str, Any]:

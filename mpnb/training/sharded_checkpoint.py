@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mpnb._files import atomic_write
 from mpnb.errors import MpnbError
 from mpnb.training.checkpoint import FORMAT, RUN_KEYS, apply_run_state, incomplete, run_mismatch, run_record
 from mpnb.training.history import History
@@ -53,7 +54,8 @@ def save_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
         raise MpnbError(f"{name!r} is a file, not a directory: a sharded checkpoint is a directory of shards")
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=name)
-    torch.save({**run_record(trainer), "sharded": True}, run_file(name, dist.get_rank()))
+    with atomic_write(run_file(name, dist.get_rank()), binary=True) as file:
+        torch.save({**run_record(trainer), "sharded": True}, file)
     dist.barrier()  # no rank reads the directory before every run record is there
 
 

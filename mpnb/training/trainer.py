@@ -37,7 +37,7 @@ from mpnb.training.batches import (
     warn_no_batches,
 )
 from mpnb.training.capture import FitCapture, active_capture, note_fit, streamed
-from mpnb.training.checkpoint import apply_checkpoint, checkpoint_state, read_checkpoint
+from mpnb.training.checkpoint import apply_checkpoint, read_checkpoint, write_checkpoint
 from mpnb.training.control import FitControl, running_on_this_thread
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
@@ -366,7 +366,7 @@ class Trainer:
         if self.strategy == "fsdp":
             save_sharded(self, path)
         else:
-            torch.save(checkpoint_state(self), path)
+            write_checkpoint(self, path)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Restore a :meth:`save` file: all of it, or nothing (see :mod:`mpnb.training.checkpoint`).
