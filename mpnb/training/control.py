@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,9 +28,33 @@ from typing import Any
 from mpnb.errors import MpnbError
 from mpnb.precision.policy import session
 
-__all__ = ["FitControl", "Checkpoint", "refuse_inside_a_fit", "running_on_this_thread"]
+__all__ = ["FitControl", "FitState", "Checkpoint", "refuse_inside_a_fit", "running_on_this_thread"]
 
 PAUSE_POLL_S = 0.05
+
+
+class FitState(str, enum.Enum):
+    """Where a fit is, as its :class:`FitControl` (and every view of it) sees it.
+
+    A state equals its name in lower case, so ``control.state == "paused"`` reads as it says.
+
+    Example:
+        >>> FitState.PAUSED == "paused", str(FitState.RUNNING)
+        (True, 'running')
+    """
+
+    IDLE = "idle"  # no fit runs (before the first one, and after each one ends)
+    RUNNING = "running"
+    PAUSED = "paused"  # held at a step boundary until resumed or stopped
+    STOPPING = "stopping"  # asked to stop: the step under way finishes, then the fit ends
+    ABANDONED = "abandoned"  # for a moment: the code that drove the fit is gone (see FitControl.abandon)
+
+    def __str__(self) -> str:
+        return self.value
+
+    # As the text it equals, everywhere a text would go: formatted, and as a dict key.
+    __format__ = str.__format__
+    __hash__ = str.__hash__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +81,14 @@ class FitControl:
 
     Attributes:
         pollers: called at every checkpoint, and repeatedly while paused.
-        state: ``"idle"``, ``"running"``, ``"paused"`` or ``"stopping"``; views show it
-            (``"abandoned"`` for a moment, see :meth:`abandon`).
+        state: a :class:`FitState`; views show it.
         on_state: called with the new state after each change of :attr:`state`.
     """
 
     def __init__(self) -> None:
         self.pollers: list[Callable[[], None]] = []
-        self.on_state: list[Callable[[str], None]] = []
-        self.state = "idle"
+        self.on_state: list[Callable[[FitState], None]] = []
+        self.state = FitState.IDLE
         self.abandoned_because: str | None = None
         self._stop = False
         self._paused = False
@@ -74,19 +98,19 @@ class FitControl:
     def stop(self) -> None:
         """Finish the current step, then end the fit and return its history."""
         self._stop = True
-        self._set_state("stopping")
+        self._set_state(FitState.STOPPING)
 
     def pause(self) -> None:
         """Hold the fit at the next step boundary until :meth:`resume` (or :meth:`stop`)."""
         if not self._stop:
             self._paused = True
-            self._set_state("paused")
+            self._set_state(FitState.PAUSED)
 
     def resume(self) -> None:
         """Let a paused fit go on."""
         self._paused = False
-        if self.state == "paused":
-            self._set_state("running")
+        if self.state is FitState.PAUSED:
+            self._set_state(FitState.RUNNING)
 
     @property
     def stop_requested(self) -> bool:
@@ -96,18 +120,18 @@ class FitControl:
         """The code that drove the fit is gone without ending it (the notebook cell that started it
         raised inside a framework that tells its callbacks nothing): listeners hear ``"abandoned"``
         and the fit's owner ends it (``reason`` says why); the state is idle after, whoever ends it."""
-        if self.state == "idle":
+        if self.state is FitState.IDLE:
             return
         self.abandoned_because = reason
-        self._set_state("abandoned")
-        if self.state != "idle":
+        self._set_state(FitState.ABANDONED)
+        if self.state is not FitState.IDLE:
             self.end()
 
     def begin(self) -> None:
         """A fit starts: listen to the session; earlier requests are forgotten."""
         self._stop, self._paused, self._changed = False, False, []
         self._unsubscribe = session.subscribe(self._changed.append)
-        self._set_state("running")
+        self._set_state(FitState.RUNNING)
 
     def end(self) -> None:
         """The fit ended, however it ended."""
@@ -115,7 +139,7 @@ class FitControl:
             self._unsubscribe()
             self._unsubscribe = None
         self._paused = False
-        self._set_state("idle")
+        self._set_state(FitState.IDLE)
 
     def checkpoint(self, interrupted: Callable[[], bool] = lambda: False) -> Checkpoint:
         """Deliver pending events, wait while paused, and say whether to stop and what changed.
@@ -138,7 +162,7 @@ class FitControl:
         for poll in self.pollers:
             poll()
 
-    def _set_state(self, state: str) -> None:
+    def _set_state(self, state: FitState) -> None:
         self.state = state
         for callback in list(self.on_state):
             callback(state)
