@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import sys
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -46,7 +47,11 @@ MAY_IMPORT_UI = {"mpnb", "mpnb.cli"}
 CORE_DEPENDENCIES = {"torch", "numpy", "psutil", "sklearn", "pandas", "habana_frameworks", "cloudpickle"}
 #: The frameworks mpnb plugs into (optional extras), importable only in their own modules.
 INTEGRATIONS = {"mpnb.integrations.transformers": {"transformers"}, "mpnb.integrations.lightning": {"lightning"}}
-MAX_LINES = 400
+#: Above this many lines a module is worth a look: is it one concept? (A warning: size follows the
+#: concept, and a module must never be squeezed to meet a number.)
+LINES_WORTH_A_LOOK = 500
+#: Formatter escapes: code is laid out by ruff, never by hand to save lines.
+FORMATTER_ESCAPES = ("# fmt: skip", "# fmt: off")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -174,6 +179,19 @@ def test_no_import_circles():
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
-def test_modules_stay_small(name):
+def test_a_long_module_is_flagged_for_a_look_not_refused(name):
     lines = len(MODULES[name].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{name} has {lines} lines; split it by concern"
+    if lines > LINES_WORTH_A_LOOK:
+        warnings.warn(
+            f"{name} has {lines} lines: does it hold one concept? Split it where the concept splits", stacklevel=1
+        )
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_code_is_laid_out_by_hand_against_the_formatter(name):
+    escapes = [
+        f"line {number}: {line.strip()}"
+        for number, line in enumerate(MODULES[name].read_text().splitlines(), 1)
+        if any(escape in line for escape in FORMATTER_ESCAPES)
+    ]
+    assert not escapes, f"{name} opts out of ruff format: {escapes}"

@@ -315,8 +315,11 @@ class LoopTelemetry:
                 on_stop()
             elif state == "abandoned" and self._run is run:
                 reason = self.control.abandoned_because
-                self.history.note(f"run {self.runs} ended without {self.framework} saying so: {reason}",
-                                  kind="run failed", step=self.steps)  # fmt: skip
+                self.history.note(
+                    f"run {self.runs} ended without {self.framework} saying so: {reason}",
+                    kind="run failed",
+                    step=self.steps,
+                )
                 self.end()
 
         return listener

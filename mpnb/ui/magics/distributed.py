@@ -85,9 +85,13 @@ class DistributedMagics(Magics):
         with as_usage_error():  # bad arguments; a failing rank is not a usage error
             try:
                 launched = launch(
-                    _cell_on_rank, cell, nproc=args.nproc, backend=args.backend, timeout=args.timeout,
+                    _cell_on_rank,
+                    cell,
+                    nproc=args.nproc,
+                    backend=args.backend,
+                    timeout=args.timeout,
                     start_method="fork",
-                )  # fmt: skip
+                )
             except LaunchError as failure:
                 raise RuntimeError(f"%%distributed: {failure}") from None
         back = launched.results[0]

@@ -147,10 +147,18 @@ class LiveRanks(RanksView):
             color = _COLORS[rank % len(_COLORS)]
             for (row, col), (column, _) in PANELS.items():
                 self.figure.add_trace(
-                    go.Scatter(x=[], y=[], mode="lines", name=label, legendgroup=label, showlegend=(row, col) == (1, 1),
-                               line={"color": color, "shape": "hv" if column == "loss_scale" else "linear"}),
-                    row=row, col=col,
-                )  # fmt: skip
+                    go.Scatter(
+                        x=[],
+                        y=[],
+                        mode="lines",
+                        name=label,
+                        legendgroup=label,
+                        showlegend=(row, col) == (1, 1),
+                        line={"color": color, "shape": "hv" if column == "loss_scale" else "linear"},
+                    ),
+                    row=row,
+                    col=col,
+                )
         traces = [trace for trace in self.figure.data if trace.legendgroup == label]
         for trace, panel in zip(traces, PANELS):
             xs, ys = self._series[(rank, panel)].points()
