@@ -195,3 +195,46 @@ def test_no_code_is_laid_out_by_hand_against_the_formatter(name):
         if any(escape in line for escape in FORMATTER_ESCAPES)
     ]
     assert not escapes, f"{name} opts out of ruff format: {escapes}"
+
+
+def _private_names_defined(tree: ast.AST) -> set[str]:
+    """The ``_names`` a module defines: its functions, classes and variables, its classes' methods
+    and class attributes, and the attributes its methods set on ``self``."""
+    defined = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_own(node.value):
+            defined.add(node.attr)
+    return {name for name in defined if _is_private(name)}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("_")  # not __dunder__ nor IPython's _repr_html_
+
+
+def _is_own(value: ast.expr) -> bool:
+    """``self``, ``cls`` or ``super()``: an object reaching its own private attributes."""
+    if isinstance(value, ast.Name):
+        return value.id in ("self", "cls")
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super"
+
+
+TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+PRIVATE_NAMES = {name: _private_names_defined(tree) for name, tree in TREES.items()}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_reaches_into_another_modules_private_names(name):
+    """A module uses another's private attributes and functions only through a public method or
+    name of its (torch's own private API, which mpnb reaches behind small adapters, is not checked)."""
+    elsewhere = set().union(*(names for other, names in PRIVATE_NAMES.items() if other != name)) - PRIVATE_NAMES[name]
+    reached = set()
+    for node in ast.walk(TREES[name]):
+        if isinstance(node, ast.Attribute) and node.attr in elsewhere and not _is_own(node.value):
+            reached.add(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mpnb"):
+            reached.update(f"line {node.lineno}: {alias.name}" for alias in node.names if _is_private(alias.name))
+    assert not reached, f"{name} reaches into another module's private names: {sorted(reached)}"

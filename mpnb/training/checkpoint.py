@@ -40,6 +40,7 @@ __all__ = [
     "apply_checkpoint",
     "apply_run_state",
     "checkpoint_state",
+    "checked_state",
     "incomplete",
     "read_checkpoint",
     "run_mismatch",
@@ -93,7 +94,7 @@ def run_state(trainer: Trainer) -> dict[str, Any]:
     return {
         "amp": trainer.amp.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "position": [trainer._epoch, trainer._batch, trainer._end_epoch],
+        "position": list(trainer.position),
     }
 
 
@@ -108,9 +109,19 @@ def read_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> tuple[dic
         FileNotFoundError: there is no such file.
     """
     name = os.fspath(path)
-    state = load_plain(name, map_location=trainer.device)
+    return checked_state(trainer, load_plain(name, map_location=trainer.device), repr(name))
+
+
+def checked_state(trainer: Trainer, state: Any, name: str = "the state") -> tuple[dict[str, Any], History]:
+    """Check that ``state`` (a :func:`checkpoint_state`, from a file or a ``Trainer.state_dict()``)
+    fits ``trainer``; returns it with its rebuilt history.
+
+    Raises:
+        MpnbError: it is not a trainer checkpoint's state, or does not fit; the message starts
+            with ``name`` and says what does not match. Nothing is changed.
+    """
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise MpnbError(f"{name!r} is not an mpnb trainer checkpoint (saved by Trainer.save)")
+        raise MpnbError(f"{name} is not an mpnb trainer checkpoint (saved by Trainer.save)")
     try:
         problem = _mismatch(trainer, state)
     except _MALFORMED as error:  # data of the wrong shape where the checks expect another (a tensor for a flag...)
@@ -121,7 +132,7 @@ def read_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> tuple[dic
         except _MALFORMED as error:
             problem = f"its history is unreadable ({error!r})"
     if problem is not None:
-        raise MpnbError(f"{name!r} does not fit this trainer: {problem}; nothing was loaded")
+        raise MpnbError(f"{name} does not fit this trainer: {problem}; nothing was loaded")
     return state, history
 
 
@@ -262,6 +273,6 @@ def apply_run_state(trainer: Trainer, state: dict[str, Any], history: History) -
     trainer.amp.load_state_dict(state["amp"])
     if trainer.amp.scheduler is not None and state["scheduler"] is not None:
         trainer.amp.scheduler.load_state_dict(state["scheduler"])
-    trainer._epoch, trainer._batch, trainer._end_epoch = state["position"]
+    trainer.position = tuple(state["position"])
     trainer.amp.recorder.history = history
     trainer.amp.health.restart(history)

@@ -70,7 +70,5 @@ class SessionFollower:
         if precision.mode is trainer.mode:
             return
         message = f"mode {trainer.mode.value} -> {precision.mode.value}"
-        trainer._math.close()
-        trainer.amp.set_precision(precision)
-        trainer._math.enter_context(precision.math_scope())
+        trainer.use_precision(precision)
         trainer.history.note(message, kind="switch", step=next_step)

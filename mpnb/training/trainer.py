@@ -37,7 +37,13 @@ from mpnb.training.batches import (
     warn_no_batches,
 )
 from mpnb.training.capture import FitCapture, active_capture, note_fit, streamed
-from mpnb.training.checkpoint import apply_checkpoint, read_checkpoint, write_checkpoint
+from mpnb.training.checkpoint import (
+    apply_checkpoint,
+    checked_state,
+    checkpoint_state,
+    read_checkpoint,
+    write_checkpoint,
+)
 from mpnb.training.control import FitControl, running_on_this_thread
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
@@ -138,6 +144,47 @@ class Trainer:
     def history(self) -> History:
         """Every recorded step."""
         return self.amp.history
+
+    @property
+    def position(self) -> tuple[int, int, int | None]:
+        """Where the next ``fit`` starts: ``(epoch, batch, end)``, ``end`` being the epoch an
+        unfinished plan ends before (None when the last plan was finished)."""
+        return self._epoch, self._batch, self._end_epoch
+
+    @position.setter
+    def position(self, position: tuple[int, int, int | None]) -> None:
+        self._epoch, self._batch, self._end_epoch = position
+
+    def use_precision(self, precision: TrainingPrecision) -> None:
+        """Train in ``precision`` from the next step: its autocast and scaler, and its fp32-math
+        scope in place of the running one (a fit's precision, switched between steps)."""
+        self._math.close()
+        self.amp.set_precision(precision)
+        self._math.enter_context(precision.math_scope())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything :meth:`save` writes: model, optimizer, scaler, scheduler, position and
+        history, as plain data and tensors. As with torch's ``state_dict()``, the tensors are the
+        live ones: ``copy.deepcopy`` the result to keep a point to come back to.
+
+        Example:
+            >>> import copy, torch, mpnb.examples as ex
+            >>> trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+            >>> start = copy.deepcopy(trainer.state_dict())
+            >>> _ = trainer.fit(train, max_steps=2)
+            >>> trainer.load_state_dict(start)
+            >>> len(trainer.history), all(torch.equal(a, b) for a, b in zip(trainer.model.state_dict().values(), start["model"].values()))
+            (0, True)
+        """
+        return checkpoint_state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go back to a :meth:`state_dict`: checked whole first, then applied all or nothing.
+
+        Raises:
+            MpnbError: ``state`` does not fit this trainer (nothing is changed).
+        """
+        apply_checkpoint(self, *checked_state(self, state))
 
     @property
     def resumable(self) -> bool:

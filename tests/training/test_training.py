@@ -498,3 +498,14 @@ def test_an_optimizer_of_another_model_is_refused_before_training():
         mpnb.Trainer(model, torch.optim.SGD(other.parameters(), lr=0.1), mse, mode="fp16", device="cpu", dashboard=None)
     frozen_head = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))  # an optimizer over part of the model is fine
     mpnb.Trainer(frozen_head, torch.optim.SGD(frozen_head[1].parameters(), lr=0.1), mse, device="cpu", dashboard=None)
+
+
+def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing():
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    other, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 16), dashboard=None)
+    trainer.fit(train, max_steps=2)
+    before = copy.deepcopy(trainer.state_dict())
+    with pytest.raises(MpnbError, match="the state does not fit this trainer"):
+        trainer.load_state_dict(other.state_dict())
+    assert trainer.position == tuple(before["position"]) and len(trainer.history) == 2
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.state_dict().values(), before["model"].values()))
