@@ -1,9 +1,9 @@
-"""Training stays exact under faults: a backward that fails half-way, scoped switches inside
-model code, a loss scale that underflows to 0, a fit started inside a fit, a bad checkpoint."""
+"""A failure mid-step leaves the run exact: a window whose backward or optimizer step fails
+before the update is dropped and trained again by the next fit (under a loss scaler, unscaled
+once); a step whose failure comes after the update is counted and its batches never trained
+again; a generator's batches read for a failed window are kept for the next fit."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -11,7 +11,6 @@ from torch import nn
 
 import mpnb
 import mpnb.examples as ex
-from mpnb.errors import MpnbError
 
 from .test_training import linear_problem, mse
 
@@ -31,6 +30,33 @@ def failing_backward(model: nn.Module, on_call: int) -> list[int]:
 
     model.features[0].weight.register_hook(hook)
     return calls
+
+
+def build(optimizer="sgd", seed=0):
+    torch.manual_seed(seed)
+    model = nn.Linear(6, 3)
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05), "adam": lambda p: torch.optim.Adam(p, lr=0.01)}
+    return model, make[optimizer](model.parameters())
+
+
+def unbroken(data, mode="fp16", optimizer="sgd", **options):
+    model, opt = build(optimizer)
+    mpnb.Trainer(model, opt, mse, mode=mode, device="cpu", dashboard=None, **options).fit(data)
+    return model
+
+
+def fails_once(on_call: int, message: str):
+    calls = []
+
+    def hook(*args):
+        calls.append(1)
+        if len(calls) == on_call:
+            raise RuntimeError(message)
+
+    return hook
+
+
+# -- a failure before the update: the window is dropped and trained again -----------------------
 
 
 @pytest.mark.parametrize("accumulate", [1, 3])
@@ -68,218 +94,91 @@ def test_a_failure_in_the_optimizer_step_before_it_updates_drops_the_window():
     assert all(p.grad is None for p in model.parameters()) and trainer._batch == 1 and len(trainer.history) == 1
 
 
-class ScopedSwitches(nn.Module):
-    """Model code that uses mpnb's scoped switches around part of its forward pass."""
-
-    def __init__(self, switch) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 3)
-        self.switch = switch
-        self.matmul_precision_after: list[str] = []
-
-    def forward(self, x):
-        with self.switch():
-            hidden = self.linear(x)
-        self.matmul_precision_after.append(torch.get_float32_matmul_precision())
-        return hidden
-
-
-@pytest.mark.parametrize(
-    "switch",
-    [lambda: mpnb.tf32(False), lambda: mpnb.autocast("bf16", device="cpu"), lambda: mpnb.autocast(enabled=False)],
-    ids=["tf32(False)", "autocast(bf16)", "autocast(off)"],
-)
-@pytest.mark.parametrize("mode", ["bf16", "tf32"])
-def test_a_scoped_switch_in_model_code_never_changes_the_trainers_mode(switch, mode):
-    _, data = linear_problem(steps=4)
-    model = ScopedSwitches(switch)
-    trainer = mpnb.Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), mse, mode=mode, device="cpu", dashboard=None
-    )
-    before = torch.get_float32_matmul_precision()
+@pytest.mark.parametrize("options", [{}, {"clip_grad_norm": 1.0}], ids=["plain", "clipped"])
+def test_an_fp16_optimizer_step_that_fails_after_unscaling_is_retried_exactly(options):
+    _, data = linear_problem(steps=6)
+    reference = unbroken(data, init_scale=1024.0, **options)
+    model, opt = build()
+    opt.register_step_pre_hook(fails_once(2, "transient failure"))
+    trainer = mpnb.Trainer(model, opt, mse, mode="fp16", device="cpu", dashboard=None, init_scale=1024.0, **options)
+    with pytest.raises(RuntimeError, match="transient failure"):
+        trainer.fit(data)
     history = trainer.fit(data)
-    assert history.mode == [mode] * 4 and history.events == []
-    if mode == "tf32":  # the fit's reduced fp32 math is back after each scoped block
-        assert model.matmul_precision_after == ["medium"] * 4
-    assert torch.get_float32_matmul_precision() == before
+    assert history.step == list(range(1, 7)) and history.skipped_steps == []
+    assert torch.equal(model.weight, reference.weight) and torch.equal(model.bias, reference.bias)
 
 
-def test_a_deliberate_session_change_during_a_fit_is_still_followed():
+# -- a failure after the update: the step counts ------------------------------------------------
+
+
+def test_a_failure_after_the_update_counts_the_step_and_never_trains_its_batch_again():
     _, data = linear_problem(steps=4)
-    model = nn.Linear(6, 3)
-    trainer = mpnb.Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), mse, mode="bf16", device="cpu", dashboard=None
-    )
-    trainer.control.pollers.append(lambda: mpnb.set_mode("fp32", device="cpu") if trainer.amp.steps == 2 else None)
-    try:
-        history = trainer.fit(data)
-    finally:
-        mpnb.set_mode("off")
-    assert history.mode == ["bf16", "bf16", "fp32", "fp32"]
+    reference = unbroken(data, mode="fp32", optimizer="adam")
+    model, opt = build("adam")
+    opt.register_step_post_hook(fails_once(2, "logging hook failed"))
+    trainer = mpnb.Trainer(model, opt, mse, mode="fp32", device="cpu", dashboard=None)
+    with pytest.raises(RuntimeError, match="logging hook failed"):
+        trainer.fit(data)
+    assert trainer.history.step == [1, 2] and trainer._batch == 2  # step 2 happened: its batch is behind us
+    trainer.fit(data)
+    assert trainer.history.step == [1, 2, 3, 4] and opt.state[model.weight]["step"].item() == 4
+    assert torch.equal(model.weight, reference.weight)
 
 
-def test_skips_are_counted_from_what_the_optimizer_did_even_with_a_zero_loss_scale():
-    model, data = linear_problem(steps=12)
-    amp = mpnb.AmpStep(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        mode="fp16",
-        device="cpu",
-        init_scale=2.0**-146,
-        growth_interval=1000,
-        flush_every=4,
-    )
-    weights = model.weight.detach().clone()
-    history = run_every_step_overflowing(model, data, amp)
-    assert history.loss_scale[-1] == 0.0 and history.loss_scale.count(0.0) >= 8
-    assert history.skipped_steps == list(range(1, 13))
-    assert torch.equal(weights, model.weight)
+def test_a_failing_scheduler_or_sink_after_the_update_still_records_the_step():
+    _, data = linear_problem(steps=3)
+    model, opt = build()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)  # its step() needs a metric: it raises
+    trainer = mpnb.Trainer(model, opt, mse, mode="bf16", device="cpu", dashboard=None, scheduler=plateau)
+    with pytest.raises(TypeError):
+        trainer.fit(data)
+    assert trainer.history.step == [1] and trainer.amp.between_steps and trainer._batch == 1
 
 
-def run_every_step_overflowing(model, data, amp):
-    for x, y in data:
-        with amp.autocast():
-            loss = mse(model(x), y) * math.inf
-        amp.backward(loss)
-        amp.step()
-    return amp.close()
+# -- a failure with a generator: batches already read are kept ----------------------------------
 
 
-def test_a_fused_optimizer_that_skips_inside_its_step_is_counted_as_skipped():
-    model, data = linear_problem(steps=6)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
-    amp = mpnb.AmpStep(optimizer, mode="fp16", device="cpu", init_scale=1024.0, flush_every=2)
-    for step, (x, y) in enumerate(data, start=1):
-        with amp.autocast():
-            loss = mse(model(x), y)
-        amp.backward(loss * math.inf if step in (2, 5) else loss)
-        amp.step()
-    assert amp.close().skipped_steps == [2, 5]
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_an_error_with_a_generator_keeps_the_windows_batches_for_the_next_fit(accumulate):
+    _, data = linear_problem(steps=8)
+    reference = unbroken(iter(data), mode="bf16", accumulate=accumulate)
+    model, opt = build()
+    calls = []
 
-
-def test_a_fit_started_inside_a_running_fit_is_refused_and_the_outer_fit_is_undisturbed():
-    _, data = linear_problem(steps=4)
-    inner_model = nn.Linear(6, 3)
-    inner = mpnb.Trainer(
-        inner_model, torch.optim.SGD(inner_model.parameters(), lr=0.1), mse, mode="fp32", device="cpu", dashboard=None
-    )
-    refusals, precision = [], []
-
-    def loss_starting_a_fit(output, target):
-        try:
-            inner.fit(data)
-        except MpnbError as error:
-            refusals.append(str(error))
-        precision.append(torch.get_float32_matmul_precision())
+    def failing_once(output, target):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("bad batch")
         return mse(output, target)
 
-    model = nn.Linear(6, 3)
-    outer = mpnb.Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        loss_starting_a_fit,
-        mode="tf32",
-        device="cpu",
-        dashboard=None,
-    )
-    history = outer.fit(data)
-    assert len(refusals) == 4 and "another fit is running on this thread" in refusals[0]
-    assert precision == ["medium"] * 4 and history.mode == ["tf32"] * 4 and len(history) == 4
-    assert len(inner.history) == 0 and inner.fit(data).mode == ["fp32"] * 4  # usable once the outer fit ended
+    trainer = mpnb.Trainer(model, opt, failing_once, mode="bf16", device="cpu", dashboard=None, accumulate=accumulate)
+    stream = iter(data)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        trainer.fit(stream)
+    trainer.fit(stream)
+    assert len(trainer.history) == 8 // accumulate
+    assert torch.equal(model.weight, reference.weight)
 
 
-# -- checkpoints: validated first, applied all or nothing ---------------------------------------
+def test_an_error_while_a_generators_window_is_replayed_keeps_the_batches_not_yet_replayed():
+    """Fails on batch 2 of the first window, then on batch 1 of its replay: batch 2, read before and
+    not yet replayed, is still trained in that window, and every later window keeps its batches."""
+    _, data = linear_problem(steps=9)
+    reference = unbroken(iter(data), mode="bf16", accumulate=3)
+    model, opt = build()
+    calls = []
 
+    def failing_twice(output, target):
+        calls.append(1)
+        if len(calls) in (2, 3):
+            raise RuntimeError("bad batch")
+        return mse(output, target)
 
-def trained(seed: int = 0, optimizer: str = "adam", widths=(4, 8)):
-    trainer, train, _ = ex.example_trainer("fp16", "cpu", seed=seed, widths=widths, batch_size=128, dashboard=None)
-    if optimizer == "sgd":
-        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.1)
-        trainer.amp = mpnb.AmpStep(trainer.optimizer, mode="fp16", device="cpu")
-    trainer.fit(train, max_steps=3)
-    return trainer, train
-
-
-def state_of(trainer) -> dict:
-    return {
-        "model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
-        "optimizer": repr(trainer.optimizer.state_dict()),
-        "amp": repr(trainer.amp.state_dict()),
-        "position": (trainer._epoch, trainer._batch, trainer._end_epoch),
-        "history": trainer.history.to_dict(),
-    }
-
-
-def assert_unchanged(trainer, before: dict) -> None:
-    after = state_of(trainer)
-    assert after.keys() == before.keys()
-    for key in before["model"]:
-        assert torch.equal(after["model"][key], before["model"][key])
-    assert {k: v for k, v in after.items() if k != "model"} == {k: v for k, v in before.items() if k != "model"}
-
-
-def test_loading_another_models_checkpoint_names_the_mismatch_and_changes_nothing(tmp_path):
-    other, _ = trained(widths=(8, 16))
-    other.save(tmp_path / "wide.pt")
-    trainer, _ = trained(seed=1)
-    before = state_of(trainer)
-    with pytest.raises(MpnbError, match=r"wide\.pt.*features\.0\.weight.*shape") as refused:
-        trainer.load(tmp_path / "wide.pt")
-    assert "nothing was loaded" in str(refused.value)
-    assert_unchanged(trainer, before)
-
-
-def test_loading_an_sgd_checkpoint_into_an_adam_trainer_is_refused_and_the_next_fit_works(tmp_path):
-    sgd, _ = trained(optimizer="sgd")
-    sgd.save(tmp_path / "sgd.pt")
-    trainer, train = trained(seed=1)
-    before = state_of(trainer)
-    with pytest.raises(MpnbError, match=r"sgd\.pt.*SGD.*Adam"):
-        trainer.load(tmp_path / "sgd.pt")
-    assert_unchanged(trainer, before)
-    assert len(trainer.fit(train, max_steps=2)) == 5
-
-
-@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
-def test_a_damaged_checkpoint_is_an_mpnb_error_naming_the_file(tmp_path, damage):
-    trainer, _ = trained()
-    trainer.save(tmp_path / "run.pt")
-    data = (tmp_path / "run.pt").read_bytes()
-    damaged = {"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"\x00not a checkpoint" * 40}[damage]
-    (tmp_path / "bad.pt").write_bytes(damaged)
-    before = state_of(trainer)
-    with pytest.raises(MpnbError, match=r"bad\.pt"):
-        trainer.load(tmp_path / "bad.pt")
-    assert_unchanged(trainer, before)
-
-
-def test_a_checkpoint_whose_history_or_scaler_is_broken_changes_nothing(tmp_path):
-    trainer, _ = trained()
-    trainer.save(tmp_path / "run.pt")
-    state = torch.load(tmp_path / "run.pt", weights_only=True)
-    state["history"]["columns"]["loss"] = [0.5]  # one loss for three steps
-    torch.save(state, tmp_path / "history.pt")
-    state = torch.load(tmp_path / "run.pt", weights_only=True)
-    state["amp"]["scaler"] = {"scale": "big"}
-    torch.save(state, tmp_path / "scaler.pt")
-    other, _ = trained(seed=1)
-    before = state_of(other)
-    for name in ("history.pt", "scaler.pt"):
-        with pytest.raises(MpnbError, match=name.replace(".", r"\.")):
-            other.load(tmp_path / name)
-        assert_unchanged(other, before)
-
-
-def test_a_failure_while_applying_a_checkpoint_puts_everything_back(tmp_path, monkeypatch):
-    source, _ = trained()
-    source.save(tmp_path / "run.pt")
-    trainer, _ = trained(seed=1)
-    before = state_of(trainer)
-
-    def failing(state):
-        raise RuntimeError("scaler state rejected")
-
-    monkeypatch.setattr(trainer.amp, "load_state_dict", failing)  # fails after model and optimizer were loaded
-    with pytest.raises(RuntimeError, match="scaler state rejected"):
-        trainer.load(tmp_path / "run.pt")
-    monkeypatch.undo()
-    assert_unchanged(trainer, before)
+    trainer = mpnb.Trainer(model, opt, failing_twice, mode="bf16", device="cpu", dashboard=None, accumulate=3)
+    stream = iter(data)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="bad batch"):
+            trainer.fit(stream)
+    trainer.fit(stream)
+    assert len(trainer.history) == 3
+    assert torch.equal(model.weight, reference.weight)

@@ -1,4 +1,6 @@
-"""A run that diverges or whose loss scale collapses is reported, once, and can stop the fit."""
+"""A run that diverges or whose loss scale collapses is reported, once, with advice that fits its
+mode, and can stop the fit (that fit only: the next one is watched afresh). Skipped steps are
+counted from what the optimizer did, down to a loss scale of 0 and a fused optimizer's own skips."""
 
 from __future__ import annotations
 
@@ -123,3 +125,76 @@ def test_nan_weights_show_as_a_nonfinite_loss_on_the_next_step():
     with pytest.warns(RuntimeWarning, match="loss is nan at step 3"):
         history = trainer.fit(data)
     assert history.step == [1, 2, 3]
+
+
+def test_on_nonfinite_stop_rearms_for_each_fit():
+    model, data = linear_problem(steps=6)
+    data[1] = (data[1][0], torch.full_like(data[1][1], math.nan))
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mse,
+        mode="fp32",
+        device="cpu",
+        dashboard=None,
+        on_nonfinite="stop",
+    )
+    with pytest.warns(RuntimeWarning, match="loss is nan at step 2"):
+        assert trainer.fit(data).step == [1, 2]
+    _, fresh = linear_problem(seed=1, steps=3)
+    model.reset_parameters()
+    assert trainer.fit(fresh).step == [1, 2, 3]  # trains again (from where the stopped epoch was), no stale stop
+
+
+def test_the_advice_fits_the_mode():
+    model, data = linear_problem(steps=3)
+    data[0] = (data[0][0], torch.full_like(data[0][1], math.nan))
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), 0.1),
+        mse,
+        mode="bf16",
+        device="cpu",
+        dashboard=None,
+        on_nonfinite="ignore",
+    )
+    message = trainer.fit(data).events[0]["message"]
+    assert "loss is nan at step 1" in message and "try bf16" not in message
+
+
+def test_skips_are_counted_from_what_the_optimizer_did_even_with_a_zero_loss_scale():
+    model, data = linear_problem(steps=12)
+    amp = mpnb.AmpStep(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mode="fp16",
+        device="cpu",
+        init_scale=2.0**-146,
+        growth_interval=1000,
+        flush_every=4,
+    )
+    weights = model.weight.detach().clone()
+    history = run_every_step_overflowing(model, data, amp)
+    assert history.loss_scale[-1] == 0.0 and history.loss_scale.count(0.0) >= 8
+    assert history.skipped_steps == list(range(1, 13))
+    assert torch.equal(weights, model.weight)
+
+
+def run_every_step_overflowing(model, data, amp):
+    for x, y in data:
+        with amp.autocast():
+            loss = mse(model(x), y) * math.inf
+        amp.backward(loss)
+        amp.step()
+    return amp.close()
+
+
+def test_a_fused_optimizer_that_skips_inside_its_step_is_counted_as_skipped():
+    model, data = linear_problem(steps=6)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    amp = mpnb.AmpStep(optimizer, mode="fp16", device="cpu", init_scale=1024.0, flush_every=2)
+    for step, (x, y) in enumerate(data, start=1):
+        with amp.autocast():
+            loss = mse(model(x), y)
+        amp.backward(loss * math.inf if step in (2, 5) else loss)
+        amp.step()
+    assert amp.close().skipped_steps == [2, 5]

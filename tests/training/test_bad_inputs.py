@@ -1,0 +1,56 @@
+"""A loss or an argument a fit cannot use is a clear error, raised before anything changes: a
+loss that is not a tensor, not one number or not differentiable; a model output with no loss;
+data that is not batches; a fractional number of epochs or micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mpnb
+from mpnb.errors import MpnbError
+
+from .test_training import linear_problem, mse
+
+
+def test_a_one_element_output_that_is_not_0_dim_is_not_taken_for_a_loss():
+    model = nn.Linear(4, 1)
+    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mode="fp32", device="cpu", dashboard=None)
+    with pytest.raises(MpnbError, match=r"returned a tensor of shape \(1, 1\) with no loss"):
+        trainer.fit([torch.randn(1, 4)])
+
+
+@pytest.mark.parametrize(
+    "step_fn, message",
+    [
+        (lambda m, b: m(b).sum().item(), "the loss must be a tensor, got float"),
+        (lambda m, b: None, "the loss must be a tensor, got NoneType"),
+        (lambda m, b: m(b), r"single number, got a tensor of shape \(2, 1\)"),
+        (lambda m, b: m(b).sum().detach(), "does not require grad"),
+        (lambda m, b: (m(b).sum(), 1), "the loss must be a tensor, got tuple"),
+    ],
+)
+def test_a_loss_that_cannot_train_is_a_clear_error_and_changes_nothing(step_fn, message):
+    model = nn.Linear(4, 1)
+    weight = model.weight.detach().clone()
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.1), step_fn=step_fn, mode="fp32", device="cpu", dashboard=None
+    )
+    with pytest.raises(MpnbError, match=message):
+        trainer.fit([torch.randn(2, 4)])
+    assert torch.equal(model.weight, weight) and trainer.amp.between_steps and model.weight.grad is None
+
+
+def test_bad_fit_arguments_are_refused():
+    model, data = linear_problem(steps=2)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="fp32", device="cpu", dashboard=None
+    )
+    with pytest.raises(MpnbError, match="data must be an iterable of batches .* got NoneType"):
+        trainer.fit(None)
+    with pytest.raises(ValueError, match="epochs must be a positive whole number, got 1.5"):
+        trainer.fit(data, epochs=1.5)
+    with pytest.raises(ValueError, match="accumulate must be a positive number of micro-batches, got 1.5"):
+        mpnb.AmpStep(trainer.optimizer, accumulate=1.5)
+    assert len(trainer.history) == 0
