@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
 from mpnb.training.gradients import check_loss, rescale, unscale_and_clip
@@ -62,7 +63,12 @@ class AmpStep:
         accumulate: micro-batches per optimizer step; each loss is divided by it.
         clip_grad_norm: clip the total norm of the unscaled gradients to this value.
         record_grad_norm: record the unscaled gradient norm even without clipping.
-        init_scale, growth_factor, backoff_factor, growth_interval: passed to GradScaler.
+        scaler: the loss scaler to use, as a ``torch.amp.GradScaler`` for this device: enabled
+            in fp16, disabled (or none) in every other mode. Default: one built from the four
+            settings below.
+        init_scale, growth_factor, backoff_factor, growth_interval: the settings of the
+            GradScaler built when ``scaler`` is not given; None keeps GradScaler's default
+            (``2.0**16``, ``2.0``, ``0.5``, ``2000``).
         min_scale: warn (once) when the fp16 loss scale falls below this.
         on_nonfinite: at the first NaN/inf loss on a step taken, or a collapsed fp16 scale:
             ``"warn"`` (default), ``"stop"`` (:attr:`health` ``.stop`` turns True; the Trainer
@@ -90,10 +96,11 @@ class AmpStep:
         accumulate: int = 1,
         clip_grad_norm: float | None = None,
         record_grad_norm: bool = False,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        scaler: torch.amp.GradScaler | None = None,
+        init_scale: float | None = None,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        growth_interval: int | None = None,
         min_scale: float | None = None,
         on_nonfinite: str = "warn",
         flush_every: int = 64,
@@ -109,13 +116,33 @@ class AmpStep:
         self._in_forward = False  # train_step's forward is running
         self.optimizer, self.scheduler = optimizer, scheduler
         self.accumulate, self.clip_grad_norm, self.record_grad_norm = accumulate, clip_grad_norm, record_grad_norm
-        self._scaler_options = {
+        settings = {
             "init_scale": init_scale,
             "growth_factor": growth_factor,
             "backoff_factor": backoff_factor,
             "growth_interval": growth_interval,
         }
+        self._scaler_options = {name: value for name, value in settings.items() if value is not None}
         self._scalers: dict[bool, torch.amp.GradScaler] = {}
+        if scaler is not None:
+            if self._scaler_options:
+                given = ", ".join(f"{name}=" for name in self._scaler_options)
+                raise MpnbError(f"give scaler= or {given}, not both: a GradScaler carries its own settings")
+            if not isinstance(scaler, torch.amp.GradScaler):
+                raise MpnbError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+            if scaler._device != self.precision.device.type:
+                raise MpnbError(
+                    f"scaler is a GradScaler for {scaler._device!r}, training runs on "
+                    f"{self.precision.device.type!r}: build it as GradScaler({self.precision.device.type!r})"
+                )
+            if scaler.is_enabled() != self.precision.needs_scaler:
+                mode = self.precision.mode.value
+                raise MpnbError(
+                    f"mode {mode!r} scales the loss: give an enabled GradScaler, or leave scaler= out"
+                    if self.precision.needs_scaler
+                    else f"mode {mode!r} does not scale the loss: leave scaler= out, or give GradScaler(..., enabled=False)"
+                )
+            self._scalers[scaler.is_enabled()] = scaler  # a later switch of mode comes back to it
         self.scaler = self._scaler(self.precision.needs_scaler)
         self.health = HealthWatch(on_nonfinite)
         if on_nonfinite == "stop":

@@ -73,6 +73,15 @@ class Trainer:
     arguments, the loss is ``output.loss`` or ``output["loss"]``); ``step_fn(model, batch)``
     covers anything else. Batches of any nesting are moved to the device.
 
+    Example (the fp16 loss scaler given whole, as Lightning's precision plugin takes it):
+        >>> import torch, mpnb.examples as ex
+        >>> model = ex.DigitsCNN(widths=(4, 8))
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        >>> trainer = Trainer(model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.cross_entropy,
+        ...                   mode="fp16", device="cpu", dashboard=None, scaler=scaler)
+        >>> trainer.fit(ex.digits(batch_size=256)[0], max_steps=1).loss_scale
+        [256.0]
+
     Args:
         model: moved to ``device``.
         optimizer: built on the model's parameters.
@@ -90,9 +99,20 @@ class Trainer:
         strategy: None (one process), ``"ddp"`` or ``"fsdp"``: across the processes of
             torch.distributed's group, each training on its share of the batches; ``"fsdp"``
             shards the model in place (:mod:`mpnb.training.parallel`).
-        **amp_options: passed to :class:`~mpnb.training.amp_step.AmpStep` (scheduler,
-            accumulate, clip_grad_norm, record_grad_norm, init_scale, growth_factor,
-            backoff_factor, growth_interval, min_scale, flush_every).
+        scheduler: an LR scheduler, stepped only after steps the optimizer really took (a step
+            skipped for overflow leaves the schedule where it was).
+        accumulate: micro-batches per optimizer step; each loss is divided by it.
+        clip_grad_norm: clip the total norm of the unscaled gradients to this value.
+        record_grad_norm: record the unscaled gradient norm even without clipping.
+        scaler: the fp16 loss scaler, a ``torch.amp.GradScaler`` for ``device`` (enabled in
+            fp16; in other modes none, or a disabled one). Default: one built from the four
+            settings below, which cannot be given with it.
+        init_scale: the built scaler's first scale; None: GradScaler's (``2.0**16``).
+        growth_factor: its growth factor; None: GradScaler's (``2.0``).
+        backoff_factor: its backoff factor; None: GradScaler's (``0.5``).
+        growth_interval: its growth interval in steps; None: GradScaler's (``2000``).
+        min_scale: warn (once) when the fp16 loss scale falls below this.
+        flush_every: steps between device-to-host telemetry copies.
 
     Attributes:
         history: every step of every ``fit`` call so far.
@@ -112,14 +132,40 @@ class Trainer:
         dashboard: str | Sink | None = "auto",
         on_nonfinite: str = "warn",
         strategy: str | None = None,
-        **amp_options: Any,
+        scheduler: Any = None,
+        accumulate: int = 1,
+        clip_grad_norm: float | None = None,
+        record_grad_norm: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
+        init_scale: float | None = None,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        growth_interval: int | None = None,
+        min_scale: float | None = None,
+        flush_every: int = 64,
     ) -> None:
         if loss_fn is not None and step_fn is not None:
             raise MpnbError("give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss")
         check_dashboard(dashboard)
         check_strategy(strategy)
         _check_optimizer_trains(model, optimizer)
-        self.amp = AmpStep(optimizer, mode=mode, device=device, on_nonfinite=on_nonfinite, **amp_options)
+        self.amp = AmpStep(
+            optimizer,
+            mode=mode,
+            device=device,
+            on_nonfinite=on_nonfinite,
+            scheduler=scheduler,
+            accumulate=accumulate,
+            clip_grad_norm=clip_grad_norm,
+            record_grad_norm=record_grad_norm,
+            scaler=scaler,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_scale=min_scale,
+            flush_every=flush_every,
+        )
         self.device = self.amp.precision.device
         self.strategy = strategy
         self.model = wrap_model(model.to(self.device), strategy, self.device, optimizer, self.amp.precision.mode)
