@@ -109,9 +109,6 @@ def test_gpt2s_low_precision_error_is_the_real_one_not_dropout_noise():
     assert errors and max(errors) < 0.05, max(errors)
 
 
-# Found by attacking the advisor (each failed before its fix).
-
-
 def test_non_persistent_buffers_come_back_too():
     model = _bn_dropout_model()
     model.register_buffer("calls", torch.zeros(()), persistent=False)

@@ -166,9 +166,6 @@ def test_a_run_that_ends_early_keeps_its_rows_and_the_others_go_on():
     assert not math.isnan(bf16.median_step_s) and len(bf16.history) == 3 and bf16.blocks == [(1, 3)]
 
 
-# Found by attacking the interleaved comparison (each failed before its fix).
-
-
 def loader_run(mode):
     """A DataLoader that shuffles, and dropout: both draw from torch's random state."""
     trainer, train = dropout_run(mode)
@@ -178,7 +175,8 @@ def loader_run(mode):
 
 
 def test_a_shuffling_dataloader_gives_the_same_run_whatever_the_turns():
-    """Each fit used to call iter(data) to ask whether it was one-shot: a DataLoader draws a seed then."""
+    """A DataLoader draws a seed at each iter(data): no fit calls it just to ask whether the data is
+    one-shot, so turns of any length draw the shuffles of one plain fit."""
     losses = {
         block: compare(loader_run, ["fp32"], steps=9, warmup=2, block=block, progress=None).result("fp32").history.loss
         for block in (2, 9)

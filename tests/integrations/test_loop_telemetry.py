@@ -201,7 +201,7 @@ def test_low_precision_losses_are_read_exactly_and_summed_in_fp32(dtype):
 
 def test_a_window_mixing_normalized_and_plain_losses_adds_them_in_fp32():
     """Normalized and plain losses of one window meet in fp32: fp16 40000 + 30000 does not
-    overflow, and bf16 1 + 2**-8 does not round away (found by a helper attacking 4623017)."""
+    overflow, and bf16 1 + 2**-8 does not round away."""
     telemetry = LoopTelemetry("my loop", dashboard=None)
     begin(telemetry, torch.nn.Linear(4, 1))
     windows = [

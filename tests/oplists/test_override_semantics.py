@@ -128,12 +128,10 @@ def test_a_blocks_list_still_wins_where_the_session_moved_an_op_torch_lowers():
         assert torch.mm(x, x).dtype == torch.float32
 
 
-# Found by attacking the lists (each failed before its fix).
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_stateful_ops_keep_their_statistics_in_their_own_precision(dtype):
-    """fp16 used to overflow running_var to inf; bf16 rounding froze small momentum updates."""
+    """Kept in fp16, running_var would overflow to inf; kept in bf16, small momentum updates would
+    round away: the statistics stay in the buffers' own precision."""
     torch.manual_seed(0)
     x = torch.randn(16, 3, 4, 4) * 400 if dtype == torch.float16 else torch.randn(64, 3, 8, 8) * 1.2 + 0.5
     plain, listed = torch.nn.BatchNorm2d(3, momentum=0.01), torch.nn.BatchNorm2d(3, momentum=0.01)
@@ -208,9 +206,6 @@ def test_lists_work_under_inference_mode(which):
     dtype = torch.bfloat16 if which == "lower" else torch.float32
     assert [t.dtype for t in listed] == [dtype, dtype]
     assert torch.equal(listed[1], torch.mm(x.to(dtype), w.to(dtype)))
-
-
-# Found by attacking the C++ kernels (each failed before its fix).
 
 
 def test_a_listed_call_reads_a_weight_changed_in_place_within_the_same_autocast_region(kernels):

@@ -1,7 +1,7 @@
 """An accumulation window that the data ends before it fills (an epoch of 7 batches with
 ``accumulate=3``) is stepped at the epoch's end, as the mean of the batches it has (as
-transformers does; Lightning steps the sum over ``accumulate``). Before, its gradients were carried
-into the next epoch or fit without a word, and a checkpoint saved in between dropped them."""
+transformers does; Lightning steps the sum over ``accumulate``). Its gradients are never carried
+into the next epoch or fit, so a checkpoint saved in between loses none of them."""
 
 from __future__ import annotations
 

@@ -216,9 +216,6 @@ def test_the_timed_turns_continue_the_cells_fit_exactly(shell):
     assert len(interleaved.result("bf16").blocks) == 6
 
 
-# Found by attacking %%compare (each failed before its fix).
-
-
 def test_no_warmup_still_times_every_step(shell):
     comparison = run(shell, "%%compare --modes fp32,bf16 --steps 3 --warmup 0 --progress none\n" + TRAIN_CELL)
     assert [len(r.history) for r in comparison.results] == [3, 3] and comparison.rows()[1]["timed_steps"] == 3
