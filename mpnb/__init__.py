@@ -86,7 +86,15 @@ __all__ = [
 def panel():
     """Show the control panel (ipywidgets): mode, device, fp32 math and op lists, in sync with the magics.
 
-    Returns the :class:`mpnb.ui.widgets.panel.ControlPanel`.
+    Returns the :class:`mpnb.ui.widgets.panel.ControlPanel`. Outside a notebook the widgets show
+    as text.
+
+    Example:
+        >>> control_panel = panel()
+        VBox(...)
+        >>> control_panel.mode.value == get_mode()   # the toggle shows the session's mode
+        True
+        >>> control_panel.close()
     """
     from mpnb.ui.widgets.panel import panel as show_panel
 
@@ -94,14 +102,34 @@ def panel():
 
 
 def load_ipython_extension(ipython) -> None:
-    """Called by ``%load_ext mpnb``: registers the magics and the per-cell mode hook."""
+    """Called by ``%load_ext mpnb``: registers the magics and the per-cell mode hook.
+
+    Example:
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> shell = InteractiveShell.instance()
+        >>> load_ipython_extension(shell)
+        >>> "amp" in shell.magics_manager.magics["line"]
+        True
+        >>> unload_ipython_extension(shell)
+        >>> InteractiveShell.clear_instance()
+    """
     from mpnb.ui.magics.extension import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
-    """Called by ``%unload_ext mpnb``: removes every hook and restores every switch."""
+    """Called by ``%unload_ext mpnb``: removes every hook and restores every switch.
+
+    Example:
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> shell = InteractiveShell.instance()
+        >>> load_ipython_extension(shell)
+        >>> unload_ipython_extension(shell)
+        >>> "amp" in shell.magics_manager.magics["line"]
+        False
+        >>> InteractiveShell.clear_instance()
+    """
     from mpnb.ui.magics.extension import unload
 
     unload(ipython)

@@ -23,7 +23,7 @@ import stat
 from collections.abc import Iterator
 from typing import IO, Any
 
-__all__ = ["atomic_write"]
+__all__: list[str] = []
 
 #: The characters of the destination's name a temporary file keeps: enough to tell whose it is,
 #: few enough (at 4 UTF-8 bytes each) that its name stays under most file systems' 255 bytes.

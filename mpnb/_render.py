@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["text_table", "html_table", "html_list", "csv_cell", "from_csv_cell", "dtype_name"]
+__all__: list[str] = []
 
 #: How a text cell a spreadsheet would run as a formula starts (OWASP's list for CSV injection).
 _FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")

@@ -216,7 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``mpnb`` command; returns its exit status."""
+    """Run the ``mpnb`` command; returns its exit status.
+
+    Example:
+        >>> main(["devices", "--json", "--no-check"])
+        {...}
+        0
+    """
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "out", None) is not None:

@@ -14,7 +14,7 @@ import sys
 import warnings
 from collections.abc import Iterable
 
-__all__ = ["MpnbError", "InvalidChoiceError", "DeviceUnavailableError", "quoted", "warn_user"]
+__all__ = ["MpnbError", "InvalidChoiceError", "DeviceUnavailableError"]
 
 #: Packages whose frames stand between a warning about a run and the user's code that started it.
 _LIBRARIES = ("mpnb", "torch", "transformers", "accelerate", "lightning", "lightning_fabric", "pytorch_lightning")
@@ -64,7 +64,16 @@ def quoted(value: object, limit: int = QUOTE_LIMIT) -> str:
 
 
 class MpnbError(ValueError):
-    """Base class of mpnb's input errors; the IPython layer shows these as UsageError."""
+    """Base class of mpnb's input errors; the IPython layer shows these as UsageError.
+
+    Example:
+        >>> import mpnb
+        >>> try:
+        ...     mpnb.set_mode("fp8")
+        ... except MpnbError as error:
+        ...     print(type(error).__name__, "-", error)
+        InvalidChoiceError - unknown mode 'fp8'; valid: ...
+    """
 
 
 class InvalidChoiceError(MpnbError):
@@ -91,6 +100,10 @@ class DeviceUnavailableError(MpnbError):
     Args:
         message: what was asked for and why it cannot be had.
         available: what this machine does have, listed after the message.
+
+    Example:
+        >>> str(DeviceUnavailableError("device 'cuda:3': this machine has 1 GPU(s)", ["cuda", "cpu"]))
+        "device 'cuda:3': this machine has 1 GPU(s); available here: cuda, cpu"
     """
 
     def __init__(self, message: str, available: Iterable[str]) -> None:

@@ -45,7 +45,7 @@ from typing import Any
 
 from mpnb.errors import InvalidChoiceError, MpnbError
 
-__all__ = ["VIEW_NAMES", "provide", "provided", "view"]
+__all__ = ["provide", "provided"]
 
 #: The views the core asks for.
 VIEW_NAMES = ("dashboard", "history_figure", "comparison_progress", "advice_figure", "rank_dashboard")

@@ -10,7 +10,7 @@ import pytest
 
 import mpnb
 
-MODULES = sorted(
+MODULES = ["mpnb"] + sorted(
     info.name for info in pkgutil.walk_packages(mpnb.__path__, "mpnb.") if not info.name.endswith("__main__")
 )
 

@@ -38,7 +38,7 @@ from mpnb.analysis.random_state import kept_random_state
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, resolve_device
 
-__all__ = ["Advice", "METRICS", "ModuleNumerics", "advise"]
+__all__ = ["Advice", "advise"]
 
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: smaller magnitudes become 0

@@ -43,7 +43,7 @@ from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode
 
-__all__ = ["BatchSizeReport", "ModeBatchSize", "Trial", "max_batch_size", "parse_bytes"]
+__all__ = ["BatchSizeReport", "max_batch_size"]
 
 DEFAULT_BUDGET_SHARE = 0.5  # of the memory available when the search starts (CPU)
 _MIN_TRIALS_FOR_A_LINE = 3

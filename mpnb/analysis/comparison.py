@@ -33,7 +33,7 @@ from mpnb.precision.modes import MODE_NAMES, parse_mode
 from mpnb.training.control import refuse_inside_a_fit
 from mpnb.training.telemetry import Sink
 
-__all__ = ["Comparison", "ComparisonProgress", "ModeResult", "compare", "compare_runs", "mode_result", "progress_view"]
+__all__ = ["Comparison", "ComparisonProgress", "ModeResult", "compare"]
 
 #: ``make_run(mode)`` returns ``(trainer, train_data)`` or ``(trainer, train_data, metric)``,
 #: where ``metric(trainer) -> float`` is measured after training (test accuracy, say).

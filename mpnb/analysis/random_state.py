@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RandomState", "kept_random_state"]
+__all__: list[str] = []
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ from mpnb.precision.backends import format_bytes
 from mpnb.precision.modes import parse_mode
 from mpnb.training.history import History
 
-__all__ = ["Comparison", "ModeResult", "NO_EFFECT"]
+__all__ = ["Comparison", "ModeResult"]
 
 #: The speedup column of a mode that changes nothing on this hardware (tf32 where fp32 math stays exact).
 NO_EFFECT = "no effect on this hardware"

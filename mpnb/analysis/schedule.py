@@ -52,7 +52,7 @@ from mpnb.precision.backends import backend_for
 from mpnb.precision.policy import session
 from mpnb.training.telemetry import Sink
 
-__all__ = ["ModeRun", "default_block", "interleave"]
+__all__: list[str] = []
 
 
 class ModeRun(Protocol):

@@ -28,7 +28,7 @@ from mpnb.analysis.random_state import kept_random_state
 from mpnb.precision.modes import Mode
 from mpnb.training.batches import batch_loss, to_device
 
-__all__ = ["slow_mode_notice", "slow_reason", "step_seconds"]
+__all__: list[str] = []
 
 
 def slow_reason(trainer: Any) -> str | None:

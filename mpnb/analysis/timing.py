@@ -26,7 +26,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["SPREAD_WARN", "Speedup", "StepTimeStats", "speedup_over", "step_time_stats"]
+__all__: list[str] = []
 
 #: A relative interquartile range above this reads as an unsteady machine (torch.utils.benchmark's own threshold).
 SPREAD_WARN = 0.10

@@ -42,7 +42,7 @@ from mpnb.training.control import FitControl
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 
-__all__ = ["LauncherChannel", "RankStream", "WorkerChannel", "loopback_store"]
+__all__: list[str] = []
 
 _ROWS, _STOP = "mpnb/rows", "mpnb/stop"
 _STOP_WORDS = b"mpnb: stop every rank"

@@ -22,7 +22,7 @@ from typing import Any
 
 from mpnb.errors import MpnbError
 
-__all__ = ["TIMED_OUT", "LaunchError", "end_after", "launch_error", "stacks_on_crash"]
+__all__ = ["LaunchError"]
 
 #: The exit code of a worker ended by its ``timeout``.
 TIMED_OUT = 124
@@ -30,7 +30,13 @@ TIMED_OUT = 124
 
 class LaunchError(MpnbError):
     """A worker failed or timed out; ``rank`` names it (the lowest of those that timed out),
-    ``details`` holds its traceback, or the stacks of the ranks that timed out."""
+    ``details`` holds its traceback, or the stacks of the ranks that timed out.
+
+    Example:
+        >>> error = LaunchError("rank 1 raised ValueError: bad batch", rank=1, details="Traceback ...")
+        >>> isinstance(error, MpnbError), error.rank
+        (True, 1)
+    """
 
     def __init__(self, message: str, rank: int, details: str) -> None:
         super().__init__(message)

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-__all__ = ["RankLines", "rank_lines"]
+__all__: list[str] = []
 
 
 class RankLines:

@@ -41,7 +41,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from mpnb.distributed.signing import Signer
 from mpnb.errors import MpnbError
 
-__all__ = ["BACKEND_NAME", "SignedBackend", "rendezvous_for", "workers_store"]
+__all__: list[str] = []
 
 #: The name mpnb's rendezvous is registered under in torch's rendezvous registry.
 BACKEND_NAME = "mpnb-c10d"

@@ -27,7 +27,7 @@ from mpnb.distributed.signing import Signer
 from mpnb.errors import quoted
 from mpnb.training.history import COLUMNS
 
-__all__ = ["MAX_MESSAGE_BYTES", "Refused", "RowsMessage", "decode", "encode"]
+__all__: list[str] = []
 
 #: The largest message read (a flush of 64 rows is a few kB); anything larger is refused unread.
 MAX_MESSAGE_BYTES = 4 << 20

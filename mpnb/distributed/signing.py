@@ -23,7 +23,7 @@ import secrets
 
 from mpnb.errors import MpnbError
 
-__all__ = ["SECRET_ENV", "Signer", "new_secret", "shared_secret"]
+__all__: list[str] = []
 
 #: The environment variable each node's launch reads its shared secret from (several machines).
 SECRET_ENV = "MPNB_LAUNCH_SECRET"

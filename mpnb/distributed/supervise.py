@@ -28,7 +28,7 @@ from mpnb.distributed.rank_rows import RankRows, RanksView
 from mpnb.errors import warn_user
 from mpnb.training.control import FitControl
 
-__all__ = ["Supervisor"]
+__all__: list[str] = []
 
 #: Seconds between two looks at the workers' rows and at the control.
 POLL_S = 0.1

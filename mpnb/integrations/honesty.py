@@ -17,17 +17,7 @@ from mpnb.errors import warn_user
 from mpnb.oplists.lists import OpLists
 from mpnb.training.history import History
 
-__all__ = [
-    "UNSEEN",
-    "Notices",
-    "fp16_without_scaling",
-    "mode_unseen",
-    "no_loss",
-    "not_prepared",
-    "precision_mismatch",
-    "session_autocast_around",
-    "session_lists_inside",
-]
+__all__: list[str] = []
 
 #: The mode column of a step in which no training forward pass was observed.
 UNSEEN = "unseen"

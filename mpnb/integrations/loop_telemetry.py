@@ -67,7 +67,7 @@ from mpnb.training.step_clock import DeviceInterval, StepClock
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
 from mpnb.training.telemetry import MemorySampler, Recorder, Sink, add_in_fp32, check_dashboard, dashboard_sinks
 
-__all__ = ["LoopTelemetry", "WithTelemetry"]
+__all__: list[str] = []
 
 
 class LoopTelemetry:

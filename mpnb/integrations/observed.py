@@ -39,14 +39,7 @@ from torch import nn
 from mpnb.errors import InvalidChoiceError
 from mpnb.precision.modes import Mode
 
-__all__ = [
-    "PRECISIONS",
-    "PrecisionObserver",
-    "check_precision",
-    "fp32_math_in_effect",
-    "mode_in_effect",
-    "precision_in_effect",
-]
+__all__: list[str] = []
 
 _AUTOCAST_NAMES = {torch.float16: Mode.FP16.value, torch.bfloat16: Mode.BF16.value}
 #: Weights in these dtypes name the precision themselves: autocast never casts float64 (not

@@ -37,7 +37,7 @@ import torch
 
 from mpnb.errors import InvalidChoiceError
 
-__all__ = ["KINDS", "CompiledGroup", "kind", "register", "unavailable_reason"]
+__all__: list[str] = []
 
 #: The kernel implementations, chosen with the ``MPNB_LIST_KERNELS`` environment variable.
 KINDS = ("compiled", "python")

@@ -31,20 +31,12 @@ import torch
 from mpnb._files import atomic_write
 from mpnb.errors import InvalidChoiceError, MpnbError, quoted
 
-__all__ = [
-    "OpLists",
-    "PRESETS",
-    "LIST_NAMES",
-    "MAX_OP_FILE_BYTES",
-    "aten_overloads",
-    "canonical_name",
-    "check_op",
-    "read_op_file",
-]
+__all__ = ["OpLists", "PRESETS", "LIST_NAMES", "aten_overloads", "canonical_name", "check_op", "read_op_file"]
 
 #: The largest op-list file read (1 MiB).
 MAX_OP_FILE_BYTES = 2**20
 
+#: The two lists: ops that run in the autocast (lower) dtype, and ops that always run in fp32.
 LIST_NAMES = ("lower", "fp32")
 
 # Habana called the lower-precision list the BF16 list; both names work.
@@ -73,6 +65,7 @@ _HMP_FP32 = (
     "binary_cross_entropy binary_cross_entropy_with_logits cross_entropy div divide embedding embedding_bag log "
     "log2 log_softmax nll_loss smooth_l1_loss softmax topk truediv"
 )
+#: Named lists to start from: name -> (lower ops, fp32 ops, what they are).
 PRESETS: dict[str, tuple[str, str, str]] = {
     "torch": ("", "", "torch's own autocast rules, no overrides"),
     "hmp": (_HMP_LOWER, _HMP_FP32, "Habana's default mixed-precision lists"),

@@ -44,7 +44,7 @@ from mpnb.oplists.keys import AUTOCAST_KEYS
 from mpnb.oplists.lists import OpLists, aten_overloads
 from mpnb.oplists.torch_rules import torch_rule
 
-__all__ = ["OpListOverride", "AUTOCAST_KEYS"]
+__all__ = ["OpListOverride"]
 
 #: How many applied overrides hold a kernel for each (operator, device type).
 _HELD: collections.Counter[tuple[torch._ops.OpOverload, str]] = collections.Counter()

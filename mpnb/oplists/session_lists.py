@@ -32,7 +32,7 @@ from mpnb.oplists.lists import OpLists
 from mpnb.oplists.override import OpListOverride
 from mpnb.oplists.torch_rules import autocast_rules
 
-__all__ = ["SessionOpLists", "export_for_hpu", "HPU_LIST_VARIABLES", "SEMANTICS"]
+__all__ = ["SessionOpLists"]
 
 #: Habana's environment variables naming its list files, read when its library loads.
 HPU_LIST_VARIABLES = {

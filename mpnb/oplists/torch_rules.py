@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpnb.oplists.keys import AUTOCAST_KEYS
 
-__all__ = ["AutocastRules", "autocast_rules", "torch_rule"]
+__all__ = ["AutocastRules", "autocast_rules"]
 
 
 @dataclasses.dataclass(frozen=True)

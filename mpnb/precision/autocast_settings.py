@@ -24,7 +24,7 @@ from mpnb.errors import DeviceUnavailableError
 from mpnb.oplists.keys import AUTOCAST_KEYS
 from mpnb.precision.backends import Backend
 
-__all__ = ["AutocastSettings", "ThreadAutocast", "check_autocast_dtype"]
+__all__ = ["AutocastSettings"]
 
 
 @dataclasses.dataclass(frozen=True)

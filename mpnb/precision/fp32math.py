@@ -33,15 +33,7 @@ from mpnb.precision.modes import Fp32Math
 if TYPE_CHECKING:
     from mpnb.precision.backends.base import Backend
 
-__all__ = [
-    "Fp32MathSnapshot",
-    "Fp32MathSwitch",
-    "ReducedMathProbe",
-    "probe_reduced_math",
-    "read_flags",
-    "set_fine_grained",
-    "fine_grained",
-]
+__all__: list[str] = []
 
 # The probe's matmul: large enough that oneDNN takes its bf16 path where it has one (~10 ms on a CPU).
 _PROBE_SIZE = 512

@@ -20,7 +20,7 @@ import torch
 
 from mpnb.errors import InvalidChoiceError
 
-__all__ = ["Mode", "Fp32Math", "parse_mode", "parse_dtype", "MODE_NAMES", "DTYPE_NAMES"]
+__all__ = ["Mode", "Fp32Math"]
 
 
 class Fp32Math(str, enum.Enum):

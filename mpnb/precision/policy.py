@@ -33,15 +33,7 @@ from mpnb.precision.backends import Backend, backend_for, resolve_device
 from mpnb.precision.fp32math import Fp32MathSwitch
 from mpnb.precision.modes import Fp32Math, Mode, parse_dtype, parse_mode
 
-__all__ = [
-    "Session",
-    "session",
-    "SessionSnapshot",
-    "set_mode",
-    "get_mode",
-    "set_oplists",
-    "get_oplists",
-]
+__all__ = ["Session", "set_mode", "get_mode", "set_oplists", "get_oplists"]
 
 
 class SessionSnapshot(NamedTuple):

@@ -21,7 +21,7 @@ from mpnb.precision.backends import BACKENDS, Backend, MemorySnapshot
 from mpnb.precision.modes import Mode
 from mpnb.precision.policy import session
 
-__all__ = ["Status", "DeviceInfo", "DeviceReport", "status", "devices"]
+__all__ = ["Status", "DeviceReport", "status", "devices"]
 
 
 class _Renders:

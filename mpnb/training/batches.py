@@ -39,7 +39,7 @@ from torch import nn
 
 from mpnb.errors import MpnbError
 
-__all__ = ["to_device", "samples_in", "batch_loss", "StepFn", "LossFn", "BatchReader", "HeldBatches", "resume"]
+__all__: list[str] = []
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 LossFn = Callable[[Any, Any], torch.Tensor]

@@ -26,7 +26,7 @@ from typing import Any
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.training.telemetry import Sink
 
-__all__ = ["FitCapture", "active_capture", "capture_fits", "collect_histories", "note_fit", "stream_fits", "streamed"]
+__all__: list[str] = []
 
 
 @dataclasses.dataclass

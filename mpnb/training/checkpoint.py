@@ -33,21 +33,7 @@ from mpnb.training.safe_load import load_plain
 #: The trainer a checkpoint belongs to (``mpnb.training.trainer.Trainer``; not imported: it imports this).
 Trainer = Any
 
-__all__ = [
-    "FORMAT",
-    "RUN_KEYS",
-    "VERSION",
-    "apply_checkpoint",
-    "apply_run_state",
-    "checkpoint_state",
-    "checked_state",
-    "incomplete",
-    "read_checkpoint",
-    "run_mismatch",
-    "run_record",
-    "run_state",
-    "write_checkpoint",
-]
+__all__: list[str] = []
 
 FORMAT = "mpnb-trainer"
 #: 2 adds the optimizer's type. Version 1 files (no version) are still read.

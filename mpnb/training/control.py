@@ -28,7 +28,7 @@ from typing import Any
 from mpnb.errors import MpnbError
 from mpnb.precision.policy import session
 
-__all__ = ["FitControl", "FitState", "Checkpoint", "refuse_inside_a_fit", "running_on_this_thread"]
+__all__ = ["FitControl"]
 
 PAUSE_POLL_S = 0.05
 

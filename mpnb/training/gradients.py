@@ -18,7 +18,7 @@ import torch
 
 from mpnb.errors import MpnbError
 
-__all__ = ["check_loss", "rescale", "unscale_and_clip"]
+__all__: list[str] = []
 
 
 def check_loss(loss: Any) -> None:

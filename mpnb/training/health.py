@@ -29,7 +29,7 @@ from mpnb.errors import InvalidChoiceError, warn_user
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 
-__all__ = ["HealthWatch", "ON_NONFINITE", "COLLAPSED_SCALE"]
+__all__: list[str] = []
 
 ON_NONFINITE = ("warn", "stop", "ignore")
 #: A loss scale below this has collapsed: the loss is scaled down, and steps are still skipped.

@@ -37,7 +37,7 @@ from mpnb.training.history_format import (
     record_json,
 )
 
-__all__ = ["History", "COLUMNS", "column_default"]
+__all__ = ["History", "COLUMNS"]
 
 #: Event kinds that mean the run went wrong (put there by mpnb.training.health).
 ALARM_KINDS = ("nonfinite", "collapse")

@@ -36,7 +36,7 @@ import numpy
 
 from mpnb._render import csv_cell, from_csv_cell
 
-__all__ = ["COLUMNS", "column_default"]
+__all__: list[str] = []
 
 FORMAT = "mpnb-history"
 VERSION = 1

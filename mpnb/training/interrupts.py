@@ -21,7 +21,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-__all__ = ["StopRequest"]
+__all__: list[str] = []
 
 
 class StopRequest:

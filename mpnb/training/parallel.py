@@ -54,16 +54,7 @@ from torch import nn
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.modes import Mode
 
-__all__ = [
-    "STRATEGIES",
-    "RankShare",
-    "agreed_stop",
-    "check_strategy",
-    "mixed_precision_policy",
-    "model_blocks",
-    "rank_share",
-    "wrap_model",
-]
+__all__: list[str] = []
 
 #: What ``Trainer(strategy=...)`` accepts besides None (one process).
 STRATEGIES = ("ddp", "fsdp")

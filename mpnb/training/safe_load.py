@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from mpnb.errors import MpnbError
 
-__all__ = ["load_dcp", "load_plain", "metadata_globals", "read_dcp_metadata", "unsafe_globals"]
+__all__: list[str] = []
 
 _PLAIN = "only tensors and plain data are read"
 

@@ -15,7 +15,7 @@ from mpnb.precision.modes import Fp32Math, Mode
 from mpnb.precision.policy import session
 from mpnb.training.step_precision import TrainingPrecision
 
-__all__ = ["SessionFollower"]
+__all__: list[str] = []
 
 #: What :func:`session_wishes` returns, in order, named as the session's change notices name them.
 WISHES = ("mode", "fp32_math", "oplists")

@@ -32,7 +32,7 @@ from mpnb.training.safe_load import load_dcp, load_plain, read_dcp_metadata
 #: The trainer a checkpoint belongs to (``mpnb.training.trainer.Trainer``; not imported: it imports this).
 Trainer = Any
 
-__all__ = ["load_sharded", "run_file", "save_sharded"]
+__all__: list[str] = []
 
 
 def run_file(path: str | os.PathLike[str], rank: int) -> str:

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-__all__ = ["DeviceInterval", "StepClock", "seconds"]
+__all__: list[str] = []
 
 
 class DeviceInterval:

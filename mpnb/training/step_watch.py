@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerStepWatch", "lr_in_use", "scale_in_use"]
+__all__: list[str] = []
 
 
 class OptimizerStepWatch:

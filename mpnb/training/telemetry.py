@@ -38,16 +38,7 @@ from mpnb.precision.backends import Backend
 from mpnb.training.history import COLUMNS, History, column_default
 from mpnb.training.step_clock import seconds
 
-__all__ = [
-    "DASHBOARDS",
-    "Recorder",
-    "Sink",
-    "MemorySampler",
-    "MinScaleAlarm",
-    "add_in_fp32",
-    "check_dashboard",
-    "dashboard_sinks",
-]
+__all__ = ["Sink"]
 
 #: The dashboards a run can ask for by name (besides a Sink of its own, or None).
 DASHBOARDS = ("auto", "live", "text")

@@ -16,7 +16,7 @@ import torch
 
 from mpnb.training.step_clock import DeviceInterval
 
-__all__ = ["Window"]
+__all__: list[str] = []
 
 
 class Window:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mpnb.training.control import FitControl
 
-__all__ = ["end_with_its_cell"]
+__all__: list[str] = []
 
 
 def end_with_its_cell(control: FitControl) -> None:

@@ -14,7 +14,7 @@ import warnings
 
 from mpnb.errors import InvalidChoiceError
 
-__all__ = ["DASHBOARD_KINDS", "WIDGETS_INSTALL", "display_kind", "in_notebook_kernel"]
+__all__: list[str] = []
 
 DASHBOARD_KINDS = ("auto", "live", "text")
 WIDGETS_INSTALL = "pip install ipywidgets plotly anywidget"

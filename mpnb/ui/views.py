@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from mpnb.training.history import History
     from mpnb.training.telemetry import Sink
 
-__all__ = ["install", "make_dashboard", "make_rank_dashboard", "history_figure", "comparison_progress", "advice_figure"]
+__all__ = ["install"]
 
 
 def make_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> list[Sink]:
@@ -101,7 +101,15 @@ def advice_figure(advice: Advice) -> Any:
 
 
 def install() -> None:
-    """Make these the views the core uses."""
+    """Make these the views the core uses.
+
+    Example:
+        >>> from mpnb import views
+        >>> with views.provided(history_figure=None):  # a front end took the figure away...
+        ...     install()  # ...and mpnb's own views are back
+        ...     views.view("history_figure") is history_figure
+        True
+    """
     views.provide(
         dashboard=make_dashboard,
         history_figure=history_figure,

@@ -28,7 +28,7 @@ __all__ = [
     "available_device_types",
 ]
 
-# In auto-detection order: the first available one is the default device.
+#: Every backend, in auto-detection order: the first available one is the default device.
 BACKENDS: dict[str, Backend] = {"cuda": CudaBackend(), "hpu": HpuBackend(), "cpu": CpuBackend()}
 _DEVICE_CHOICES = (*BACKENDS, "cuda:N", "hpu:N")
 

@@ -17,7 +17,7 @@ from mpnb.precision.backends.base import Backend, MemorySnapshot
 from mpnb.precision.fp32math import fine_grained, probe_reduced_math, set_fine_grained
 from mpnb.precision.modes import Fp32Math
 
-__all__ = ["CudaBackend"]
+__all__: list[str] = []
 
 _AMPERE = (8, 0)
 

@@ -21,7 +21,7 @@ import torch
 
 from mpnb.precision.backends.base import Backend, MemorySnapshot
 
-__all__ = ["HpuBackend", "import_habana_hpu"]
+__all__: list[str] = []
 
 
 def import_habana_hpu() -> ModuleType | None:

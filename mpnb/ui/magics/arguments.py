@@ -21,7 +21,7 @@ from IPython.core.error import UsageError
 from mpnb.errors import QUOTE_LIMIT, InvalidChoiceError, MpnbError, quoted
 from mpnb.oplists.session_lists import SEMANTICS
 
-__all__ = ["as_usage_error", "choice", "parse_line", "with_semantics", "MAX_LINE"]
+__all__: list[str] = []
 
 #: The longest magic argument line read (shell-style splitting of megabytes takes minutes).
 MAX_LINE = 65_536

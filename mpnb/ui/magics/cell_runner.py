@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["run_cell_body"]
+__all__: list[str] = []
 
 
 def run_cell_body(shell, body: str) -> object:

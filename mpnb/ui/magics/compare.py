@@ -43,7 +43,7 @@ from mpnb.ui.environment import DASHBOARD_KINDS
 from mpnb.ui.magics.arguments import as_usage_error, choice, parse_line
 from mpnb.ui.magics.cell_runner import run_cell_body
 
-__all__ = ["CompareMagics", "RESULT_VARIABLE"]
+__all__: list[str] = []
 
 RESULT_VARIABLE = "_comparison"
 _PROGRESS_CHOICES = (*DASHBOARD_KINDS, "none")

@@ -33,7 +33,7 @@ from mpnb.precision.policy import session
 from mpnb.ui.magics.arguments import as_usage_error, parse_line
 from mpnb.ui.magics.cell_runner import run_cell_body
 
-__all__ = ["DistributedMagics", "RESULT_VARIABLE"]
+__all__: list[str] = []
 
 RESULT_VARIABLE = "_distributed"
 

@@ -24,7 +24,7 @@ from mpnb.ui.magics.distributed import DistributedMagics
 from mpnb.ui.magics.oplist import OpListMagics
 from mpnb.ui.magics.precision import PrecisionMagics
 
-__all__ = ["load", "unload", "CellModeHook"]
+__all__: list[str] = []
 
 
 class CellModeHook:

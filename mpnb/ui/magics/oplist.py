@@ -18,7 +18,7 @@ from mpnb.oplists.lists import PRESETS
 from mpnb.precision.policy import session
 from mpnb.ui.magics.arguments import as_usage_error, choice, parse_line, with_semantics
 
-__all__ = ["OpListMagics"]
+__all__: list[str] = []
 
 _OPLIST_ACTIONS = ("show", "add", "remove", "preset", "load", "save", "reset")
 

@@ -31,7 +31,7 @@ from mpnb.precision.status import status
 from mpnb.ui.magics.arguments import as_usage_error, choice, parse_line, with_semantics
 from mpnb.ui.magics.cell_runner import run_cell_body
 
-__all__ = ["PrecisionMagics"]
+__all__: list[str] = []
 
 _TF32_STATES = ("on", "off", "status")
 TRACE_VARIABLE = "_trace"

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 
 from mpnb.analysis.advisor import METRICS, Advice
 
-__all__ = ["advice_heatmap"]
+__all__: list[str] = []
 
 
 def advice_heatmap(advice: Advice) -> go.Figure:

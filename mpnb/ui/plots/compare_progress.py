@@ -32,7 +32,7 @@ from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 from mpnb.ui.plots.pacing import PacedPlot
 
-__all__ = ["LiveComparison", "TextComparison", "make_comparison_progress"]
+__all__: list[str] = []
 
 _BAR_WIDTH = 20
 

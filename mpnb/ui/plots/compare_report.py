@@ -34,18 +34,7 @@ from mpnb._files import atomic_write
 from mpnb.analysis.comparison import Comparison
 from mpnb.training.history import History
 
-__all__ = [
-    "MODE_COLORS",
-    "MODE_TRACES",
-    "comparison_figure",
-    "comparison_html",
-    "empty_comparison_figure",
-    "loss_difference",
-    "mode_points",
-    "smoothed",
-    "write_comparison_files",
-    "write_comparison_report",
-]
+__all__: list[str] = []
 
 #: A fixed colour per mode, the same in the live view and in the report.
 MODE_COLORS = {"fp32": "#1f77b4", "tf32": "#9467bd", "fp16": "#d62728", "bf16": "#2ca02c", "off": "#7f7f7f"}

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["MinMaxSeries"]
+__all__: list[str] = []
 
 # A bucket: [x of min, min, x of max, max]
 Bucket = list[float]

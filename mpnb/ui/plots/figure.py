@@ -24,16 +24,7 @@ from plotly.subplots import make_subplots
 
 from mpnb.training.history import ALARM_KINDS, History
 
-__all__ = [
-    "TRACES",
-    "MARKED_KINDS",
-    "dashboard_figure",
-    "empty_figure",
-    "four_panels",
-    "mark_event",
-    "marked_events",
-    "trace_points",
-]
+__all__: list[str] = []
 
 #: The history events a dashboard marks with a vertical line.
 MARKED_KINDS = ("switch", *ALARM_KINDS)

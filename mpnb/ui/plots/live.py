@@ -26,7 +26,7 @@ from mpnb.ui.plots.decimate import MinMaxSeries
 from mpnb.ui.plots.figure import TRACES, empty_figure, mark_event, marked_events, trace_points
 from mpnb.ui.plots.pacing import PacedPlot
 
-__all__ = ["LiveDashboard"]
+__all__: list[str] = []
 
 
 class LiveDashboard(PacedPlot):

@@ -18,7 +18,7 @@ import time
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 
-__all__ = ["PacedPlot", "RedrawPacer"]
+__all__: list[str] = []
 
 
 class RedrawPacer:

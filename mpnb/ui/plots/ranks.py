@@ -38,7 +38,7 @@ from mpnb.ui.plots.decimate import MinMaxSeries
 from mpnb.ui.plots.figure import four_panels
 from mpnb.ui.plots.pacing import RedrawPacer
 
-__all__ = ["LiveRanks", "TextRanks"]
+__all__: list[str] = []
 
 MIB = 2.0**20
 #: Panel (row, column) -> what it shows of each rank's history, and how it is scaled.

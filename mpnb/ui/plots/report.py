@@ -22,7 +22,7 @@ from mpnb._render import html_table
 from mpnb.training.history import History
 from mpnb.ui.plots.figure import dashboard_figure
 
-__all__ = ["report_html", "write_report"]
+__all__: list[str] = []
 
 
 def report_html(history: History, title: str, extra_rows: Sequence[tuple[str, str]] = ()) -> str:

@@ -26,7 +26,7 @@ from mpnb.precision.backends.base import format_bytes
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 
-__all__ = ["TextProgress"]
+__all__: list[str] = []
 
 
 class TextProgress(Sink):

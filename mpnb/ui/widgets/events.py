@@ -32,7 +32,7 @@ from typing import Any
 
 from mpnb.ui.environment import in_notebook_kernel
 
-__all__ = ["KernelEventPump"]
+__all__: list[str] = []
 
 _COMM_MESSAGES = frozenset({"comm_open", "comm_msg", "comm_close"})
 

@@ -23,7 +23,7 @@ from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 from mpnb.ui.widgets.events import KernelEventPump
 
-__all__ = ["FitButtons"]
+__all__: list[str] = []
 
 _STATE_TEXT = {
     "idle": "finished",

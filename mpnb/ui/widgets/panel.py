@@ -35,7 +35,7 @@ from mpnb.precision.backends import available_device_types, backend_for
 from mpnb.precision.modes import MODE_NAMES, Fp32Math
 from mpnb.precision.policy import Session, session
 
-__all__ = ["ControlPanel", "PanelState", "panel"]
+__all__ = ["ControlPanel", "panel"]
 
 _MODES = MODE_NAMES  # off, fp32, tf32, fp16, bf16
 _FP32_MATH_LABEL = "reduced-precision fp32 math (TF32 / bf16 math)"
