@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import operator
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,15 +56,14 @@ from mpnb.integrations.honesty import (
     session_lists_inside,
 )
 from mpnb.integrations.observed import PrecisionObserver, check_precision
-from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
 from mpnb.precision.policy import session
 from mpnb.training.control import FitControl
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
-from mpnb.training.step_clock import DeviceInterval, StepClock
+from mpnb.training.step_record import StepAccount, flush_every_for
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
-from mpnb.training.telemetry import MemorySampler, Recorder, Sink, add_in_fp32, check_dashboard, dashboard_sinks
+from mpnb.training.telemetry import Recorder, Sink, check_dashboard, dashboard_sinks
 
 __all__: list[str] = []
 
@@ -103,9 +101,9 @@ class LoopTelemetry:
         self.history = History()
         self.control = FitControl()
         self.health = HealthWatch(on_nonfinite)
-        if on_nonfinite == "stop":
-            flush_every = 1  # the framework can stop at the bad step only if it is known there
-        self.recorder = Recorder(self.history, flush_every=flush_every, sinks=[self.health])
+        self.recorder = Recorder(
+            self.history, flush_every=flush_every_for(on_nonfinite, flush_every), sinks=[self.health]
+        )
         self.notices = Notices(self.history)
         self.steps = 0
         self.runs = 0
@@ -167,7 +165,7 @@ class LoopTelemetry:
         """The first micro-batch of an optimizer step starts: its time starts (if not already), and
         the precision hook goes back on if this step is one to read (see ``PrecisionObserver``)."""
         run = self._require_run()
-        run.clock.start()
+        run.account.start()
         run.observer.rearm()
 
     def add_loss(self, loss: torch.Tensor | float, normalized: bool = False) -> None:
@@ -189,19 +187,11 @@ class LoopTelemetry:
                 value = float(loss)
             except (TypeError, ValueError):
                 raise TypeError(f"{self.framework}: a step's loss must be a tensor or a number, got {loss!r}") from None
-        run.window_open = True
-        if normalized:
-            run.summed = add_in_fp32(run.summed, value)
-        else:
-            run.plain = value if run.plain is None else add_in_fp32(run.plain, value)  # the usual step: one loss
-            run.plain_count += 1
+        run.account.add_loss(value, normalized)
 
     def add_samples(self, count: int | None) -> None:
         """Examples in a micro-batch (None when unknown)."""
-        run = self._require_run()
-        run.window_open = True
-        if count:
-            run.samples += count
+        self._require_run().account.add_samples(count)
 
     def before_optimizer_step(self) -> None:
         """The optimizer is about to be called: note the scale it steps with, and the learning rate."""
@@ -227,26 +217,18 @@ class LoopTelemetry:
         watched = run.watch is not None and prepared and optimizer_called
         skipped = run.watch.skipped(run.scaler, run.device) if watched else False
         observed = run.observer.step_end()
-        used, peak, reserved = run.memory.sample(time.perf_counter())
-        loss = run.step_loss()
         self.steps += 1
-        self.recorder.record(
+        record = run.account.close(
             step=self.steps,
             epoch=epoch,
-            loss=math.nan if loss is None else loss,
-            loss_missing=loss is None,
             loss_scale=run.scale_before,
             skipped=skipped,
             lr=run.lr,
-            step_time=[*run.step_parts, run.clock.lap()] if run.step_parts else run.clock.lap(),
-            samples=run.samples,
-            memory_used=used,
-            memory_peak=peak,
-            memory_reserved=reserved,
             mode=observed if observed is not None else UNSEEN,
         )
+        self.recorder.record(**record.row())
         run.next_window()
-        if loss is None:
+        if record.loss_missing:
             self.notices.say("no_loss", no_loss(self.framework, self.steps, self.no_loss_reason), self.steps)
         if not prepared:
             self.notices.say("not_prepared", not_prepared(self.framework, self.steps), self.steps)
@@ -258,7 +240,7 @@ class LoopTelemetry:
             scaling = fp16_without_scaling(observed, run.scaler, self.framework)
             self.notices.say("fp16_without_scaling", scaling, self.steps)
         if self.control.checkpoint().paused_s:  # delivers the dashboard's requests (a Stop), waits while paused
-            run.clock.restart()  # the pause is no step's work: the next step's time starts at its first batch
+            run.account.restart_clock()  # the pause is no step's work: the next step's time starts at its first batch
         return self.stop_requested
 
     def check_epoch(self, epoch: object) -> int:
@@ -275,16 +257,13 @@ class LoopTelemetry:
         """Work outside the training steps starts (an evaluation), maybe between two micro-batches
         of a step (Lightning validates every n batches, whatever the accumulation): the open
         step's time so far is kept. Optional before :meth:`outside_steps`."""
-        run = self._require_run()
-        part = run.clock.stop() if run.window_open else None
-        if part is not None:
-            run.step_parts.append(part)
+        self._require_run().account.interrupt()
 
     def outside_steps(self) -> None:
         """Work outside the training steps just ran (an evaluation, a checkpoint save): the next
         step's time starts at its own first micro-batch instead of at the previous step's end,
         and adds to what a step that the work interrupted had run (:meth:`outside_steps_start`)."""
-        self._require_run().clock.restart()
+        self._require_run().account.restart_clock()
 
     @property
     def stop_requested(self) -> bool:
@@ -365,8 +344,7 @@ class _Run:
         asked: str | None,
     ) -> None:
         self.optimizer, self.scaler, self.device, self.asked = optimizer, scaler, device, asked
-        self.clock = StepClock(device)
-        self.memory = MemorySampler(backend_for(device), device)
+        self.account = StepAccount(device)  # the open step's clock, memory, losses and examples
         # without an enabled scaler no step is ever skipped: nothing to watch, no hook in the optimizer
         self.watch = OptimizerStepWatch(optimizer) if scaler is not None and scaler.is_enabled() else None
         self.observer = PrecisionObserver(model, device.type)
@@ -377,22 +355,10 @@ class _Run:
         self.next_window()
 
     def next_window(self) -> None:
-        self.summed: torch.Tensor | float | None = None
-        self.plain: torch.Tensor | float | None = None
-        self.plain_count = 0
-        self.samples = 0
-        self.window_open = False  # a micro-batch of the open step was added (its loss or samples)
-        self.step_parts: list[float | DeviceInterval] = []  # its times before work outside the steps
+        """The next optimizer step's values start afresh (what it measures: :attr:`account`)."""
         self.scale_before: torch.Tensor | float = 1.0
         self.lr: Any = math.nan
         self.before_called = False
-
-    def step_loss(self) -> torch.Tensor | float | None:
-        """The summed (normalized) losses plus the mean of the plain ones; None when none came."""
-        if not self.plain_count:
-            return self.summed
-        mean = self.plain if self.plain_count == 1 else self.plain / self.plain_count  # a sum of several is fp32
-        return mean if self.summed is None else add_in_fp32(self.summed, mean)
 
     def detach(self) -> None:
         if self.watch is not None:

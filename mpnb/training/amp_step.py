@@ -30,22 +30,20 @@ Example:
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from mpnb.errors import MpnbError
-from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
 from mpnb.training.gradients import check_loss, rescale, unscale_and_clip
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
-from mpnb.training.step_clock import StepClock
 from mpnb.training.step_precision import TrainingPrecision
+from mpnb.training.step_record import StepAccount, flush_every_for
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
-from mpnb.training.telemetry import MemorySampler, MinScaleAlarm, Recorder, Sink, add_in_fp32
+from mpnb.training.telemetry import MinScaleAlarm, Recorder, Sink
 from mpnb.training.window import Window
 
 __all__ = ["AmpStep"]
@@ -145,24 +143,20 @@ class AmpStep:
             self._scalers[scaler.is_enabled()] = scaler  # a later switch of mode comes back to it
         self.scaler = self._scaler(self.precision.needs_scaler)
         self.health = HealthWatch(on_nonfinite)
-        if on_nonfinite == "stop":
-            flush_every = 1  # the loop can only stop at the bad step if it knows of it there
         all_sinks = [*([MinScaleAlarm(min_scale)] if min_scale is not None else []), self.health, *sinks]
-        self.recorder = Recorder(history, flush_every=flush_every, sinks=all_sinks)
+        self.recorder = Recorder(history, flush_every=flush_every_for(on_nonfinite, flush_every), sinks=all_sinks)
         self.health.restart(self.recorder.history)
-        self.memory = MemorySampler(backend_for(self.precision.device), self.precision.device)
+        self.account = StepAccount(self.precision.device)  # the open step's clock, memory, losses, examples
         self.steps = self.recorder.history.step[-1] if len(self.recorder.history) else 0
         self.epoch = 0
         self._window = Window()
-        self.clock = StepClock(self.precision.device)
-        self.forward_clock = StepClock(self.precision.device)  # autocast() to backward(): the rank's own work
         self._step_watch = OptimizerStepWatch(optimizer)
 
     # -- the three calls of a training step ---------------------------------------------
 
     def autocast(self) -> torch.autocast:
         """The forward-pass context: autocast in fp16/bf16 modes, explicitly off otherwise."""
-        self.clock.start(self.forward_clock.start_anew())  # one reading of the clock opens both
+        self.account.forward_start()
         return self.precision.autocast.context()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -203,7 +197,7 @@ class AmpStep:
                 f"got a {type(forward).__name__}"
             )
         outer_autocast = torch.is_autocast_enabled(self.precision.device.type)  # the state backward will run in
-        self.clock.start(self.forward_clock.start_anew())
+        self.account.forward_start()
         self._in_forward = True
         try:
             with self._forward_context:
@@ -216,11 +210,7 @@ class AmpStep:
     def _backward(self, loss: torch.Tensor, under_autocast: bool) -> None:
         """:meth:`backward`, told whether it is called where autocast is on (inside the forward's block)."""
         check_loss(loss)
-        forward_time = self.forward_clock.stop()
-        if forward_time is None:  # no autocast() before: the step's window opens here
-            self.clock.start()
-        else:  # autocast() opened it
-            self._window.forward_times.append(forward_time)
+        self.account.forward_end()
         self._window.open = self._window.backward_unfinished = True  # until it returns: partial gradients
         given = loss.detach()  # recorded as given: summed in fp32, divided once at the step (the mean)
         if self.accumulate > 1:
@@ -231,7 +221,7 @@ class AmpStep:
         else:  # the usual place, after the block: no context to build (a few microseconds a step)
             self.scaler.scale(loss).backward()
         self._window.backward_unfinished = False
-        self._window.loss_sum = add_in_fp32(self._window.loss_sum, given)  # kept on the device, read at the flush
+        self.account.add_loss(given)  # kept on the device, read at the flush
         self._window.micro_batches += 1
 
     def step(self, samples: int | None = None) -> bool:
@@ -247,7 +237,7 @@ class AmpStep:
         self._refuse_partial_gradients()
         if self._window.micro_batches == 0:
             raise RuntimeError("AmpStep.step() called with no backward(loss) since the previous step")
-        self._window.samples += samples or 0
+        self.account.add_samples(samples)
         if self._window.micro_batches % self.accumulate:
             return False
         return self._optimizer_step()
@@ -352,31 +342,18 @@ class AmpStep:
     def _record(
         self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any
     ) -> None:
-        step_time = self.clock.lap()
-        parts, self._window.forward_times = self._window.forward_times, []
-        forward_time = parts[0] if len(parts) == 1 else parts or math.nan  # a list: one part per micro-batch
-        used, peak, reserved = self.memory.sample(time.perf_counter())
         self.steps += 1
-        loss_sum, samples = self._window.loss_sum, self._window.samples
-        if self._window.micro_batches > 1:
-            loss_sum = loss_sum / self._window.micro_batches  # a sum of several: fp32 already
         self._window.close()  # before the sinks run: a failing sink cannot leave it open
-        self.recorder.record(
+        record = self.account.close(
             step=self.steps,
             epoch=self.epoch,
-            loss=loss_sum,
             loss_scale=scale_before,
             skipped=skipped,
             lr=lr,
-            step_time=step_time,
-            forward_time=forward_time,
-            samples=samples,
-            memory_used=used,
-            memory_peak=peak,
-            memory_reserved=reserved,
             grad_norm=grad_norm,
             mode=self.precision.mode.value,
         )
+        self.recorder.record(**record.row())
 
     def discard_window(self) -> None:
         """Drop the micro-batches of an unfinished accumulation window (their gradients too, and what
@@ -385,6 +362,7 @@ class AmpStep:
         if self.scaler.is_enabled():
             self.scaler._per_optimizer_states.pop(id(self.optimizer), None)  # a fresh record on next use
         self._window.close()
+        self.account.discard()
 
     @property
     def between_steps(self) -> bool:
@@ -395,7 +373,7 @@ class AmpStep:
 
     def restart_clock(self) -> None:
         """Forget the time since the last step (call after a pause, before the next batch)."""
-        self.clock.restart()
+        self.account.restart_clock()
 
     @property
     def history(self) -> History:

@@ -1,4 +1,7 @@
-"""The accumulation window being trained: what its micro-batches leave for the optimizer step.
+"""The accumulation window being trained: where its gradients stand before the optimizer step.
+
+What a step measures (its losses, examples and times) is the step account's
+(:mod:`mpnb.training.step_record`); this is the recipe's state.
 
 Example:
     >>> window = Window()
@@ -12,10 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import torch
-
-from mpnb.training.step_clock import DeviceInterval
-
 __all__: list[str] = []
 
 
@@ -25,14 +24,11 @@ class Window:
     Attributes:
         open: a backward ran since the last recorded step: gradients may be there.
         micro_batches: backwards that finished.
-        samples: the examples in them, as the loop said.
-        loss_sum: their losses summed in fp32, on the device (None before the first).
-        forward_times: each micro-batch's forward time.
         backward_unfinished: a backward raised half-way: the gradients hold part of a micro-batch.
         rescaled: a short window's gradients were rescaled to the mean of its micro-batches.
     """
 
-    __slots__ = ("backward_unfinished", "forward_times", "loss_sum", "micro_batches", "open", "rescaled", "samples")
+    __slots__ = ("backward_unfinished", "micro_batches", "open", "rescaled")
 
     def __init__(self) -> None:
         self.close()
@@ -40,6 +36,4 @@ class Window:
     def close(self) -> None:
         """Forget everything: the next backward opens a new window."""
         self.open = self.backward_unfinished = self.rescaled = False
-        self.micro_batches = self.samples = 0
-        self.loss_sum: torch.Tensor | None = None
-        self.forward_times: list[float | DeviceInterval] = []
+        self.micro_batches = 0

@@ -425,13 +425,13 @@ def test_a_recorded_loss_holds_no_graph_and_a_detached_one_is_not_copied():
     telemetry.window_begin()
     loss = model(torch.ones(2, 4)).pow(2).mean()
     telemetry.add_loss(loss)
-    kept = telemetry._run.plain
+    kept = telemetry._run.account.loss
     assert kept.grad_fn is None and not kept.requires_grad and kept.data_ptr() == loss.data_ptr()
     telemetry.step_end()
     telemetry.window_begin()
     detached = loss.detach()
     telemetry.add_loss(detached)  # as Lightning hands it: detached already
-    assert telemetry._run.plain is detached
+    assert telemetry._run.account.loss is detached
     telemetry.step_end()
     telemetry.end()
     assert telemetry.history.loss == [pytest.approx(loss.item())] * 2

@@ -1,0 +1,230 @@
+"""One optimizer step's row: a typed record, measured and built in one place.
+
+:class:`StepAccount` is the one piece of code that measures a step, for mpnb's own
+:class:`~mpnb.training.amp_step.AmpStep` and for the integrations' loops alike. It owns the step
+clock (and the forward pass's), the memory sample, the micro-batches' losses (summed in fp32 and
+divided once, at the step) and their examples, and a pause's exclusion from the step's time.
+:meth:`StepAccount.close` turns what the open step gathered into a :class:`StepRecord`, which
+the :class:`~mpnb.training.telemetry.Recorder` takes as it is: tensors stay on the device until
+its flush reads every pending value in one copy. A new column is one field of the record and
+one entry of :meth:`StepRecord.row`.
+
+Example:
+    >>> import torch
+    >>> account = StepAccount(torch.device("cpu"))
+    >>> account.start()
+    >>> account.add_loss(torch.tensor(0.5))
+    >>> account.add_loss(torch.tensor(0.25))
+    >>> account.add_samples(8)
+    >>> record = account.close(step=1, epoch=0, loss_scale=1.0, skipped=False, lr=0.1, mode="bf16")
+    >>> float(record.loss), record.samples, record.row()["mode"]
+    (0.375, 8, 'bf16')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import torch
+
+from mpnb.precision.backends import backend_for
+from mpnb.training.step_clock import DeviceInterval, StepClock
+from mpnb.training.telemetry import MemorySampler, add_in_fp32
+
+__all__: list[str] = []
+
+#: A stretch of time as its parts: host seconds, or intervals between device events (read at the flush).
+Duration = tuple[float | DeviceInterval, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One optimizer step, as recorded. Each field has one type; a tensor stays on the device
+    until the recorder's flush, and a duration's device intervals are read there too.
+
+    Attributes:
+        step, epoch: the step's number (from 1, over the trainer's life) and its epoch.
+        loss: the step's loss (the mean of its micro-batches'), NaN when none was read.
+        loss_missing: no loss could be read for the step (then ``loss`` is NaN).
+        loss_scale, skipped: the scale its backward used, and whether overflow skipped it.
+        lr: the learning rate of the first parameter group.
+        step_time: from the previous step's end to this one's, less pauses and outside work.
+        forward_time: each micro-batch's forward pass, summed; None where not measured.
+        samples: the examples in the step; None where unknown (``samples_per_s`` is then NaN).
+        memory: the device's ``(used, peak, reserved)`` bytes, NaN for what it cannot say.
+        grad_norm: the unscaled gradients' total norm (NaN unless clipping or asked for).
+        mode: the precision mode the step ran in.
+    """
+
+    step: int
+    epoch: int
+    loss: torch.Tensor | float
+    loss_missing: bool
+    loss_scale: torch.Tensor | float
+    skipped: torch.Tensor | bool
+    lr: float
+    step_time: Duration
+    forward_time: Duration | None
+    samples: int | None
+    memory: tuple[float, float, float]
+    grad_norm: torch.Tensor | float
+    mode: str
+
+    def row(self) -> dict[str, Any]:
+        """The record as the recorder's row: History's columns, and ``samples`` (from which the
+        flush derives ``samples_per_s``)."""
+        used, peak, reserved = self.memory
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "loss": self.loss,
+            "loss_missing": self.loss_missing,
+            "loss_scale": self.loss_scale,
+            "skipped": self.skipped,
+            "lr": self.lr,
+            "step_time": _as_time(self.step_time),
+            "forward_time": math.nan if self.forward_time is None else _as_time(self.forward_time),
+            "samples": self.samples,
+            "memory_used": used,
+            "memory_peak": peak,
+            "memory_reserved": reserved,
+            "grad_norm": self.grad_norm,
+            "mode": self.mode,
+        }
+
+
+def flush_every_for(on_nonfinite: str, flush_every: int) -> int:
+    """Steps between telemetry flushes: every step with ``on_nonfinite="stop"``, since a loop can
+    stop at a bad step only if it knows of it there (one host read a step on an accelerator).
+
+    >>> flush_every_for("warn", 64), flush_every_for("stop", 64)
+    (64, 1)
+    """
+    return 1 if on_nonfinite == "stop" else flush_every
+
+
+def _as_time(duration: Duration) -> float | DeviceInterval | list[float | DeviceInterval]:
+    """A duration as the recorder reads step times: one part as it is, several as a list (summed there)."""
+    return duration[0] if len(duration) == 1 else list(duration)
+
+
+class StepAccount:
+    """What the open optimizer step has gathered, and the clocks that time it.
+
+    Call :meth:`start` when a step's work begins (or :meth:`forward_start` / :meth:`forward_end`
+    around each forward pass), :meth:`add_loss` and :meth:`add_samples` per micro-batch, and
+    :meth:`close` at the step's end, which returns its :class:`StepRecord` and opens the next.
+
+    Args:
+        device: where the step runs (its clock and memory).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.clock = StepClock(device)
+        self.forward_clock = StepClock(device)  # a forward pass to its backward: the process's own work
+        self.memory = MemorySampler(backend_for(device), device)
+        self.discard()
+
+    # -- time ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """The step's work begins (its time starts, unless it has already)."""
+        self.clock.start()
+
+    def forward_start(self) -> None:
+        """A forward pass begins: the step's time starts here too, if it has not yet."""
+        self.clock.start(self.forward_clock.start_anew())  # one reading of the clock opens both
+
+    def forward_end(self) -> None:
+        """The forward pass's loss is handed to backward: its time is the step's forward time."""
+        forward_time = self.forward_clock.stop()
+        if forward_time is None:  # no forward_start() before: the step's time starts here
+            self.clock.start()
+        else:
+            self._forward_parts.append(forward_time)
+
+    def interrupt(self) -> None:
+        """Work outside the steps starts inside an open step (an evaluation between micro-batches):
+        the step's time so far is kept, and goes on at the next :meth:`start`."""
+        part = self.clock.stop() if self.open else None
+        if part is not None:
+            self._step_parts.append(part)
+
+    def restart_clock(self) -> None:
+        """Forget the time since the last step (a pause, work outside the steps)."""
+        self.clock.restart()
+
+    # -- the micro-batches ---------------------------------------------------------------
+
+    def add_loss(self, loss: torch.Tensor | float, normalized: bool = False) -> None:
+        """A micro-batch's loss, kept as given (a bf16 loss stays bf16: the flush reads it exactly).
+        ``normalized``: already divided so that the step's losses sum to its loss; otherwise the
+        step's loss is the mean of its micro-batches' (summed in fp32, divided once)."""
+        self.open = True
+        if normalized:
+            self._summed = add_in_fp32(self._summed, loss)
+        else:
+            self._plain = loss if self._plain is None else add_in_fp32(self._plain, loss)
+            self._plain_count += 1
+
+    def add_samples(self, count: int | None) -> None:
+        """Examples in a micro-batch (None or 0 when unknown)."""
+        self.open = True
+        if count:
+            self._samples += count
+
+    @property
+    def loss(self) -> torch.Tensor | float | None:
+        """The open step's loss so far: its normalized losses' sum plus the mean of the others;
+        None when no loss came."""
+        if not self._plain_count:
+            return self._summed
+        mean = self._plain if self._plain_count == 1 else self._plain / self._plain_count  # a sum of several: fp32
+        return mean if self._summed is None else add_in_fp32(self._summed, mean)
+
+    def discard(self) -> None:
+        """Forget what the open step gathered (its losses, examples and times so far)."""
+        self.open = False  # a micro-batch of the open step was added (its loss or its examples)
+        self._summed: torch.Tensor | float | None = None
+        self._plain: torch.Tensor | float | None = None
+        self._plain_count = 0
+        self._samples = 0
+        self._step_parts: list[float | DeviceInterval] = []
+        self._forward_parts: list[float | DeviceInterval] = []
+
+    # -- the step's end ------------------------------------------------------------------
+
+    def close(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        loss_scale: torch.Tensor | float,
+        skipped: torch.Tensor | bool,
+        lr: float,
+        mode: str,
+        grad_norm: torch.Tensor | float = math.nan,
+    ) -> StepRecord:
+        """The step ends: its record, from what was gathered and the clocks; the next step opens."""
+        step_time = (*self._step_parts, self.clock.lap())
+        loss = self.loss
+        record = StepRecord(
+            step=step,
+            epoch=epoch,
+            loss=math.nan if loss is None else loss,
+            loss_missing=loss is None,
+            loss_scale=loss_scale,
+            skipped=skipped,
+            lr=lr,
+            step_time=step_time,
+            forward_time=tuple(self._forward_parts) or None,
+            samples=self._samples,
+            memory=self.memory.sample(time.perf_counter()),
+            grad_norm=grad_norm,
+            mode=mode,
+        )
+        self.discard()
+        return record
