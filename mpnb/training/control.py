@@ -28,7 +28,7 @@ from typing import Any
 from mpnb.errors import MpnbError
 from mpnb.precision.policy import session
 
-__all__ = ["FitControl"]
+__all__ = ["FitControl", "FitEnd"]
 
 PAUSE_POLL_S = 0.05
 
@@ -53,6 +53,35 @@ class FitState(str, enum.Enum):
         return self.value
 
     # As the text it equals, everywhere a text would go: formatted, and as a dict key.
+    __format__ = str.__format__
+    __hash__ = str.__hash__
+
+
+class FitEnd(str, enum.Enum):
+    """How a trainer's last ``fit`` ended (``Trainer.ended``).
+
+    Example:
+        >>> FitEnd.STOPPED == "stopped", FitEnd.STOPPED.stopped, FitEnd.MAX_STEPS.stopped
+        (True, True, False)
+    """
+
+    NOT_RUN = "not run"  # no fit yet
+    FINISHED = "finished"  # the planned epochs are done
+    MAX_STEPS = "max steps"  # max_steps (or a comparison's step budget) was reached; fit(data) goes on
+    STOPPED = "stopped"  # the dashboard's Stop, control.stop()
+    NONFINITE = "non-finite"  # on_nonfinite="stop" ended it at a NaN / inf loss or a collapsed scale
+    PEER_STOPPED = "stopped by another rank"  # strategy="ddp" / "fsdp": another rank asked to stop
+    INTERRUPTED = "interrupted"  # Ctrl-C / a kernel interrupt: fit raised FitInterrupted
+    FAILED = "failed"  # fit raised
+
+    @property
+    def stopped(self) -> bool:
+        """Ended at a stop someone or something asked for (not at the plan's end, nor an error)."""
+        return self in (FitEnd.STOPPED, FitEnd.NONFINITE, FitEnd.PEER_STOPPED)
+
+    def __str__(self) -> str:
+        return self.value
+
     __format__ = str.__format__
     __hash__ = str.__hash__
 

@@ -44,7 +44,7 @@ from mpnb.training.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from mpnb.training.control import FitControl, running_on_this_thread
+from mpnb.training.control import FitControl, FitEnd, running_on_this_thread
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
 from mpnb.training.parallel import agreed_stop, check_strategy, rank_share, wrap_model
@@ -173,8 +173,7 @@ class Trainer:
         self.dashboard = dashboard
         self._epoch, self._batch = 0, 0  # position: next batch to train on
         self._end_epoch: int | None = None  # set while a planned run is unfinished
-        self._stopped = False  # the last fit ended at a stop
-        self._peer_stopped = False  # ... that another rank asked for (strategy="ddp" / "fsdp")
+        self._ended = FitEnd.NOT_RUN
         self._window_start = (0, 0)  # position of the current accumulation window's first batch
         self.control = FitControl()
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
@@ -241,8 +240,13 @@ class Trainer:
     @property
     def stopped(self) -> bool:
         """Whether the last ``fit`` ended at a stop: the dashboard's Stop, ``control.stop()``, or
-        ``on_nonfinite="stop"``."""
-        return self._stopped
+        ``on_nonfinite="stop"`` (or, with a strategy, another rank's)."""
+        return self._ended.stopped
+
+    @property
+    def ended(self) -> FitEnd:
+        """How the last ``fit`` ended: finished, at ``max_steps``, stopped (and by what), interrupted, failed."""
+        return self._ended
 
     @property
     def mode(self) -> Mode:
@@ -296,7 +300,7 @@ class Trainer:
             max_steps = self._join(capture, data, max_steps)
         if epochs is not None or self._end_epoch is None:
             self._end_epoch = self._epoch + (epochs or 1)  # a partly trained epoch counts as one
-        self._stopped = self._peer_stopped = False
+        self._ended = FitEnd.NOT_RUN  # until this fit ends
         if max_steps == 0:  # a capture's budget is spent: the plan stays, for a later fit(data) to go on with
             return self.history
         note_fit(self.history)
@@ -314,7 +318,8 @@ class Trainer:
                 self._math.enter_context(self.amp.precision.math_scope())
                 self.amp.restart_clock()  # the first step's time counts from here, not from the fit's setup
                 finished = self._run(data, stop, max_steps)
-        except BaseException:
+        except BaseException as error:
+            self._ended = FitEnd.INTERRUPTED if isinstance(error, KeyboardInterrupt) else FitEnd.FAILED
             self._drop_unfinished_window()
             raise
         finally:
@@ -327,17 +332,30 @@ class Trainer:
                 capture.steps_taken += self.amp.steps - steps_before
         if finished:
             self._end_epoch = None
+            self._ended = FitEnd.FINISHED
         if stop.requested and not finished:
+            self._ended = FitEnd.INTERRUPTED
             message = (
                 f"fit stopped after step {self.amp.steps} (epoch {self._epoch}, batch {self._batch}); "
                 "trainer.history keeps every finished step; call fit(data) to continue"
             )
             self.history.note("interrupted", kind="interrupt")
             raise FitInterrupted(message, self.history)
-        if (self.control.stop_requested or self.amp.health.stop or self._peer_stopped) and not finished:
-            self._stopped = True
-            self.history.note("stopped by another rank" if self._peer_stopped else "stopped", kind="stop")
+        if not finished:
+            self._ended = self._why_stopped()
+            if self._ended.stopped:
+                self.history.note(
+                    "stopped by another rank" if self._ended is FitEnd.PEER_STOPPED else "stopped", kind="stop"
+                )
         return self.history
+
+    def _why_stopped(self) -> FitEnd:
+        """Why a fit that returned before its plan's end did (``_run`` noted a peer's stop already)."""
+        if self._ended is FitEnd.PEER_STOPPED:
+            return self._ended
+        if self.amp.health.stop:
+            return FitEnd.NONFINITE
+        return FitEnd.STOPPED if self.control.stop_requested else FitEnd.MAX_STEPS
 
     def _join(self, capture: FitCapture, data: Iterable[Any], max_steps: int | None) -> int:
         """Train in the capture's mode, within its step budget: the steps this fit may take."""
@@ -385,7 +403,9 @@ class Trainer:
                     wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
                     if self.strategy is not None:  # every rank stops at the same step, or none does
                         agreed = agreed_stop(wants_stop, self.amp.steps, self.amp.recorder.flush_every, self.device)
-                        self._peer_stopped, wants_stop = agreed and not wants_stop, agreed
+                        if agreed and not wants_stop:
+                            self._ended = FitEnd.PEER_STOPPED
+                        wants_stop = agreed
                     if wants_stop or steps_left == 0:
                         position = None if one_shot else (self._epoch, self._batch)
                         self._held = self._reader.hold(data, position, batch)

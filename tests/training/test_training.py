@@ -17,6 +17,7 @@ from torch import nn
 import mpnb
 import mpnb.examples as ex
 from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.training.control import FitEnd
 from mpnb.training.step_precision import TrainingPrecision
 
 SCHEDULER_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
@@ -509,3 +510,24 @@ def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing():
         trainer.load_state_dict(other.state_dict())
     assert trainer.position == tuple(before["position"]) and len(trainer.history) == 2
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.state_dict().values(), before["model"].values()))
+
+
+def test_a_fit_says_how_it_ended():
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    assert trainer.ended is FitEnd.NOT_RUN
+    trainer.fit(train, max_steps=2)
+    assert trainer.ended is FitEnd.MAX_STEPS and not trainer.stopped and trainer.resumable
+    trainer.fit(train)  # the rest of the planned epoch
+    assert trainer.ended is FitEnd.FINISHED and not trainer.resumable
+
+    def stop_at_once(model, batch):
+        trainer.control.stop()
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    trainer.step_fn, trainer.loss_fn = stop_at_once, None
+    trainer.fit(train)
+    assert trainer.ended is FitEnd.STOPPED and trainer.stopped and trainer.ended == "stopped"
+    trainer.step_fn = lambda model, batch: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        trainer.fit(train)
+    assert trainer.ended is FitEnd.FAILED
