@@ -67,7 +67,9 @@ def main() -> None:
         "median_step_s_cache_on": cached,
         "median_step_s_cache_off": uncached,
         "ratio_off_over_on": uncached / cached,
-        "cpu": torch.cpu.get_capabilities().get("cpu_name") if hasattr(torch.cpu, "get_capabilities") else None,
+        "cpu": torch.cpu.get_capabilities().get("cpu_name")
+        if hasattr(torch.cpu, "get_capabilities")
+        else None,
     }
     write_results("cast_cache", result)
     print(

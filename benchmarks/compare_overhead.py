@@ -32,8 +32,18 @@ MODES = ("fp32", "bf16")
 
 
 def cases() -> dict[str, dict]:
-    cnn = {"model": ex.DigitsCNN, "batches": digit_batches(), "loss": torch.nn.functional.cross_entropy, "steps": 40}
-    layer = {"model": TransformerRegressor, "batches": sequence_batches(10), "loss": mse, "steps": 30}
+    cnn = {
+        "model": ex.DigitsCNN,
+        "batches": digit_batches(),
+        "loss": torch.nn.functional.cross_entropy,
+        "steps": 40,
+    }
+    layer = {
+        "model": TransformerRegressor,
+        "batches": sequence_batches(10),
+        "loss": mse,
+        "steps": 30,
+    }
     return {"digits CNN": cnn, "transformer layer d=128": layer}
 
 
@@ -66,7 +76,9 @@ def by_hand(case: dict, mode: str, steps: int, warmup: int) -> float:
 def by_compare(case: dict, mode: str, steps: int, warmup: int) -> float:
     def make_run(mode):
         model, optimizer = fresh(case)
-        trainer = mpnb.Trainer(model, optimizer, case["loss"], mode=mode, device="cpu", dashboard=None)
+        trainer = mpnb.Trainer(
+            model, optimizer, case["loss"], mode=mode, device="cpu", dashboard=None
+        )
         return trainer, case["batches"]
 
     comparison = mpnb.compare(make_run, [mode], steps=steps, warmup=warmup, progress="text")
@@ -93,8 +105,12 @@ def measure(name: str, case: dict, rounds: int, warmup: int) -> dict:
             "median_step_s_hand": statistics.median(hand[mode]),
             "ratio_compare_over_hand": statistics.median(ratios),
         }
-    row["bf16_speedup_over_fp32_compare"] = row["fp32"]["median_step_s_compare"] / row["bf16"]["median_step_s_compare"]
-    row["bf16_speedup_over_fp32_hand"] = row["fp32"]["median_step_s_hand"] / row["bf16"]["median_step_s_hand"]
+    row["bf16_speedup_over_fp32_compare"] = (
+        row["fp32"]["median_step_s_compare"] / row["bf16"]["median_step_s_compare"]
+    )
+    row["bf16_speedup_over_fp32_hand"] = (
+        row["fp32"]["median_step_s_hand"] / row["bf16"]["median_step_s_hand"]
+    )
     return row
 
 

@@ -65,7 +65,9 @@ def main() -> None:
     schedules = {"interleaved": None, "sequential": args.steps}
     runs: dict[str, list[dict]] = {name: [] for name in schedules}
     for index in range(args.runs):
-        order = list(schedules) if index % 2 == 0 else list(reversed(schedules))  # drift favours neither
+        order = (
+            list(schedules) if index % 2 == 0 else list(reversed(schedules))
+        )  # drift favours neither
         for name in order:
             result = one_comparison(modes, args.steps, args.warmup, schedules[name])
             runs[name].append(result)

@@ -58,7 +58,9 @@ def measure(size: int, updates: int) -> dict:
             started = time.perf_counter()
             dashboard.update(history)
             times.append(time.perf_counter() - started)
-        update_bytes = [b for b in sizes[sent_before:] if b > 200]  # skip the trait-reset echo after each restyle
+        update_bytes = [
+            b for b in sizes[sent_before:] if b > 200
+        ]  # skip the trait-reset echo after each restyle
     undecimated = sum(2 * 8 * len(history) for _ in dashboard.figure.data)
     return {
         "recorded_steps": size,

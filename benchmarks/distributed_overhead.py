@@ -37,7 +37,9 @@ def rank_timings(rounds: int, steps: int) -> dict[str, list[float]]:
     """On each rank: seconds per step of the hand loop and of the Trainer, paired rounds."""
     images, labels = ex.load_digits()
     # as many batches of 64 as the steps need, going round the 1797 digits again where they run out
-    picks = [torch.arange(start, start + 64) % len(images) for start in range(0, 64 * 2 * steps, 64)]
+    picks = [
+        torch.arange(start, start + 64) % len(images) for start in range(0, 64 * 2 * steps, 64)
+    ]
     batches = [(images[pick], labels[pick]) for pick in picks]
     mine = batches[dist.get_rank() :: dist.get_world_size()][:steps]
     torch.manual_seed(0)
@@ -67,11 +69,17 @@ def rank_timings(rounds: int, steps: int) -> dict[str, list[float]]:
         dist.barrier()
         start = time.perf_counter()
         with channel:
-            trainer.fit(batches[: 2 * steps], max_steps=steps)  # the Trainer deals the ranks' shares itself
+            trainer.fit(
+                batches[: 2 * steps], max_steps=steps
+            )  # the Trainer deals the ranks' shares itself
         return (time.perf_counter() - start) / steps
 
     hand_times, mpnb_times = paired_rounds(hand, with_mpnb, rounds)
-    return {"hand": hand_times, "mpnb": mpnb_times, "channel_s_per_step": channel.seconds / ((rounds + 1) * steps)}
+    return {
+        "hand": hand_times,
+        "mpnb": mpnb_times,
+        "channel_s_per_step": channel.seconds / ((rounds + 1) * steps),
+    }
 
 
 def main() -> None:
@@ -80,7 +88,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
-    timings = launch(rank_timings, args.rounds, args.steps, nproc=args.nproc, dashboard=RanksView()).results
+    timings = launch(
+        rank_timings, args.rounds, args.steps, nproc=args.nproc, dashboard=RanksView()
+    ).results
     ratios = [median_ratio(rank["hand"], rank["mpnb"]) for rank in timings]
     hand, mine = timings[0]["hand"], timings[0]["mpnb"]
     print(

@@ -56,7 +56,9 @@ def methods(owner: type, *names: str) -> list[tuple[type, str]]:
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    return nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
 
 
 def mlp_data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -71,7 +73,9 @@ class Runs(NamedTuple):
     plain: Callable[[], None]
     watched: Callable[[], None]  # with mpnb attached
     mpnb_code: list[tuple[type, str]]  # mpnb's methods that run in it
-    empty: Callable[[], None] | None = None  # with a callback that does nothing: what any callback costs
+    empty: Callable[[], None] | None = (
+        None  # with a callback that does nothing: what any callback costs
+    )
 
 
 def transformers_runs(steps: int, tmp: str) -> Runs:
@@ -89,7 +93,15 @@ def transformers_runs(steps: int, tmp: str) -> Runs:
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=128,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, 128, (steps * 8, 32), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -99,10 +111,14 @@ def transformers_runs(steps: int, tmp: str) -> Runs:
     )  # fmt: skip
     # one model for both: no difference of memory layout between the two sides
     plain = Trainer(model=model, args=args, train_dataset=data)
-    watched = Trainer(model=model, args=args, train_dataset=data, callbacks=[MpnbCallback(dashboard=None)])
+    watched = Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[MpnbCallback(dashboard=None)]
+    )
     empty = Trainer(model=model, args=args, train_dataset=data, callbacks=[TrainerCallback()])
     for trainer in (plain, watched, empty):
-        trainer.remove_callback(PrinterCallback)  # its line of metrics after every train() call, on every side
+        trainer.remove_callback(
+            PrinterCallback
+        )  # its line of metrics after every train() call, on every side
     hooks = methods(MpnbCallback, "on_train_begin", "_forward_done", "on_step_begin", "on_pre_optimizer_step",
                     "on_step_end", "on_train_end")  # fmt: skip
     return Runs(plain.train, watched.train, hooks, empty.train)
@@ -127,7 +143,9 @@ def lightning_runs(steps: int, tmp: str) -> Runs:
             return torch.optim.Adam(self.parameters(), 1e-3)
 
     inputs, targets = (torch.cat(part) for part in zip(*mlp_data(steps)))
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=32)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(inputs, targets), batch_size=32
+    )
 
     def run(module: L.LightningModule, callbacks: list) -> Callable[[], None]:
         def fit() -> None:
@@ -142,7 +160,12 @@ def lightning_runs(steps: int, tmp: str) -> Runs:
     module = Module()  # one module for both: no difference of memory layout between the two sides
     hooks = methods(MpnbCallback, "on_train_start", "on_train_batch_start", "on_before_optimizer_step",
                     "on_train_batch_end", "on_train_end")  # fmt: skip
-    return Runs(run(module, []), run(module, [MpnbCallback(dashboard=None)]), hooks, run(module, [L.Callback()]))
+    return Runs(
+        run(module, []),
+        run(module, [MpnbCallback(dashboard=None)]),
+        hooks,
+        run(module, [L.Callback()]),
+    )
 
 
 def accelerate_runs(steps: int, tmp: str) -> Runs:
@@ -175,7 +198,11 @@ def accelerate_runs(steps: int, tmp: str) -> Runs:
     return Runs(run(False), run(True), methods(LoopRecorder, "record", "close"))
 
 
-FRAMEWORKS = {"transformers": transformers_runs, "lightning": lightning_runs, "accelerate": accelerate_runs}
+FRAMEWORKS = {
+    "transformers": transformers_runs,
+    "lightning": lightning_runs,
+    "accelerate": accelerate_runs,
+}
 
 
 def measure(runs: Runs, rounds: int, steps: int) -> dict:

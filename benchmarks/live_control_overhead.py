@@ -61,7 +61,9 @@ def main() -> None:
         reply = client.execute_interactive(
             code,
             timeout=1200,
-            output_hook=lambda m: printed.append(m["content"]["text"]) if m["msg_type"] == "stream" else None,
+            output_hook=lambda m: (
+                printed.append(m["content"]["text"]) if m["msg_type"] == "stream" else None
+            ),
         )
         if reply["content"]["status"] != "ok":
             raise SystemExit(f"benchmark cell failed: {reply['content']}")

@@ -17,7 +17,9 @@ import torch
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, or any torch device string")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu (default), cuda, or any torch device string"
+    )
 
 
 def to_device(batches, device: torch.device) -> list:

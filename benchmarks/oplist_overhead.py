@@ -124,7 +124,9 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     images, labels = ex.load_digits()
-    batches = to_device([(images[i : i + 64], labels[i : i + 64]) for i in range(0, 64 * args.block, 64)], device)
+    batches = to_device(
+        [(images[i : i + 64], labels[i : i + 64]) for i in range(0, 64 * args.block, 64)], device
+    )
     torch_rules = OpLists.of(lower=TORCH_LOWERED.split())
     lists = {
         "torch rules": torch_rules,
@@ -136,7 +138,9 @@ def main() -> None:
     for name in args.models.split(","):
         models[name] = {}
         for label, chosen in lists.items():
-            with kernels_forced(label.endswith("kernels"), "python" if label == "python kernels" else "compiled"):
+            with kernels_forced(
+                label.endswith("kernels"), "python" if label == "python kernels" else "compiled"
+            ):
                 models[name][label] = measure(name, batches, args.rounds, chosen, label)
     write_results(
         results_name("oplist_overhead", device),
@@ -144,7 +148,8 @@ def main() -> None:
             "device": device_label(device),
             "mechanism": f"session op lists: {compiled_kernels.kind()} kernels on every Autocast dispatch key",
             "lists": {
-                label: {"lower": sorted(chosen.lower), "fp32": sorted(chosen.fp32)} for label, chosen in lists.items()
+                label: {"lower": sorted(chosen.lower), "fp32": sorted(chosen.fp32)}
+                for label, chosen in lists.items()
             },
             "models": models,
             "target_ratio": TARGET,

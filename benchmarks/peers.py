@@ -64,7 +64,9 @@ def hand_loop(model: nn.Module, device: torch.device, precision: str) -> Runner:
     return run
 
 
-def mpnb_trainer(model: nn.Module, device: torch.device, precision: str, dashboard: Any = None) -> Runner:
+def mpnb_trainer(
+    model: nn.Module, device: torch.device, precision: str, dashboard: Any = None
+) -> Runner:
     trainer = Trainer(
         model, torch.optim.Adam(model.parameters(), 1e-3), nn.functional.cross_entropy, mode=precision,
         device=device, dashboard=dashboard,
@@ -76,7 +78,9 @@ def mpnb_trainer_text(model: nn.Module, device: torch.device, precision: str) ->
     """Text progress, printed to a null device (as a script's output to a file costs)."""
     from mpnb.ui.plots.text import TextProgress
 
-    return mpnb_trainer(model, device, precision, TextProgress("peers", stream=open(os.devnull, "w")))
+    return mpnb_trainer(
+        model, device, precision, TextProgress("peers", stream=open(os.devnull, "w"))
+    )
 
 
 def mpnb_trainer_live(model: nn.Module, device: torch.device, precision: str) -> Runner:
@@ -111,7 +115,9 @@ def accelerate_loop(model: nn.Module, device: torch.device, precision: str) -> R
     return _framework_loop(model, optimizer, accelerator.backward)
 
 
-def _framework_loop(model: nn.Module, optimizer: Any, backward: Callable[[torch.Tensor], None]) -> Runner:
+def _framework_loop(
+    model: nn.Module, optimizer: Any, backward: Callable[[torch.Tensor], None]
+) -> Runner:
     """The loop Accelerate and Fabric users write: the framework autocasts and scales in ``backward``."""
 
     def run(batches: Batches) -> None:
@@ -158,7 +164,9 @@ def lightning_trainer(model: nn.Module, device: torch.device, precision: str) ->
             accelerator=device.type, devices=1, precision=_lightning_precision(precision), max_epochs=1,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
-        trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))  # the batches as they are
+        trainer.fit(
+            module, torch.utils.data.DataLoader(batches, batch_size=None)
+        )  # the batches as they are
 
     return run
 
@@ -182,11 +190,15 @@ NO_CPU_FP16 = ("Accelerate", "Lightning Fabric", "Lightning Trainer")
 
 def digits_batches(size: int, steps: int, device: torch.device) -> Batches:
     images, labels = ex.load_digits()
-    picks = [torch.arange(start, start + size) % len(images) for start in range(0, size * steps, size)]
+    picks = [
+        torch.arange(start, start + size) % len(images) for start in range(0, size * steps, size)
+    ]
     return to_device([(images[pick], labels[pick]) for pick in picks], device)
 
 
-def measure(batch: int, precision: str, device: torch.device, rounds: int, steps: int, runners: list[str]) -> dict:
+def measure(
+    batch: int, precision: str, device: torch.device, rounds: int, steps: int, runners: list[str]
+) -> dict:
     batches = digits_batches(batch, steps, device)
     torch.manual_seed(0)
     base = ex.DigitsCNN().to(device)
@@ -225,28 +237,42 @@ def measure(batch: int, precision: str, device: torch.device, rounds: int, steps
 
 
 def own_time_over_hand(
-    make: Callable[..., Runner], base: nn.Module, batches: Batches, device: torch.device, precision: str, rounds: int
+    make: Callable[..., Runner],
+    base: nn.Module,
+    batches: Batches,
+    device: torch.device,
+    precision: str,
+    rounds: int,
 ) -> float:
     """Seconds a step of ``make``'s runner spends outside torch's own calls, beyond what the hand
     loop spends there (see ``torch_work.py``): its own cost with the machine's noise subtracted."""
     with TorchWork() as work:  # both built inside: a loss function they hold is the timed one
         hand = hand_loop(copy.deepcopy(base), device, precision)
         runner = make(copy.deepcopy(base), device, precision)
-        return own_time_beyond(work, lambda: hand(batches), lambda: runner(batches), len(batches), rounds)
+        return own_time_beyond(
+            work, lambda: hand(batches), lambda: runner(batches), len(batches), rounds
+        )
 
 
 def hand_step_s(row: dict) -> float:
     """The hand loop's median step in one batch size's row: from the first runner that was measured."""
-    return next((cell["median_step_s_hand"] for cell in row.values() if "median_step_s_hand" in cell), math.nan)
+    return next(
+        (cell["median_step_s_hand"] for cell in row.values() if "median_step_s_hand" in cell),
+        math.nan,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="8,32,256")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=100, help="steps per block (one fit, one loop)")
+    parser.add_argument(
+        "--steps", type=int, default=100, help="steps per block (one fit, one loop)"
+    )
     parser.add_argument("--fp16", action="store_true", help="also fp16 (bf16 always)")
-    parser.add_argument("--runners", default=",".join(RUNNERS), help="which of: " + ", ".join(RUNNERS))
+    parser.add_argument(
+        "--runners", default=",".join(RUNNERS), help="which of: " + ", ".join(RUNNERS)
+    )
     add_device_argument(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -258,21 +284,30 @@ def main() -> None:
         parser.error(f"unknown runners {unknown}; valid: {', '.join(RUNNERS)}")
     results = {}
     for precision in ["bf16", *(["fp16"] if args.fp16 else [])]:
-        table = {size: measure(size, precision, device, args.rounds, args.steps, runners) for size in sizes}
+        table = {
+            size: measure(size, precision, device, args.rounds, args.steps, runners)
+            for size in sizes
+        }
         results[precision] = {str(size): row for size, row in table.items()}
-        print(f"\n{device_label(device)}, digits CNN, {precision}: step time over the hand-written torch.amp loop")
+        print(
+            f"\n{device_label(device)}, digits CNN, {precision}: step time over the hand-written torch.amp loop"
+        )
         print(f"{'':24s}" + "".join(f"batch {size:<14d}" for size in sizes))
         hand_ms = "".join(f"{hand_step_s(table[size]) * 1e3:6.2f} ms           " for size in sizes)
         print(f"{'hand loop (1.00)':24s}{hand_ms}")
         for name in runners:
             cells = [table[size][name] for size in sizes]
             text = "".join(
-                f"{cell['ratio']:6.3f}x ({cell['fastest_ratio']:5.3f})  " if "ratio" in cell else "   -                "
+                f"{cell['ratio']:6.3f}x ({cell['fastest_ratio']:5.3f})  "
+                if "ratio" in cell
+                else "   -                "
                 for cell in cells
             )
             skipped = next((cell["skipped"] for cell in cells if "skipped" in cell), "")
             print(f"{name:24s}{text}{skipped}")
-        print("own time a step, beyond the hand loop's (run time minus torch's own calls), share of its step")
+        print(
+            "own time a step, beyond the hand loop's (run time minus torch's own calls), share of its step"
+        )
         for name in (name for name in runners if name in OWN_TIME_RUNNERS):
             cells = [table[size][name] for size in sizes]
             print(f"{name:24s}" + "".join(
@@ -283,7 +318,12 @@ def main() -> None:
     sys.stdout.flush()
     write_results(
         results_name("peers", device),
-        {"device": device_label(device), "rounds": args.rounds, "steps_per_block": args.steps, "results": results},
+        {
+            "device": device_label(device),
+            "rounds": args.rounds,
+            "steps_per_block": args.steps,
+            "results": results,
+        },
     )
 
 

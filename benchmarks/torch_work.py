@@ -67,12 +67,18 @@ class TorchWork(OwnTime):
 
 
 def own_time_beyond(
-    work: TorchWork, reference: Callable[[], object], candidate: Callable[[], object], steps: int, rounds: int
+    work: TorchWork,
+    reference: Callable[[], object],
+    candidate: Callable[[], object],
+    steps: int,
+    rounds: int,
 ) -> float:
     """Seconds a step of ``candidate`` spends outside torch's own calls beyond what ``reference`` spends
     there (each a block of ``steps`` steps, built inside ``work``), over ``rounds`` paired rounds: each
     side's least disturbed round, as noise only adds time."""
     reference_left, candidate_left = paired_rounds(
-        lambda _: work.left_per_step(reference, steps), lambda _: work.left_per_step(candidate, steps), rounds
+        lambda _: work.left_per_step(reference, steps),
+        lambda _: work.left_per_step(candidate, steps),
+        rounds,
     )
     return min(candidate_left) - min(reference_left)

@@ -69,7 +69,10 @@ def sequence_batches(count: int = 20) -> list[tuple[torch.Tensor, torch.Tensor]]
     """``count`` seeded batches of 32 random sequences (length 32, width 128) and targets."""
     generator = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(32, 32, 128, generator=generator), torch.randn(32, 32, 128, generator=generator))
+        (
+            torch.randn(32, 32, 128, generator=generator),
+            torch.randn(32, 32, 128, generator=generator),
+        )
         for _ in range(count)
     ]
 

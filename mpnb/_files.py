@@ -72,7 +72,9 @@ def atomic_write(
     descriptor, temporary = _create_beside(folder, name)
     try:
         opened = (
-            os.fdopen(descriptor, "wb") if binary else os.fdopen(descriptor, "w", encoding="utf-8", newline=newline)
+            os.fdopen(descriptor, "wb")
+            if binary
+            else os.fdopen(descriptor, "w", encoding="utf-8", newline=newline)
         )
         with opened as file:
             if mode is not None:
@@ -103,7 +105,13 @@ def _mode_of(path: str) -> int | None:
 def _create_beside(folder: str, name: str) -> tuple[int, str]:
     """A new file in ``folder`` named after ``name``, open for writing. ``O_EXCL`` refuses any name
     that exists, a planted link included, so the file is always one this call made."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags = (
+        os.O_WRONLY
+        | os.O_CREAT
+        | os.O_EXCL
+        | getattr(os, "O_NOFOLLOW", 0)
+        | getattr(os, "O_CLOEXEC", 0)
+    )
     while True:
         temporary = os.path.join(folder, f".{name[:_NAME_KEPT]}.{secrets.token_hex(8)}.tmp")
         try:

@@ -36,7 +36,9 @@ def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """An HTML table with escaped cells."""
     head = "".join(f"<th style='text-align:left'>{html.escape(str(h))}</th>" for h in headers)
     body = "".join(
-        "<tr>" + "".join(f"<td style='text-align:left'>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+        "<tr>"
+        + "".join(f"<td style='text-align:left'>{html.escape(str(c))}</td>" for c in row)
+        + "</tr>"
         for row in rows
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
@@ -46,7 +48,9 @@ def html_list(items: Sequence[str], css_class: str) -> str:
     """An HTML bullet list with escaped items, or nothing for no items."""
     if not items:
         return ""
-    return f"<ul class='{css_class}'>" + "".join(f"<li>{html.escape(i)}</li>" for i in items) + "</ul>"
+    return (
+        f"<ul class='{css_class}'>" + "".join(f"<li>{html.escape(i)}</li>" for i in items) + "</ul>"
+    )
 
 
 def csv_cell(value: object) -> object:
@@ -71,4 +75,6 @@ def dtype_name(dtype: torch.dtype | None) -> str:
     """Short name of a dtype: ``torch.bfloat16`` -> ``"bf16"``; None -> ``"-"``."""
     if dtype is None:
         return "-"
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(
+        dtype, str(dtype)
+    )

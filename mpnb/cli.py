@@ -55,9 +55,17 @@ def _train(args: argparse.Namespace) -> int:
         f"median step {summary['median_step_time'] * 1e3:.2f} ms"
     )
     os.makedirs(args.out, exist_ok=True)
-    csv_path, html_path = os.path.join(args.out, "history.csv"), os.path.join(args.out, "dashboard.html")
+    csv_path, html_path = (
+        os.path.join(args.out, "history.csv"),
+        os.path.join(args.out, "dashboard.html"),
+    )
     history.to_csv(csv_path)
-    write_report(html_path, history, f"mpnb train: {trainer.describe()}", [("test accuracy", f"{test_accuracy:.1%}")])
+    write_report(
+        html_path,
+        history,
+        f"mpnb train: {trainer.describe()}",
+        [("test accuracy", f"{test_accuracy:.1%}")],
+    )
     print(f"wrote {csv_path} and {html_path}")
     return 0
 
@@ -79,20 +87,29 @@ def _compare(args: argparse.Namespace) -> int:
 
     def make_run(mode: str):
         trainer, train, test = example_trainer(
-            mode, device, model=args.model, batch_size=args.batch_size, seed=args.seed, dashboard=None
+            mode,
+            device,
+            model=args.model,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            dashboard=None,
         )
         return trainer, train, lambda fitted: accuracy(fitted.model, test, device)
 
     block = args.block or default_block(args.steps)
     turns = f"in turns of {block} step(s)" if block < args.steps else "one mode after another"
-    print(f"comparing {', '.join(modes)} on {device}: {args.warmup} warm-up + {args.steps} timed steps each, {turns}")
+    print(
+        f"comparing {', '.join(modes)} on {device}: {args.warmup} warm-up + {args.steps} timed steps each, {turns}"
+    )
     built = {}  # each run is built once: here, to say up front what will be slow, then handed to compare
     for mode in modes:
         try:
             built[mode] = make_run(mode)
         except MpnbError:
             continue  # the comparison lists the mode with the reason
-        _announce_if_slow(built[mode][0], built[mode][1], args.warmup + args.steps, prefix=f"{mode}: ")
+        _announce_if_slow(
+            built[mode][0], built[mode][1], args.warmup + args.steps, prefix=f"{mode}: "
+        )
     comparison = compare(
         lambda mode: built.pop(mode) if mode in built else make_run(mode),
         modes,
@@ -162,7 +179,9 @@ def _writable_folder(path: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as error:
-        raise MpnbError(f"--out {quoted(path)} cannot be created or written: {error.strerror or error}") from None
+        raise MpnbError(
+            f"--out {quoted(path)} cannot be created or written: {error.strerror or error}"
+        ) from None
     finally:
         for folder in created:  # deepest first
             if os.path.isdir(folder):
@@ -171,21 +190,33 @@ def _writable_folder(path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpnb`` command."""
-    parser = argparse.ArgumentParser(prog="mpnb", description="Mixed-precision training toolkit for PyTorch.")
+    parser = argparse.ArgumentParser(
+        prog="mpnb", description="Mixed-precision training toolkit for PyTorch."
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    report = commands.add_parser("devices", help="report what each device can do for mixed precision")
+    report = commands.add_parser(
+        "devices", help="report what each device can do for mixed precision"
+    )
     report.add_argument("--json", action="store_true", help="print the report as JSON")
-    report.add_argument("--no-check", action="store_true", help="skip running a tiny Linear under each dtype")
+    report.add_argument(
+        "--no-check", action="store_true", help="skip running a tiny Linear under each dtype"
+    )
     report.set_defaults(run=_devices)
     comparing = commands.add_parser(
         "compare",
         help="train the example model once per precision mode; print the comparison, write CSV, JSON and HTML report",
     )
     comparing.add_argument(
-        "--modes", default="fp32,tf32,fp16,bf16", help="comma-separated modes (default fp32,tf32,fp16,bf16)"
+        "--modes",
+        default="fp32,tf32,fp16,bf16",
+        help="comma-separated modes (default fp32,tf32,fp16,bf16)",
     )
-    comparing.add_argument("--steps", type=_positive_int, default=100, help="timed steps per mode (default 100)")
-    comparing.add_argument("--warmup", type=_count, default=5, help="untimed steps first (default 5)")
+    comparing.add_argument(
+        "--steps", type=_positive_int, default=100, help="timed steps per mode (default 100)"
+    )
+    comparing.add_argument(
+        "--warmup", type=_count, default=5, help="untimed steps first (default 5)"
+    )
     comparing.add_argument(
         "--block",
         type=_positive_int,
@@ -194,22 +225,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comparing.add_argument("--model", default="cnn", help="cnn, mlp or transformer (default cnn)")
     comparing.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
-    comparing.add_argument("--batch-size", type=_positive_int, default=64, help="examples per step (default 64)")
-    comparing.add_argument("--seed", type=int, default=0, help="seed of the model and the data order (default 0)")
-    comparing.add_argument("--out", default="mpnb-compare", help="folder for the results (default ./mpnb-compare)")
+    comparing.add_argument(
+        "--batch-size", type=_positive_int, default=64, help="examples per step (default 64)"
+    )
+    comparing.add_argument(
+        "--seed", type=int, default=0, help="seed of the model and the data order (default 0)"
+    )
+    comparing.add_argument(
+        "--out", default="mpnb-compare", help="folder for the results (default ./mpnb-compare)"
+    )
     comparing.set_defaults(run=_compare)
     train = commands.add_parser(
         "train",
         help="train the example CNN on the bundled 8x8 digits; print progress, write history CSV and HTML dashboard",
     )
-    train.add_argument("--mode", help="fp32, tf32, fp16 or bf16 (default: the device's preferred AMP dtype)")
-    train.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
-    train.add_argument("--steps", type=_positive_int, default=200, help="optimizer steps (default 200)")
-    train.add_argument("--batch-size", type=_positive_int, default=64, help="examples per step (default 64)")
-    train.add_argument("--lr", type=_positive_float, default=3e-3, help="Adam learning rate (default 3e-3)")
-    train.add_argument("--seed", type=int, default=0, help="seed of the model and the data order (default 0)")
     train.add_argument(
-        "--out", default="mpnb-train", help="folder for history.csv and dashboard.html (default ./mpnb-train)"
+        "--mode", help="fp32, tf32, fp16 or bf16 (default: the device's preferred AMP dtype)"
+    )
+    train.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
+    train.add_argument(
+        "--steps", type=_positive_int, default=200, help="optimizer steps (default 200)"
+    )
+    train.add_argument(
+        "--batch-size", type=_positive_int, default=64, help="examples per step (default 64)"
+    )
+    train.add_argument(
+        "--lr", type=_positive_float, default=3e-3, help="Adam learning rate (default 3e-3)"
+    )
+    train.add_argument(
+        "--seed", type=int, default=0, help="seed of the model and the data order (default 0)"
+    )
+    train.add_argument(
+        "--out",
+        default="mpnb-train",
+        help="folder for history.csv and dashboard.html (default ./mpnb-train)",
     )
     train.set_defaults(run=_train)
     return parser

@@ -17,7 +17,15 @@ from collections.abc import Iterable
 __all__ = ["MpnbError", "InvalidChoiceError", "DeviceUnavailableError"]
 
 #: Packages whose frames stand between a warning about a run and the user's code that started it.
-_LIBRARIES = ("mpnb", "torch", "transformers", "accelerate", "lightning", "lightning_fabric", "pytorch_lightning")
+_LIBRARIES = (
+    "mpnb",
+    "torch",
+    "transformers",
+    "accelerate",
+    "lightning",
+    "lightning_fabric",
+    "pytorch_lightning",
+)
 
 
 def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:

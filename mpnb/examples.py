@@ -78,9 +78,16 @@ class Batches:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if len(inputs) != len(targets):
-            raise ValueError(f"inputs and targets differ in length: {len(inputs)} vs {len(targets)}")
+            raise ValueError(
+                f"inputs and targets differ in length: {len(inputs)} vs {len(targets)}"
+            )
         self.inputs, self.targets = inputs, targets
-        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+        self.batch_size, self.shuffle, self.seed, self.drop_last = (
+            batch_size,
+            shuffle,
+            seed,
+            drop_last,
+        )
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -132,7 +139,9 @@ class DigitsCNN(nn.Module):
         torch.Size([2, 10])
     """
 
-    def __init__(self, widths: tuple[int, int] = (32, 64), classes: int = 10, image_size: int = 8) -> None:
+    def __init__(
+        self, widths: tuple[int, int] = (32, 64), classes: int = 10, image_size: int = 8
+    ) -> None:
         super().__init__()
         first, second = widths
         self.features = nn.Sequential(
@@ -158,7 +167,9 @@ class DigitsMLP(nn.Module):
         torch.Size([2, 10])
     """
 
-    def __init__(self, widths: tuple[int, int] = (256, 128), classes: int = 10, image_size: int = 8) -> None:
+    def __init__(
+        self, widths: tuple[int, int] = (256, 128), classes: int = 10, image_size: int = 8
+    ) -> None:
         super().__init__()
         first, second = widths
         self.layers = nn.Sequential(
@@ -185,12 +196,16 @@ class DigitsTransformer(nn.Module):
         torch.Size([2, 10])
     """
 
-    def __init__(self, widths: tuple[int, int] = (64, 128), classes: int = 10, image_size: int = 8) -> None:
+    def __init__(
+        self, widths: tuple[int, int] = (64, 128), classes: int = 10, image_size: int = 8
+    ) -> None:
         super().__init__()
         width, feed_forward = widths
         self.embed = nn.Linear(image_size, width)
         self.position = nn.Parameter(torch.zeros(image_size, width))
-        self.encoder = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=feed_forward, batch_first=True)
+        self.encoder = nn.TransformerEncoderLayer(
+            width, nhead=4, dim_feedforward=feed_forward, batch_first=True
+        )
         self.head = nn.Linear(width, classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -199,7 +214,11 @@ class DigitsTransformer(nn.Module):
 
 
 #: The example models by name, for the lab and ``compare``.
-MODELS: dict[str, type[nn.Module]] = {"cnn": DigitsCNN, "mlp": DigitsMLP, "transformer": DigitsTransformer}
+MODELS: dict[str, type[nn.Module]] = {
+    "cnn": DigitsCNN,
+    "mlp": DigitsMLP,
+    "transformer": DigitsTransformer,
+}
 
 
 @torch.no_grad()
@@ -263,5 +282,7 @@ def example_trainer(
     torch.manual_seed(seed)
     network = MODELS[model](widths) if widths is not None else MODELS[model]()
     optimizer = torch.optim.Adam(network.parameters(), lr=lr)
-    trainer = Trainer(network, optimizer, nn.functional.cross_entropy, mode=mode, device=device, **trainer_options)
+    trainer = Trainer(
+        network, optimizer, nn.functional.cross_entropy, mode=mode, device=device, **trainer_options
+    )
     return trainer, train, test

@@ -48,7 +48,13 @@ from mpnb.errors import InvalidChoiceError, MpnbError
 __all__ = ["provide", "provided"]
 
 #: The views the core asks for.
-VIEW_NAMES = ("dashboard", "history_figure", "comparison_progress", "advice_figure", "rank_dashboard")
+VIEW_NAMES = (
+    "dashboard",
+    "history_figure",
+    "comparison_progress",
+    "advice_figure",
+    "rank_dashboard",
+)
 
 _factories: dict[str, Callable[..., Any] | None] = dict.fromkeys(VIEW_NAMES)
 
@@ -85,5 +91,7 @@ def view(name: str) -> Callable[..., Any]:
     """
     factory = _factories[name]
     if factory is None:
-        raise MpnbError(f"no {name!r} view is installed: mpnb.views.provide({name}=...) installs one")
+        raise MpnbError(
+            f"no {name!r} view is installed: mpnb.views.provide({name}=...) installs one"
+        )
     return factory

@@ -46,7 +46,13 @@ def torch_state() -> dict[str, object]:
 
 def policy_state() -> tuple[object, ...]:
     """The session's own state, for 'bad input changes nothing' checks."""
-    return (session.mode, session.device, session.fp32_math.level, session.oplists.lists.copy(), torch_state())
+    return (
+        session.mode,
+        session.device,
+        session.fp32_math.level,
+        session.oplists.lists.copy(),
+        torch_state(),
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -44,9 +44,20 @@ MAY_IMPORT_UI = {"mpnb", "mpnb.cli"}
 #: What the core may import besides itself: the standard library and these. Optional, imported
 #: where used: scikit-learn (the embedded example data), pandas (History.to_pandas) and Habana's
 #: own device library (the HPU backend, on Gaudi machines).
-CORE_DEPENDENCIES = {"torch", "numpy", "psutil", "sklearn", "pandas", "habana_frameworks", "cloudpickle"}
+CORE_DEPENDENCIES = {
+    "torch",
+    "numpy",
+    "psutil",
+    "sklearn",
+    "pandas",
+    "habana_frameworks",
+    "cloudpickle",
+}
 #: The frameworks mpnb plugs into (optional extras), importable only in their own modules.
-INTEGRATIONS = {"mpnb.integrations.transformers": {"transformers"}, "mpnb.integrations.lightning": {"lightning"}}
+INTEGRATIONS = {
+    "mpnb.integrations.transformers": {"transformers"},
+    "mpnb.integrations.lightning": {"lightning"},
+}
 #: Above this many lines a module is worth a look: is it one concept? (A warning: size follows the
 #: concept, and a module must never be squeezed to meet a number.)
 LINES_WORTH_A_LOOK = 500
@@ -79,13 +90,16 @@ def _imports(name: str) -> Iterator[str]:
             base = node.module or ""
             if node.level:
                 base = ".".join(filter(None, (_package_of(name, node.level), base)))
-            submodules = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES]
+            submodules = [
+                f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES
+            ]
             if len(submodules) < len(node.names):  # a name defined in `base` itself
                 yield base
             yield from submodules
         elif (
             isinstance(node, ast.Call)
-            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+            and getattr(node.func, "attr", getattr(node.func, "id", None))
+            in ("import_module", "__import__")
             and node.args
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)
@@ -126,9 +140,14 @@ def test_the_core_imports_only_the_standard_library_torch_numpy_psutil(name):
         target
         for target in _imports(name)
         if target.split(".")[0]
-        not in CORE_DEPENDENCIES | INTEGRATIONS.get(name, set()) | set(sys.stdlib_module_names) | {"mpnb", "__future__"}
+        not in CORE_DEPENDENCIES
+        | INTEGRATIONS.get(name, set())
+        | set(sys.stdlib_module_names)
+        | {"mpnb", "__future__"}
     )
-    assert not outside, f"{name} imports {outside}: the core runs in a plain script (a UI library belongs in mpnb.ui)"
+    assert not outside, (
+        f"{name} imports {outside}: the core runs in a plain script (a UI library belongs in mpnb.ui)"
+    )
 
 
 @pytest.mark.parametrize(("layers", "scope"), [(CORE_LAYERS, "core"), (UI_LAYERS, "ui")])
@@ -183,7 +202,8 @@ def test_a_long_module_is_flagged_for_a_look_not_refused(name):
     lines = len(MODULES[name].read_text().splitlines())
     if lines > LINES_WORTH_A_LOOK:
         warnings.warn(
-            f"{name} has {lines} lines: does it hold one concept? Split it where the concept splits", stacklevel=1
+            f"{name} has {lines} lines: does it hold one concept? Split it where the concept splits",
+            stacklevel=1,
         )
 
 
@@ -206,20 +226,30 @@ def _private_names_defined(tree: ast.AST) -> set[str]:
             defined.add(node.name)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             defined.add(node.id)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _is_own(node.value):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and _is_own(node.value)
+        ):
             defined.add(node.attr)
     return {name for name in defined if _is_private(name)}
 
 
 def _is_private(name: str) -> bool:
-    return name.startswith("_") and not name.endswith("_")  # not __dunder__ nor IPython's _repr_html_
+    return name.startswith("_") and not name.endswith(
+        "_"
+    )  # not __dunder__ nor IPython's _repr_html_
 
 
 def _is_own(value: ast.expr) -> bool:
     """``self``, ``cls`` or ``super()``: an object reaching its own private attributes."""
     if isinstance(value, ast.Name):
         return value.id in ("self", "cls")
-    return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super"
+    return (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id == "super"
+    )
 
 
 TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
@@ -230,11 +260,18 @@ PRIVATE_NAMES = {name: _private_names_defined(tree) for name, tree in TREES.item
 def test_no_module_reaches_into_another_modules_private_names(name):
     """A module uses another's private attributes and functions only through a public method or
     name of its (torch's own private API, which mpnb reaches behind small adapters, is not checked)."""
-    elsewhere = set().union(*(names for other, names in PRIVATE_NAMES.items() if other != name)) - PRIVATE_NAMES[name]
+    elsewhere = (
+        set().union(*(names for other, names in PRIVATE_NAMES.items() if other != name))
+        - PRIVATE_NAMES[name]
+    )
     reached = set()
     for node in ast.walk(TREES[name]):
         if isinstance(node, ast.Attribute) and node.attr in elsewhere and not _is_own(node.value):
             reached.add(f"line {node.lineno}: {ast.unparse(node)}")
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mpnb"):
-            reached.update(f"line {node.lineno}: {alias.name}" for alias in node.names if _is_private(alias.name))
+            reached.update(
+                f"line {node.lineno}: {alias.name}"
+                for alias in node.names
+                if _is_private(alias.name)
+            )
     assert not reached, f"{name} reaches into another module's private names: {sorted(reached)}"

@@ -12,7 +12,9 @@ import sys
 import pytest
 from packaging.requirements import Requirement
 
-tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+tomllib = pytest.importorskip(
+    "tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib"
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BINDER = ROOT / "binder"
@@ -35,13 +37,18 @@ LESSON_EXTRAS = ("transformers", "lightning")
 
 def project_requirements() -> dict[str, Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    texts = [*project["dependencies"], *(t for extra in LESSON_EXTRAS for t in project["optional-dependencies"][extra])]
+    texts = [
+        *project["dependencies"],
+        *(t for extra in LESSON_EXTRAS for t in project["optional-dependencies"][extra]),
+    ]
     return {Requirement(text).name.lower(): Requirement(text) for text in texts}
 
 
 def test_binder_installs_every_runtime_dependency_with_the_same_versions():
     binder, project = binder_requirements(), project_requirements()
-    assert set(project) <= set(binder), f"missing from binder/requirements.txt: {set(project) - set(binder)}"
+    assert set(project) <= set(binder), (
+        f"missing from binder/requirements.txt: {set(project) - set(binder)}"
+    )
     for name, requirement in project.items():
         if name != "torch":
             assert binder[name].specifier == requirement.specifier, name
@@ -91,10 +98,16 @@ def test_binder_setup_in_a_fresh_venv_runs_the_quickstart(tmp_path):
     env.pop("PYTHONPATH", None)
 
     def step(*command: str) -> None:
-        result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        result = subprocess.run(
+            command, cwd=repo, env=env, capture_output=True, text=True, timeout=900
+        )
+        assert result.returncode == 0, (
+            f"{' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
 
-    step(str(python), "-m", "pip", "install", "--quiet", "torch==2.13.0")  # "torch already installed"
+    step(
+        str(python), "-m", "pip", "install", "--quiet", "torch==2.13.0"
+    )  # "torch already installed"
     step(str(python), "-m", "pip", "install", "--quiet", "-r", "binder/requirements.txt")
     step("bash", "binder/postBuild")
     executed = tmp_path / "quickstart.ipynb"
@@ -112,7 +125,9 @@ def test_binder_setup_in_a_fresh_venv_runs_the_quickstart(tmp_path):
         "notebooks/01_quickstart.ipynb",
     )
     cells = json.loads(executed.read_text())["cells"]
-    errors = [o for cell in cells for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+    errors = [
+        o for cell in cells for o in cell.get("outputs", []) if o.get("output_type") == "error"
+    ]
     assert not errors, errors
     texts = (o.get("text", "") for cell in cells for o in cell.get("outputs", []))
     printed = "".join(text if isinstance(text, str) else "".join(text) for text in texts)

@@ -11,13 +11,17 @@ from mpnb.training.history import History
 
 
 def mpnb(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpnb", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "mpnb", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def test_devices_report():
     result = mpnb("devices")
     assert result.returncode == 0, result.stderr
-    assert "cpu" in result.stdout and "bf16 -> bf16" in result.stdout and "fp32 math" in result.stdout
+    assert (
+        "cpu" in result.stdout and "bf16 -> bf16" in result.stdout and "fp32 math" in result.stdout
+    )
 
 
 def test_devices_json():
@@ -34,19 +38,40 @@ def test_bad_command_is_an_error_that_lists_the_commands():
 
 def test_import_mpnb_stays_light():
     code = "import sys, mpnb; print([m for m in ('IPython', 'ipywidgets', 'plotly', 'sklearn') if m in sys.modules])"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.stdout.strip() == "[]", result.stderr
 
 
 def test_train_prints_progress_and_summary_and_writes_history_and_dashboard(tmp_path):
-    result = mpnb("train", "--steps", "30", "--mode", "fp16", "--device", "cpu", "--batch-size", "128", cwd=tmp_path)
+    result = mpnb(
+        "train",
+        "--steps",
+        "30",
+        "--mode",
+        "fp16",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "128",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    notice, out = out.split("\n", 1)  # fp16 on a CPU is announced before training, with a measured estimate
-    assert notice.startswith("fp16 convolutions have no fast CPU kernels: about ") and "30 steps take about" in notice
-    assert out.startswith("training DigitsCNN, fp16 on cpu, 21,386 parameters\nstep 1  epoch 0  loss ")
+    notice, out = out.split(
+        "\n", 1
+    )  # fp16 on a CPU is announced before training, with a measured estimate
+    assert (
+        notice.startswith("fp16 convolutions have no fast CPU kernels: about ")
+        and "30 steps take about" in notice
+    )
+    assert out.startswith(
+        "training DigitsCNN, fp16 on cpu, 21,386 parameters\nstep 1  epoch 0  loss "
+    )
     summary = re.search(
-        r"test accuracy ([\d.]+)%, final loss ([\d.]+), (\d+) skipped steps, peak memory .+, median step", out
+        r"test accuracy ([\d.]+)%, final loss ([\d.]+), (\d+) skipped steps, peak memory .+, median step",
+        out,
     )
     assert summary, out
     history = History.load(tmp_path / "mpnb-train" / "history.csv")
@@ -59,7 +84,10 @@ def test_train_prints_progress_and_summary_and_writes_history_and_dashboard(tmp_
 
 def test_train_rejects_bad_input_naming_the_valid_values(tmp_path):
     result = mpnb("train", "--mode", "fp8", cwd=tmp_path)
-    assert result.returncode == 2 and "unknown mode 'fp8'; valid: off, fp32, tf32, fp16, bf16" in result.stderr
+    assert (
+        result.returncode == 2
+        and "unknown mode 'fp8'; valid: off, fp32, tf32, fp16, bf16" in result.stderr
+    )
     result = mpnb("train", "--steps", "0", cwd=tmp_path)
     assert result.returncode == 2 and "must be a positive whole number, got 0" in result.stderr
     assert not (tmp_path / "mpnb-train").exists()
@@ -69,14 +97,31 @@ def test_compare_end_to_end_writes_table_csv_json_and_a_self_contained_report(tm
     from html.parser import HTMLParser
 
     result = mpnb(
-        "compare", "--modes", "fp32,bf16,fp16", "--steps", "4", "--warmup", "1", "--model", "mlp", cwd=tmp_path
+        "compare",
+        "--modes",
+        "fp32,bf16,fp16",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--model",
+        "mlp",
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     assert "bf16  done: 5 steps, median " in result.stdout  # a progress bar per mode, then its end
     table = result.stdout[result.stdout.index("mode  median step") :].splitlines()
-    assert [line.split()[0] for line in table[1:4]] == ["fp32", "bf16", "fp16"] and "1.00x" in table[1]
+    assert [line.split()[0] for line in table[1:4]] == [
+        "fp32",
+        "bf16",
+        "fp16",
+    ] and "1.00x" in table[1]
     out = tmp_path / "mpnb-compare"
-    assert [m["mode"] for m in json.loads((out / "comparison.json").read_text())["modes"]] == ["fp32", "bf16", "fp16"]
+    assert [m["mode"] for m in json.loads((out / "comparison.json").read_text())["modes"]] == [
+        "fp32",
+        "bf16",
+        "fp16",
+    ]
     assert (out / "comparison.csv").read_text().splitlines()[0].startswith("mode,")
 
     class Page(HTMLParser):

@@ -11,7 +11,9 @@ import pytest
 import mpnb
 
 MODULES = ["mpnb"] + sorted(
-    info.name for info in pkgutil.walk_packages(mpnb.__path__, "mpnb.") if not info.name.endswith("__main__")
+    info.name
+    for info in pkgutil.walk_packages(mpnb.__path__, "mpnb.")
+    if not info.name.endswith("__main__")
 )
 
 

@@ -35,7 +35,9 @@ def test_a_link_to_a_missing_file_is_replaced_and_no_file_appears_where_it_point
     destination.symlink_to(target)
     with atomic_write(destination) as file:
         file.write("page")
-    assert not target.exists() and not destination.is_symlink() and destination.read_text() == "page"
+    assert (
+        not target.exists() and not destination.is_symlink() and destination.read_text() == "page"
+    )
 
 
 @pytest.mark.parametrize("error", [RuntimeError("the writer fails midway"), KeyboardInterrupt()])

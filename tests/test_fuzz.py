@@ -57,10 +57,23 @@ VALID_WORDS = [
 ]
 junk = st.text(alphabet=string.ascii_letters + string.digits + "._:", min_size=1, max_size=8)
 #: Shell quoting, repeated options, non-ASCII and control characters.
-TRICKY_WORDS = ['"my lists"', "'a b'", '"unbalanced', "'", "--device cpu --device cpu", "-d bf16 -d fp16", "é", "\x00"]
-word = st.one_of(st.sampled_from(VALID_WORDS), st.sampled_from(TRICKY_WORDS), junk, st.text(max_size=6))
+TRICKY_WORDS = [
+    '"my lists"',
+    "'a b'",
+    '"unbalanced',
+    "'",
+    "--device cpu --device cpu",
+    "-d bf16 -d fp16",
+    "é",
+    "\x00",
+]
+word = st.one_of(
+    st.sampled_from(VALID_WORDS), st.sampled_from(TRICKY_WORDS), junk, st.text(max_size=6)
+)
 line = st.lists(word, max_size=5).map(" ".join)
-fuzz = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+fuzz = settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @contextlib.contextmanager
@@ -85,7 +98,9 @@ MAGICS = {
 @pytest.mark.parametrize("magic", list(MAGICS))
 @fuzz
 @given(args=line)
-def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(ip, capsys, tmp_path, magic, args):
+def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(
+    ip, capsys, tmp_path, magic, args
+):
     before, files = policy_state(), sorted(os.listdir(tmp_path))
     try:
         with working_directory(tmp_path):
@@ -99,7 +114,16 @@ def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(ip, 
         capsys.readouterr()
 
 
-_ALL_VALID = set(VALID_WORDS) | {"float16", "float32", "float", "cuda", "hpu", "auto", "live", "text"}
+_ALL_VALID = set(VALID_WORDS) | {
+    "float16",
+    "float32",
+    "float",
+    "cuda",
+    "hpu",
+    "auto",
+    "live",
+    "text",
+}
 garbage = junk.filter(
     lambda w: (
         w.lower() not in _ALL_VALID

@@ -47,7 +47,13 @@ def _tree(module: str) -> ast.Module:
 
 def _assigned(node: ast.stmt) -> set[str]:
     """The names a top-level statement assigns (``x = ...`` or ``x: T = ...``)."""
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    targets = (
+        node.targets
+        if isinstance(node, ast.Assign)
+        else [node.target]
+        if isinstance(node, ast.AnnAssign)
+        else []
+    )
     return {target.id for target in targets if isinstance(target, ast.Name)}
 
 
@@ -77,7 +83,11 @@ def _own_doc(obj: object) -> str:
     doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else getattr(obj, "__doc__", None)
     if not isinstance(doc, str):
         return ""
-    if inspect.isclass(obj) and dataclasses.is_dataclass(obj) and doc.startswith(f"{obj.__name__}("):
+    if (
+        inspect.isclass(obj)
+        and dataclasses.is_dataclass(obj)
+        and doc.startswith(f"{obj.__name__}(")
+    ):
         return ""
     return doc.strip()
 
@@ -97,9 +107,15 @@ def _constant_documented(module: str, name: str, seen: frozenset[str] = frozense
         if name in _assigned(node):
             comment = lines[node.lineno - 2].lstrip().startswith("#:") if node.lineno > 1 else False
             after = body[index + 1] if index + 1 < len(body) else None
-            docstring = isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None), ast.Constant)
+            docstring = isinstance(after, ast.Expr) and isinstance(
+                getattr(after, "value", None), ast.Constant
+            )
             return comment or docstring
-        if isinstance(node, ast.ImportFrom) and node.module and any(alias.name == name for alias in node.names):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and any(alias.name == name for alias in node.names)
+        ):
             return _constant_documented(node.module, name, seen | {module})
     return False
 
@@ -111,14 +127,22 @@ def test_the_surface_does_not_grow_back():
 
 
 def test_every_module_declares_its_surface():
-    undeclared = [module for module in MODULES if not module.endswith("__main__") and _declared_all(module) is None]
+    undeclared = [
+        module
+        for module in MODULES
+        if not module.endswith("__main__") and _declared_all(module) is None
+    ]
     packages_without_code = [
-        module for module in undeclared if MODULES[module].name == "__init__.py" and len(_tree(module).body) <= 1
+        module
+        for module in undeclared
+        if MODULES[module].name == "__init__.py" and len(_tree(module).body) <= 1
     ]
     assert sorted(set(undeclared) - set(packages_without_code)) == []
 
 
-@pytest.mark.parametrize(("module", "name"), PUBLIC, ids=[f"{module}.{name}" for module, name in PUBLIC])
+@pytest.mark.parametrize(
+    ("module", "name"), PUBLIC, ids=[f"{module}.{name}" for module, name in PUBLIC]
+)
 def test_public_name_is_documented_with_an_example(module, name):
     imported = _import(module)
     obj = getattr(imported, name)
@@ -128,9 +152,13 @@ def test_public_name_is_documented_with_an_example(module, name):
         doc = _own_doc(obj)
         assert doc, f"{module}.{name} has no docstring"
         homes = {module, getattr(obj, "__module__", module)}
-        examples = [doc] + [importlib.import_module(home).__doc__ for home in sorted(homes) if home in MODULES]
+        examples = [doc] + [
+            importlib.import_module(home).__doc__ for home in sorted(homes) if home in MODULES
+        ]
         assert any(_has_example(text) for text in examples), (
             f"{module}.{name}: no runnable example (>>>) in its docstring or its module's"
         )
     else:
-        assert _constant_documented(module, name), f"{module}.{name}: a constant needs a '#:' comment above it"
+        assert _constant_documented(module, name), (
+            f"{module}.{name}: a constant needs a '#:' comment above it"
+        )

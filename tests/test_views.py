@@ -41,7 +41,9 @@ def test_a_provided_dashboard_receives_the_run_and_the_default_comes_back():
         asked.append((kind, control is not None))
         return [sink]
 
-    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), batch_size=32, dashboard="auto")
+    trainer, train, _ = ex.example_trainer(
+        "bf16", "cpu", widths=(4, 8), batch_size=32, dashboard="auto"
+    )
     with views.provided(dashboard=dashboard):
         history = trainer.fit(train, max_steps=5)
     assert asked == [("auto", True)]
@@ -56,11 +58,16 @@ def test_provided_views_are_restored_after_an_error():
 
 
 def test_a_bad_view_name_installs_nothing():
-    with pytest.raises(InvalidChoiceError, match="unknown view 'dashbord'; valid: dashboard, history_figure"):
+    with pytest.raises(
+        InvalidChoiceError, match="unknown view 'dashbord'; valid: dashboard, history_figure"
+    ):
         views.provide(history_figure=print, dashbord=print)
     assert views.view("history_figure") is ui_views.history_figure
 
 
 def test_a_removed_view_is_a_clear_error_not_a_silent_nothing():
-    with views.provided(history_figure=None), pytest.raises(MpnbError, match="no 'history_figure' view is installed"):
+    with (
+        views.provided(history_figure=None),
+        pytest.raises(MpnbError, match="no 'history_figure' view is installed"),
+    ):
         mpnb.History().plot()

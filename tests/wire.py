@@ -22,7 +22,9 @@ class RecordingComm(DummyComm):
     sizes: list[int] = []
 
     def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
-        payload = len(json.dumps(data, default=str)) + sum(memoryview(b).nbytes for b in buffers or [])
+        payload = len(json.dumps(data, default=str)) + sum(
+            memoryview(b).nbytes for b in buffers or []
+        )
         type(self).sizes.append(payload)
 
     def close(self, data=None, metadata=None, buffers=None, deleting=False):

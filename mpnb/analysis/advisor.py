@@ -42,8 +42,16 @@ __all__ = ["Advice", "advise"]
 
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: smaller magnitudes become 0
-UNDERFLOW_ALARM = 0.01  # share of a module's nonzero gradients lost to underflow that deserves advice
-METRICS = ("max |activation|", "max |gradient|", "fp16 underflow share", "fp16 output error", "bf16 output error")
+UNDERFLOW_ALARM = (
+    0.01  # share of a module's nonzero gradients lost to underflow that deserves advice
+)
+METRICS = (
+    "max |activation|",
+    "max |gradient|",
+    "fp16 underflow share",
+    "fp16 output error",
+    "bf16 output error",
+)
 
 
 @dataclasses.dataclass
@@ -123,7 +131,9 @@ class _Watch:
     """Records each leaf module's output and the gradient flowing back into it."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.leaves = [(name, module) for name, module in model.named_modules() if not list(module.children())]
+        self.leaves = [
+            (name, module) for name, module in model.named_modules() if not list(module.children())
+        ]
         self.outputs: dict[str, torch.Tensor] = {}
         self.gradients: dict[str, torch.Tensor] = {}
         self.largest_parameter_gradient = 0.0
@@ -143,14 +153,20 @@ class _Watch:
                 return
             self.outputs[name] = output.detach().float().clone()
             if output.requires_grad:
-                output.register_hook(lambda grad: self.gradients.__setitem__(name, grad.detach().float().clone()))
+                output.register_hook(
+                    lambda grad: self.gradients.__setitem__(name, grad.detach().float().clone())
+                )
 
         return record
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal, NaN equal to NaN."""
-    return a.dtype == b.dtype and a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bool(((a == b) | (a.isnan() & b.isnan())).all())
+    )
 
 
 @contextlib.contextmanager
@@ -199,15 +215,26 @@ def _left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[
 
 
 def _pass(
-    model: nn.Module, batch: Sequence[Any], loss_fn: Callable, device: torch.device, dtype: torch.dtype | None
+    model: nn.Module,
+    batch: Sequence[Any],
+    loss_fn: Callable,
+    device: torch.device,
+    dtype: torch.dtype | None,
 ) -> _Watch:
-    inputs, targets = (part.to(device) if isinstance(part, torch.Tensor) else part for part in batch)
+    inputs, targets = (
+        part.to(device) if isinstance(part, torch.Tensor) else part for part in batch
+    )
     watch = _Watch(model)
     model.zero_grad(set_to_none=True)
-    with watch.watching(), torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+    with (
+        watch.watching(),
+        torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None),
+    ):
         loss = loss_fn(model(inputs), targets)
     loss.float().backward()
-    watch.largest_parameter_gradient = max((_largest(p.grad) for p in model.parameters()), default=0.0)
+    watch.largest_parameter_gradient = max(
+        (_largest(p.grad) for p in model.parameters()), default=0.0
+    )
     model.zero_grad(set_to_none=True)
     return watch
 
@@ -270,17 +297,25 @@ def advise(
                 max_gradient=_largest(grad),
                 underflow_share=_underflow_share(grad),
                 output_error={k: _relative_error(w.outputs.get(name), out) for k, w in low.items()},
-                gradient_error={k: _relative_error(w.gradients.get(name), grad) for k, w in low.items()},
+                gradient_error={
+                    k: _relative_error(w.gradients.get(name), grad) for k, w in low.items()
+                },
             )
         )
-    return _findings(rows, reference.largest_parameter_gradient, backend_for(target).label, target.type)
+    return _findings(
+        rows, reference.largest_parameter_gradient, backend_for(target).label, target.type
+    )
 
 
-def _findings(rows: list[ModuleNumerics], parameter_gradient: float, label: str, device_type: str) -> Advice:
+def _findings(
+    rows: list[ModuleNumerics], parameter_gradient: float, label: str, device_type: str
+) -> Advice:
     overflowing = [
         r
         for r in rows
-        if r.max_activation > FP16_MAX or r.max_gradient > FP16_MAX or math.isinf(r.output_error.get("fp16", 0.0))
+        if r.max_activation > FP16_MAX
+        or r.max_gradient > FP16_MAX
+        or math.isinf(r.output_error.get("fp16", 0.0))
     ]
     underflowing = [r for r in rows if r.underflow_share > UNDERFLOW_ALARM]
     overflow, underflow = [r.module for r in overflowing], [r.module for r in underflowing]

@@ -75,7 +75,9 @@ def parse_bytes(size: int | float | str) -> int:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
         unit = match.group(2).lower() if match else None
         if unit not in _UNITS:
-            raise ValueError(f"cannot read {size!r} as a memory size; write e.g. '4 GiB', '500 MB' or a byte count")
+            raise ValueError(
+                f"cannot read {size!r} as a memory size; write e.g. '4 GiB', '500 MB' or a byte count"
+            )
         value = float(match.group(1)) * _UNITS[unit]
     else:
         value = float(size)
@@ -289,7 +291,9 @@ class _Search:
         fits = [t for t in self.trials if t.fits and t.batch_size * 8 >= good]
         if self.budget is None or len({t.batch_size for t in fits}) < 2:
             return self._answer(good, "trial time")
-        per_sample, offset = statistics.linear_regression([t.batch_size for t in fits], [t.peak for t in fits])
+        per_sample, offset = statistics.linear_regression(
+            [t.batch_size for t in fits], [t.peak for t in fits]
+        )
         if per_sample <= 0:  # peaks too small to rise above the noise
             return self._answer(good, "trial time")
         size = max(good, min(limit, int((self.budget - offset) / per_sample)))
@@ -319,5 +323,9 @@ def _is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, torch.OutOfMemoryError):
         return True
     text = str(error).lower()
-    phrases = ("out of memory", "can't allocate memory", "allocation failed")  # CUDA/HPU, CPU, Habana
+    phrases = (
+        "out of memory",
+        "can't allocate memory",
+        "allocation failed",
+    )  # CUDA/HPU, CPU, Habana
     return isinstance(error, RuntimeError) and any(phrase in text for phrase in phrases)

@@ -61,7 +61,9 @@ class ComparisonProgress:
         pass
 
 
-def progress_view(progress: str | ComparisonProgress | None, modes: list[str], title: str) -> ComparisonProgress:
+def progress_view(
+    progress: str | ComparisonProgress | None, modes: list[str], title: str
+) -> ComparisonProgress:
     """The view ``progress`` names: None shows nothing; a string is made by the UI layer's view."""
     if progress is None:
         return ComparisonProgress()
@@ -116,7 +118,9 @@ def compare_runs(
     refuse_inside_a_fit("a comparison")
     names = _mode_names(modes)
     for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0), ("block", block, 1)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < least
+        ):
             raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
     block = default_block(steps) if block is None else block
     view = progress_view(progress, names, title)
@@ -178,7 +182,9 @@ def compare(
         ValueError: steps < 1, warmup < 0 or block < 1.
     """
     return compare_runs(
-        lambda name: _BuiltRun(name, make_run, warmup + steps, replace_dashboard=progress is not None),
+        lambda name: _BuiltRun(
+            name, make_run, warmup + steps, replace_dashboard=progress is not None
+        ),
         modes,
         steps,
         warmup,
@@ -201,7 +207,9 @@ def _epochs_for(data: Any, batches_needed: int) -> int | None:
 class _BuiltRun:
     """A mode's run as ``make_run`` builds it: its fits continue one another, turn after turn."""
 
-    def __init__(self, name: str, make_run: MakeRun, total_steps: int, replace_dashboard: bool) -> None:
+    def __init__(
+        self, name: str, make_run: MakeRun, total_steps: int, replace_dashboard: bool
+    ) -> None:
         self.name, self.make_run, self.total_steps = name, make_run, total_steps
         self.replace_dashboard = replace_dashboard
         self.trainer: Any = None
@@ -214,7 +222,9 @@ class _BuiltRun:
         if steps == 0 or (self.fitted and (not self.trainer.resumable or self.trainer.stopped)):
             return 0
         trainer, data = self.trainer, self.data
-        epochs = None if self.fitted else _epochs_for(data, self.total_steps * trainer.amp.accumulate)
+        epochs = (
+            None if self.fitted else _epochs_for(data, self.total_steps * trainer.amp.accumulate)
+        )
         own_dashboard = trainer.dashboard
         if self.replace_dashboard:
             trainer.dashboard = sink

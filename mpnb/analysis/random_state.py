@@ -38,7 +38,11 @@ class RandomState:
         """The state in force now (reading an accelerator's state initialises it, as its first use would)."""
         if device_type == "cpu":
             return cls(device_type, torch.get_rng_state())
-        return cls(device_type, torch.get_rng_state(), torch.get_device_module(device_type).get_rng_state_all())
+        return cls(
+            device_type,
+            torch.get_rng_state(),
+            torch.get_device_module(device_type).get_rng_state_all(),
+        )
 
     def restore(self) -> None:
         """Put this state back."""

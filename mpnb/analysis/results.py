@@ -118,7 +118,10 @@ class ModeResult:
     def _timed_rows(self, sizes: list[int | None], size: int | None) -> list[list[int]]:
         """Each timed turn's rows: those of ``size`` samples (and of unknown size), or all for None."""
         blocks = self.blocks or [(self.timed_from, len(sizes))]
-        return [[i for i in range(start, stop) if size is None or sizes[i] in (size, None)] for start, stop in blocks]
+        return [
+            [i for i in range(start, stop) if size is None or sizes[i] in (size, None)]
+            for start, stop in blocks
+        ]
 
     def _sizes(self) -> list[int | None]:
         """Each row's samples, from its throughput and time (None where either is unknown)."""
@@ -141,7 +144,9 @@ class ModeResult:
         if self.history is None:
             return math.nan
         rates = self.history.samples_per_s
-        timed = [rates[i] for rows in self._rows_of_timed_size() for i in rows if math.isfinite(rates[i])]
+        timed = [
+            rates[i] for rows in self._rows_of_timed_size() for i in rows if math.isfinite(rates[i])
+        ]
         return statistics.median(timed) if timed else math.nan
 
     def summary(self) -> dict[str, Any]:
@@ -198,16 +203,23 @@ class Comparison:
         name = parse_mode(mode).value
         found = next((r for r in self.results if r.mode == name), None)
         if found is None:
-            raise KeyError(f"mode {name!r} was not compared; this comparison has {[r.mode for r in self.results]}")
+            raise KeyError(
+                f"mode {name!r} was not compared; this comparison has {[r.mode for r in self.results]}"
+            )
         return found
 
     def speedup(self, mode: str) -> Speedup:
         """``mode``'s speedup over fp32, with the quartiles of its per-round ratios."""
-        baseline, result = next((r for r in self.results if r.mode == "fp32" and r.history), None), self.result(mode)
+        baseline, result = (
+            next((r for r in self.results if r.mode == "fp32" and r.history), None),
+            self.result(mode),
+        )
         if baseline is None or result.history is None:
             return NO_SPEEDUP
         baseline_size, result_size = baseline.timed_size, result.timed_size
-        size = baseline_size if baseline_size == result_size else None  # the same work on both sides
+        size = (
+            baseline_size if baseline_size == result_size else None
+        )  # the same work on both sides
         return speedup_over(baseline.times_of(size), result.times_of(size))
 
     def rows(self) -> list[dict[str, Any]]:
@@ -234,7 +246,9 @@ class Comparison:
         table = []
         for row in self.rows():
             if row["skipped_reason"]:
-                table.append([row["mode"], *["-"] * (len(_COLUMNS) - 2), f"not run: {row['skipped_reason']}"])
+                table.append(
+                    [row["mode"], *["-"] * (len(_COLUMNS) - 2), f"not run: {row['skipped_reason']}"]
+                )
                 continue
             table.append(
                 [
@@ -271,11 +285,18 @@ class Comparison:
         The file is replaced whole, never written through a link (see :func:`mpnb._files.atomic_write`).
         """
         rows = [
-            {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+            {
+                k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in r.items()
+            }
             for r in self.rows()
         ]
         with atomic_write(path) as file:
-            json.dump({"steps": self.steps, "warmup": self.warmup, "block": self.block, "modes": rows}, file, indent=2)
+            json.dump(
+                {"steps": self.steps, "warmup": self.warmup, "block": self.block, "modes": rows},
+                file,
+                indent=2,
+            )
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Write the rows as CSV, each text as a spreadsheet shows it and never runs it (a skip
@@ -291,7 +312,9 @@ class Comparison:
 
 
 def _number(value: float, pattern: str) -> str:
-    return pattern.format(value) if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+    return (
+        pattern.format(value) if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+    )
 
 
 def _bytes(value: float) -> str:

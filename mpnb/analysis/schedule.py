@@ -99,7 +99,9 @@ class _Turns:
         """Run one turn with this mode's random state, measuring the memory it reaches if asked."""
         self.random_state.restore()
         backend = backend_for(device)
-        if measure_memory and not self.rows:  # the mode's first timed turn: other modes' freed memory goes back
+        if (
+            measure_memory and not self.rows
+        ):  # the mode's first timed turn: other modes' freed memory goes back
             backend.release_cached_memory()
         measured = measure_memory and backend.reset_peak_memory(device.index)
         start = backend.memory(device.index).used if measured else None
@@ -159,7 +161,9 @@ def interleave(
             on_end(result)
 
     with kept_random_state(device.type) as found:
-        turns = {name: _Turns(found) for name in runs}  # every mode starts from the state the comparison found
+        turns = {
+            name: _Turns(found) for name in runs
+        }  # every mode starts from the state the comparison found
         for name in runs:  # build and warm up, one mode after another
             try:
                 taken = take_turn(name, warmup, timed_turn=False)

@@ -63,9 +63,7 @@ def slow_mode_notice(trainer: Any, batch: Any, steps: int) -> str | None:
     if reason is None:
         return None
     seconds = step_seconds(trainer, batch)
-    return (
-        f"{reason}: about {seconds * 1e3:.0f} ms a step here, so {steps} steps take about {_duration(seconds * steps)}"
-    )
+    return f"{reason}: about {seconds * 1e3:.0f} ms a step here, so {steps} steps take about {_duration(seconds * steps)}"
 
 
 def _duration(seconds: float) -> str:

@@ -61,9 +61,14 @@ def step_time_stats(times: Sequence[float]) -> StepTimeStats:
     finite = [t for t in times if math.isfinite(t)]
     if not finite:
         return StepTimeStats(math.nan, math.nan, 0)
-    from torch.utils.benchmark.utils.common import Measurement, TaskSpec  # 1 s to import: only when needed
+    from torch.utils.benchmark.utils.common import (
+        Measurement,
+        TaskSpec,
+    )  # 1 s to import: only when needed
 
-    measurement = Measurement(number_per_run=1, raw_times=finite, task_spec=TaskSpec(stmt="step", setup=""))
+    measurement = Measurement(
+        number_per_run=1, raw_times=finite, task_spec=TaskSpec(stmt="step", setup="")
+    )
     return StepTimeStats(measurement.median, measurement.iqr, len(finite))
 
 
@@ -90,7 +95,9 @@ class Speedup:
 NO_SPEEDUP = Speedup(math.nan, math.nan, math.nan, 0)
 
 
-def speedup_over(baseline_blocks: Sequence[Sequence[float]], mode_blocks: Sequence[Sequence[float]]) -> Speedup:
+def speedup_over(
+    baseline_blocks: Sequence[Sequence[float]], mode_blocks: Sequence[Sequence[float]]
+) -> Speedup:
     """The speedup of a mode over the baseline from their step times, block by block.
 
     Args:

@@ -121,9 +121,15 @@ class LauncherChannel:
         key = (message.rank, message.fit)
         expected = self._next_seq.get(key, 0)
         if message.seq < expected:
-            raise Refused(f"rank {message.rank} sent batch {message.seq} of fit {message.fit} again (a replay)")
-        if message.seq > expected:  # taken off the queue by someone else: the view misses those rows
-            self._refuse(f"{message.seq - expected} batch(es) of rank {message.rank}'s rows never arrived")
+            raise Refused(
+                f"rank {message.rank} sent batch {message.seq} of fit {message.fit} again (a replay)"
+            )
+        if (
+            message.seq > expected
+        ):  # taken off the queue by someone else: the view misses those rows
+            self._refuse(
+                f"{message.seq - expected} batch(es) of rank {message.rank}'s rows never arrived"
+            )
         self._next_seq[key] = message.seq + 1
 
     def _refuse(self, reason: str) -> None:
@@ -142,7 +148,9 @@ class WorkerChannel:
     def __init__(self, address: tuple[str, int], secret: bytes, rank: int) -> None:
         host, port = address
         self.rank = rank
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        self.store = dist.TCPStore(
+            host, port, is_master=False, timeout=datetime.timedelta(seconds=60)
+        )
         self._signer = Signer(secret)
         self._seq: Counter[int] = Counter()
 
@@ -166,17 +174,27 @@ class RankStream(Sink):
     this fit's ``control.stop()`` (looked at every :data:`STOP_POLL_S`)."""
 
     def __init__(
-        self, channel: WorkerChannel, index: int, history: History, control: FitControl, send_rows: bool = True
+        self,
+        channel: WorkerChannel,
+        index: int,
+        history: History,
+        control: FitControl,
+        send_rows: bool = True,
     ) -> None:
         self.channel, self.index, self.control, self.send_rows = channel, index, control, send_rows
-        self._sent = len(history)  # a trainer that fits again continues its history: only new rows go
+        self._sent = len(
+            history
+        )  # a trainer that fits again continues its history: only new rows go
         self._next_look = 0.0
         control.pollers.append(self._look_for_stop)
 
     def update(self, history: History) -> None:
         end = len(history)
         if self.send_rows and end > self._sent:
-            self.channel.send(self.index, {name: values[self._sent : end] for name, values in history.columns.items()})
+            self.channel.send(
+                self.index,
+                {name: values[self._sent : end] for name, values in history.columns.items()},
+            )
             self._sent = end
 
     def close(self, history: History) -> None:

@@ -102,7 +102,9 @@ class _Link:
     local: bool
 
 
-def _ranks_view(dashboard: str | RanksView | None, title: str, control: FitControl) -> RanksView | None:
+def _ranks_view(
+    dashboard: str | RanksView | None, title: str, control: FitControl
+) -> RanksView | None:
     if dashboard is None or isinstance(dashboard, RanksView):
         return dashboard
     return views.view("rank_dashboard")(dashboard, title, control)
@@ -165,7 +167,11 @@ def launch(
     from mpnb.distributed.rendezvous import BACKEND_NAME, rendezvous_for
 
     _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint)
-    if dashboard is not None and not isinstance(dashboard, RanksView) and dashboard not in DASHBOARDS:
+    if (
+        dashboard is not None
+        and not isinstance(dashboard, RanksView)
+        and dashboard not in DASHBOARDS
+    ):
         raise InvalidChoiceError("dashboard", dashboard, [*DASHBOARDS, "None", "a RanksView"])
     device_type = _accelerator_type()
     backend = backend or default_backend(device_type)
@@ -198,58 +204,92 @@ def launch(
     )
     payload = cloudpickle.dumps((fn, args))
     channel_secret = new_secret()
-    channel = LauncherChannel(channel_secret, ranks=range(node_rank * nproc, (node_rank + 1) * nproc))
+    channel = LauncherChannel(
+        channel_secret, ranks=range(node_rank * nproc, (node_rank + 1) * nproc)
+    )
     link = _Link(channel.address, channel_secret, stream=dashboard is not None, local=local)
     control = control or FitControl()
-    view = _ranks_view(dashboard, f"{getattr(fn, '__name__', 'launch')} on {nproc * nnodes} ranks", control)
+    view = _ranks_view(
+        dashboard, f"{getattr(fn, '__name__', 'launch')} on {nproc * nnodes} ranks", control
+    )
     supervisor = Supervisor(channel, view, control)
-    with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:  # error files and stacks, removed after
+    with tempfile.TemporaryDirectory(
+        prefix="mpnb-launch-"
+    ) as logs:  # error files and stacks, removed after
         config.logs_specs = DefaultLogsSpecs(log_dir=logs)
         gc.collect()  # this process's garbage finalized here, where it was made, not in a forked worker (see _worker)
         try:
-            with _agent_logs_quiet(), rendezvous_for(run_id, rendezvous_secret or new_secret(), local):
+            with (
+                _agent_logs_quiet(),
+                rendezvous_for(run_id, rendezvous_secret or new_secret(), local),
+            ):
                 returned = supervisor.run(
-                    lambda: elastic_launch(config, _worker)(payload, backend, device_type, timeout, logs, link)
+                    lambda: elastic_launch(config, _worker)(
+                        payload, backend, device_type, timeout, logs, link
+                    )
                 )
         except ChildFailedError as failure:
             raise launch_error(failure.failures, timeout, logs, node_rank * nproc) from None
-        except (json.JSONDecodeError, EOFError) as unread:  # torch's launcher read an error file half-written
+        except (
+            json.JSONDecodeError,
+            EOFError,
+        ) as unread:  # torch's launcher read an error file half-written
             raise launch_error({}, timeout, logs, node_rank * nproc) from unread
-        except SignalException as signalled:  # the launcher turns Ctrl-C / a kernel interrupt into this
+        except (
+            SignalException
+        ) as signalled:  # the launcher turns Ctrl-C / a kernel interrupt into this
             if signalled.sigval != signal.SIGINT:
                 raise
             raise KeyboardInterrupt("launch interrupted: every worker was ended") from None
-        except RendezvousStateError as refused:  # mpnb's signed rendezvous refused a state (see rendezvous.py)
+        except (
+            RendezvousStateError
+        ) as refused:  # mpnb's signed rendezvous refused a state (see rendezvous.py)
             raise MpnbError(f"the launch could not meet its other nodes: {refused}") from None
     ranks = sorted(returned)
     unpacked = [cloudpickle.loads(returned[rank]) for rank in ranks]
     return Launched(
         results=[result for result, _ in unpacked],
-        histories=[[History.from_dict(history) for history in histories] for _, histories in unpacked],
+        histories=[
+            [History.from_dict(history) for history in histories] for _, histories in unpacked
+        ],
     )
 
 
 def _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint) -> None:
     if not callable(fn):
         raise MpnbError(f"fn must be callable, got {type(fn).__name__}")
-    for name, value, least in (("nproc", nproc, 1), ("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
+    for name, value, least in (
+        ("nproc", nproc, 1),
+        ("nnodes", nnodes, 1),
+        ("node_rank", node_rank, 0),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise MpnbError(f"{name} must be a whole number >= {least}, got {value!r}")
     if node_rank >= nnodes:
         raise MpnbError(f"node_rank must be below nnodes={nnodes}, got {node_rank}")
     if nproc > MAX_NPROC:
-        raise MpnbError(f"nproc must be at most {MAX_NPROC} (4 per CPU core, 64 at least), got {nproc}")
+        raise MpnbError(
+            f"nproc must be at most {MAX_NPROC} (4 per CPU core, 64 at least), got {nproc}"
+        )
     if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout < math.inf
     ):
-        raise MpnbError(f"timeout must be a positive, finite number of seconds or None, got {timeout!r}")
+        raise MpnbError(
+            f"timeout must be a positive, finite number of seconds or None, got {timeout!r}"
+        )
     if nnodes > 1 and not rdzv_endpoint:
-        raise MpnbError(f"nnodes={nnodes} needs rdzv_endpoint='host:port' of a machine every node reaches")
+        raise MpnbError(
+            f"nnodes={nnodes} needs rdzv_endpoint='host:port' of a machine every node reaches"
+        )
     host, _, port = (rdzv_endpoint or "localhost:0").rpartition(":")
     if not host or not port.isdigit():
         raise MpnbError(f"rdzv_endpoint must be 'host:port', got {rdzv_endpoint!r}")
     if dist.is_available() and dist.is_initialized():
-        raise MpnbError("launch was called inside a process group (a worker): launch from the notebook's own process")
+        raise MpnbError(
+            "launch was called inside a process group (a worker): launch from the notebook's own process"
+        )
 
 
 def _accelerator_type() -> str:
@@ -279,7 +319,9 @@ def _agent_logs_quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str, link: _Link) -> bytes:
+def _worker(
+    payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str, link: _Link
+) -> bytes:
     """One worker: join the process group, run the function, send back its result and histories."""
     # What a forked worker inherits from the launching process is never collected here, first thing:
     # finalizers of native objects made there (compiled code, threads, earlier process groups) are not
@@ -291,7 +333,9 @@ def _worker(payload: bytes, backend: str, device_type: str, timeout: float | Non
     return record(_run_worker)(payload, backend, device_type, timeout, logs, link)
 
 
-def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str, link: _Link) -> bytes:
+def _run_worker(
+    payload: bytes, backend: str, device_type: str, timeout: float | None, logs: str, link: _Link
+) -> bytes:
     # A forked worker inherits the launcher's Python SIGTERM handler, which cannot run while the
     # worker waits in a collective: the launcher's "stop" would then wait SHUTDOWN_S for nothing.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -302,7 +346,9 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
     stacks_on_crash(logs, os.environ["RANK"])
     if timeout is not None:
         end_after(timeout, logs, os.environ["RANK"])
-    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: the workers share the cores, not oversubscribe them
+    if (
+        "OMP_NUM_THREADS" not in os.environ
+    ):  # as torchrun does: the workers share the cores, not oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     fn, args = cloudpickle.loads(payload)
     if device_type == "cuda":
@@ -314,7 +360,11 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
         _peer_sockets_on_loopback()
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(
-            backend, store=workers_store(logs), rank=rank, world_size=world_size, timeout=group_timeout
+            backend,
+            store=workers_store(logs),
+            rank=rank,
+            world_size=world_size,
+            timeout=group_timeout,
         )
     else:
         dist.init_process_group(backend, timeout=group_timeout)
@@ -330,10 +380,17 @@ def _run_worker(payload: bytes, backend: str, device_type: str, timeout: float |
             result = fn(*args)
         except Exception:
             raise
-        except BaseException as stopped:  # the launcher writes no error file for these: say what happened
-            what = {SystemExit: f"sys.exit({getattr(stopped, 'code', None)!r})", KeyboardInterrupt: "KeyboardInterrupt"}
+        except (
+            BaseException
+        ) as stopped:  # the launcher writes no error file for these: say what happened
+            what = {
+                SystemExit: f"sys.exit({getattr(stopped, 'code', None)!r})",
+                KeyboardInterrupt: "KeyboardInterrupt",
+            }
             named = what.get(type(stopped), f"{type(stopped).__name__}: {stopped}")
-            raise RuntimeError(f"the function ended its rank with {named} instead of returning") from stopped
+            raise RuntimeError(
+                f"the function ended its rank with {named} instead of returning"
+            ) from stopped
     # Only on success: a rank that raised keeps its connections until its error file is written
     # and it exits, so its peers fail after it and the launch names it, not them.
     dist.destroy_process_group()
@@ -348,7 +405,11 @@ def _peer_sockets_on_loopback() -> None:
     """On one machine the ranks talk over loopback: gloo and NCCL listen there unless told otherwise
     (left to themselves, they listen on the address the machine's name resolves to)."""
     loopback = next(
-        (name for name, addresses in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addresses)),
+        (
+            name
+            for name, addresses in psutil.net_if_addrs().items()
+            if any(a.address == "127.0.0.1" for a in addresses)
+        ),
         None,
     )
     for variable in _SOCKET_INTERFACE_VARIABLES:

@@ -70,13 +70,17 @@ def _error_files(folder: str) -> list[tuple[int, int, dict]]:
         try:
             with open(path) as file:
                 error = json.load(file).get("message", {})
-            found.append((os.stat(path).st_mtime_ns, int(os.path.basename(os.path.dirname(path))), error))
+            found.append(
+                (os.stat(path).st_mtime_ns, int(os.path.basename(os.path.dirname(path))), error)
+            )
         except (OSError, ValueError, AttributeError):
             continue
     return sorted(found, key=lambda entry: entry[:2])
 
 
-def launch_error(failures: dict[int, Any], timeout: float | None, logs: str, first_rank: int) -> LaunchError:
+def launch_error(
+    failures: dict[int, Any], timeout: float | None, logs: str, first_rank: int
+) -> LaunchError:
     """The error that says what ended the launch: the stacks of the ranks that timed out, else the
     first exception a rank raised (the launcher may report first a rank that failed only because
     its peer's connection closed), else the first rank that exited. ``first_rank``: this node's
@@ -95,16 +99,22 @@ def launch_error(failures: dict[int, Any], timeout: float | None, logs: str, fir
     if errors:
         _, local_rank, error = errors[0]
         rank = first_rank + local_rank
-        details = error.get("extraInfo", {}).get("py_callstack", "") or str(error.get("message", ""))
+        details = error.get("extraInfo", {}).get("py_callstack", "") or str(
+            error.get("message", "")
+        )
         what = str(error.get("message", "an error"))
-        if "by peer" in what:  # gloo's word for a peer that went away first, leaving no error of its own
+        if (
+            "by peer" in what
+        ):  # gloo's word for a peer that went away first, leaving no error of its own
             what += (
                 "\n(another rank ended first without a Python exception: os._exit, a signal or a crash; "
                 "its exit code is in the launcher's log)"
             )
         return LaunchError(f"rank {rank} failed: {what}\n\n{details}", rank, details)
     if not failures:
-        return LaunchError("a rank failed and left no readable error (see the launcher's log)", first_rank, "")
+        return LaunchError(
+            "a rank failed and left no readable error (see the launcher's log)", first_rank, ""
+        )
     rank, exited = min(failures.items(), key=lambda item: item[1].timestamp)
     crashed = _stacks(logs, ".crash")
     if crashed:  # a fatal signal in native code: where the first rank that crashed was

@@ -68,7 +68,9 @@ class RankRows:
                 found.append(latest[0].step[row])
         return found
 
-    def stragglers(self, window: int = 20, threshold: float = 1.15, least: int = 10) -> dict[int, float]:
+    def stragglers(
+        self, window: int = 20, threshold: float = 1.15, least: int = 10
+    ) -> dict[int, float]:
         """Ranks whose median time of their own work over the last ``window`` common steps is at
         least ``threshold`` times the median of the other ranks', with that ratio (2 decimals).
 
@@ -80,7 +82,9 @@ class RankRows:
         if end <= max(least, 1) or len(self.histories) < 2:  # step 1 alone is all warm-up
             return {}
         start = max(1, end - window)  # the first step carries warm-up
-        medians = {rank: statistics.median(_own_time(h)[start:end]) for rank, h in self.latest().items()}
+        medians = {
+            rank: statistics.median(_own_time(h)[start:end]) for rank, h in self.latest().items()
+        }
         slow = {}
         for rank, median in medians.items():
             others = statistics.median(m for other, m in medians.items() if other != rank)

@@ -30,7 +30,10 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    C10dRendezvousBackend,
+    create_backend,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -66,7 +69,9 @@ class SignedBackend(RendezvousBackend):
         found = self._inner.get_state()
         return None if found is None else (self._open(found[0]), found[1])
 
-    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
         result = self._inner.set_state(self._signer.sign(state), token)
         return None if result is None else (self._open(result[0]), result[1], result[2])
 
@@ -143,4 +148,6 @@ _SHARE_STORE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 def workers_store(folder: str) -> dist.FileStore:
     """The store a worker of a one-machine launch joins its process group with: a file in the
     launch's private folder (mode 0700), where no other user reaches and no socket listens."""
-    return dist.FileStore(os.path.join(folder, "process-group-store"), int(os.environ["WORLD_SIZE"]))
+    return dist.FileStore(
+        os.path.join(folder, "process-group-store"), int(os.environ["WORLD_SIZE"])
+    )

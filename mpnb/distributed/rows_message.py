@@ -77,7 +77,9 @@ def decode(signer: Signer, data: bytes, ranks: range) -> RowsMessage:
         raise Refused("not a rows message (it needs rank, fit, seq and columns)")
     rank, fit, seq = (_whole(fields, name) for name in ("rank", "fit", "seq"))
     if rank not in ranks:
-        raise Refused(f"rank {rank} is not one of this node's ranks {ranks.start}..{ranks.stop - 1}")
+        raise Refused(
+            f"rank {rank} is not one of this node's ranks {ranks.start}..{ranks.stop - 1}"
+        )
     if fit >= MAX_FITS:
         raise Refused(f"fit index {fit} is not below {MAX_FITS}")
     return RowsMessage(rank, fit, seq, _checked_columns(fields["columns"]))
@@ -110,7 +112,12 @@ def _checked_columns(columns: Any) -> dict[str, list[Any]]:
 
 
 _NONE = object()
-_KINDS = {int: "whole numbers", float: "numbers", bool: "True or False", str: f"texts of at most {MAX_TEXT} characters"}
+_KINDS = {
+    int: "whole numbers",
+    float: "numbers",
+    bool: "True or False",
+    str: f"texts of at most {MAX_TEXT} characters",
+}
 
 
 def _fits(kind: type, value: Any) -> bool:
@@ -121,5 +128,7 @@ def _fits(kind: type, value: Any) -> bool:
     if kind is int:
         return isinstance(value, int) and -_INT_LIMIT < value < _INT_LIMIT
     if kind is float:
-        return isinstance(value, float) or (isinstance(value, int) and -_INT_LIMIT < value < _INT_LIMIT)
+        return isinstance(value, float) or (
+            isinstance(value, int) and -_INT_LIMIT < value < _INT_LIMIT
+        )
     return isinstance(value, str) and len(value) <= MAX_TEXT

@@ -44,7 +44,9 @@ class Supervisor:
         control: its ``stop()`` is passed on to every rank.
     """
 
-    def __init__(self, channel: LauncherChannel, view: RanksView | None, control: FitControl | None = None) -> None:
+    def __init__(
+        self, channel: LauncherChannel, view: RanksView | None, control: FitControl | None = None
+    ) -> None:
         self.channel: LauncherChannel | None = channel
         self.view = view
         self.control = control or FitControl()
@@ -54,7 +56,9 @@ class Supervisor:
         """``start()``'s return value (or its exception), watched meanwhile; no worker outlives it."""
         before = {child.pid for child in psutil.Process().children(recursive=True)}
         done = threading.Event()
-        watcher = threading.Thread(target=self._watch, args=(done,), name="mpnb-launch-watch", daemon=True)
+        watcher = threading.Thread(
+            target=self._watch, args=(done,), name="mpnb-launch-watch", daemon=True
+        )
         self.control.begin()
         watcher.start()
         try:
@@ -62,7 +66,9 @@ class Supervisor:
         finally:
             done.set()
             watcher.join()
-            _end_workers(before)  # none should be left; one that is (torch's launcher failed) goes now
+            _end_workers(
+                before
+            )  # none should be left; one that is (torch's launcher failed) goes now
             self.control.end()
             self._take_rows()
             self._show("close")
@@ -81,7 +87,9 @@ class Supervisor:
         try:
             arrived = self.channel.received()
         except Exception as error:
-            warn_user(f"the launch's telemetry channel failed and is read no more (the ranks go on): {error!r}")
+            warn_user(
+                f"the launch's telemetry channel failed and is read no more (the ranks go on): {error!r}"
+            )
             self.channel = None
             return
         for rank, index, columns in arrived:
@@ -94,8 +102,12 @@ class Supervisor:
             return
         try:
             self.channel.ask_stop()
-        except Exception as error:  # the ranks' own stop still works: a worker's interrupt, the timeout
-            warn_user(f"the launch's stop could not reach the ranks (its channel failed): {error!r}")
+        except (
+            Exception
+        ) as error:  # the ranks' own stop still works: a worker's interrupt, the timeout
+            warn_user(
+                f"the launch's stop could not reach the ranks (its channel failed): {error!r}"
+            )
             self.channel = None
 
     def _show(self, what: str) -> None:
@@ -106,13 +118,17 @@ class Supervisor:
         try:
             getattr(self.view, what)(self.rows)
         except Exception as error:
-            warn_user(f"the launch's view {type(self.view).__name__} failed in {what}() and is left out: {error!r}")
+            warn_user(
+                f"the launch's view {type(self.view).__name__} failed in {what}() and is left out: {error!r}"
+            )
             self.view = None
 
 
 def _end_workers(before: set[int]) -> None:
     """End the processes this one started since ``before`` was taken (the workers), SIGTERM then SIGKILL."""
-    started = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    started = [
+        child for child in psutil.Process().children(recursive=True) if child.pid not in before
+    ]
     if not started:
         return
     for child in started:

@@ -87,14 +87,23 @@ class LoopRecorder(WithTelemetry):
         """
         telemetry = LoopTelemetry(framework, dashboard)
         telemetry.begin(
-            model, optimizer, scaler=scaler, device=device, asked=asked, title=f"{framework}: {type(model).__name__}"
+            model,
+            optimizer,
+            scaler=scaler,
+            device=device,
+            asked=asked,
+            title=f"{framework}: {type(model).__name__}",
         )
         telemetry.window_begin()
         telemetry.before_optimizer_step()
         return cls(telemetry, step_ends)
 
     def record(
-        self, loss: torch.Tensor | float, batch: Any = None, epoch: int = 0, ends_step: bool | None = None
+        self,
+        loss: torch.Tensor | float,
+        batch: Any = None,
+        epoch: int = 0,
+        ends_step: bool | None = None,
     ) -> bool:
         """Note a micro-batch's loss (one number; and its example count, from ``batch``); at the
         end of an optimizer step record its row, in ``epoch``. Returns True when the loop should
@@ -139,7 +148,9 @@ def watch(
     return LoopRecorder.start(
         "Accelerate",
         getattr(model, "module", model),
-        getattr(optimizer, "optimizer", optimizer),  # AcceleratedOptimizer wraps the torch optimizer
+        getattr(
+            optimizer, "optimizer", optimizer
+        ),  # AcceleratedOptimizer wraps the torch optimizer
         scaler=accelerator.scaler,
         device=accelerator.device,
         asked=_ACCELERATE_PRECISIONS.get(str(accelerator.mixed_precision)),

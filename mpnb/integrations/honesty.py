@@ -33,7 +33,9 @@ def precision_mismatch(asked: str | None, observed: str | None, framework: str) 
     )
 
 
-def fp16_without_scaling(observed: str | None, scaler: torch.amp.GradScaler | None, framework: str) -> str | None:
+def fp16_without_scaling(
+    observed: str | None, scaler: torch.amp.GradScaler | None, framework: str
+) -> str | None:
     """fp16 with no enabled GradScaler: small gradients flush to zero, overflows go unnoticed."""
     if observed not in ("fp16", "fp16-true") or (scaler is not None and scaler.is_enabled()):
         return None
@@ -70,7 +72,8 @@ def no_loss(framework: str, step: int, reason: str | None = None) -> str:
     """A step gave no loss to read (said once; its rows hold NaN with ``loss_missing``), and why,
     where the framework's settings say (``reason``)."""
     reason = (
-        reason or "a training step that returns none, manual optimization, a custom loss computed outside the model"
+        reason
+        or "a training step that returns none, manual optimization, a custom loss computed outside the model"
     )
     return (
         f"{framework} gave no loss mpnb can read at step {step} ({reason}): those rows hold NaN with "

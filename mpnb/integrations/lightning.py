@@ -48,7 +48,12 @@ from mpnb.training.telemetry import Sink
 
 __all__ = ["MpnbCallback", "fabric_telemetry", "precision"]
 
-_PRECISIONS = {Mode.FP32: "32-true", Mode.TF32: "32-true", Mode.FP16: "16-mixed", Mode.BF16: "bf16-mixed"}
+_PRECISIONS = {
+    Mode.FP32: "32-true",
+    Mode.TF32: "32-true",
+    Mode.FP16: "16-mixed",
+    Mode.BF16: "bf16-mixed",
+}
 #: Lightning's precision settings, each with the precision mpnb observes it as (None: none it names).
 _SETTINGS = {
     "16-mixed": "fp16",
@@ -139,9 +144,13 @@ class MpnbCallback(Callback, WithTelemetry):
         self.telemetry.window_begin()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if optimizer is not trainer.optimizers[0]:  # the first optimizer's steps only (said at the start)
+        if (
+            optimizer is not trainer.optimizers[0]
+        ):  # the first optimizer's steps only (said at the start)
             return
-        if self._step_pending:  # manual optimization, a second step in one batch: the first one's row now
+        if (
+            self._step_pending
+        ):  # manual optimization, a second step in one batch: the first one's row now
             self._end_step(trainer)
         self.telemetry.before_optimizer_step()
         self._step_pending = True
@@ -154,10 +163,14 @@ class MpnbCallback(Callback, WithTelemetry):
             # Lightning divides by accumulate_grad_batches, the last part-filled window too: undone,
             # so the step's loss is the mean of its own batches (manual optimization divides nothing)
             scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            self.telemetry.add_loss(loss.float() * scale if scale != 1 else loss)  # in fp32: no second rounding
+            self.telemetry.add_loss(
+                loss.float() * scale if scale != 1 else loss
+            )  # in fp32: no second rounding
         if self._step_pending:
             # automatic optimization calls no optimizer for a batch without a loss: not an overflow skip
-            self._end_step(trainer, optimizer_called=loss is not None or not pl_module.automatic_optimization)
+            self._end_step(
+                trainer, optimizer_called=loss is not None or not pl_module.automatic_optimization
+            )
 
     def _end_step(self, trainer, optimizer_called: bool = True) -> None:
         self._step_pending = False
@@ -218,6 +231,8 @@ def fabric_telemetry(
         getattr(optimizer, "optimizer", optimizer),
         scaler=getattr(plugin, "scaler", None),
         device=fabric.device,
-        asked=asked_precision(precision if precision is not None else getattr(plugin, "precision", None)),
+        asked=asked_precision(
+            precision if precision is not None else getattr(plugin, "precision", None)
+        ),
         dashboard=dashboard,
     )

@@ -96,13 +96,17 @@ class LoopTelemetry:
     ) -> None:
         check_dashboard(dashboard)
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
-            raise ValueError(f"flush_every must be a whole number of steps, at least 1; got {flush_every!r}")
+            raise ValueError(
+                f"flush_every must be a whole number of steps, at least 1; got {flush_every!r}"
+            )
         self.framework, self.dashboard = framework, dashboard
         self.history = History()
         self.control = FitControl()
         self.health = HealthWatch(on_nonfinite)
         self.recorder = Recorder(
-            self.history, flush_every=flush_every_for(on_nonfinite, flush_every), sinks=[self.health]
+            self.history,
+            flush_every=flush_every_for(on_nonfinite, flush_every),
+            sinks=[self.health],
         )
         self.notices = Notices(self.history)
         self.steps = 0
@@ -144,17 +148,23 @@ class LoopTelemetry:
         self._run = _Run(model, optimizer, scaler, device, asked)
         self.runs += 1
         name = title or self.framework
-        self.history.note(f"run {self.runs} ({name}) starts after step {self.steps}", kind="run", step=self.steps)
+        self.history.note(
+            f"run {self.runs} ({name}) starts after step {self.steps}", kind="run", step=self.steps
+        )
         self.notices.restart()
         self.health.restart(self.history)
-        sinks = dashboard_sinks(self.dashboard, title or f"{self.framework} (mpnb telemetry)", self.control)
+        sinks = dashboard_sinks(
+            self.dashboard, title or f"{self.framework} (mpnb telemetry)", self.control
+        )
         self.recorder.sinks.extend(sinks)
         self._run.sinks = sinks
         self.control.begin()
         self._run.control_listener = self._follow_control(self._run, on_stop)
         self.control.on_state.append(self._run.control_listener)
         self.notices.say("session_autocast", session_autocast_around(device.type, self.framework))
-        self.notices.say("session_oplists", session_lists_inside(session.oplists.lists, self.framework))
+        self.notices.say(
+            "session_oplists", session_lists_inside(session.oplists.lists, self.framework)
+        )
 
     def hold(self, handle: torch.utils.hooks.RemovableHandle) -> None:
         """Take ``handle`` (a hook the caller put on for this run) off with the run's own hooks,
@@ -186,7 +196,9 @@ class LoopTelemetry:
             try:
                 value = float(loss)
             except (TypeError, ValueError):
-                raise TypeError(f"{self.framework}: a step's loss must be a tensor or a number, got {loss!r}") from None
+                raise TypeError(
+                    f"{self.framework}: a step's loss must be a tensor or a number, got {loss!r}"
+                ) from None
         run.account.add_loss(value, normalized)
 
     def add_samples(self, count: int | None) -> None:
@@ -229,17 +241,27 @@ class LoopTelemetry:
         self.recorder.record(**record.row())
         run.next_window()
         if record.loss_missing:
-            self.notices.say("no_loss", no_loss(self.framework, self.steps, self.no_loss_reason), self.steps)
+            self.notices.say(
+                "no_loss", no_loss(self.framework, self.steps, self.no_loss_reason), self.steps
+            )
         if not prepared:
             self.notices.say("not_prepared", not_prepared(self.framework, self.steps), self.steps)
         if observed is None:
             self.notices.say("mode_unseen", mode_unseen(self.framework, self.steps), self.steps)
-        if observed != run.checked_precision:  # the precision's notices, when it is first seen or changes
+        if (
+            observed != run.checked_precision
+        ):  # the precision's notices, when it is first seen or changes
             run.checked_precision = observed
-            self.notices.say("precision_mismatch", precision_mismatch(run.asked, observed, self.framework), self.steps)
+            self.notices.say(
+                "precision_mismatch",
+                precision_mismatch(run.asked, observed, self.framework),
+                self.steps,
+            )
             scaling = fp16_without_scaling(observed, run.scaler, self.framework)
             self.notices.say("fp16_without_scaling", scaling, self.steps)
-        if self.control.checkpoint().paused_s:  # delivers the dashboard's requests (a Stop), waits while paused
+        if (
+            self.control.checkpoint().paused_s
+        ):  # delivers the dashboard's requests (a Stop), waits while paused
             run.account.restart_clock()  # the pause is no step's work: the next step's time starts at its first batch
         return self.stop_requested
 
@@ -284,7 +306,9 @@ class LoopTelemetry:
             self.control.on_state.remove(run.control_listener)
             self.control.end()
 
-    def _follow_control(self, run: _Run, on_stop: Callable[[], None] | None) -> Callable[[str], None]:
+    def _follow_control(
+        self, run: _Run, on_stop: Callable[[], None] | None
+    ) -> Callable[[str], None]:
         """A :attr:`FitControl.on_state` listener for ``run``: Stop calls ``on_stop`` the moment it is
         pressed; an abandoned run (its notebook cell raised, see :mod:`mpnb.ui.cell_end`) is ended,
         with a note saying why."""
@@ -305,7 +329,9 @@ class LoopTelemetry:
 
     def _require_run(self) -> _Run:
         if self._run is None:
-            raise RuntimeError(f"{self.framework}: no run is being recorded (begin() was not called, or end() was)")
+            raise RuntimeError(
+                f"{self.framework}: no run is being recorded (begin() was not called, or end() was)"
+            )
         return self._run
 
     def __repr__(self) -> str:
@@ -346,12 +372,18 @@ class _Run:
         self.optimizer, self.scaler, self.device, self.asked = optimizer, scaler, device, asked
         self.account = StepAccount(device)  # the open step's clock, memory, losses and examples
         # without an enabled scaler no step is ever skipped: nothing to watch, no hook in the optimizer
-        self.watch = OptimizerStepWatch(optimizer) if scaler is not None and scaler.is_enabled() else None
+        self.watch = (
+            OptimizerStepWatch(optimizer) if scaler is not None and scaler.is_enabled() else None
+        )
         self.observer = PrecisionObserver(model, device.type)
         self.sinks: list[Sink] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
-        self.control_listener: Callable[[str], None] = lambda state: None  # Stop to the framework, and more
-        self.checked_precision: str | None = None  # the observed precision the notices were checked for
+        self.control_listener: Callable[[str], None] = lambda state: (
+            None
+        )  # Stop to the framework, and more
+        self.checked_precision: str | None = (
+            None  # the observed precision the notices were checked for
+        )
         self.next_window()
 
     def next_window(self) -> None:

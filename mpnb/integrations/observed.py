@@ -44,7 +44,11 @@ __all__: list[str] = []
 _AUTOCAST_NAMES = {torch.float16: Mode.FP16.value, torch.bfloat16: Mode.BF16.value}
 #: Weights in these dtypes name the precision themselves: autocast never casts float64 (not
 #: eligible), and weights already in bf16 / fp16 run in it with autocast or without.
-_WEIGHT_PRECISIONS = {torch.bfloat16: "bf16-true", torch.float16: "fp16-true", torch.float64: "fp64"}
+_WEIGHT_PRECISIONS = {
+    torch.bfloat16: "bf16-true",
+    torch.float16: "fp16-true",
+    torch.float64: "fp64",
+}
 #: Every precision a run can be asked for or observed in.
 PRECISIONS = (*(mode.value for mode in Mode if mode is not Mode.OFF), *_WEIGHT_PRECISIONS.values())
 
@@ -120,7 +124,9 @@ class PrecisionObserver:
     traced while the hook was off (or not at all), so nothing true can be said of it.
     """
 
-    def __init__(self, model: nn.Module, device_type: str, interval: float = 0.25, slow_step: float = 0.01) -> None:
+    def __init__(
+        self, model: nn.Module, device_type: str, interval: float = 0.25, slow_step: float = 0.01
+    ) -> None:
         self.model, self.device_type = model, device_type
         self.interval, self.slow_step = interval, slow_step
         #: The latest reading (None until one).
@@ -152,13 +158,17 @@ class PrecisionObserver:
         self._weight = _first_weight(self.model)
         self._fp32_math = fp32_math_in_effect()
         self._seen = False
-        self._handles = [leaf.register_forward_pre_hook(self._observe) for leaf in _observed_leaves(self.model)]
+        self._handles = [
+            leaf.register_forward_pre_hook(self._observe) for leaf in _observed_leaves(self.model)
+        ]
 
     def _observe(self, module: nn.Module, args: object) -> None:
         if not torch.is_grad_enabled():
             return
         weights = self._weight.dtype if self._weight is not None else None
-        if torch.compiler.is_compiling():  # what is stored here is stored again at each compiled call
+        if (
+            torch.compiler.is_compiling()
+        ):  # what is stored here is stored again at each compiled call
             self.precision = precision_in_effect(self.device_type, weights, self._fp32_math)
             self._traced = True
         else:

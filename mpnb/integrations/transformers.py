@@ -62,7 +62,9 @@ __all__ = ["MpnbCallback", "precision_args"]
 _FRAMEWORK = "transformers.Trainer"
 
 
-def precision_args(mode: str | Mode | None = None, device: str | torch.device | None = None) -> dict[str, Any]:
+def precision_args(
+    mode: str | Mode | None = None, device: str | torch.device | None = None
+) -> dict[str, Any]:
     """The ``TrainingArguments`` keywords for a mode (default: the session's ``%amp`` mode).
 
     ``tf32`` is set only on CUDA (the Trainer refuses it elsewhere): True for mode tf32, False
@@ -108,12 +110,17 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
     """
 
     def __init__(
-        self, dashboard: str | Sink | None = "auto", on_nonfinite: str = "warn", flush_every: int = 64
+        self,
+        dashboard: str | Sink | None = "auto",
+        on_nonfinite: str = "warn",
+        flush_every: int = 64,
     ) -> None:
         self.telemetry = LoopTelemetry(_FRAMEWORK, dashboard, on_nonfinite, flush_every)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        inner = getattr(
+            optimizer, "optimizer", optimizer
+        )  # accelerate's AcceleratedOptimizer wraps the torch one
         self.telemetry.begin(
             model,
             inner,

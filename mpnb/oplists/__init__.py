@@ -18,7 +18,15 @@ Example:
 """
 
 from mpnb.oplists.keys import AUTOCAST_KEYS
-from mpnb.oplists.lists import LIST_NAMES, PRESETS, OpLists, aten_overloads, canonical_name, check_op, read_op_file
+from mpnb.oplists.lists import (
+    LIST_NAMES,
+    PRESETS,
+    OpLists,
+    aten_overloads,
+    canonical_name,
+    check_op,
+    read_op_file,
+)
 from mpnb.oplists.override import OpListOverride
 from mpnb.oplists.session_lists import SessionOpLists
 from mpnb.oplists.torch_rules import AutocastRules, autocast_rules

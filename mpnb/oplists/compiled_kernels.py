@@ -60,7 +60,9 @@ class _Build:
                 try:
                     cls._compile_and_load()
                     cls.loaded = True
-                except Exception as error:  # no compiler, no ninja, a failed build: all mean "use Python"
+                except (
+                    Exception
+                ) as error:  # no compiler, no ninja, a failed build: all mean "use Python"
                     cls.failure = f"{type(error).__name__}: {_last_lines(str(error))}"
                     warnings.warn(
                         "mpnb: the op lists use their Python kernels (about 15 us more per listed op call) "
@@ -72,7 +74,9 @@ class _Build:
 
     @staticmethod
     def _compile_and_load() -> None:
-        from torch.utils import cpp_extension  # imports setuptools: only when lists are first applied
+        from torch.utils import (
+            cpp_extension,
+        )  # imports setuptools: only when lists are first applied
 
         build_dir = cpp_extension._get_build_directory(EXTENSION, verbose=False)
         if not os.path.exists(os.path.join(build_dir, f"{EXTENSION}.so")):
@@ -82,7 +86,11 @@ class _Build:
                 flush=True,
             )
         cpp_extension.load(
-            EXTENSION, [str(SOURCE)], extra_cflags=["-O2"], build_directory=build_dir, is_python_module=False
+            EXTENSION,
+            [str(SOURCE)],
+            extra_cflags=["-O2"],
+            build_directory=build_dir,
+            is_python_module=False,
         )
 
 
@@ -122,7 +130,9 @@ class CompiledGroup:
         self._release()
 
 
-def register(dispatch_key: str, device_type: str, entries: list[tuple[str, bool, tuple[int, ...]]]) -> CompiledGroup:
+def register(
+    dispatch_key: str, device_type: str, entries: list[tuple[str, bool, tuple[int, ...]]]
+) -> CompiledGroup:
     """Register C++ list kernels on ``dispatch_key``; call only when :func:`kind` is ``"compiled"``.
 
     Args:
@@ -136,5 +146,7 @@ def register(dispatch_key: str, device_type: str, entries: list[tuple[str, bool,
     positions = [position for _, _, own in entries for position in own]
     counts = [len(own) for _, _, own in entries]
     return CompiledGroup(
-        torch.ops.mpnb_list_kernels.register(dispatch_key, device_type, names, to_fp32, positions, counts)
+        torch.ops.mpnb_list_kernels.register(
+            dispatch_key, device_type, names, to_fp32, positions, counts
+        )
     )

@@ -31,7 +31,15 @@ import torch
 from mpnb._files import atomic_write
 from mpnb.errors import InvalidChoiceError, MpnbError, quoted
 
-__all__ = ["OpLists", "PRESETS", "LIST_NAMES", "aten_overloads", "canonical_name", "check_op", "read_op_file"]
+__all__ = [
+    "OpLists",
+    "PRESETS",
+    "LIST_NAMES",
+    "aten_overloads",
+    "canonical_name",
+    "check_op",
+    "read_op_file",
+]
 
 #: The largest op-list file read (1 MiB).
 MAX_OP_FILE_BYTES = 2**20
@@ -43,7 +51,15 @@ LIST_NAMES = ("lower", "fp32")
 LIST_ALIASES = {"bf16": "lower"}
 
 # Prefixes users write before an op name: aten's, torch's Python namespaces.
-_PREFIXES = ("torch.ops.aten.", "aten::", "aten.", "torch.nn.functional.", "nn.functional.", "F.", "torch.")
+_PREFIXES = (
+    "torch.ops.aten.",
+    "aten::",
+    "aten.",
+    "torch.nn.functional.",
+    "nn.functional.",
+    "F.",
+    "torch.",
+)
 
 # Names users write (Python / Habana) that differ from the aten operators they mean.
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -162,7 +178,9 @@ def check_op(name: str) -> str:
     base, dot, _ = entry.partition(".")
     if dot and aten_overloads(base) and not _overloads_of(entry):
         valid = [f"{base}.{op._schema.overload_name or 'default'}" for op in aten_overloads(base)]
-        raise InvalidChoiceError(f"overload of {base}", name, valid, f"Or write just {base!r} for all of them.")
+        raise InvalidChoiceError(
+            f"overload of {base}", name, valid, f"Or write just {base!r} for all of them."
+        )
     refused = _overloads_of(entry) or (_overloads_of(base) if dot else [])
     if refused:
         # The reason of the op's own (not out=) variants: `arange` takes no tensors; `relu_` writes.
@@ -178,13 +196,19 @@ def check_op(name: str) -> str:
             f"op {name!r} cannot be on a list: aten::{entry} {reason}; torch.autocast never casts such ops, "
             f"and a cast copy would lose what the op shares with its input.{hint}"
         )
-    close = difflib.get_close_matches(entry, _listable_names(), n=3, cutoff=0.75) if len(entry) <= 64 else []
+    close = (
+        difflib.get_close_matches(entry, _listable_names(), n=3, cutoff=0.75)
+        if len(entry) <= 64
+        else []
+    )
     if not close:
         raise MpnbError(
             f"unknown op {quoted(name)}: no operator has a close name. Any aten operator name "
             "(torch.ops.aten.<name>) or an alias (F.softmax) works."
         )
-    raise InvalidChoiceError("op", name, close, "Any other aten operator name (torch.ops.aten.<name>) works too.")
+    raise InvalidChoiceError(
+        "op", name, close, "Any other aten operator name (torch.ops.aten.<name>) works too."
+    )
 
 
 @functools.cache
@@ -196,7 +220,9 @@ def _listable_names() -> list[str]:
         for name in torch._C._dispatch_get_all_op_names()
         if name.startswith("aten::")
     }
-    return sorted({n for n in bases if n and not n.startswith("_") and not n.endswith("_")} | set(ALIASES))
+    return sorted(
+        {n for n in bases if n and not n.startswith("_") and not n.endswith("_")} | set(ALIASES)
+    )
 
 
 @dataclasses.dataclass
@@ -227,7 +253,9 @@ class OpLists:
         return lists
 
     @classmethod
-    def of(cls, lower: Iterable[str] = (), fp32: Iterable[str] = (), source: str = "user") -> OpLists:
+    def of(
+        cls, lower: Iterable[str] = (), fp32: Iterable[str] = (), source: str = "user"
+    ) -> OpLists:
         """Lists from two name collections; an op named on both is an error.
 
         Example:
@@ -237,7 +265,9 @@ class OpLists:
         lower, fp32 = list(lower), list(fp32)
         both = sorted({canonical_name(n) for n in lower} & {canonical_name(n) for n in fp32})
         if both:
-            raise MpnbError(f"op {both[0]!r} is on both the lower and the fp32 list; name each op on one list")
+            raise MpnbError(
+                f"op {both[0]!r} is on both the lower and the fp32 list; name each op on one list"
+            )
         lists = cls()
         lists.add("lower", lower, source)
         lists.add("fp32", fp32, source)
@@ -245,7 +275,9 @@ class OpLists:
 
     @classmethod
     def from_files(
-        cls, lower_path: str | os.PathLike[str] | None = None, fp32_path: str | os.PathLike[str] | None = None
+        cls,
+        lower_path: str | os.PathLike[str] | None = None,
+        fp32_path: str | os.PathLike[str] | None = None,
     ) -> OpLists:
         """Read Habana-format files: one op per line, ``#`` starts a comment.
 
@@ -262,7 +294,10 @@ class OpLists:
         name = LIST_ALIASES.get(which.strip().lower(), which.strip().lower())
         if name not in LIST_NAMES:
             raise InvalidChoiceError(
-                "list", which, LIST_NAMES, "lower (alias bf16) = run in the autocast dtype; fp32 = run in fp32."
+                "list",
+                which,
+                LIST_NAMES,
+                "lower (alias bf16) = run in the autocast dtype; fp32 = run in fp32.",
             )
         return self.lower if name == "lower" else self.fp32
 
@@ -286,7 +321,9 @@ class OpLists:
         names = [canonical_name(name) for name in ops]
         for name in names:
             if name not in target:
-                raise InvalidChoiceError(f"op on the {which} list", name, sorted(target) or ["(the list is empty)"])
+                raise InvalidChoiceError(
+                    f"op on the {which} list", name, sorted(target) or ["(the list is empty)"]
+                )
         for name in names:
             del target[name]
 
@@ -304,7 +341,10 @@ class OpLists:
         for which in LIST_NAMES:
             path = os.path.join(directory, f"{which}_list.txt")
             with atomic_write(path) as file:
-                file.write(f"# mpnb {which} op list\n" + "".join(f"{name}\n" for name in sorted(self._list(which))))
+                file.write(
+                    f"# mpnb {which} op list\n"
+                    + "".join(f"{name}\n" for name in sorted(self._list(which)))
+                )
             paths.append(path)
         return paths[0], paths[1]
 
@@ -328,7 +368,9 @@ def read_op_file(path: str | os.PathLike[str]) -> list[str]:
     name = os.fspath(path)
     size = os.path.getsize(path)
     if size > MAX_OP_FILE_BYTES:
-        raise MpnbError(f"op-list file {quoted(name)} is {size:,} bytes; op-list files are limited to 1 MiB")
+        raise MpnbError(
+            f"op-list file {quoted(name)} is {size:,} bytes; op-list files are limited to 1 MiB"
+        )
     with open(path, "rb") as file:
         raw = file.read()
     names = []
@@ -341,7 +383,9 @@ def read_op_file(path: str | os.PathLike[str]) -> list[str]:
                 "op-list files hold one op name per line"
             ) from None
         if "\x00" in text:
-            raise MpnbError(f"op-list file {quoted(name)}, line {number}: a NUL byte; is it a binary file?")
+            raise MpnbError(
+                f"op-list file {quoted(name)}, line {number}: a NUL byte; is it a binary file?"
+            )
         entry = text.split("#", 1)[0].strip()
         if entry:
             try:

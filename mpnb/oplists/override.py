@@ -100,7 +100,9 @@ _CASTABLE_TO: dict[torch.dtype, frozenset[torch.dtype]] = {}
 def _castable_to(dtype: torch.dtype) -> frozenset[torch.dtype]:
     castable = _CASTABLE_TO.get(dtype)
     if castable is None:
-        floating = {v for v in vars(torch).values() if isinstance(v, torch.dtype) and v.is_floating_point}
+        floating = {
+            v for v in vars(torch).values() if isinstance(v, torch.dtype) and v.is_floating_point
+        }
         castable = _CASTABLE_TO[dtype] = frozenset(floating - {torch.float64, dtype})
     return castable
 
@@ -126,7 +128,9 @@ def _tensor_positions(op: torch._ops.OpOverload) -> tuple[int, ...]:
     return tuple(i for i, arg in enumerate(arguments) if _holds_tensors(arg.type))
 
 
-def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool) -> Callable[..., Any]:
+def _kernel(
+    op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
+) -> Callable[..., Any]:
     """The Python list kernel for ``op``: cast as torch.autocast casts, call below autocast, keep writes.
 
     Only the tensors torch.autocast itself would cast are cast: floating, on the autocast
@@ -145,16 +149,24 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
     arguments = op._schema.arguments
     # Where tensors can be: positions of the positional arguments, names of the keyword-only ones.
     tensor_positions = tuple(i for i in _tensor_positions(op) if not arguments[i].kwarg_only)
-    tensor_keywords = tuple(arguments[i].name for i in _tensor_positions(op) if arguments[i].kwarg_only)
+    tensor_keywords = tuple(
+        arguments[i].name for i in _tensor_positions(op) if arguments[i].kwarg_only
+    )
     tensor_type = torch.Tensor
-    fixed = (torch.float32, _cast_method(torch.float32), _castable_to(torch.float32)) if to_fp32 else None
+    fixed = (
+        (torch.float32, _cast_method(torch.float32), _castable_to(torch.float32))
+        if to_fp32
+        else None
+    )
     autocast_dtype = torch.get_autocast_dtype
 
     def cast(value: Any, castable: frozenset, cast_to: Callable, copies: list) -> Any:
         if isinstance(value, tensor_type):
             if value.dtype in castable and on_device(value):
                 copy = cast_to(value)
-                if not copy.is_inference():  # no version counter; only arguments no listed op writes are cast
+                if (
+                    not copy.is_inference()
+                ):  # no version counter; only arguments no listed op writes are cast
                     copies.append((value, copy, copy._version))
                 return copy
             return value
@@ -169,7 +181,9 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str, to_fp32: bool
         else:
             dtype, cast_to, castable = fixed
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        with exclude_autocast(below_autocast):  # casts too, as torch's kernels cast: fewer keys to pass
+        with exclude_autocast(
+            below_autocast
+        ):  # casts too, as torch's kernels cast: fewer keys to pass
             args = list(args)
             for position in tensor_positions:
                 if position < len(args):
@@ -221,11 +235,15 @@ class _KernelGroup(Protocol):
 class _PythonKernels:
     """Python list kernels on one dispatch key, held by a ``torch.library.Library``."""
 
-    def __init__(self, key: str, device_type: str, kernels: list[tuple[torch._ops.OpOverload, bool]]) -> None:
+    def __init__(
+        self, key: str, device_type: str, kernels: list[tuple[torch._ops.OpOverload, bool]]
+    ) -> None:
         self._library = torch.library.Library("aten", "IMPL", key)
         try:
             for op, to_fp32 in kernels:
-                self._library.impl(_impl_name(op), _kernel(op, device_type, key, to_fp32), key, allow_override=True)
+                self._library.impl(
+                    _impl_name(op), _kernel(op, device_type, key, to_fp32), key, allow_override=True
+                )
         except BaseException:
             self._library._destroy()
             raise
@@ -275,12 +293,16 @@ class OpListOverride:
             self.release()
             raise
         # dropped without release(), the groups remove their kernels when collected; so do the holds
-        self._unhold = weakref.finalize(self, _HELD.subtract, [entry for held in self._held for entry in held])
+        self._unhold = weakref.finalize(
+            self, _HELD.subtract, [entry for held in self._held for entry in held]
+        )
         _CompiledCode.invalidate()
 
     def _register(self, device_type: str, replacing: OpListOverride | None) -> _KernelGroup:
         key = AUTOCAST_KEYS[device_type]
-        leaving = collections.Counter(entry for entries in (replacing._held if replacing else []) for entry in entries)
+        leaving = collections.Counter(
+            entry for entries in (replacing._held if replacing else []) for entry in entries
+        )
         held, kernels = [], []
         for to_fp32, names in ((True, self.lists.fp32), (False, self.lists.lower)):
             for name in names:
@@ -288,15 +310,21 @@ class OpListOverride:
                     # torch_rule is first read when nobody holds the op (the first holder always
                     # meets _HELD == 0), so it probes torch's own kernel; later reads are cached.
                     held_elsewhere = _HELD[op, device_type] - leaving[op, device_type]
-                    if held_elsewhere == 0 and torch_rule(op, device_type) == ("fp32" if to_fp32 else "lower"):
+                    if held_elsewhere == 0 and torch_rule(op, device_type) == (
+                        "fp32" if to_fp32 else "lower"
+                    ):
                         continue  # torch's own kernel already does exactly this, at no Python cost
                     kernels.append((op, to_fp32))
                     held.append((op, device_type))
         with warnings.catch_warnings():
             # torch warns (once per process) that we replace its own autocast kernel: that is the point.
-            warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+            warnings.filterwarnings(
+                "ignore", message=r"(?s).*Overriding a previously registered kernel"
+            )
             if compiled_kernels.kind() == "compiled":
-                entries = [(_impl_name(op), to_fp32, _tensor_positions(op)) for op, to_fp32 in kernels]
+                entries = [
+                    (_impl_name(op), to_fp32, _tensor_positions(op)) for op, to_fp32 in kernels
+                ]
                 group: _KernelGroup = compiled_kernels.register(key, device_type, entries)
             else:
                 group = _PythonKernels(key, device_type, kernels)

@@ -110,7 +110,9 @@ class SessionOpLists:
         self._hpu_present = hpu_present
         self.hpu_directory = hpu_directory or _default_hpu_directory()
         self._on_change = on_change
-        self._users_hpu_variables: dict[str, str | None] | None = None  # while mpnb's values are set
+        self._users_hpu_variables: dict[str, str | None] | None = (
+            None  # while mpnb's values are set
+        )
 
     @property
     def active(self) -> bool:
@@ -135,7 +137,9 @@ class SessionOpLists:
 
     def _export_for_hpu(self) -> list[str]:
         if self._users_hpu_variables is None:  # the user's own list files, put back by reset
-            self._users_hpu_variables = {name: os.environ.get(name) for name in HPU_LIST_VARIABLES.values()}
+            self._users_hpu_variables = {
+                name: os.environ.get(name) for name in HPU_LIST_VARIABLES.values()
+            }
         variables = export_for_hpu(self.lists, self.hpu_directory)
         written = ", ".join(f"{name}={path}" for name, path in variables.items())
         return [
@@ -154,7 +158,8 @@ class SessionOpLists:
             else:
                 os.environ[name] = value
         shown = ", ".join(
-            f"{name}={value!r}" if value is not None else f"{name} unset" for name, value in saved.items()
+            f"{name}={value!r}" if value is not None else f"{name} unset"
+            for name, value in saved.items()
         )
         return [f"Habana's list variables are yours again: {shown}"]
 
@@ -215,7 +220,9 @@ class SessionOpLists:
         """The lists with the provenance of each entry, or torch's rules when there are none."""
         if not self.lists:
             return self._describe_torch(device_type)
-        lines = ["mpnb op lists (act wherever autocast is on; a block's --fp32/--lower win for that block):"]
+        lines = [
+            "mpnb op lists (act wherever autocast is on; a block's --fp32/--lower win for that block):"
+        ]
         for title, entries in (
             ("lower (run in the autocast dtype)", self.lists.lower),
             ("fp32 (run in fp32)", self.lists.fp32),

@@ -91,7 +91,9 @@ def _sample(type_text: str, device: str, dtype: torch.dtype) -> Any:
     return samples[type_text]()
 
 
-def _casts(op: torch._ops.OpOverload, device: str, low: torch.dtype, inputs: torch.dtype) -> _CastProbe:
+def _casts(
+    op: torch._ops.OpOverload, device: str, low: torch.dtype, inputs: torch.dtype
+) -> _CastProbe:
     args, kwargs = [], {}
     for argument in op._schema.arguments:
         if argument.has_default_value():
@@ -117,7 +119,11 @@ def _rule(op: torch._ops.OpOverload, device: str, low: torch.dtype) -> str:
         from_low = _casts(op, device, low, low)
     except KeyError:  # an argument type the probe cannot make
         return "other"
-    return "fp32" if torch.float32 in from_low.cast_to or from_low.op_dtype == torch.float32 else "other"
+    return (
+        "fp32"
+        if torch.float32 in from_low.cast_to or from_low.op_dtype == torch.float32
+        else "other"
+    )
 
 
 @functools.cache
@@ -137,7 +143,9 @@ def torch_rule(op: torch._ops.OpOverload, device_type: str) -> str | None:
         return None
     low = torch.get_autocast_dtype(device_type)
     with torch.no_grad(), warnings.catch_warnings(), _c_stderr_silenced():
-        warnings.simplefilter("ignore")  # deprecation notes some probed ops print (torch.lu, torch.qr...)
+        warnings.simplefilter(
+            "ignore"
+        )  # deprecation notes some probed ops print (torch.lu, torch.qr...)
         return _rule(op, device_type, torch.bfloat16 if low == torch.float32 else low)
 
 
@@ -168,7 +176,9 @@ def autocast_rules(device_type: str) -> AutocastRules:
     found: dict[str, list[str]] = {"lower": [], "fp32": [], "other": []}
     for name in names:
         found[torch_rule(_overload(name), device_type)].append(_entry(name))
-    return AutocastRules(device_type, tuple(found["lower"]), tuple(found["fp32"]), tuple(found["other"]), probed=True)
+    return AutocastRules(
+        device_type, tuple(found["lower"]), tuple(found["fp32"]), tuple(found["other"]), probed=True
+    )
 
 
 @contextlib.contextmanager

@@ -41,7 +41,8 @@ __all__ = ["Trace", "TraceRow", "trace"]
 
 #: Output dtype names of floating ops, as the rows spell them.
 _FLOATING = {
-    dtype_name(dtype).removeprefix("torch.") for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    dtype_name(dtype).removeprefix("torch.")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 }
 
 _MODULE_TAG = "mpnb.module"
@@ -105,14 +106,18 @@ class Trace:
         for row in self.ops():
             (floating if row.output in _FLOATING else other)[row.output] += row.count
         total = sum(floating.values())
-        shares = ", ".join(f"{round(100 * count / total)}% {dtype}" for dtype, count in floating.most_common())
+        shares = ", ".join(
+            f"{round(100 * count / total)}% {dtype}" for dtype, count in floating.most_common()
+        )
         text = f"{total} ops{': ' + shares if shares else ''}, {self.casts()} casts"
         if other:
             listed = ", ".join(f"{dtype} {count}" for dtype, count in other.most_common())
             text += f" (+{sum(other.values())} non-floating: {listed})"
         return text
 
-    def filter(self, module: str | None = None, op: str | None = None, phase: str | None = None) -> Trace:
+    def filter(
+        self, module: str | None = None, op: str | None = None, phase: str | None = None
+    ) -> Trace:
         """The rows whose module path contains ``module``, whose op is ``op`` and phase ``phase``."""
         return Trace(
             [
@@ -133,9 +138,14 @@ class Trace:
             writer.writerows(map(csv_cell, dataclasses.astuple(row)) for row in self.rows)
 
     def __str__(self) -> str:
-        table = [_COLUMNS] + [tuple(str(value) for value in dataclasses.astuple(row)) for row in self.rows]
+        table = [_COLUMNS] + [
+            tuple(str(value) for value in dataclasses.astuple(row)) for row in self.rows
+        ]
         widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
+        lines = [
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
+            for line in table
+        ]
         return "\n".join([self.summary(), *lines])
 
     def __repr__(self) -> str:
@@ -147,7 +157,9 @@ class Trace:
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{name}</th>" for name in _COLUMNS)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(value))}</td>" for value in dataclasses.astuple(row)) + "</tr>"
+            "<tr>"
+            + "".join(f"<td>{html.escape(str(value))}</td>" for value in dataclasses.astuple(row))
+            + "</tr>"
             for row in self.rows
         )
         return (
@@ -211,7 +223,11 @@ class _TagNodes(TorchFunctionMode):
         pending = [node]
         while pending:
             node = pending.pop()
-            if node is None or _MODULE_TAG in node.metadata or node._sequence_nr() <= self.oldest_node:
+            if (
+                node is None
+                or _MODULE_TAG in node.metadata
+                or node._sequence_nr() <= self.oldest_node
+            ):
                 continue
             if type(node).__name__ == "AccumulateGrad":
                 continue
@@ -256,7 +272,9 @@ class _RecordOps(TorchDispatchMode):
             and inputs[0] != output
         )
         name = func._schema.name.removeprefix("aten::")
-        self.counts[(phase, module, "cast" if is_cast else "op", name, ", ".join(inputs), output)] += 1
+        self.counts[
+            (phase, module, "cast" if is_cast else "op", name, ", ".join(inputs), output)
+        ] += 1
         return result
 
 
@@ -294,4 +312,6 @@ class trace:  # noqa: N801 - a context manager used like torch.autocast
             mode.__exit__(*exc_info)
         for handle in self._handles:
             handle.remove()
-        self.result.rows[:] = [TraceRow(*key, count) for key, count in self._recorder.counts.items()]
+        self.result.rows[:] = [
+            TraceRow(*key, count) for key, count in self._recorder.counts.items()
+        ]

@@ -47,7 +47,9 @@ class AutocastSettings:
 
     def context(self) -> torch.autocast:
         """A fresh torch.autocast for these settings."""
-        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache)
+        return torch.autocast(
+            self.device.type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache
+        )
 
     def describe(self) -> str:
         """``"bf16 autocast on cpu"`` or ``"autocast off on cpu"``."""
@@ -94,7 +96,11 @@ class ThreadAutocast:
     def capture(cls) -> ThreadAutocast:
         """The switches as they are now."""
         devices = tuple(
-            (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+            (
+                device_type,
+                torch.is_autocast_enabled(device_type),
+                torch.get_autocast_dtype(device_type),
+            )
             for device_type in AUTOCAST_KEYS
         )
         return cls(devices, torch.is_autocast_cache_enabled())
@@ -106,9 +112,12 @@ class ThreadAutocast:
             torch.set_autocast_enabled(device_type, enabled)
         torch.set_autocast_cache_enabled(self.cache)
 
-    def with_device(self, device_type: str, *, enabled: bool, dtype: torch.dtype, cache: bool) -> ThreadAutocast:
+    def with_device(
+        self, device_type: str, *, enabled: bool, dtype: torch.dtype, cache: bool
+    ) -> ThreadAutocast:
         """These switches with ``device_type`` set as given, and the cache flag."""
         devices = tuple(
-            (name, enabled, dtype) if name == device_type else (name, on, kind) for name, on, kind in self.devices
+            (name, enabled, dtype) if name == device_type else (name, on, kind)
+            for name, on, kind in self.devices
         )
         return ThreadAutocast(devices, cache)

@@ -58,7 +58,9 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
         self.settings = session.autocast_settings(dtype, device, enabled=enabled, cache=cache)
         self.oplists = OpLists.of(lower, fp32, source="this block")
         if self.oplists and not enabled:
-            raise MpnbError("op lists act only under autocast; this block has autocast off (drop the lists or --off)")
+            raise MpnbError(
+                "op lists act only under autocast; this block has autocast off (drop the lists or --off)"
+            )
         self._scopes: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> AutocastSettings:

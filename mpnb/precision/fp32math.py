@@ -113,7 +113,9 @@ class Fp32MathSnapshot:
             torch.set_float32_matmul_precision(self.matmul_precision)
         if self.cudnn_allow_tf32 is not None:
             torch.backends.cudnn.allow_tf32 = self.cudnn_allow_tf32
-        set_fine_grained({path: value for path, value in self.fine_grained if fine_grained(path) != value})
+        set_fine_grained(
+            {path: value for path, value in self.fine_grained if fine_grained(path) != value}
+        )
 
 
 def read_flags() -> dict[str, object]:
@@ -245,13 +247,19 @@ def probe_reduced_math(backend: Backend, device: torch.device) -> ReducedMathPro
     # lists, which act only under it) off, and no dispatch mode (a trace) watching.
     with torch.autocast(device.type, enabled=False), _disable_current_modes():
         generator = torch.Generator().manual_seed(0)
-        a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator, dtype=torch.float32).to(device)
-        b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator, dtype=torch.float32).to(device)
+        a = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator, dtype=torch.float32).to(
+            device
+        )
+        b = torch.randn(_PROBE_SIZE, _PROBE_SIZE, generator=generator, dtype=torch.float32).to(
+            device
+        )
         reference = a.double() @ b.double()
         try:
             for level in (Fp32Math.EXACT, Fp32Math.REDUCED):
                 backend.apply_fp32_math(level, legacy=found.matmul_precision is not None)
-                errors.append(float(((a @ b).double() - reference).abs().max() / reference.abs().max()))
+                errors.append(
+                    float(((a @ b).double() - reference).abs().max() / reference.abs().max())
+                )
         finally:
             found.restore()
     return ReducedMathProbe(*errors)

@@ -63,7 +63,10 @@ class Conversion:
     def __init__(self, device_type: str, lists: OpLists) -> None:
         self.device_type = device_type
         self.lists = lists
-        self._saved = (session.thread_autocast(), session.oplists.lists)  # as outside any notebook cell
+        self._saved = (
+            session.thread_autocast(),
+            session.oplists.lists,
+        )  # as outside any notebook cell
         self.active = False
 
     def apply(self) -> None:
@@ -91,7 +94,9 @@ class Conversion:
 _current: list[Conversion] = []
 
 
-def _lists(bf16_file_path: str | os.PathLike[str], fp32_file_path: str | os.PathLike[str]) -> OpLists:
+def _lists(
+    bf16_file_path: str | os.PathLike[str], fp32_file_path: str | os.PathLike[str]
+) -> OpLists:
     """Each list from its file, or Habana's default for that list when the path is empty."""
     lists = OpLists()
     defaults = OpLists.preset("hmp")
@@ -126,7 +131,10 @@ def convert(
     """
     if opt_level not in _OPT_LEVELS:
         raise InvalidChoiceError(
-            "opt_level", opt_level, _OPT_LEVELS, "torch.autocast casts per op (O1); there is no O2 on top of it."
+            "opt_level",
+            opt_level,
+            _OPT_LEVELS,
+            "torch.autocast casts per op (O1); there is no O2 on top of it.",
         )
     target = resolve_device(session.device if device is None else device)
     check_autocast_dtype(backend_for(target), target, torch.bfloat16)
@@ -136,7 +144,9 @@ def convert(
     conversion.apply()
     _current.append(conversion)
     if isVerbose:
-        print(f"mpnb.hmp: bf16 autocast on {target.type}, {len(lists.lower)} bf16 ops, {len(lists.fp32)} fp32 ops")
+        print(
+            f"mpnb.hmp: bf16 autocast on {target.type}, {len(lists.lower)} bf16 ops, {len(lists.fp32)} fp32 ops"
+        )
         print(session.oplists.describe(target.type))
     return conversion
 

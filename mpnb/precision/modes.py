@@ -102,7 +102,9 @@ def parse_mode(value: str | Mode) -> Mode:
         return value
     mode = _MODE_ALIASES.get(str(value).strip().lower())
     if mode is None:
-        raise InvalidChoiceError("mode", value, MODE_NAMES, "Aliases: float32, float16/half, bfloat16.")
+        raise InvalidChoiceError(
+            "mode", value, MODE_NAMES, "Aliases: float32, float16/half, bfloat16."
+        )
     return mode
 
 
@@ -124,8 +126,15 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
         if dtype is not None:
             return dtype
     hint = "For fp32, turn autocast off (--off, or enabled=False)." if _means_fp32(value) else ""
-    raise InvalidChoiceError("autocast dtype", value, ["bf16 (bfloat16)", "fp16 (float16, half)"], hint)
+    raise InvalidChoiceError(
+        "autocast dtype", value, ["bf16 (bfloat16)", "fp16 (float16, half)"], hint
+    )
 
 
 def _means_fp32(value: object) -> bool:
-    return value is torch.float32 or str(value).strip().lower() in ("fp32", "float32", "float", "tf32")
+    return value is torch.float32 or str(value).strip().lower() in (
+        "fp32",
+        "float32",
+        "float",
+        "tf32",
+    )

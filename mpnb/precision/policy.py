@@ -65,7 +65,8 @@ class Session:
         self.fp32_math = Fp32MathSwitch()
         self._fp32_wanted: tuple[Backend, Fp32Math] | None = None
         self.oplists = SessionOpLists(
-            hpu_present=lambda: backend_for("hpu").is_available(), on_change=lambda: self.notify("oplists")
+            hpu_present=lambda: backend_for("hpu").is_available(),
+            on_change=lambda: self.notify("oplists"),
         )
         self.cell_hooks = False
         self._outside_cell: ThreadAutocast | None = None  # while a cell scope is open
@@ -86,7 +87,9 @@ class Session:
             try:
                 listener(what)
             except Exception as error:  # a broken view must not undo a switch
-                warnings.warn(f"mpnb: a listener failed on {what!r}: {error!r}", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"mpnb: a listener failed on {what!r}: {error!r}", RuntimeWarning, stacklevel=2
+                )
 
     def resolved_device(self) -> torch.device:
         """The device the session runs on now."""
@@ -163,7 +166,9 @@ class Session:
         return AutocastSettings(target, chosen, enabled, cache)
 
     @contextlib.contextmanager
-    def mode_scope(self, mode: str | Mode, device: str | torch.device | None = None) -> Iterator[Mode]:
+    def mode_scope(
+        self, mode: str | Mode, device: str | torch.device | None = None
+    ) -> Iterator[Mode]:
         """The session in ``mode`` for one block; mode, device and fp32-math flags restored on any exit.
 
         Raises:
@@ -187,7 +192,11 @@ class Session:
         fit in mode tf32 borrows the switch, and a ``with mpnb.tf32(False):`` block inside its
         model code must hand the fit its reduced math back.
         """
-        self.mode, self.device, self._fp32_wanted = snapshot.mode, snapshot.device, snapshot.fp32_wish
+        self.mode, self.device, self._fp32_wanted = (
+            snapshot.mode,
+            snapshot.device,
+            snapshot.fp32_wish,
+        )
         self.fp32_math.hold(snapshot.fp32_held)
         self.notify("mode")
 
@@ -246,10 +255,14 @@ class Session:
         if dtype is not None:
             refusal = backend.autocast_probe(dtype)
             if refusal:
-                notes.append(f"torch would disable {dtype_name(dtype)} autocast on {target}: {refusal}")
+                notes.append(
+                    f"torch would disable {dtype_name(dtype)} autocast on {target}: {refusal}"
+                )
             notes.extend(backend.dtype_warnings(dtype))
             if not self.cell_hooks:
-                notes.append("outside IPython the mode applies inside `with mpnb.autocast():` blocks")
+                notes.append(
+                    "outside IPython the mode applies inside `with mpnb.autocast():` blocks"
+                )
         if dtype == torch.float16:
             notes.append("fp16 training needs loss scaling: use torch.amp.GradScaler with it")
         if self.fp32_math.level is Fp32Math.REDUCED and not backend.has_fast_fp32_math():

@@ -191,7 +191,9 @@ def _verify(backend: Backend, dtype: torch.dtype) -> str:
 
 def _device_info(backend: Backend, check: bool) -> DeviceInfo:
     if not backend.is_available():
-        return DeviceInfo(backend.type, backend.label, False, backend.unavailable_reason(), (), {}, "", "", {}, "")
+        return DeviceInfo(
+            backend.type, backend.label, False, backend.unavailable_reason(), (), {}, "", "", {}, ""
+        )
     dtypes = backend.autocast_dtypes()
     caps = backend.capabilities()
     detail = ", ".join(f"{k}={v}" for k, v in caps.items())

@@ -106,28 +106,42 @@ class AmpStep:
         history: History | None = None,
     ) -> None:
         if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-            raise ValueError(f"accumulate must be a positive number of micro-batches, got {accumulate}")
+            raise ValueError(
+                f"accumulate must be a positive number of micro-batches, got {accumulate}"
+            )
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be a positive norm, got {clip_grad_norm}")
         self.precision = TrainingPrecision.resolve(mode, device)
-        self._forward_context = self.precision.autocast.context()  # train_step's: entered once at a time
+        self._forward_context = (
+            self.precision.autocast.context()
+        )  # train_step's: entered once at a time
         self._in_forward = False  # train_step's forward is running
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.accumulate, self.clip_grad_norm, self.record_grad_norm = accumulate, clip_grad_norm, record_grad_norm
+        self.accumulate, self.clip_grad_norm, self.record_grad_norm = (
+            accumulate,
+            clip_grad_norm,
+            record_grad_norm,
+        )
         settings = {
             "init_scale": init_scale,
             "growth_factor": growth_factor,
             "backoff_factor": backoff_factor,
             "growth_interval": growth_interval,
         }
-        self._scaler_options = {name: value for name, value in settings.items() if value is not None}
+        self._scaler_options = {
+            name: value for name, value in settings.items() if value is not None
+        }
         self._scalers: dict[bool, torch.amp.GradScaler] = {}
         if scaler is not None:
             if self._scaler_options:
                 given = ", ".join(f"{name}=" for name in self._scaler_options)
-                raise MpnbError(f"give scaler= or {given}, not both: a GradScaler carries its own settings")
+                raise MpnbError(
+                    f"give scaler= or {given}, not both: a GradScaler carries its own settings"
+                )
             if not isinstance(scaler, torch.amp.GradScaler):
-                raise MpnbError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+                raise MpnbError(
+                    f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}"
+                )
             if scaler._device != self.precision.device.type:
                 raise MpnbError(
                     f"scaler is a GradScaler for {scaler._device!r}, training runs on "
@@ -143,10 +157,18 @@ class AmpStep:
             self._scalers[scaler.is_enabled()] = scaler  # a later switch of mode comes back to it
         self.scaler = self._scaler(self.precision.needs_scaler)
         self.health = HealthWatch(on_nonfinite)
-        all_sinks = [*([MinScaleAlarm(min_scale)] if min_scale is not None else []), self.health, *sinks]
-        self.recorder = Recorder(history, flush_every=flush_every_for(on_nonfinite, flush_every), sinks=all_sinks)
+        all_sinks = [
+            *([MinScaleAlarm(min_scale)] if min_scale is not None else []),
+            self.health,
+            *sinks,
+        ]
+        self.recorder = Recorder(
+            history, flush_every=flush_every_for(on_nonfinite, flush_every), sinks=all_sinks
+        )
         self.health.restart(self.recorder.history)
-        self.account = StepAccount(self.precision.device)  # the open step's clock, memory, losses, examples
+        self.account = StepAccount(
+            self.precision.device
+        )  # the open step's clock, memory, losses, examples
         self.steps = self.recorder.history.step[-1] if len(self.recorder.history) else 0
         self.epoch = 0
         self._window = Window()
@@ -190,13 +212,17 @@ class AmpStep:
             RuntimeError: called from inside ``forward`` of a ``train_step`` of the same helper.
         """
         if self._in_forward:  # the one context object cannot be entered twice at once
-            raise RuntimeError("AmpStep.train_step() called from inside the forward of another train_step()")
+            raise RuntimeError(
+                "AmpStep.train_step() called from inside the forward of another train_step()"
+            )
         if not callable(forward):
             raise TypeError(
                 "train_step wants a function that returns the loss, such as lambda: loss_fn(model(x), y); "
                 f"got a {type(forward).__name__}"
             )
-        outer_autocast = torch.is_autocast_enabled(self.precision.device.type)  # the state backward will run in
+        outer_autocast = torch.is_autocast_enabled(
+            self.precision.device.type
+        )  # the state backward will run in
         self.account.forward_start()
         self._in_forward = True
         try:
@@ -211,8 +237,12 @@ class AmpStep:
         """:meth:`backward`, told whether it is called where autocast is on (inside the forward's block)."""
         check_loss(loss)
         self.account.forward_end()
-        self._window.open = self._window.backward_unfinished = True  # until it returns: partial gradients
-        given = loss.detach()  # recorded as given: summed in fp32, divided once at the step (the mean)
+        self._window.open = self._window.backward_unfinished = (
+            True  # until it returns: partial gradients
+        )
+        given = (
+            loss.detach()
+        )  # recorded as given: summed in fp32, divided once at the step (the mean)
         if self.accumulate > 1:
             loss = loss / self.accumulate
         if under_autocast:  # leave it for the backward
@@ -236,7 +266,9 @@ class AmpStep:
         """
         self._refuse_partial_gradients()
         if self._window.micro_batches == 0:
-            raise RuntimeError("AmpStep.step() called with no backward(loss) since the previous step")
+            raise RuntimeError(
+                "AmpStep.step() called with no backward(loss) since the previous step"
+            )
         self.account.add_samples(samples)
         if self._window.micro_batches % self.accumulate:
             return False
@@ -261,11 +293,15 @@ class AmpStep:
                 window failed half-way (:meth:`discard_window` drops what it left).
         """
         if self._in_forward:
-            raise RuntimeError("AmpStep.finish_window() called from inside the forward of a train_step()")
+            raise RuntimeError(
+                "AmpStep.finish_window() called from inside the forward of a train_step()"
+            )
         if not self._window.open:
             return False
         self._refuse_partial_gradients()
-        if not self._window.rescaled:  # once: a retry after a failed optimizer step finds them rescaled
+        if (
+            not self._window.rescaled
+        ):  # once: a retry after a failed optimizer step finds them rescaled
             rescale(self.optimizer, self.accumulate / self._window.micro_batches)
             self._window.rescaled = True
         return self._optimizer_step()
@@ -290,14 +326,25 @@ class AmpStep:
         try:
             self.scaler.step(self.optimizer)
         except BaseException:
-            if self._step_watch.stepped:  # the update happened (a later hook failed): the step counts
+            if (
+                self._step_watch.stepped
+            ):  # the update happened (a later hook failed): the step counts
                 self._finish_step(scale_before, False, grad_norm, lr)
             raise
-        self._finish_step(scale_before, self._step_watch.skipped(self.scaler, self.precision.device), grad_norm, lr)
+        self._finish_step(
+            scale_before,
+            self._step_watch.skipped(self.scaler, self.precision.device),
+            grad_norm,
+            lr,
+        )
         return True
 
     def _finish_step(
-        self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any
+        self,
+        scale_before: torch.Tensor | float,
+        skipped: torch.Tensor | bool,
+        grad_norm: torch.Tensor | float,
+        lr: Any,
     ) -> None:
         """After the optimizer was called: update the scale, step the scheduler, record the row.
 
@@ -325,7 +372,9 @@ class AmpStep:
         if not self.between_steps:
             raise RuntimeError("the precision can change only between optimizer steps")
         if precision.device != self.precision.device:
-            raise ValueError(f"a run cannot move from {self.precision.device} to {precision.device}")
+            raise ValueError(
+                f"a run cannot move from {self.precision.device} to {precision.device}"
+            )
         self.precision = precision
         self.scaler = self._scaler(precision.needs_scaler)
         self._forward_context = precision.autocast.context()
@@ -340,7 +389,11 @@ class AmpStep:
         return self._scalers[enabled]
 
     def _record(
-        self, scale_before: torch.Tensor | float, skipped: torch.Tensor | bool, grad_norm: torch.Tensor | float, lr: Any
+        self,
+        scale_before: torch.Tensor | float,
+        skipped: torch.Tensor | bool,
+        grad_norm: torch.Tensor | float,
+        lr: Any,
     ) -> None:
         self.steps += 1
         self._window.close()  # before the sinks run: a failing sink cannot leave it open
@@ -360,7 +413,9 @@ class AmpStep:
         the scaler noted of them: whether it already unscaled them, and the infs it found)."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler.is_enabled():
-            self.scaler._per_optimizer_states.pop(id(self.optimizer), None)  # a fresh record on next use
+            self.scaler._per_optimizer_states.pop(
+                id(self.optimizer), None
+            )  # a fresh record on next use
         self._window.close()
         self.account.discard()
 

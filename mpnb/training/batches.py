@@ -50,16 +50,24 @@ def _opened(leaf: Any) -> Any:
     if isinstance(leaf, Mapping):
         return dict(leaf)
     if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-        return {field.name: getattr(leaf, field.name) for field in dataclasses.fields(leaf) if field.init}
+        return {
+            field.name: getattr(leaf, field.name)
+            for field in dataclasses.fields(leaf)
+            if field.init
+        }
     return None
 
 
 def warn_no_batches(epoch: int, one_shot: bool) -> None:
     """Say that the data gave no batches in ``epoch`` (a used-up generator, for one): a
     ``RuntimeWarning`` pointing at the ``fit`` call."""
-    used_up = " (a generator is used up after one pass: pass a list or a DataLoader to train more epochs)"
+    used_up = (
+        " (a generator is used up after one pass: pass a list or a DataLoader to train more epochs)"
+    )
     warnings.warn(
-        f"mpnb: the data gave no batches in epoch {epoch}{used_up if one_shot else ''}", RuntimeWarning, stacklevel=5
+        f"mpnb: the data gave no batches in epoch {epoch}{used_up if one_shot else ''}",
+        RuntimeWarning,
+        stacklevel=5,
     )
 
 
@@ -75,7 +83,12 @@ def indexed(device: torch.device) -> torch.device:
         return device
     try:
         return torch.device(device.type, torch.get_device_module(device.type).current_device())
-    except (RuntimeError, AttributeError, TypeError, AssertionError):  # no device module (lazy), torch built without it
+    except (
+        RuntimeError,
+        AttributeError,
+        TypeError,
+        AssertionError,
+    ):  # no device module (lazy), torch built without it
         return device
 
 
@@ -88,9 +101,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
     >>> to_device(batch, torch.device("cpu")) is batch  # the usual case, already there: as it is
     True
     """
-    if isinstance(batch, (tuple, list)):  # the usual case: every part a plain tensor already there, as it is
+    if isinstance(
+        batch, (tuple, list)
+    ):  # the usual case: every part a plain tensor already there, as it is
         for part in batch:
-            if type(part) is not torch.Tensor or part.device != device:  # subclasses (DTensor) take the full path
+            if (
+                type(part) is not torch.Tensor or part.device != device
+            ):  # subclasses (DTensor) take the full path
                 break
         else:
             return batch
@@ -138,7 +155,9 @@ def samples_in(batch: Any) -> int | None:
     return shape[0] if shape else None
 
 
-def batch_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None, step_fn: StepFn | None) -> torch.Tensor:
+def batch_loss(
+    model: nn.Module, batch: Any, loss_fn: LossFn | None, step_fn: StepFn | None
+) -> torch.Tensor:
     """The loss of one batch, by the rules in the module's docstring.
 
     Raises:
@@ -222,12 +241,16 @@ class BatchReader:
     def __next__(self) -> Any:
         return self.pending.popleft() if self.pending else next(self.source)
 
-    def hold(self, data: Iterable[Any], position: tuple[int, int] | None, *read: Any) -> HeldBatches:
+    def hold(
+        self, data: Iterable[Any], position: tuple[int, int] | None, *read: Any
+    ) -> HeldBatches:
         """What a stopping fit keeps: the batches it ``read`` and did not train, then everything not yet read."""
         return HeldBatches(data, position, [*read, *self.pending], self.source)
 
 
-def resume(held: HeldBatches | None, data: Iterable[Any], position: tuple[int, int], one_shot: bool) -> BatchReader:
+def resume(
+    held: HeldBatches | None, data: Iterable[Any], position: tuple[int, int], one_shot: bool
+) -> BatchReader:
     """An epoch's batches from ``position`` (epoch, batch) on.
 
     Where the last fit stopped at this very position on this very data, its iterator goes on

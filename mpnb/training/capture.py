@@ -61,7 +61,9 @@ class FitCapture:
         self.last_fit = (trainer, data)
 
 
-_active: contextvars.ContextVar[FitCapture | None] = contextvars.ContextVar("mpnb_fit_capture", default=None)
+_active: contextvars.ContextVar[FitCapture | None] = contextvars.ContextVar(
+    "mpnb_fit_capture", default=None
+)
 
 
 def active_capture() -> FitCapture | None:
@@ -70,7 +72,9 @@ def active_capture() -> FitCapture | None:
 
 
 @contextlib.contextmanager
-def capture_fits(mode: str | Mode, max_steps: int, sink: Sink | None = None) -> Iterator[FitCapture]:
+def capture_fits(
+    mode: str | Mode, max_steps: int, sink: Sink | None = None
+) -> Iterator[FitCapture]:
     """Make every ``Trainer.fit`` in the block train in ``mode``, ``max_steps`` steps in all."""
     capture = FitCapture(parse_mode(mode), max_steps, sink)
     token = _active.set(capture)
@@ -80,7 +84,9 @@ def capture_fits(mode: str | Mode, max_steps: int, sink: Sink | None = None) -> 
         _active.reset(token)
 
 
-_collecting: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("mpnb_fit_histories", default=None)
+_collecting: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "mpnb_fit_histories", default=None
+)
 
 
 @contextlib.contextmanager
@@ -113,7 +119,9 @@ def note_fit(history: Any) -> None:
 
 #: Makes a fit's sink from (index of its history among those collected, history, the fit's control).
 StreamFactory = Callable[[int, Any, Any], Sink]
-_streaming: contextvars.ContextVar[StreamFactory | None] = contextvars.ContextVar("mpnb_fit_stream", default=None)
+_streaming: contextvars.ContextVar[StreamFactory | None] = contextvars.ContextVar(
+    "mpnb_fit_stream", default=None
+)
 
 
 @contextlib.contextmanager

@@ -45,7 +45,11 @@ _KEYS = ("model", "optimizer", *RUN_KEYS)
 
 def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
     """Everything :meth:`Trainer.save` writes: plain data and tensors only."""
-    return {**run_record(trainer), "model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
+    return {
+        **run_record(trainer),
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+    }
 
 
 def write_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
@@ -71,7 +75,11 @@ def run_record(trainer: Trainer) -> dict[str, Any]:
 
 def _training_state(trainer: Trainer) -> dict[str, Any]:
     """What :func:`_apply` puts into a trainer, but the history: model, optimizer, scaler, scheduler, position."""
-    return {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(), **run_state(trainer)}
+    return {
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        **run_state(trainer),
+    }
 
 
 def run_state(trainer: Trainer) -> dict[str, Any]:
@@ -84,7 +92,9 @@ def run_state(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def read_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> tuple[dict[str, Any], History]:
+def read_checkpoint(
+    trainer: Trainer, path: str | os.PathLike[str]
+) -> tuple[dict[str, Any], History]:
     """Load ``path`` and check it fits ``trainer``; returns the state and its rebuilt history.
 
     Raises:
@@ -98,7 +108,9 @@ def read_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> tuple[dic
     return checked_state(trainer, load_plain(name, map_location=trainer.device), repr(name))
 
 
-def checked_state(trainer: Trainer, state: Any, name: str = "the state") -> tuple[dict[str, Any], History]:
+def checked_state(
+    trainer: Trainer, state: Any, name: str = "the state"
+) -> tuple[dict[str, Any], History]:
     """Check that ``state`` (a :func:`checkpoint_state`, from a file or a ``Trainer.state_dict()``)
     fits ``trainer``; returns it with its rebuilt history.
 
@@ -110,7 +122,9 @@ def checked_state(trainer: Trainer, state: Any, name: str = "the state") -> tupl
         raise MpnbError(f"{name} is not an mpnb trainer checkpoint (saved by Trainer.save)")
     try:
         problem = _mismatch(trainer, state)
-    except _MALFORMED as error:  # data of the wrong shape where the checks expect another (a tensor for a flag...)
+    except (
+        _MALFORMED
+    ) as error:  # data of the wrong shape where the checks expect another (a tensor for a flag...)
         problem = f"its contents are not what Trainer.save writes ({type(error).__name__}: {error})"
     if problem is None:
         try:
@@ -138,13 +152,21 @@ def _mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
         return f"its model has other parameters (unexpected {extra}, missing {absent})"
     for key, tensor in own.items():
         if not isinstance(saved[key], torch.Tensor) or saved[key].shape != tensor.shape:
-            shape = tuple(saved[key].shape) if isinstance(saved[key], torch.Tensor) else type(saved[key]).__name__
+            shape = (
+                tuple(saved[key].shape)
+                if isinstance(saved[key], torch.Tensor)
+                else type(saved[key]).__name__
+            )
             return f"model entry {key} has shape {shape}, this model's is {tuple(tensor.shape)}"
     optimizer_type = state.get("optimizer_type")
-    problem = _optimizer_type_mismatch(trainer, optimizer_type) or _optimizer_mismatch(trainer, state["optimizer"])
+    problem = _optimizer_type_mismatch(trainer, optimizer_type) or _optimizer_mismatch(
+        trainer, state["optimizer"]
+    )
     if problem is not None:
         return problem
-    if optimizer_type is None and _state_keys(state["optimizer"]) - _state_keys(trainer.optimizer.state_dict()):
+    if optimizer_type is None and _state_keys(state["optimizer"]) - _state_keys(
+        trainer.optimizer.state_dict()
+    ):
         if trainer.optimizer.state:
             return "its optimizer state has other entries (saved with another optimizer type?)"
     return run_mismatch(trainer, state)
@@ -168,7 +190,9 @@ def run_mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
     amp = state["amp"]
     if not isinstance(amp, dict) or not {"scaler", "steps", "epoch"} <= set(amp):
         return "its loss-scaler record is incomplete"
-    if not all(isinstance(amp[key], int) and not isinstance(amp[key], bool) for key in ("steps", "epoch")):
+    if not all(
+        isinstance(amp[key], int) and not isinstance(amp[key], bool) for key in ("steps", "epoch")
+    ):
         return f"its step and epoch counters are {amp['steps']!r} and {amp['epoch']!r}, not whole numbers"
     scaler = amp["scaler"]
     if bool(scaler) != trainer.amp.scaler.is_enabled():
@@ -187,7 +211,11 @@ def run_mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
             else (f"it has no scheduler state and this trainer has a {type(scheduler).__name__}")
         )
     saved_scheduler = state.get("scheduler_type")
-    if scheduler is not None and saved_scheduler is not None and saved_scheduler != type(scheduler).__name__:
+    if (
+        scheduler is not None
+        and saved_scheduler is not None
+        and saved_scheduler != type(scheduler).__name__
+    ):
         return f"its scheduler is a {saved_scheduler}, this trainer's a {type(scheduler).__name__}"
     position = state["position"]
     if not (
@@ -218,7 +246,9 @@ def _optimizer_mismatch(trainer: Trainer, saved: Any) -> str | None:
     own_groups = trainer.optimizer.param_groups
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in own_groups]:
         return "its optimizer has other parameter groups"
-    parameters = dict(zip((i for g in groups for i in g["params"]), (p for g in own_groups for p in g["params"])))
+    parameters = dict(
+        zip((i for g in groups for i in g["params"]), (p for g in own_groups for p in g["params"]))
+    )
     for index, entry in saved["state"].items():
         if index not in parameters:
             return f"its optimizer state names parameter {index!r}, which none of its groups holds"

@@ -47,7 +47,9 @@ class FitState(str, enum.Enum):
     RUNNING = "running"
     PAUSED = "paused"  # held at a step boundary until resumed or stopped
     STOPPING = "stopping"  # asked to stop: the step under way finishes, then the fit ends
-    ABANDONED = "abandoned"  # for a moment: the code that drove the fit is gone (see FitControl.abandon)
+    ABANDONED = (
+        "abandoned"  # for a moment: the code that drove the fit is gone (see FitControl.abandon)
+    )
 
     def __str__(self) -> str:
         return self.value
@@ -67,9 +69,13 @@ class FitEnd(str, enum.Enum):
 
     NOT_RUN = "not run"  # no fit yet
     FINISHED = "finished"  # the planned epochs are done
-    MAX_STEPS = "max steps"  # max_steps (or a comparison's step budget) was reached; fit(data) goes on
+    MAX_STEPS = (
+        "max steps"  # max_steps (or a comparison's step budget) was reached; fit(data) goes on
+    )
     STOPPED = "stopped"  # the dashboard's Stop, control.stop()
-    NONFINITE = "non-finite"  # on_nonfinite="stop" ended it at a NaN / inf loss or a collapsed scale
+    NONFINITE = (
+        "non-finite"  # on_nonfinite="stop" ended it at a NaN / inf loss or a collapsed scale
+    )
     PEER_STOPPED = "stopped by another rank"  # strategy="ddp" / "fsdp": another rank asked to stop
     INTERRUPTED = "interrupted"  # Ctrl-C / a kernel interrupt: fit raised FitInterrupted
     FAILED = "failed"  # fit raised

@@ -28,7 +28,9 @@ def check_loss(loss: Any) -> None:
         MpnbError: ``loss`` is not a tensor, not a single number, or does not require grad.
     """
     if not isinstance(loss, torch.Tensor):
-        raise MpnbError(f"the loss must be a tensor, got {type(loss).__name__}: return the loss tensor itself")
+        raise MpnbError(
+            f"the loss must be a tensor, got {type(loss).__name__}: return the loss tensor itself"
+        )
     if loss.numel() != 1:
         raise MpnbError(
             f"the loss must be a single number, got a tensor of shape {tuple(loss.shape)}: reduce it (.mean())"

@@ -63,12 +63,23 @@ class HealthWatch(Sink):
         self._checked = 0
 
     def update(self, history: History) -> None:
-        losses, skips, scales, unread_losses = history.loss, history.skipped, history.loss_scale, history.loss_missing
+        losses, skips, scales, unread_losses = (
+            history.loss,
+            history.skipped,
+            history.loss_scale,
+            history.loss_missing,
+        )
         for index in range(self._checked, len(history)):
             loss, skipped, scale = losses[index], skips[index], scales[index]
             unread = unread_losses[index]  # NaN that stands for "unknown", not a diverged loss
-            if "nonfinite" not in self.found and not (skipped or unread) and not math.isfinite(loss):
-                self._report(history, index, "nonfinite", f"loss is {loss} at step {history.step[index]}")
+            if (
+                "nonfinite" not in self.found
+                and not (skipped or unread)
+                and not math.isfinite(loss)
+            ):
+                self._report(
+                    history, index, "nonfinite", f"loss is {loss} at step {history.step[index]}"
+                )
             if "collapse" not in self.found and scale < COLLAPSED_SCALE:
                 self._report(
                     history,

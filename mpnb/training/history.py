@@ -109,11 +109,15 @@ class History:
         count = lengths.pop() if lengths else 0
         for name, (kind, _) in COLUMNS.items():
             values = rows.get(name)
-            self.columns[name].extend(values if values is not None else [column_default(kind)] * count)
+            self.columns[name].extend(
+                values if values is not None else [column_default(kind)] * count
+            )
 
     def note(self, message: str, **details: Any) -> None:
         """Record an event (interruption, alarm, switch) at the current step."""
-        self.events.append({"step": self.columns["step"][-1] if len(self) else 0, "message": message, **details})
+        self.events.append(
+            {"step": self.columns["step"][-1] if len(self) else 0, "message": message, **details}
+        )
 
     def rows(self) -> Iterator[dict[str, Any]]:
         """The rows as dicts, oldest first."""
@@ -124,7 +128,9 @@ class History:
     @property
     def skipped_steps(self) -> list[int]:
         """Step numbers whose optimizer step was skipped (gradient overflow; the scale backed off)."""
-        return [step for step, skipped in zip(self.columns["step"], self.columns["skipped"]) if skipped]
+        return [
+            step for step, skipped in zip(self.columns["step"], self.columns["skipped"]) if skipped
+        ]
 
     def summary(self) -> dict[str, Any]:
         """The run in a few numbers: steps, skipped, final loss and scale, median step time, peak memory,
@@ -132,7 +138,11 @@ class History:
 
         The final loss is the last step the optimizer took, NaN or inf included: a diverged run
         reads as one (steps whose loss could not be read are left out)."""
-        losses = [v for v, s, missing in zip(self.loss, self.skipped, self.loss_missing) if not (s or missing)]
+        losses = [
+            v
+            for v, s, missing in zip(self.loss, self.skipped, self.loss_missing)
+            if not (s or missing)
+        ]
         timed = self.step_time[1:] or self.step_time  # the first step carries warm-up
         rates = [v for v in self.samples_per_s[1:] or self.samples_per_s if math.isfinite(v)]
         peaks = [v for v in self.memory_peak if math.isfinite(v)]
@@ -145,7 +155,9 @@ class History:
             "median_samples_per_s": statistics.median(rates) if rates else math.nan,
             "peak_memory": max(peaks) if peaks else math.nan,
             "modes": sorted(set(self.mode)),
-            "alarms": [event["message"] for event in self.events if event.get("kind") in ALARM_KINDS],
+            "alarms": [
+                event["message"] for event in self.events if event.get("kind") in ALARM_KINDS
+            ],
         }
 
     def summary_rows(self) -> list[tuple[str, str]]:
@@ -237,7 +249,9 @@ class History:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as error:
             line = raw.count(b"\n", 0, error.start) + 1
-            raise ValueError(f"{name!r}, line {line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+            raise ValueError(
+                f"{name!r}, line {line}: not UTF-8 text ({error.reason} at byte {error.start})"
+            ) from None
         if name.endswith(".csv"):
             return cls.from_dict(parse_csv(text, name))
         data = parse_json(text, name)

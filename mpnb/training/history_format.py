@@ -47,7 +47,10 @@ COLUMNS: dict[str, tuple[type, str]] = {
     "step": (int, "optimizer step number, counting from 1 over the trainer's life"),
     "epoch": (int, "epoch the step belongs to, counting from 0"),
     "loss": (float, "training loss of the step (mean over accumulated micro-batches)"),
-    "loss_missing": (bool, "no loss could be read for the step (a framework step returned none); loss is NaN"),
+    "loss_missing": (
+        bool,
+        "no loss could be read for the step (a framework step returned none); loss is NaN",
+    ),
     "loss_scale": (float, "GradScaler scale the step's backward used (1.0 without a scaler)"),
     "skipped": (bool, "the optimizer step was skipped because gradients overflowed"),
     "lr": (float, "learning rate of the first parameter group during the step"),
@@ -80,7 +83,9 @@ def column_default(kind: type) -> Any:
 
 def record_json(record: Mapping[str, Any]) -> str:
     """The record as standard JSON: inf and NaN in columns as the strings ``float()`` reads back."""
-    columns = {name: [_json_safe(value) for value in values] for name, values in record["columns"].items()}
+    columns = {
+        name: [_json_safe(value) for value in values] for name, values in record["columns"].items()
+    }
     return json.dumps({**record, "columns": columns}, allow_nan=False)
 
 
@@ -92,7 +97,9 @@ def record_csv(record: Mapping[str, Any]) -> str:
     written ``\\u002c``: every piece then starts at the JSON's own ``, `` and none can be a
     formula (an event message ``"a,=cmd|..."`` would otherwise start a cell with ``=``).
     """
-    header = json.dumps({"version": record["version"], "meta": record["meta"], "events": record["events"]})
+    header = json.dumps(
+        {"version": record["version"], "meta": record["meta"], "events": record["events"]}
+    )
     header = _JSON_STRING.sub(lambda string: string[0].replace(",", "\\u002c"), header)
     columns = record["columns"]
     buffer = io.StringIO()
@@ -120,7 +127,9 @@ def parse_json(text: str, name: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{name!r} is not JSON: {error.msg} at line {error.lineno}, column {error.colno}") from None
+        raise ValueError(
+            f"{name!r} is not JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+        ) from None
     except RecursionError:
         raise ValueError(f"{name!r}: JSON nested too deep to be an mpnb history") from None
     except ValueError as error:  # a number too long for int(): a hostile file, not a history
@@ -137,13 +146,19 @@ def parse_csv(text: str, name: str) -> dict[str, Any]:
     """
     first, _, body = text.partition("\n")
     if not first.startswith(CSV_HEADER_PREFIX):
-        raise ValueError(f"{name!r} is not an mpnb history CSV: line 1 is {first[:40]!r}, not {CSV_HEADER_PREFIX!r}")
+        raise ValueError(
+            f"{name!r} is not an mpnb history CSV: line 1 is {first[:40]!r}, not {CSV_HEADER_PREFIX!r}"
+        )
     try:
         header = json.loads(first[len(CSV_HEADER_PREFIX) :])
     except (ValueError, RecursionError) as error:
-        raise ValueError(f"{name!r}, line 1: the header is not the JSON mpnb writes ({error})") from None
+        raise ValueError(
+            f"{name!r}, line 1: the header is not the JSON mpnb writes ({error})"
+        ) from None
     if not isinstance(header, dict):
-        raise ValueError(f"{name!r}, line 1: the header is a {type(header).__name__}, not a JSON object")
+        raise ValueError(
+            f"{name!r}, line 1: the header is a {type(header).__name__}, not a JSON object"
+        )
     reader = csv.reader(io.StringIO(body))
     try:
         names = _column_names(next(reader, None), f"{name!r}, line 2")
@@ -151,7 +166,9 @@ def parse_csv(text: str, name: str) -> dict[str, Any]:
         for row in filter(None, reader):  # blank lines (an editor's last newline) hold no step
             where = f"{name!r}, line {reader.line_num + 1}"
             if len(row) != len(names):
-                raise ValueError(f"{where}: {len(row)} cells where line 2 names {len(names)} columns")
+                raise ValueError(
+                    f"{where}: {len(row)} cells where line 2 names {len(names)} columns"
+                )
             for values, column, cell in zip(rows, names, row):
                 values.append(_cell_value(column, cell, where))
     except csv.Error as error:  # a field over csv.field_size_limit(), a stray quote
@@ -185,7 +202,9 @@ def _cell_value(column: str, cell: str, where: str) -> Any:
             raise ValueError(f"{where}, column {column!r}: {_shown(cell)} is not True or False")
         return _BOOLS[cell.strip().lower()]
     if kind is int:
-        with contextlib.suppress(ValueError):  # else read as a float: 3.0 is whole, inf and 1.5 are not
+        with contextlib.suppress(
+            ValueError
+        ):  # else read as a float: 3.0 is whole, inf and 1.5 are not
             return int(cell)
     try:
         number = float(cell)
@@ -218,7 +237,9 @@ def checked_record(data: Any) -> dict[str, Any]:
         ValueError: naming the field and the bad value.
     """
     if not isinstance(data, Mapping):
-        raise ValueError(f"not an {FORMAT} version {VERSION} record (a {type(data).__name__}, not a mapping)")
+        raise ValueError(
+            f"not an {FORMAT} version {VERSION} record (a {type(data).__name__}, not a mapping)"
+        )
     if data.get("format") != FORMAT or data.get("version") != VERSION:
         found = f"format={_shown(data.get('format'))}, version={_shown(data.get('version'))}"
         raise ValueError(f"not an {FORMAT} version {VERSION} record ({found})")
@@ -230,16 +251,22 @@ def checked_record(data: Any) -> dict[str, Any]:
         raise ValueError(f"field 'events': {_shown(events)} is not a list")
     columns = data.get("columns")
     if not isinstance(columns, Mapping):
-        raise ValueError(f"field 'columns': {_shown(columns)} is not a mapping of column names to lists")
+        raise ValueError(
+            f"field 'columns': {_shown(columns)} is not a mapping of column names to lists"
+        )
     unknown = sorted(map(str, set(columns) - set(COLUMNS)))
     if unknown:
-        raise ValueError(f"field 'columns': unknown columns {_shown(unknown)}; valid: {', '.join(COLUMNS)}")
+        raise ValueError(
+            f"field 'columns': unknown columns {_shown(unknown)}; valid: {', '.join(COLUMNS)}"
+        )
     checked = {name: _checked_column(name, values) for name, values in columns.items()}
     if checked:
         first, length = next((name, len(values)) for name, values in checked.items())
         for name, values in checked.items():
             if len(values) != length:
-                raise ValueError(f"field 'columns.{name}': {len(values)} values where 'columns.{first}' has {length}")
+                raise ValueError(
+                    f"field 'columns.{name}': {len(values)} values where 'columns.{first}' has {length}"
+                )
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -265,7 +292,9 @@ def _checked_column(name: str, values: Any) -> list[Any]:
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
         raise ValueError(f"{where}: {_shown(values)} is not a list")
     kind = COLUMNS[name][0]
-    if {type(value) for value in values} <= {kind}:  # the usual case, a record mpnb wrote: nothing to convert
+    if {type(value) for value in values} <= {
+        kind
+    }:  # the usual case, a record mpnb wrote: nothing to convert
         return list(values)
     default = column_default(kind)
     return [
@@ -284,11 +313,16 @@ def _checked_value(kind: type, value: Any, where: str) -> Any:
             raise ValueError(f"{where}: {_shown(value)} is not text")
         return value
     if kind is bool:
-        if not (isinstance(value, (bool, numpy.bool_)) or (isinstance(value, numbers.Integral) and value in (0, 1))):
+        if not (
+            isinstance(value, (bool, numpy.bool_))
+            or (isinstance(value, numbers.Integral) and value in (0, 1))
+        ):
             raise ValueError(f"{where}: {_shown(value)} is not True or False")
         return bool(value)
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-        raise ValueError(f"{where}: {_shown(value)} is not a {'whole ' if kind is int else ''}number")
+        raise ValueError(
+            f"{where}: {_shown(value)} is not a {'whole ' if kind is int else ''}number"
+        )
     if kind is int and isinstance(value, numbers.Integral):
         return int(value)
     number = _non_finite(value, where) if isinstance(value, str) else float(value)

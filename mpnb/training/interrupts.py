@@ -27,7 +27,9 @@ __all__: list[str] = []
 class StopRequest:
     """Context manager that defers the first SIGINT to the caller's next check."""
 
-    def __init__(self, message: str = "Stopping after the current step (interrupt again to stop at once)...") -> None:
+    def __init__(
+        self, message: str = "Stopping after the current step (interrupt again to stop at once)..."
+    ) -> None:
         self.message = message
         self.requested = False
         self._previous: Any = None

@@ -124,7 +124,9 @@ def mixed_precision_policy(mode: Mode) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     dtype = _LOW_DTYPES.get(mode)
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
+    return MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None
+    )
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -136,17 +138,25 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     [Linear(in_features=2, out_features=2, bias=True), Linear(in_features=2, out_features=1, bias=True)]
     """
     lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
-    candidates = [block for blocks in lists for block in blocks] if lists else list(model.children())
+    candidates = (
+        [block for blocks in lists for block in blocks] if lists else list(model.children())
+    )
     candidates = [block for block in candidates if any(True for _ in block.parameters())]
     # A parameter tied across blocks (an embedding and an output head) must stay in one FSDP group:
     # blocks holding one that is also used elsewhere in the model are left to the whole model's group.
     uses = _parameter_uses(model)
-    return [block for block in candidates if all(uses[key] == count for key, count in _parameter_uses(block).items())]
+    return [
+        block
+        for block in candidates
+        if all(uses[key] == count for key, count in _parameter_uses(block).items())
+    ]
 
 
 def _parameter_uses(module: nn.Module) -> collections.Counter[int]:
     """How many submodules of ``module`` hold each parameter (by id): more than one for a tied weight."""
-    return collections.Counter(id(param) for sub in module.modules() for param in sub.parameters(recurse=False))
+    return collections.Counter(
+        id(param) for sub in module.modules() for param in sub.parameters(recurse=False)
+    )
 
 
 def _shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: Mode) -> nn.Module:
@@ -159,7 +169,9 @@ def _shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: Mode
                 f"strategy='fsdp' replaces the model's parameters, but the {type(optimizer).__name__} has already "
                 "stepped (it holds state for the old ones): build the Trainer with an optimizer that has not stepped"
             )
-        foreign = sum(id(p) not in names for group in optimizer.param_groups for p in group["params"])
+        foreign = sum(
+            id(p) not in names for group in optimizer.param_groups for p in group["params"]
+        )
         if foreign:
             raise MpnbError(
                 f"strategy='fsdp': {foreign} of the optimizer's parameters are not the model's; build the optimizer "

@@ -98,7 +98,9 @@ def _unreadable(name: str, error: BaseException, file: str | IO[bytes]) -> MpnbE
 
 def _refusal(name: str, refused: list[str], what_is_read: str) -> MpnbError:
     held = ", ".join(f"`{qualified}`" for qualified in refused)
-    return MpnbError(f"{name!r} refused: it holds {held}, which a checkpoint never needs ({what_is_read})")
+    return MpnbError(
+        f"{name!r} refused: it holds {held}, which a checkpoint never needs ({what_is_read})"
+    )
 
 
 def _globals_in_torch_file(file: IO[bytes]) -> set[str]:
@@ -108,7 +110,9 @@ def _globals_in_torch_file(file: IO[bytes]) -> set[str]:
             file.seek(0)
             with zipfile.ZipFile(file) as archive:
                 records = [member for member in archive.namelist() if member.endswith("/data.pkl")]
-                return _globals_in_pickles(io.BytesIO(archive.read(records[0]))) if records else set()
+                return (
+                    _globals_in_pickles(io.BytesIO(archive.read(records[0]))) if records else set()
+                )
         file.seek(0)
         return _globals_in_pickles(file)
     except (OSError, zipfile.BadZipFile):  # a damaged archive: it is reported as damaged
@@ -120,7 +124,9 @@ def _globals_in_pickles(file: IO[bytes], limit: int = 5) -> set[str]:
     protocol, system info, the object, storage keys), read with ``pickletools``: nothing runs."""
     found: set[str] = set()
     for _ in range(limit):
-        pushed: list[object] = []  # what each opcode put on the stack: a string, or None for anything else
+        pushed: list[
+            object
+        ] = []  # what each opcode put on the stack: a string, or None for anything else
         memo: dict[int, object] = {}
         try:
             for opcode, arg, _position in pickletools.genops(file):
@@ -179,8 +185,16 @@ def metadata_globals() -> dict[str, Any]:
         torch.Size,
     ]
     admitted: dict[str, Any] = {f"{kind.__module__}.{kind.__qualname__}": kind for kind in classes}
-    admitted["torch.serialization._get_layout"] = torch.serialization._get_layout  # a torch.layout by its name
-    admitted.update({f"torch.{name}": value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
+    admitted["torch.serialization._get_layout"] = (
+        torch.serialization._get_layout
+    )  # a torch.layout by its name
+    admitted.update(
+        {
+            f"torch.{name}": value
+            for name, value in vars(torch).items()
+            if isinstance(value, torch.dtype)
+        }
+    )
     admitted["pathlib.PosixPath"] = pathlib.PurePosixPath
     admitted["pathlib.WindowsPath"] = pathlib.PureWindowsPath
     return admitted
@@ -194,12 +208,18 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         qualified = f"{module}.{name}"
         if qualified not in metadata_globals():
-            raise _refusal(self._name, [qualified], "only torch's checkpoint records and plain data are read")
+            raise _refusal(
+                self._name, [qualified], "only torch's checkpoint records and plain data are read"
+            )
         return metadata_globals()[qualified]
 
 
 def _read_metadata_file(name: str) -> Any:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        TensorStorageMetadata,
+    )
 
     with open(name, "rb") as file:
         try:
@@ -207,15 +227,20 @@ def _read_metadata_file(name: str) -> Any:
         except MpnbError:
             raise
         except Exception as error:  # a damaged pickle fails in many ways
-            raise MpnbError(f"{name!r} cannot be read as a checkpoint's metadata (damaged?): {error!r}") from None
+            raise MpnbError(
+                f"{name!r} cannot be read as a checkpoint's metadata (damaged?): {error!r}"
+            ) from None
     entries = getattr(metadata, "state_dict_metadata", None)
     if not isinstance(metadata, Metadata) or not isinstance(entries, dict):
         raise MpnbError(f"{name!r} is not a torch.distributed.checkpoint metadata file")
     for key, entry in entries.items():
         if not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)) or (
-            isinstance(entry, TensorStorageMetadata) and not isinstance(getattr(entry, "size", None), torch.Size)
+            isinstance(entry, TensorStorageMetadata)
+            and not isinstance(getattr(entry, "size", None), torch.Size)
         ):
-            raise MpnbError(f"{name!r} describes its entry {key!r} as {type(entry).__name__}, not a tensor or value")
+            raise MpnbError(
+                f"{name!r} describes its entry {key!r} as {type(entry).__name__}, not a tensor or value"
+            )
     return metadata
 
 
@@ -238,7 +263,9 @@ def _dcp_reading() -> tuple[type, type]:
             return metadata
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            self._reading = sinfo  # read_data does not say which item failed: a refusal names its file
+            self._reading = (
+                sinfo  # read_data does not say which item failed: a refusal names its file
+            )
             return super()._slice_file(file, sinfo)
 
         def read_data(self, plan: Any, planner: Any) -> Any:
@@ -255,9 +282,13 @@ def _dcp_reading() -> tuple[type, type]:
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)  # torch's own planner passes weights_only=False
+            loaded = torch.load(
+                value, weights_only=True
+            )  # torch's own planner passes weights_only=False
             if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+                set_element(
+                    self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded
+                )
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
@@ -289,10 +320,14 @@ def load_dcp(state: dict[str, Any], directory: str | os.PathLike[str]) -> None:
     reader, planner = _dcp_reading()
     try:
         dcp.load(state, storage_reader=reader(os.fspath(directory)), planner=planner())
-    except dcp.api.CheckpointException as error:  # every rank's failures, gathered: this rank's own first
+    except (
+        dcp.api.CheckpointException
+    ) as error:  # every rank's failures, gathered: this rank's own first
         rank = dist.get_rank() if dist.is_initialized() else 0
         failures = sorted(error.failures.items(), key=lambda failure: failure[0] != rank)
-        refusal = next((raised for _, (raised, _trace) in failures if isinstance(raised, MpnbError)), None)
+        refusal = next(
+            (raised for _, (raised, _trace) in failures if isinstance(raised, MpnbError)), None
+        )
         if refusal is None:
             raise
         raise refusal from None

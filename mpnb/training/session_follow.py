@@ -44,7 +44,9 @@ class SessionFollower:
             return
         trainer = self.trainer
         followed, self.followed = self.followed, session_wishes()
-        changed = tuple(what for what, old, new in zip(WISHES, followed, self.followed) if old != new)
+        changed = tuple(
+            what for what, old, new in zip(WISHES, followed, self.followed) if old != new
+        )
         next_step = trainer.amp.steps + 1
         if "mode" in changed:
             try:
@@ -53,12 +55,21 @@ class SessionFollower:
                 trainer.history.note(f"mode not switched: {error}", kind="switch", step=next_step)
         if "fp32_math" in changed and "mode" not in changed:  # a new mode brings its own fp32 math
             level = session.fp32_math.level
-            if trainer.mode in (Mode.FP32, Mode.TF32):  # the fit's mode owns the flags: move between the two
+            if trainer.mode in (
+                Mode.FP32,
+                Mode.TF32,
+            ):  # the fit's mode owns the flags: move between the two
                 reduced = level is Fp32Math.REDUCED
-                precision = TrainingPrecision.resolve(Mode.TF32 if reduced else Mode.FP32, trainer.device)
+                precision = TrainingPrecision.resolve(
+                    Mode.TF32 if reduced else Mode.FP32, trainer.device
+                )
                 self.switch_to(precision, next_step)
             else:
-                trainer.history.note(f"fp32 math {level.value if level else 'as found'}", kind="switch", step=next_step)
+                trainer.history.note(
+                    f"fp32 math {level.value if level else 'as found'}",
+                    kind="switch",
+                    step=next_step,
+                )
         if "oplists" in changed:
             lists = session.oplists.lists
             text = f"lower {len(lists.lower)}, fp32 {len(lists.fp32)}" if lists else "none"

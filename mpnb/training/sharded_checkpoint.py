@@ -25,7 +25,14 @@ import torch.distributed as dist
 
 from mpnb._files import atomic_write
 from mpnb.errors import MpnbError
-from mpnb.training.checkpoint import FORMAT, RUN_KEYS, apply_run_state, incomplete, run_mismatch, run_record
+from mpnb.training.checkpoint import (
+    FORMAT,
+    RUN_KEYS,
+    apply_run_state,
+    incomplete,
+    run_mismatch,
+    run_record,
+)
 from mpnb.training.history import History
 from mpnb.training.safe_load import load_dcp, load_plain, read_dcp_metadata
 
@@ -51,7 +58,9 @@ def save_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
 
     name = os.fspath(path)
     if os.path.exists(name) and not os.path.isdir(name):
-        raise MpnbError(f"{name!r} is a file, not a directory: a sharded checkpoint is a directory of shards")
+        raise MpnbError(
+            f"{name!r} is a file, not a directory: a sharded checkpoint is a directory of shards"
+        )
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=name)
     with atomic_write(run_file(name, dist.get_rank()), binary=True) as file:
@@ -83,9 +92,14 @@ def load_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
     try:
         load_dcp(state, name)
     except dcp.api.CheckpointException as error:
-        raise MpnbError(f"{name!r} does not fit this trainer ({error}); nothing was loaded") from None
+        raise MpnbError(
+            f"{name!r} does not fit this trainer ({error}); nothing was loaded"
+        ) from None
     set_state_dict(
-        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
     )
     apply_run_state(trainer, record, history)
     trainer.amp.discard_window()  # an unfinished accumulation window belonged to the run replaced
@@ -102,14 +116,21 @@ def _copy_tensors(value: Any) -> Any:
 
 
 def _weights_mismatch(saved: dict[str, Any], model_state: dict[str, Any]) -> str | None:
-    weights = {key.removeprefix("model."): meta for key, meta in saved.items() if key.startswith("model.")}
+    weights = {
+        key.removeprefix("model."): meta for key, meta in saved.items() if key.startswith("model.")
+    }
     if set(weights) != set(model_state):
-        extra, absent = sorted(set(weights) - set(model_state))[:3], sorted(set(model_state) - set(weights))[:3]
+        extra, absent = (
+            sorted(set(weights) - set(model_state))[:3],
+            sorted(set(model_state) - set(weights))[:3],
+        )
         return f"its model has other parameters (unexpected {extra}, missing {absent})"
     for key, tensor in model_state.items():
         size = getattr(weights[key], "size", None)
         if size is not None and tuple(size) != tuple(tensor.shape):
-            return f"model entry {key} has shape {tuple(size)}, this model's is {tuple(tensor.shape)}"
+            return (
+                f"model entry {key} has shape {tuple(size)}, this model's is {tuple(tensor.shape)}"
+            )
     return None
 
 
@@ -122,9 +143,13 @@ def _read_run(trainer: Trainer, name: str) -> tuple[dict[str, Any], History]:
     try:
         record = load_plain(path)
     except FileNotFoundError:
-        raise MpnbError(f"{name!r} is not a sharded mpnb checkpoint (it has no {os.path.basename(path)})") from None
+        raise MpnbError(
+            f"{name!r} is not a sharded mpnb checkpoint (it has no {os.path.basename(path)})"
+        ) from None
     if not isinstance(record, dict) or record.get("format") != FORMAT or not record.get("sharded"):
-        raise MpnbError(f"{name!r} is not a sharded mpnb checkpoint (saved by Trainer.save with strategy='fsdp')")
+        raise MpnbError(
+            f"{name!r} is not a sharded mpnb checkpoint (saved by Trainer.save with strategy='fsdp')"
+        )
     problem = incomplete(record, RUN_KEYS) or run_mismatch(trainer, record)
     if problem is None:
         try:

@@ -41,7 +41,9 @@ class TrainingPrecision:
     autocast: AutocastSettings
 
     @classmethod
-    def resolve(cls, mode: str | Mode | None = None, device: str | torch.device | None = None) -> TrainingPrecision:
+    def resolve(
+        cls, mode: str | Mode | None = None, device: str | torch.device | None = None
+    ) -> TrainingPrecision:
         """Fill what is not given from the session (``%amp`` / ``mpnb.set_mode``) and validate.
 
         Raises:

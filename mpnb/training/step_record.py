@@ -124,7 +124,9 @@ class StepAccount:
 
     def __init__(self, device: torch.device) -> None:
         self.clock = StepClock(device)
-        self.forward_clock = StepClock(device)  # a forward pass to its backward: the process's own work
+        self.forward_clock = StepClock(
+            device
+        )  # a forward pass to its backward: the process's own work
         self.memory = MemorySampler(backend_for(device), device)
         self.discard()
 
@@ -182,7 +184,9 @@ class StepAccount:
         None when no loss came."""
         if not self._plain_count:
             return self._summed
-        mean = self._plain if self._plain_count == 1 else self._plain / self._plain_count  # a sum of several: fp32
+        mean = (
+            self._plain if self._plain_count == 1 else self._plain / self._plain_count
+        )  # a sum of several: fp32
         return mean if self._summed is None else add_in_fp32(self._summed, mean)
 
     def discard(self) -> None:

@@ -45,7 +45,9 @@ class OptimizerStepWatch:
         self.stepped = False
         self.found_inf = None
 
-    def skipped(self, scaler: torch.amp.GradScaler | None, device: torch.device) -> torch.Tensor | bool:
+    def skipped(
+        self, scaler: torch.amp.GradScaler | None, device: torch.device
+    ) -> torch.Tensor | bool:
         """Whether the step just taken through ``scaler`` was skipped for inf/NaN gradients.
 
         Read from what happened, never from the scale (which stops moving once it underflows
@@ -58,9 +60,17 @@ class OptimizerStepWatch:
         if getattr(self.optimizer, "_step_supports_amp_scaling", False):
             if self.found_inf is not None:
                 return self.found_inf.to(device, non_blocking=True) > 0
-            state = scaler._per_optimizer_states.get(id(self.optimizer))  # an optimizer given the scaler itself
+            state = scaler._per_optimizer_states.get(
+                id(self.optimizer)
+            )  # an optimizer given the scaler itself
             found = state["found_inf_per_device"].values() if state else ()
-            return sum((flag.to(device, non_blocking=True) for flag in found), torch.zeros((), device=device)) > 0
+            return (
+                sum(
+                    (flag.to(device, non_blocking=True) for flag in found),
+                    torch.zeros((), device=device),
+                )
+                > 0
+            )
         return not self.stepped
 
     def remove(self) -> None:
@@ -79,7 +89,9 @@ def scale_in_use(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float:
     if scaler is None or not scaler.is_enabled():
         return 1.0
     scale = scaler._get_scale_async()
-    return scale.clone() if scale is not None else scaler.get_scale()  # get_scale() reads no tensor then
+    return (
+        scale.clone() if scale is not None else scaler.get_scale()
+    )  # get_scale() reads no tensor then
 
 
 def lr_in_use(optimizer: torch.optim.Optimizer) -> Any:
@@ -107,4 +119,6 @@ class _StepFlag:
         owner = self._owner()
         if owner is not None:
             owner.stepped = True
-            owner.found_inf = getattr(optimizer, "found_inf", None)  # set by GradScaler.step for a fused step
+            owner.found_inf = getattr(
+                optimizer, "found_inf", None
+            )  # set by GradScaler.step for a fused step

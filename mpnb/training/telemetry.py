@@ -82,7 +82,8 @@ class MemorySampler:
         if now - self._last_read >= self.interval:
             snapshot = self.backend.memory(self.device.index)
             self._sample = tuple(
-                math.nan if v is None else float(v) for v in (snapshot.used, snapshot.peak, snapshot.reserved)
+                math.nan if v is None else float(v)
+                for v in (snapshot.used, snapshot.peak, snapshot.reserved)
             )
             self._last_read = now
         return self._sample
@@ -128,7 +129,9 @@ class Recorder:
             with tensor values); tests and benchmarks read it.
     """
 
-    def __init__(self, history: History | None = None, *, flush_every: int = 64, sinks: Iterable[Sink] = ()) -> None:
+    def __init__(
+        self, history: History | None = None, *, flush_every: int = 64, sinks: Iterable[Sink] = ()
+    ) -> None:
         if flush_every < 1:
             raise ValueError(f"flush_every must be at least 1, got {flush_every}")
         self.history = history if history is not None else History()
@@ -176,7 +179,9 @@ class Recorder:
         except Exception:  # a bad row among them: the others one by one, then name the bad ones
             refused = self._append_each(rows)
             self._tell_sinks()
-            shown = "; ".join(refused[:3]) + (f"; and {len(refused) - 3} more" if len(refused) > 3 else "")
+            shown = "; ".join(refused[:3]) + (
+                f"; and {len(refused) - 3} more" if len(refused) > 3 else ""
+            )
             raise ValueError(f"mpnb telemetry could not record {shown}") from None
         except BaseException:  # an interrupt: nothing recorded yet, nothing lost
             self._pending[:0] = rows
@@ -218,13 +223,23 @@ class Recorder:
             ValueError: a tensor of several values, or a value its column's type cannot hold; names the column.
         """
         held = _tensors_held(columns)
-        devices = set(map(_device_of, itertools.chain.from_iterable(tensors for _, _, tensors in held)))
+        devices = set(
+            map(_device_of, itertools.chain.from_iterable(tensors for _, _, tensors in held))
+        )
         # every device's share is taken before any value is written back: a column taken whole is the very
         # list its values are written into
-        groups = [held] if len(devices) == 1 else [[_on_device(device, *entry) for entry in held] for device in devices]
+        groups = (
+            [held]
+            if len(devices) == 1
+            else [[_on_device(device, *entry) for entry in held] for device in devices]
+        )
         for group in groups:
             try:
-                values = iter(_read_together(list(itertools.chain.from_iterable(tensors for _, _, tensors in group))))
+                values = iter(
+                    _read_together(
+                        list(itertools.chain.from_iterable(tensors for _, _, tensors in group))
+                    )
+                )
             except RuntimeError as error:
                 raise ValueError(_several_values(group) or str(error)) from error
             self.host_transfers += 1
@@ -248,7 +263,9 @@ class Recorder:
 _EMPTY = {name: column_default(kind) for name, (kind, _) in COLUMNS.items()}
 
 
-def add_in_fp32(total: torch.Tensor | float | None, value: torch.Tensor | float) -> torch.Tensor | float:
+def add_in_fp32(
+    total: torch.Tensor | float | None, value: torch.Tensor | float
+) -> torch.Tensor | float:
     """``total + value`` (``value`` alone when ``total`` is None), in fp32 at least: a step's bf16 /
     fp16 losses are summed over its micro-batches without rounding to their own precision at each
     add, and a lone loss stays as it is (no cast per step; the flush reads it exactly).
@@ -284,7 +301,9 @@ def _read_together(tensors: list[torch.Tensor]) -> list[float]:
     except RuntimeError:  # fp8 promotes with nothing: everything in fp32
         packed_dtype = None
     if packed_dtype is None or (packed_dtype.itemsize < 4 and dtypes - {packed_dtype, torch.bool}):
-        tensors = [tensor.float() for tensor in tensors]  # a low float with integers, fp8: rare, one cast each
+        tensors = [
+            tensor.float() for tensor in tensors
+        ]  # a low float with integers, fp8: rare, one cast each
     with torch.no_grad():
         try:  # the usual case, every value a 0-dim tensor: one stack (which converts to the common dtype)
             packed = torch.stack(tensors)
@@ -293,7 +312,9 @@ def _read_together(tensors: list[torch.Tensor]) -> list[float]:
     return packed.reshape(len(tensors)).to("cpu", torch.float64).tolist()
 
 
-def _tensors_held(columns: dict[str, list[Any]]) -> list[tuple[str, Sequence[int], list[torch.Tensor]]]:
+def _tensors_held(
+    columns: dict[str, list[Any]],
+) -> list[tuple[str, Sequence[int], list[torch.Tensor]]]:
     """``(column name, positions, tensors)`` for each column that holds tensors (most hold host numbers
     only); a column of tensors only (the loss) is taken whole, without a look at each value."""
     held = []
@@ -304,7 +325,9 @@ def _tensors_held(columns: dict[str, list[Any]]) -> list[tuple[str, Sequence[int
             if kinds:
                 held.append((name, range(len(values)), values))
         elif tensor_kinds:
-            places = [index for index, value in enumerate(values) if isinstance(value, torch.Tensor)]
+            places = [
+                index for index, value in enumerate(values) if isinstance(value, torch.Tensor)
+            ]
             held.append((name, places, [values[index] for index in places]))
     return held
 
@@ -352,14 +375,22 @@ def _settle_step_times(columns: dict[str, list[Any]], samples: list[int | None])
     """Read the device's step times (the copy to the host waited for the device already) and
     derive each row's throughput where its example count is known."""
     for name in ("forward_time", "step_time"):
-        if name in columns and not set(map(type, columns[name])) <= {float}:  # device intervals: read them now
+        if name in columns and not set(map(type, columns[name])) <= {
+            float
+        }:  # device intervals: read them now
             columns[name] = [seconds(value) for value in columns[name]]
     if "step_time" not in columns:
         return
-    rates = [count / time if count and time > 0 else math.nan for count, time in zip(samples, columns["step_time"])]
+    rates = [
+        count / time if count and time > 0 else math.nan
+        for count, time in zip(samples, columns["step_time"])
+    ]
     given = columns.get("samples_per_s")
     if given is not None:  # a rate a row gave stands where it gave no example count
-        rates = [rate if count is None else derived for rate, count, derived in zip(given, samples, rates)]
+        rates = [
+            rate if count is None else derived
+            for rate, count, derived in zip(given, samples, rates)
+        ]
     columns["samples_per_s"] = rates
 
 

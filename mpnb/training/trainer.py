@@ -145,7 +145,9 @@ class Trainer:
         flush_every: int = 64,
     ) -> None:
         if loss_fn is not None and step_fn is not None:
-            raise MpnbError("give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss")
+            raise MpnbError(
+                "give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss"
+            )
         check_dashboard(dashboard)
         check_strategy(strategy)
         _check_optimizer_trains(model, optimizer)
@@ -168,7 +170,9 @@ class Trainer:
         )
         self.device = self.amp.precision.device
         self.strategy = strategy
-        self.model = wrap_model(model.to(self.device), strategy, self.device, optimizer, self.amp.precision.mode)
+        self.model = wrap_model(
+            model.to(self.device), strategy, self.device, optimizer, self.amp.precision.mode
+        )
         self.optimizer, self.loss_fn, self.step_fn = optimizer, loss_fn, step_fn
         self.dashboard = dashboard
         self._epoch, self._batch = 0, 0  # position: next batch to train on
@@ -287,7 +291,9 @@ class Trainer:
 
     def _fit(self, data: Iterable[Any], epochs: int | None, max_steps: int | None) -> History:
         for name, value in (("epochs", epochs), ("max_steps", max_steps)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
                 raise ValueError(f"{name} must be a positive whole number, got {value!r}")
         if not isinstance(data, Iterable):
             raise MpnbError(
@@ -301,12 +307,16 @@ class Trainer:
         if epochs is not None or self._end_epoch is None:
             self._end_epoch = self._epoch + (epochs or 1)  # a partly trained epoch counts as one
         self._ended = FitEnd.NOT_RUN  # until this fit ends
-        if max_steps == 0:  # a capture's budget is spent: the plan stays, for a later fit(data) to go on with
+        if (
+            max_steps == 0
+        ):  # a capture's budget is spent: the plan stays, for a later fit(data) to go on with
             return self.history
         note_fit(self.history)
         sinks = self._sinks(capture)
         steps_before = self.amp.steps
-        self.history.meta.update(model=self.describe(), device=str(self.device), mode=self.mode.value)
+        self.history.meta.update(
+            model=self.describe(), device=str(self.device), mode=self.mode.value
+        )
         self._batch_device = indexed(self.device)  # cuda:0, as batches already there name it
         self.amp.recorder.sinks.extend(sinks)
         self.model.train()
@@ -319,7 +329,9 @@ class Trainer:
                 self.amp.restart_clock()  # the first step's time counts from here, not from the fit's setup
                 finished = self._run(data, stop, max_steps)
         except BaseException as error:
-            self._ended = FitEnd.INTERRUPTED if isinstance(error, KeyboardInterrupt) else FitEnd.FAILED
+            self._ended = (
+                FitEnd.INTERRUPTED if isinstance(error, KeyboardInterrupt) else FitEnd.FAILED
+            )
             self._drop_unfinished_window()
             raise
         finally:
@@ -345,7 +357,8 @@ class Trainer:
             self._ended = self._why_stopped()
             if self._ended.stopped:
                 self.history.note(
-                    "stopped by another rank" if self._ended is FitEnd.PEER_STOPPED else "stopped", kind="stop"
+                    "stopped by another rank" if self._ended is FitEnd.PEER_STOPPED else "stopped",
+                    kind="stop",
                 )
         return self.history
 
@@ -386,7 +399,10 @@ class Trainer:
             return stop.requested
 
         while self._epoch < self._end_epoch:
-            for holder in (data, getattr(data, "sampler", None)):  # Batches; a DataLoader's DistributedSampler
+            for holder in (
+                data,
+                getattr(data, "sampler", None),
+            ):  # Batches; a DataLoader's DistributedSampler
                 if callable(getattr(holder, "set_epoch", None)):
                     holder.set_epoch(self._epoch)
             self.amp.epoch = self._epoch
@@ -402,7 +418,9 @@ class Trainer:
                         self.amp.restart_clock()  # the pause is not step time
                     wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
                     if self.strategy is not None:  # every rank stops at the same step, or none does
-                        agreed = agreed_stop(wants_stop, self.amp.steps, self.amp.recorder.flush_every, self.device)
+                        agreed = agreed_stop(
+                            wants_stop, self.amp.steps, self.amp.recorder.flush_every, self.device
+                        )
                         if agreed and not wants_stop:
                             self._ended = FitEnd.PEER_STOPPED
                         wants_stop = agreed
@@ -418,7 +436,9 @@ class Trainer:
                 try:
                     stepped = self._train_batch(batch)
                 except BaseException:
-                    if self.amp.steps != steps_before:  # the update happened before the failure: its window is done
+                    if (
+                        self.amp.steps != steps_before
+                    ):  # the update happened before the failure: its window is done
                         self._batch += 1
                         self._window_batches = []
                     raise
@@ -460,7 +480,9 @@ class Trainer:
 
     def _train_batch(self, batch: Any) -> bool:
         batch = to_device(batch, self._batch_device)
-        return self.amp.train_step(lambda: batch_loss(self.model, batch, self.loss_fn, self.step_fn), samples_in(batch))
+        return self.amp.train_step(
+            lambda: batch_loss(self.model, batch, self.loss_fn, self.step_fn), samples_in(batch)
+        )
 
     def describe(self) -> str:
         """``"DigitsCNN, bf16 on cpu, 25,578 parameters"``."""
@@ -504,7 +526,9 @@ def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) 
         MpnbError: says how to build the optimizer.
     """
     own = {id(parameter) for parameter in model.parameters()}
-    if not any(id(parameter) in own for group in optimizer.param_groups for parameter in group["params"]):
+    if not any(
+        id(parameter) in own for group in optimizer.param_groups for parameter in group["params"]
+    ):
         raise MpnbError(
             f"the optimizer ({type(optimizer).__name__}) holds none of {type(model).__name__}'s parameters, so "
             "training would change nothing: build it from this model, e.g. torch.optim.Adam(model.parameters())"

@@ -38,7 +38,9 @@ def display_kind(kind: str, what: str = "dashboard") -> str:
         ImportError: ``"live"`` without ipywidgets / plotly / anywidget.
     """
     if kind not in DASHBOARD_KINDS:
-        raise InvalidChoiceError(what, kind, DASHBOARD_KINDS, "Pass one of these, None for no display, or a Sink.")
+        raise InvalidChoiceError(
+            what, kind, DASHBOARD_KINDS, "Pass one of these, None for no display, or a Sink."
+        )
     if kind == "text" or (kind == "auto" and not in_notebook_kernel()):
         return "text"
     try:
@@ -47,7 +49,9 @@ def display_kind(kind: str, what: str = "dashboard") -> str:
         import plotly  # noqa: F401
     except ImportError as error:
         if kind == "live":
-            raise ImportError(f"the live {what} needs widgets: {WIDGETS_INSTALL} ({error})") from error
+            raise ImportError(
+                f"the live {what} needs widgets: {WIDGETS_INSTALL} ({error})"
+            ) from error
         warnings.warn(
             f"no live {what} ({error}); showing text progress instead. For the live plot: {WIDGETS_INSTALL}",
             stacklevel=4,

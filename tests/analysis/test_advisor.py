@@ -26,7 +26,9 @@ def test_planted_activation_overflow_is_reported_with_bf16_or_fp32_list_advice()
         model[0].weight.mul_(1e5)  # activations far beyond fp16's 65504
     report = mpnb.advise(model, BATCH, F.cross_entropy, device="cpu")
     assert report.fp16_overflow[0] == "0" and report.rows[0].max_activation > FP16_MAX
-    assert math.isinf(report.rows[0].output_error["fp16"]) and math.isfinite(report.rows[0].output_error["bf16"])
+    assert math.isinf(report.rows[0].output_error["fp16"]) and math.isfinite(
+        report.rows[0].output_error["bf16"]
+    )
     assert any(
         line.startswith("fp16 overflow in 0 (Linear)") and "bf16" in line and "FP32 list" in line
         for line in report.advice
@@ -37,7 +39,9 @@ def test_planted_activation_overflow_is_reported_with_bf16_or_fp32_list_advice()
 def test_planted_gradient_underflow_is_reported_as_fixed_by_loss_scaling():
     report = mpnb.advise(mlp(), BATCH, lambda out, y: F.cross_entropy(out, y) * 1e-9, device="cpu")
     assert report.underflow == ["0", "1", "2"] and report.rows[0].underflow_share > 0.5
-    assert any("gradient underflow in 2" in line and "loss scaling" in line for line in report.advice)
+    assert any(
+        "gradient underflow in 2" in line and "loss scaling" in line for line in report.advice
+    )
     assert not report.fp16_overflow
 
 
@@ -71,7 +75,11 @@ def test_views():
 def _bn_dropout_model() -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+        torch.nn.Linear(8, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.Dropout(0.5),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 4),
     )
 
 
@@ -83,7 +91,9 @@ def test_the_model_and_torchs_random_state_are_left_exactly_as_found():
     grads = [p.grad.clone() for p in model.parameters()]
     rng = torch.get_rng_state()
     mpnb.advise(model, BATCH, F.cross_entropy, device="cpu")
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items()), "buffers or weights changed"
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items()), (
+        "buffers or weights changed"
+    )
     assert [m.training for m in model] == [True, True, True, True, False]
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
     assert torch.equal(torch.get_rng_state(), rng)
@@ -104,7 +114,9 @@ def test_gpt2s_low_precision_error_is_the_real_one_not_dropout_noise():
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)  # dropout 0.1 everywhere, in training mode
     ids = torch.randint(0, 96, (2, 12))
-    report = mpnb.advise(model, (ids, ids), lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()))
+    report = mpnb.advise(
+        model, (ids, ids), lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    )
     errors = [r.output_error["fp16"] for r in report.rows if math.isfinite(r.output_error["fp16"])]
     assert errors and max(errors) < 0.05, max(errors)
 

@@ -26,14 +26,22 @@ def test_the_answer_fits_the_budget_and_the_next_size_tried_does_not():
         best = next(t for t in result.trials if t.batch_size == result.batch_size)
         assert best.fits and best.peak <= parse_bytes("16 MiB") == report.budget
         too_big = [t for t in result.trials if not t.fits]
-        assert too_big and all(t.batch_size > result.batch_size and t.peak > report.budget for t in too_big)
-        assert min(t.batch_size for t in too_big) - result.batch_size <= max(1, result.batch_size // 32)
+        assert too_big and all(
+            t.batch_size > result.batch_size and t.peak > report.budget for t in too_big
+        )
+        assert min(t.batch_size for t in too_big) - result.batch_size <= max(
+            1, result.batch_size // 32
+        )
     assert report.ratio_to_fp32("fp32") == 1.0
     assert math.isclose(
-        report.ratio_to_fp32("bf16"), report.result("bf16").batch_size / report.result("fp32").batch_size
+        report.ratio_to_fp32("bf16"),
+        report.result("bf16").batch_size / report.result("fp32").batch_size,
     )
     text = str(report)
-    assert text.splitlines()[0].startswith("mode  max batch size  vs fp32") and "budget 16.0 MiB" in text
+    assert (
+        text.splitlines()[0].startswith("mode  max batch size  vs fp32")
+        and "budget 16.0 MiB" in text
+    )
     assert "<table>" in report._repr_html_()
 
 
@@ -46,7 +54,9 @@ class Hungry(torch.nn.Module):
 
     def forward(self, x):
         if len(x) > self.threshold:
-            torch.empty(2**60, dtype=torch.uint8)  # a real allocation failure, even where memory is overcommitted
+            torch.empty(
+                2**60, dtype=torch.uint8
+            )  # a real allocation failure, even where memory is overcommitted
         return self.linear(x.flatten(1))
 
 
@@ -67,14 +77,22 @@ def test_an_allocation_failure_is_caught_and_bisected_to_the_largest_size_that_r
     result = report.result("fp32")
     assert result.limited_by == "out of memory"
     assert 98 <= result.batch_size <= 100
-    assert [t.batch_size for t in result.trials[:4]] == [16, 32, 64, 128] and result.trials[3].out_of_memory
+    assert [t.batch_size for t in result.trials[:4]] == [16, 32, 64, 128] and result.trials[
+        3
+    ].out_of_memory
 
 
 def test_slow_trials_end_in_an_extrapolation_along_the_measured_peaks():
     budget = parse_bytes("256 MiB")
-    report = mpnb.max_batch_size(make_run, ["fp32"], memory_budget=budget, start=4096, limit=10**6, trial_seconds=0)
+    report = mpnb.max_batch_size(
+        make_run, ["fp32"], memory_budget=budget, start=4096, limit=10**6, trial_seconds=0
+    )
     result = report.result("fp32")
-    assert [t.batch_size for t in result.trials] == [4096, 8192, 16384]  # three sizes, then the line
+    assert [t.batch_size for t in result.trials] == [
+        4096,
+        8192,
+        16384,
+    ]  # three sizes, then the line
     slope, intercept = numpy.polyfit([4096, 8192, 16384], [t.peak for t in result.trials], 1)
     assert result.limited_by == "extrapolated" and result.batch_size > 16384
     assert abs(result.batch_size - (budget - intercept) / slope) <= 1
@@ -112,6 +130,8 @@ def test_the_cpu_peak_restarts_from_the_current_resident_memory():
     block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
     del block
     if not backend.reset_peak_memory():
-        pytest.skip("this system cannot reset the peak resident memory (needs Linux /proc/self/clear_refs)")
+        pytest.skip(
+            "this system cannot reset the peak resident memory (needs Linux /proc/self/clear_refs)"
+        )
     snapshot = backend.memory()
     assert snapshot.peak - snapshot.used < 32 * 2**20

@@ -17,17 +17,27 @@ from mpnb.errors import DeviceUnavailableError, InvalidChoiceError
 
 
 def make_run(mode):
-    trainer, train, test = ex.example_trainer(mode, "cpu", widths=(4, 8), batch_size=32, dashboard=None)
+    trainer, train, test = ex.example_trainer(
+        mode, "cpu", widths=(4, 8), batch_size=32, dashboard=None
+    )
     return trainer, train, lambda fitted: ex.accuracy(fitted.model, test)
 
 
 def test_compare_runs_each_mode_from_the_same_start_and_fills_the_table(tmp_path):
-    result = compare(make_run, modes=["fp32", "bf16", "fp16"], steps=6, warmup=2, metric_name="test accuracy")
+    result = compare(
+        make_run, modes=["fp32", "bf16", "fp16"], steps=6, warmup=2, metric_name="test accuracy"
+    )
     rows = {row["mode"]: row for row in result.rows()}
     assert list(rows) == ["fp32", "bf16", "fp16"]
     for mode, row in rows.items():
-        assert len(result.result(mode).history) == 8 and set(result.result(mode).history.mode) == {mode}
-        assert row["median_step_s"] > 0 and 0 <= row["metric"] <= 1 and math.isfinite(row["final_loss"])
+        assert len(result.result(mode).history) == 8 and set(result.result(mode).history.mode) == {
+            mode
+        }
+        assert (
+            row["median_step_s"] > 0
+            and 0 <= row["metric"] <= 1
+            and math.isfinite(row["final_loss"])
+        )
     assert rows["fp32"]["speedup_vs_fp32"] == 1.0
     assert result.result("fp16").history.loss_scale[0] == 2.0**16  # a real scaler in fp16 only
     assert "fp16 convolutions have no fast CPU kernels" in rows["fp16"]["notes"][0]
@@ -37,7 +47,11 @@ def test_compare_runs_each_mode_from_the_same_start_and_fills_the_table(tmp_path
     assert text.splitlines()[0].startswith("mode") and "test accuracy" in text.splitlines()[0]
     result.to_json(tmp_path / "r.json")
     result.to_csv(tmp_path / "r.csv")
-    assert [m["mode"] for m in json.loads((tmp_path / "r.json").read_text())["modes"]] == ["fp32", "bf16", "fp16"]
+    assert [m["mode"] for m in json.loads((tmp_path / "r.json").read_text())["modes"]] == [
+        "fp32",
+        "bf16",
+        "fp16",
+    ]
     with open(tmp_path / "r.csv", newline="") as file:
         assert [row["mode"] for row in csv.DictReader(file)] == ["fp32", "bf16", "fp16"]
 
@@ -78,7 +92,12 @@ def test_compare_inside_a_running_fit_is_refused_before_any_mode_runs():
 
     def compare_from_a_callback():
         try:
-            compare(lambda mode: ex.example_trainer(mode, "cpu", dashboard=None)[:2], ["fp32"], steps=2, progress=None)
+            compare(
+                lambda mode: ex.example_trainer(mode, "cpu", dashboard=None)[:2],
+                ["fp32"],
+                steps=2,
+                progress=None,
+            )
         except MpnbError as error:
             refusals.append(str(error))
 
@@ -108,7 +127,11 @@ def test_an_epochs_short_steps_are_not_timed():
     """An epoch's short last window (``accumulate``) or batch is a quicker step of less work: timed
     beside the full ones, it read as a 30-50% spread blamed on other load on the machine."""
     result = sized_result("bf16", [24, 24, 24, 8] * 4, 1e-4)
-    assert result.timed_size == 24 and result.step_times.count == 12 and result.step_times.spread_warning == ""
+    assert (
+        result.timed_size == 24
+        and result.step_times.count == 12
+        and result.step_times.spread_warning == ""
+    )
     assert result.samples_per_s == pytest.approx(1e4)
 
 
@@ -120,7 +143,9 @@ def test_the_full_steps_are_timed_when_short_ones_are_as_many():
 
 
 def test_every_step_is_timed_where_sizes_vary_or_are_unknown():
-    assert sized_result("fp32", list(range(4, 40, 3)), 1e-4).step_times.count == 12  # bucketed lengths
+    assert (
+        sized_result("fp32", list(range(4, 40, 3)), 1e-4).step_times.count == 12
+    )  # bucketed lengths
     unknown = sized_result("fp32", [24, 24, 24, 8] * 4, 1e-4)
     unknown.history = type(unknown.history)()
     unknown.history.extend({"step": list(range(1, 17)), "step_time": [0.01] * 16})
@@ -142,7 +167,10 @@ def test_compare_with_accumulation_times_full_windows_only():
         torch.manual_seed(0)
         model = nn.Linear(6, 3)
         generator = torch.Generator().manual_seed(1)
-        data = [(torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)) for _ in range(7)]
+        data = [
+            (torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator))
+            for _ in range(7)
+        ]
         trainer = mpnb.Trainer(
             model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss, mode=mode, device="cpu",
             dashboard=None, accumulate=3,

@@ -20,10 +20,14 @@ from mpnb.training.history import History
 def dropout_run(mode):
     """A run that draws random numbers every step (dropout), seeded only when it is built."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 10))
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 10)
+    )
     train, _ = ex.digits(batch_size=32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = mpnb.Trainer(model, optimizer, nn.functional.cross_entropy, mode=mode, device="cpu", dashboard=None)
+    trainer = mpnb.Trainer(
+        model, optimizer, nn.functional.cross_entropy, mode=mode, device="cpu", dashboard=None
+    )
     return trainer, train
 
 
@@ -32,7 +36,12 @@ def test_interleaved_turns_train_each_mode_exactly_as_it_trains_alone():
     for mode in ("fp32", "bf16"):
         alone = compare(dropout_run, [mode], steps=7, warmup=2, progress=None)
         assert together.result(mode).history.loss == alone.result(mode).history.loss, mode
-    assert together.result("fp32").blocks == [(2, 4), (4, 6), (6, 8), (8, 9)]  # rows of each timed turn
+    assert together.result("fp32").blocks == [
+        (2, 4),
+        (4, 6),
+        (6, 8),
+        (8, 9),
+    ]  # rows of each timed turn
 
 
 def test_one_after_another_is_the_same_runs_too():
@@ -71,10 +80,14 @@ def _hungry_run(mode):
     model = _Hungry()
     train, _ = ex.digits(batch_size=32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return mpnb.Trainer(model, optimizer, nn.functional.cross_entropy, mode=mode, device="cpu", dashboard=None), train
+    return mpnb.Trainer(
+        model, optimizer, nn.functional.cross_entropy, mode=mode, device="cpu", dashboard=None
+    ), train
 
 
-@pytest.mark.parametrize("order", [["fp32", "bf16"], ["bf16", "fp32"]], ids=["fp32-first", "bf16-first"])
+@pytest.mark.parametrize(
+    "order", [["fp32", "bf16"], ["bf16", "fp32"]], ids=["fp32-first", "bf16-first"]
+)
 def test_a_large_temporary_counts_for_its_own_mode_only_whatever_the_order(order):
     result = compare(_hungry_run, order, steps=4, warmup=1, block=1, progress=None)
     rows = {row["mode"]: row for row in result.rows()}
@@ -97,12 +110,16 @@ def test_each_mode_reports_median_and_iqr_in_table_csv_and_json(tmp_path):
         assert all(float(row["step_time_iqr_s"]) >= 0 for row in csv.DictReader(file))
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["block"] == 1 and all(row["step_time_iqr_s"] >= 0 for row in data["modes"])
-    assert {"speedup_low", "speedup_high", "speedup_verdict", "added_memory"} <= set(data["modes"][1])
+    assert {"speedup_low", "speedup_high", "speedup_verdict", "added_memory"} <= set(
+        data["modes"][1]
+    )
 
 
 def _timed(mode, times, block=2, **fields):
     history = History()
-    history.extend({"step": list(range(1, len(times) + 1)), "loss": [1.0] * len(times), "step_time": times})
+    history.extend(
+        {"step": list(range(1, len(times) + 1)), "loss": [1.0] * len(times), "step_time": times}
+    )
     blocks = [(i, min(i + block, len(times))) for i in range(0, len(times), block)]
     return ModeResult(mode, history, blocks=blocks, **fields)
 
@@ -158,7 +175,9 @@ def test_a_bad_block_runs_nothing():
 def test_a_run_that_ends_early_keeps_its_rows_and_the_others_go_on():
     def short_run(mode):
         trainer, train = dropout_run(mode)
-        return trainer, iter(list(train)[:3]) if mode == "bf16" else train  # bf16's data: 3 batches, once
+        return trainer, iter(
+            list(train)[:3]
+        ) if mode == "bf16" else train  # bf16's data: 3 batches, once
 
     result = compare(short_run, ["fp32", "bf16"], steps=6, warmup=1, block=2, progress=None)
     assert len(result.result("fp32").history) == 7
@@ -178,7 +197,9 @@ def test_a_shuffling_dataloader_gives_the_same_run_whatever_the_turns():
     """A DataLoader draws a seed at each iter(data): no fit calls it just to ask whether the data is
     one-shot, so turns of any length draw the shuffles of one plain fit."""
     losses = {
-        block: compare(loader_run, ["fp32"], steps=9, warmup=2, block=block, progress=None).result("fp32").history.loss
+        block: compare(loader_run, ["fp32"], steps=9, warmup=2, block=block, progress=None)
+        .result("fp32")
+        .history.loss
         for block in (2, 9)
     }
     torch.manual_seed(0)  # what compare finds, for the plain fit below
@@ -188,8 +209,12 @@ def test_a_shuffling_dataloader_gives_the_same_run_whatever_the_turns():
 
 
 def unseeded_run(mode):
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))  # drawn from whatever random state is in force
-    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), nn.functional.cross_entropy, mode=mode)
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 10)
+    )  # drawn from whatever random state is in force
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.1), nn.functional.cross_entropy, mode=mode
+    )
     trainer.dashboard = None
     return trainer, ex.digits(batch_size=32)[0]
 
@@ -207,12 +232,16 @@ def test_runs_that_are_not_the_modes_own_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="share one Trainer"):
         compare(lambda mode: shared, ["fp32", "tf32"], steps=2, warmup=0, progress=None)
     with pytest.raises(ValueError, match="built for mode 'bf16' trains in 'fp32'"):
-        compare(lambda mode: dropout_run("fp32"), ["fp32", "bf16"], steps=2, warmup=0, progress=None)
+        compare(
+            lambda mode: dropout_run("fp32"), ["fp32", "bf16"], steps=2, warmup=0, progress=None
+        )
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 
     def same_model(mode):
         optimizer = torch.optim.SGD(model.parameters(), 0.1)
-        trainer = mpnb.Trainer(model, optimizer, nn.functional.cross_entropy, mode=mode, dashboard=None)
+        trainer = mpnb.Trainer(
+            model, optimizer, nn.functional.cross_entropy, mode=mode, dashboard=None
+        )
         return trainer, ex.digits(batch_size=32)[0]
 
     with pytest.raises(ValueError, match="share one model"):
@@ -228,8 +257,12 @@ def test_a_stop_on_a_nonfinite_loss_is_not_undone_by_the_next_turn():
         batches[2] = (torch.full_like(x, float("nan")), y)
         return trainer, batches
 
-    result = compare(nan_at_step_3, ["fp32"], steps=4, warmup=1, block=2, progress=None).result("fp32")
-    assert len(result.history) == 3 and [e["kind"] for e in result.history.events].count("stop") == 1
+    result = compare(nan_at_step_3, ["fp32"], steps=4, warmup=1, block=2, progress=None).result(
+        "fp32"
+    )
+    assert (
+        len(result.history) == 3 and [e["kind"] for e in result.history.events].count("stop") == 1
+    )
     assert any("ended after 2 of 4 timed steps" in note for note in result.notes)
 
 
@@ -250,7 +283,9 @@ def test_epochs_are_planned_in_optimizer_steps_and_loaders_without_length_work()
         return dropout_run(mode)[0], torch.utils.data.DataLoader(Stream(), batch_size=None)
 
     short = compare(streaming, ["fp32"], steps=5, warmup=1, progress=None).result("fp32")
-    assert len(short.history) == 4 and any("ended after 3 of 5 timed steps" in note for note in short.notes)
+    assert len(short.history) == 4 and any(
+        "ended after 3 of 5 timed steps" in note for note in short.notes
+    )
 
 
 def test_a_warmup_longer_than_the_data_leaves_no_warmup_step_timed():
@@ -260,19 +295,32 @@ def test_a_warmup_longer_than_the_data_leaves_no_warmup_step_timed():
 
     result = compare(two_batches, ["fp32", "bf16"], steps=4, warmup=3, progress=None)
     row = result.rows()[1]
-    assert math.isnan(row["median_step_s"]) and math.isnan(row["speedup_vs_fp32"]) and row["timed_steps"] == 0
+    assert (
+        math.isnan(row["median_step_s"])
+        and math.isnan(row["speedup_vs_fp32"])
+        and row["timed_steps"] == 0
+    )
 
 
 def test_mode_lists_are_checked_before_anything_runs():
     calls = []
-    for modes, words in ((["bf16", "bf16"], "'bf16' is named twice"), ([], "names no mode"), (",", "names no mode")):
+    for modes, words in (
+        (["bf16", "bf16"], "'bf16' is named twice"),
+        ([], "names no mode"),
+        (",", "names no mode"),
+    ):
         with pytest.raises(ValueError, match=words):
             compare(lambda mode: calls.append(mode), modes, steps=2)
-    for kwargs, words in (({"block": 2.5}, "block must be a whole number >= 1, got 2.5"), ({"steps": "3"}, "got '3'")):
+    for kwargs, words in (
+        ({"block": 2.5}, "block must be a whole number >= 1, got 2.5"),
+        ({"steps": "3"}, "got '3'"),
+    ):
         with pytest.raises(ValueError, match=words):
             compare(lambda mode: calls.append(mode), ["fp32"], **kwargs)
     assert calls == []
-    assert [r.mode for r in compare(dropout_run, "fp32, bf16", steps=1, warmup=0, progress=None).results] == [
+    assert [
+        r.mode for r in compare(dropout_run, "fp32, bf16", steps=1, warmup=0, progress=None).results
+    ] == [
         "fp32",
         "bf16",
     ]
@@ -285,6 +333,8 @@ def test_asking_for_a_mode_that_was_not_compared_names_the_ones_that_were(tmp_pa
     comparison.results[0].metric = math.inf
     comparison.to_json(tmp_path / "c.json")
     assert (
-        json.loads((tmp_path / "c.json").read_text(), parse_constant=lambda c: pytest.fail(c))["modes"][0]["metric"]
+        json.loads((tmp_path / "c.json").read_text(), parse_constant=lambda c: pytest.fail(c))[
+            "modes"
+        ][0]["metric"]
         is None
     )

@@ -33,7 +33,8 @@ class _Block(nn.Module):
         self.shortcut = nn.Sequential()
         if stride != 1 or channels_in != channels_out:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False),
+                nn.BatchNorm2d(channels_out),
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,12 +47,16 @@ class SmallResNet(nn.Module):
 
     def __init__(self, classes: int = 10) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2)
+        )
         self.layers = nn.Sequential(_Block(8, 8, 1), _Block(8, 16, 2))
         self.head = nn.Linear(16, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+        return self.head(
+            torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1)
+        )
 
 
 def resnet() -> Case:
@@ -77,7 +82,9 @@ def bert_model(**config: object) -> nn.Module:
     torch.manual_seed(0)
     small = {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
     return BertForSequenceClassification(
-        BertConfig(**small, intermediate_size=64, max_position_embeddings=16, num_labels=3, **config)
+        BertConfig(
+            **small, intermediate_size=64, max_position_embeddings=16, num_labels=3, **config
+        )
     )
 
 

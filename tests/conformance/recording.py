@@ -45,7 +45,9 @@ class AtenRecorder(TorchDispatchMode):
         result = func(*args, **kwargs)
         name = func._schema.name
         if name not in _CASTS:
-            arbitrary = torch.Tag.nondeterministic_seeded in func.tags or name.startswith(_UNINITIALISED)
+            arbitrary = torch.Tag.nondeterministic_seeded in func.tags or name.startswith(
+                _UNINITIALISED
+            )
             self.calls.append(AtenCall(name, arbitrary, inputs, _snapshot(result)))
         return result
 
@@ -68,7 +70,9 @@ class FunctionRecorder(TorchFunctionMode):
         result = func(*args, **(kwargs or {}))
         name = canonical_name(getattr(func, "__name__", str(func)).strip("_"))
         floating = lambda values: tuple(  # noqa: E731
-            v.dtype for v in tree_leaves(values) if isinstance(v, torch.Tensor) and v.is_floating_point()
+            v.dtype
+            for v in tree_leaves(values)
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
         )
         self.calls.append(FunctionCall(name, floating((args, kwargs)), floating(result)))
         return result
@@ -115,7 +119,9 @@ def compare_unlisted(plain: list[AtenCall], listed: list[AtenCall], lists: OpLis
     its outputs must be bitwise the same. Seeded random ops are left out (their outputs depend on
     the generator, not on their inputs)."""
     named = listed_aten_names(lists)
-    matcher = difflib.SequenceMatcher(None, [c.name for c in plain], [c.name for c in listed], autojunk=False)
+    matcher = difflib.SequenceMatcher(
+        None, [c.name for c in plain], [c.name for c in listed], autojunk=False
+    )
     result = Comparison()
     aligned = 0
     for block in matcher.get_matching_blocks():

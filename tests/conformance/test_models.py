@@ -81,7 +81,9 @@ def test_lists_change_only_what_they_name(model_name, preset, dtype_name, report
     comparison = compare_unlisted(plain_ops, listed_ops, lists)
     assert comparison.mismatches == [], comparison.mismatches[:10]
     if preset == "torch":  # no lists: the two runs are the same run
-        assert comparison.unaligned == 0 and comparison.checked == len(plain_ops) - sum(c.seeded for c in plain_ops)
+        assert comparison.unaligned == 0 and comparison.checked == len(plain_ops) - sum(
+            c.seeded for c in plain_ops
+        )
 
     wrong_dtypes = []
     for call in functions:

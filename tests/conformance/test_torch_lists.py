@@ -51,13 +51,17 @@ def _call(group: str, entry: tuple):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("preset", ["hmp", "resnet50"])
-@pytest.mark.parametrize(("label", "group", "entry"), ENTRIES, ids=[label for label, _, _ in ENTRIES])
+@pytest.mark.parametrize(
+    ("label", "group", "entry"), ENTRIES, ids=[label for label, _, _ in ENTRIES]
+)
 def test_torchs_own_autocast_cases_under_the_lists(label, group, entry, preset, dtype):
     lists = OpLists.preset(preset)
     try:
         with torch.autocast("cpu", dtype=dtype):
             plain = _call(group, entry)
-    except RuntimeError as error:  # torch itself refuses some (bf16 inputs under fp16): so must the lists
+    except (
+        RuntimeError
+    ) as error:  # torch itself refuses some (bf16 inputs under fp16): so must the lists
         with pytest.raises(RuntimeError, match=str(error).splitlines()[0]):
             with OpListOverride(lists, ["cpu"]), torch.autocast("cpu", dtype=dtype):
                 _call(group, entry)
@@ -66,12 +70,20 @@ def test_torchs_own_autocast_cases_under_the_lists(label, group, entry, preset, 
         listed = _call(group, entry)
     op = canonical_name(entry[0].strip("_"))
     which = "fp32" if op in lists.fp32 else "lower" if op in lists.lower else None
-    inputs = [t.dtype for t in tree_leaves(entry[1]) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    inputs = [
+        t.dtype
+        for t in tree_leaves(entry[1])
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
     if which is None:
         assert same(plain, listed), f"{label} is on no list, yet the lists changed its result"
     elif inputs and torch.float64 not in inputs:
         expected = torch.float32 if which == "fp32" else dtype
-        outputs = [t.dtype for t in tree_leaves(listed) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        outputs = [
+            t.dtype
+            for t in tree_leaves(listed)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ]
         assert outputs and set(outputs) == {expected}, (label, which, outputs)
 
 

@@ -73,7 +73,9 @@ def store_attack(port: int, evil: bytes, report: dict, rows_only: bool = False) 
     import torch.distributed as dist
 
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
+        store = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2)
+        )
     except Exception:
         return False
     report["stores"][str(port)] = sorted(set(report["stores"].get(str(port), [])))
@@ -94,7 +96,9 @@ def store_attack(port: int, evil: bytes, report: dict, rows_only: bool = False) 
             report["pushed"] += 1
         except Exception:
             pass
-    for _ in range(0 if rows_only else 20):  # junk in and out again: the queue empties under the launcher's reads
+    for _ in range(
+        0 if rows_only else 20
+    ):  # junk in and out again: the queue empties under the launcher's reads
         for message in (b"junk",) * 25:
             try:
                 store.queue_push("mpnb/rows", message)
@@ -148,7 +152,9 @@ def main(folder: str, marker: str, rows_only: bool) -> None:
         thread.join(timeout=10)
     with open(os.path.join(folder, "report.json"), "w") as file:
         json.dump(report, file)
-    os._exit(0)  # not torch's teardown of stores whose servers are gone, with threads maybe still in them
+    os._exit(
+        0
+    )  # not torch's teardown of stores whose servers are gone, with threads maybe still in them
 
 
 if __name__ == "__main__":

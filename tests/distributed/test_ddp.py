@@ -18,7 +18,8 @@ from mpnb.training.trainer import Trainer
 def batches(count: int = 8, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(size, 8, generator=generator), torch.randn(size, 2, generator=generator)) for _ in range(count)
+        (torch.randn(size, 8, generator=generator), torch.randn(size, 2, generator=generator))
+        for _ in range(count)
     ]
 
 
@@ -29,7 +30,12 @@ def model() -> nn.Module:
 
 
 def build_trainer(
-    strategy: str | None, mode: str = "fp32", step_fn=None, optimizer=torch.optim.SGD, lr: float = 0.1, **options
+    strategy: str | None,
+    mode: str = "fp32",
+    step_fn=None,
+    optimizer=torch.optim.SGD,
+    lr: float = 0.1,
+    **options,
 ) -> Trainer:
     """A CPU Trainer of :func:`model` (mse loss unless ``step_fn``), no dashboard unless ``options`` say."""
     net = model()
@@ -46,7 +52,14 @@ def build_trainer(
     )
 
 
-def trained(data, mode: str = "fp32", strategy: str | None = None, steps: int = 4, step_fn=None, **amp_options):
+def trained(
+    data,
+    mode: str = "fp32",
+    strategy: str | None = None,
+    steps: int = 4,
+    step_fn=None,
+    **amp_options,
+):
     trainer = build_trainer(strategy, mode, step_fn, **amp_options)
     trainer.fit(data, max_steps=steps)
     inner = trainer.model.module if strategy else trainer.model
@@ -63,7 +76,9 @@ def test_two_ranks_train_as_one_process_on_the_merged_batches():
     (rank0, losses0), (rank1, losses1) = launched.results
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), "the ranks must end identical"
     data = batches()
-    merged = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(data[0::2], data[1::2])]
+    merged = [
+        (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(data[0::2], data[1::2])
+    ]
     single, _ = trained(merged)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rank0, single))
     assert len(losses0) == len(losses1) == 4 and losses0 != losses1  # each rank's own batches
@@ -82,7 +97,11 @@ def fp16_ddp_rank() -> list[int]:
     data = batches()
     data[5][0][0, 0] = 1000.0  # batch 5 is rank 1's third
     _, history = trained(
-        data, mode="fp16", strategy="ddp", step_fn=overflow_on_rank_one_at_its_third_batch, init_scale=256.0
+        data,
+        mode="fp16",
+        strategy="ddp",
+        step_fn=overflow_on_rank_one_at_its_third_batch,
+        init_scale=256.0,
     )
     return history.skipped_steps
 
@@ -110,11 +129,17 @@ def nan_on_rank_one_at_its_third_batch(model, batch):
 def ddp_stop_on_nonfinite_rank(strategy: str) -> tuple[int, bool, list[str]]:
     data = batches()
     data[5][0][0, 0] = 1000.0  # batch 5 is rank 1's third: only rank 1 sees a NaN loss at step 3
-    trainer = build_trainer(strategy, "bf16", step_fn=nan_on_rank_one_at_its_third_batch, on_nonfinite="stop")
+    trainer = build_trainer(
+        strategy, "bf16", step_fn=nan_on_rank_one_at_its_third_batch, on_nonfinite="stop"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(data, max_steps=4)
-    return len(trainer.history), trainer.stopped, [event["kind"] for event in trainer.history.events]
+    return (
+        len(trainer.history),
+        trainer.stopped,
+        [event["kind"] for event in trainer.history.events],
+    )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -39,7 +39,9 @@ def test_fsdp_in_fp32_trains_as_one_process_on_the_merged_batches():
     assert sharded0 and sharded1
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
     data = batches()
-    merged = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(data[0::2], data[1::2])]
+    merged = [
+        (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(data[0::2], data[1::2])
+    ]
     single = trainer_for("fp32", None)
     single.fit(merged, max_steps=4)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rank0, single.model.parameters()))
@@ -49,7 +51,9 @@ def test_fsdp_in_fp32_trains_as_one_process_on_the_merged_batches():
 def fsdp_bf16_rank() -> dict:
     trainer = trainer_for("bf16", "fsdp")
     seen = []
-    trainer.model[0].register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    trainer.model[0].register_forward_pre_hook(
+        lambda module, args: seen.append(module.weight.dtype)
+    )
     trainer.fit(batches(), epochs=3)  # 4 steps an epoch on each rank
     return {
         "losses": trainer.history.loss,
@@ -151,7 +155,9 @@ def fsdp_checkpoint_rank(directory: str) -> dict:
     except MpnbError as error:
         refusals.append(str(error))
     return {
-        "same_weights": all(torch.equal(a, b) for a, b in zip(full_weights(first), full_weights(resumed))),
+        "same_weights": all(
+            torch.equal(a, b) for a, b in zip(full_weights(first), full_weights(resumed))
+        ),
         "losses": (first.history.loss[3:], resumed.history.loss[3:]),
         "loaded_steps": loaded_steps,
         "refusals": refusals,
@@ -179,7 +185,9 @@ def fsdp_refusals_rank() -> list[str]:
     net(torch.ones(1, 8)).sum().backward()
     optimizer.step()
     try:
-        Trainer(net, optimizer, nn.functional.mse_loss, device="cpu", dashboard=None, strategy="fsdp")
+        Trainer(
+            net, optimizer, nn.functional.mse_loss, device="cpu", dashboard=None, strategy="fsdp"
+        )
     except MpnbError as error:
         messages.append(str(error))
     other, own = model(), model()  # an optimizer over the model's parameters and some of another's
@@ -199,7 +207,11 @@ def test_fsdp_refuses_an_optimizer_it_cannot_point_at_the_shards():
 
 @pytest.mark.parametrize(
     ("mode", "param_dtype", "reduce_dtype"),
-    [(Mode.BF16, torch.bfloat16, torch.float32), (Mode.FP16, torch.float16, torch.float32), (Mode.FP32, None, None)],
+    [
+        (Mode.BF16, torch.bfloat16, torch.float32),
+        (Mode.FP16, torch.float16, torch.float32),
+        (Mode.FP32, None, None),
+    ],
 )
 def test_the_policy_follows_the_mode(mode, param_dtype, reduce_dtype):
     policy = mixed_precision_policy(mode)
@@ -209,7 +221,9 @@ def test_the_policy_follows_the_mode(mode, param_dtype, reduce_dtype):
 def test_blocks_are_a_transformers_layers_or_the_children_with_parameters():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    )
     assert model_blocks(gpt2) == list(gpt2.transformer.h)
     assert [type(b).__name__ for b in model_blocks(model())] == ["Linear", "Linear"]
 
@@ -230,7 +244,11 @@ class TiedLM(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed, self.norm, self.head = nn.Embedding(32, 8), nn.LayerNorm(8), nn.Linear(8, 32, bias=False)
+        self.embed, self.norm, self.head = (
+            nn.Embedding(32, 8),
+            nn.LayerNorm(8),
+            nn.Linear(8, 32, bias=False),
+        )
         self.head.weight = self.embed.weight
 
     def forward(self, ids):
@@ -260,24 +278,38 @@ def sharded_checkpoint_refusals_rank(directory: str) -> list[str]:
     first.save(directory)
     messages = []
     torch.manual_seed(0)
-    wider = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))  # the same names, other shapes
+    wider = nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2)
+    )  # the same names, other shapes
     other = Trainer(
         wider, torch.optim.Adam(wider.parameters(), lr=0.01), nn.functional.mse_loss, mode="fp32", device="cpu",
         dashboard=None, strategy="fsdp",
     )  # fmt: skip
     before = full_weights(other)
-    for attempt in (lambda: other.load(directory), lambda: first.save(os.path.join(directory, "run-rank0.pt"))):
+    for attempt in (
+        lambda: other.load(directory),
+        lambda: first.save(os.path.join(directory, "run-rank0.pt")),
+    ):
         try:
             attempt()
         except MpnbError as error:
             messages.append(str(error))
-    assert all(torch.equal(a, b) for a, b in zip(before, full_weights(other))), "a refused load changed weights"
+    assert all(torch.equal(a, b) for a, b in zip(before, full_weights(other))), (
+        "a refused load changed weights"
+    )
     return messages
 
 
 def test_a_sharded_checkpoint_that_does_not_fit_is_refused_with_a_clear_error(tmp_path):
-    shapes, not_a_directory = launch(sharded_checkpoint_refusals_rank, str(tmp_path / "ckpt"), nproc=2).results[0]
-    assert "0.weight" in shapes and "(32, 8)" in shapes and "(16, 8)" in shapes and "nothing was loaded" in shapes
+    shapes, not_a_directory = launch(
+        sharded_checkpoint_refusals_rank, str(tmp_path / "ckpt"), nproc=2
+    ).results[0]
+    assert (
+        "0.weight" in shapes
+        and "(32, 8)" in shapes
+        and "(16, 8)" in shapes
+        and "nothing was loaded" in shapes
+    )
     assert "not a directory" in not_a_directory
 
 
@@ -291,5 +323,7 @@ def own_history_rank(directory: str) -> tuple[list[float], list[float]]:
 
 
 def test_each_rank_gets_its_own_history_back_from_a_sharded_checkpoint(tmp_path):
-    (saved0, loaded0), (saved1, loaded1) = launch(own_history_rank, str(tmp_path / "ckpt"), nproc=2).results
+    (saved0, loaded0), (saved1, loaded1) = launch(
+        own_history_rank, str(tmp_path / "ckpt"), nproc=2
+    ).results
     assert loaded0 == saved0 and loaded1 == saved1 and saved0 != saved1

@@ -63,7 +63,9 @@ def fail_on_rank_one() -> None:
 
 def test_a_failing_rank_ends_every_rank_and_is_named_with_its_traceback():
     started = time.monotonic()
-    with pytest.raises(LaunchError, match="rank 1 failed: ValueError: rank one's batch is broken") as raised:
+    with pytest.raises(
+        LaunchError, match="rank 1 failed: ValueError: rank one's batch is broken"
+    ) as raised:
         launch(fail_on_rank_one, nproc=2)
     assert time.monotonic() - started < 20
     assert raised.value.rank == 1 and "fail_on_rank_one" in raised.value.details
@@ -91,7 +93,9 @@ def hang_on_rank_one() -> None:
 
 def test_a_hung_rank_ends_at_the_timeout_with_a_clear_error():
     started = time.monotonic()
-    with pytest.raises(LaunchError, match=r"timeout=3 s passed with ranks? .*1.* still running") as raised:
+    with pytest.raises(
+        LaunchError, match=r"timeout=3 s passed with ranks? .*1.* still running"
+    ) as raised:
         launch(hang_on_rank_one, nproc=2, timeout=3)
     assert time.monotonic() - started < 20
     assert "rank 1:" in raised.value.details and "hang_on_rank_one" in raised.value.details
@@ -108,7 +112,11 @@ def test_a_hung_rank_ends_at_the_timeout_with_a_clear_error():
         ({"start_method": "thread"}, InvalidChoiceError, "'thread'.*fork"),
         ({"timeout": float("nan")}, MpnbError, "timeout must be a positive, finite number"),
         ({"timeout": float("inf")}, MpnbError, "timeout must be a positive, finite number"),
-        ({"rdzv_endpoint": "nonsense"}, MpnbError, "rdzv_endpoint must be 'host:port', got 'nonsense'"),
+        (
+            {"rdzv_endpoint": "nonsense"},
+            MpnbError,
+            "rdzv_endpoint must be 'host:port', got 'nonsense'",
+        ),
         ({"nproc": 10**6}, MpnbError, "nproc must be at most"),
     ],
 )
@@ -153,7 +161,10 @@ def exit_on_rank_one(how: str) -> None:
 @pytest.mark.parametrize(
     ("how", "named"),
     [
-        ("sys.exit(0)", r"rank 1 failed: RuntimeError: the function ended its rank with sys.exit\(0\)"),
+        (
+            "sys.exit(0)",
+            r"rank 1 failed: RuntimeError: the function ended its rank with sys.exit\(0\)",
+        ),
     ],
 )
 def test_a_rank_that_ends_without_returning_is_named_and_does_not_hang_the_launch(how, named):
@@ -214,7 +225,10 @@ def test_launch_inside_a_worker_is_refused_with_the_reason():
 def test_the_launchers_loggers_are_as_found_after_a_failed_launch():
     import logging
 
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    loggers = [
+        logging.getLogger(name)
+        for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")
+    ]
     loggers[0].setLevel(logging.INFO)  # a user's own choice, to be kept
     before = [logger.level for logger in loggers]
     try:

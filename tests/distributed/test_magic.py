@@ -55,19 +55,26 @@ def test_the_cell_runs_on_each_rank_in_the_session_mode_and_rank_zeros_names_com
         "lock = threading.Lock()",
     )
     assert reply["status"] == "ok", printed
-    assert "from rank 0: rank, world, total, dtype; not brought back (cannot be pickled): lock" in printed
+    assert (
+        "from rank 0: rank, world, total, dtype; not brought back (cannot be pickled): lock"
+        in printed
+    )
     _, printed = execute(
-        client, "print(rank, world, float(total), dtype, 'lock' in globals(), type(_distributed).__name__)"
+        client,
+        "print(rank, world, float(total), dtype, 'lock' in globals(), type(_distributed).__name__)",
     )
     assert printed.split() == ["0", "2", "3.0", "torch.bfloat16", "False", "Launched"]
 
 
 def test_a_failing_rank_fails_the_cell_with_its_traceback(client):
     reply, printed = execute(
-        client, "%%distributed --nproc 2\nif dist.get_rank() == 1:\n    raise ValueError('only on rank one')\n"
+        client,
+        "%%distributed --nproc 2\nif dist.get_rank() == 1:\n    raise ValueError('only on rank one')\n",
     )
     assert reply["status"] == "error" and "rank 1 failed: ValueError: only on rank one" in printed
-    assert printed.startswith("RuntimeError: %%distributed: rank 1 failed")  # not shown as a usage error
+    assert printed.startswith(
+        "RuntimeError: %%distributed: rank 1 failed"
+    )  # not shown as a usage error
 
 
 def test_a_name_bound_again_comes_back_even_if_the_new_object_reuses_the_old_ones_id(client):
@@ -97,8 +104,12 @@ def test_each_ranks_prints_reach_the_cell_as_whole_lines_marked_with_the_rank(cl
     assert reply["status"] == "ok", printed
     lines = printed.splitlines()
     for rank in (0, 1):
-        assert f"[rank {rank}] loss of rank {rank} " in lines  # not interleaved word by word with the other rank
-        assert f"[rank {rank}] unfinished {rank}" in lines  # a last line without its newline is not lost
+        assert (
+            f"[rank {rank}] loss of rank {rank} " in lines
+        )  # not interleaved word by word with the other rank
+        assert (
+            f"[rank {rank}] unfinished {rank}" in lines
+        )  # a last line without its newline is not lost
 
 
 def test_a_launch_in_a_kernel_shows_the_ranks_live_and_brings_their_histories_back(client):

@@ -57,7 +57,9 @@ def test_rows_stream_in_while_the_ranks_train_and_end_equal_to_the_histories():
     assert rows.ranks == [0, 1]
     for rank in (0, 1):
         streamed, returned = rows.histories[rank][0], launched.histories[rank][0]
-        assert as_text(streamed) == as_text(returned)  # every row, every column, as the rank recorded it
+        assert as_text(streamed) == as_text(
+            returned
+        )  # every row, every column, as the rank recorded it
     assert rows.disagreements() == []
     assert list(rows.stragglers()) == [1]
 
@@ -77,7 +79,9 @@ def test_a_stop_in_the_launching_process_stops_every_rank_after_the_same_step():
     from mpnb.training.control import FitControl
 
     control = FitControl()
-    launched = launch(train_rank, 200, nproc=2, dashboard=StopAtTen(control), control=control, timeout=120)
+    launched = launch(
+        train_rank, 200, nproc=2, dashboard=StopAtTen(control), control=control, timeout=120
+    )
     (steps0, stopped0), (steps1, stopped1) = launched.results
     assert steps0 == steps1 and 10 <= steps0 < 200 and stopped0 and stopped1
 
@@ -153,7 +157,9 @@ def test_a_straggler_is_named_only_once_enough_steps_are_in():
     rows = RankRows()
     for rank, seconds in ((0, 0.010), (1, 0.020)):
         rows.add(rank, 0, {"step": [1, 2, 3, 4, 5], "forward_time": [seconds] * 5})
-    assert rows.stragglers() == {}  # 4 steps after warm-up: noise on a shared machine, not a straggler
+    assert (
+        rows.stragglers() == {}
+    )  # 4 steps after warm-up: noise on a shared machine, not a straggler
     for rank, seconds in ((0, 0.010), (1, 0.020)):
         rows.add(rank, 0, {"step": list(range(6, 13)), "forward_time": [seconds] * 7})
     assert rows.stragglers() == {1: 2.0}

@@ -69,7 +69,9 @@ def attacker_user() -> int | None:
     if os.getuid() != 0:
         return None
     try:
-        probe = subprocess.run([sys.executable, "-c", "import torch"], user=NOBODY, capture_output=True)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import torch"], user=NOBODY, capture_output=True
+        )
     except OSError:
         return None
     return NOBODY if probe.returncode == 0 else None
@@ -86,7 +88,9 @@ class Attacker:
         self.process = subprocess.Popen(command, user=attacker_user())
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(self.folder, "ready")):
-            assert self.process.poll() is None and time.monotonic() < deadline, "the attacker did not start"
+            assert self.process.poll() is None and time.monotonic() < deadline, (
+                "the attacker did not start"
+            )
             time.sleep(0.05)
 
     def finish(self) -> dict:
@@ -135,14 +139,23 @@ def test_a_local_attacker_runs_no_code_forges_no_rows_and_stops_nothing():
         seen = listeners.stop()
         report = attacker.finish()
     assert not os.path.exists(attacker.marker), "the attacker's pickle ran"
-    assert launched.results == [(steps, False), (steps, False)]  # every rank ran every step, none was stopped
+    assert launched.results == [
+        (steps, False),
+        (steps, False),
+    ]  # every rank ran every step, none was stopped
     assert view.final.ranks == [0, 1]
     for rank in (0, 1):
         assert only_real_rows(view.final.histories[rank][0].loss, launched.histories[rank][0].loss)
-    assert seen and all(ip == "127.0.0.1" for _, ip, _ in seen), f"listening beyond loopback: {sorted(seen)}"
+    assert seen and all(ip == "127.0.0.1" for _, ip, _ in seen), (
+        f"listening beyond loopback: {sorted(seen)}"
+    )
     launcher_ports = {port for who, _, port in seen if who == "launcher"}
-    assert len(launcher_ports) == 1  # mpnb's channel; torch's rendezvous and the workers' store have no socket
-    assert launcher_ports <= {int(port) for port in report["stores"]}, report  # and the attacker reached it
+    assert (
+        len(launcher_ports) == 1
+    )  # mpnb's channel; torch's rendezvous and the workers' store have no socket
+    assert launcher_ports <= {int(port) for port in report["stores"]}, (
+        report
+    )  # and the attacker reached it
     assert report["pushed"] > 0 and report["stops"] > 0
 
 
@@ -161,7 +174,14 @@ def test_two_nodes_drop_rows_that_lack_the_secret(tmp_path):
     try:
         nodes = [
             subprocess.Popen(
-                [sys.executable, NODE, str(rank), endpoint, str(steps), str(tmp_path / f"node{rank}.json")],
+                [
+                    sys.executable,
+                    NODE,
+                    str(rank),
+                    endpoint,
+                    str(steps),
+                    str(tmp_path / f"node{rank}.json"),
+                ],
                 env=environment,
                 cwd=ROOT,
             )
@@ -177,7 +197,9 @@ def test_two_nodes_drop_rows_that_lack_the_secret(tmp_path):
             node = json.load(file)
         assert node["results"] == [[steps, False]]  # each launch returns its own node's rank
         assert node["streamed_ranks"] == [rank] and node["streamed_losses"] == node["losses"]
-        assert any("dropped a message on its telemetry channel" in text for text in node["warnings"]), node
+        assert any(
+            "dropped a message on its telemetry channel" in text for text in node["warnings"]
+        ), node
 
 
 def test_a_node_given_another_secret_is_refused_at_the_rendezvous(tmp_path):
@@ -192,7 +214,9 @@ def test_a_node_given_another_secret_is_refused_at_the_rendezvous(tmp_path):
     ]
     deadline = time.monotonic() + 120
     try:
-        while all(node.poll() is None for node in nodes):  # the node that reads the other's state first ends
+        while all(
+            node.poll() is None for node in nodes
+        ):  # the node that reads the other's state first ends
             assert time.monotonic() < deadline, "neither node refused the other's rendezvous state"
             time.sleep(0.1)
     finally:
@@ -201,7 +225,9 @@ def test_a_node_given_another_secret_is_refused_at_the_rendezvous(tmp_path):
     first = next(rank for rank, node in enumerate(nodes) if node.returncode == 0)
     with open(tmp_path / f"node{first}.json") as file:
         said = json.load(file)["error"]
-    assert "could not meet its other nodes" in said and "not signed with this launch's secret" in said
+    assert (
+        "could not meet its other nodes" in said and "not signed with this launch's secret" in said
+    )
 
 
 def test_a_rendezvous_state_written_without_the_secret_is_refused_unread(tmp_path):
@@ -216,7 +242,9 @@ def test_a_rendezvous_state_written_without_the_secret_is_refused_unread(tmp_pat
     state, token, _ = signed.set_state(b"the real state")
     assert signed.get_state() == (b"the real state", token)
     evil = pickle.dumps(Payload(str(marker)))
-    C10dRendezvousBackend(store, "run").set_state(evil, token)  # what another process could write into the store
+    C10dRendezvousBackend(store, "run").set_state(
+        evil, token
+    )  # what another process could write into the store
     with pytest.raises(RendezvousStateError, match="not signed with this launch's secret"):
         signed.get_state()
     assert not marker.exists()
@@ -249,7 +277,9 @@ def hostile_messages(secret: bytes) -> dict[str, bytes]:
         "not signed with this launch's secret ": pickle.dumps(rows),
         "rank 5 is not one of this node's ranks": encode(signer, RowsMessage(5, 0, 0, rows)),
         "unknown column": signed({"rank": 2, "fit": 0, "seq": 0, "columns": {"__class__": [1]}}),
-        "column loss holds 'x'": signed({"rank": 2, "fit": 0, "seq": 0, "columns": {"loss": ["x"]}}),
+        "column loss holds 'x'": signed(
+            {"rank": 2, "fit": 0, "seq": 0, "columns": {"loss": ["x"]}}
+        ),
         "column step holds True; it takes whole numbers": signed(
             {"rank": 2, "fit": 0, "seq": 0, "columns": {"step": [True]}}
         ),

@@ -25,10 +25,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def mlp(width: int = 1024) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+    return nn.Sequential(
+        nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
 
 
-def batches(count: int, size: int = 256, width: int = 1024) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    count: int, size: int = 256, width: int = 1024
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator(device="cuda").manual_seed(0)
     return [
         (
@@ -41,9 +45,17 @@ def batches(count: int, size: int = 256, width: int = 1024) -> list[tuple[torch.
 
 def syncs_in_a_fit(steps: int) -> int:
     model = mlp().cuda()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # skips on the device: no sync
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=1e-3, fused=True
+    )  # skips on the device: no sync
     trainer = mpnb.Trainer(
-        model, optimizer, nn.functional.cross_entropy, mode="fp16", device="cuda", dashboard=None, flush_every=1000
+        model,
+        optimizer,
+        nn.functional.cross_entropy,
+        mode="fp16",
+        device="cuda",
+        dashboard=None,
+        flush_every=1000,
     )
     data = batches(steps)
     trainer.fit(data[:2])  # lazy initialisation (cuBLAS, the allocator, the scaler) may sync once
@@ -68,7 +80,13 @@ def test_bf16_is_refused_where_the_gpu_has_none_and_nothing_changes(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
     model = mlp()
     with pytest.raises(DeviceUnavailableError, match="bf16"):
-        mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="bf16", device="cuda", dashboard=None)
+        mpnb.Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            mode="bf16",
+            device="cuda",
+            dashboard=None,
+        )
     assert mpnb.get_mode() == before
 
 
@@ -162,7 +180,9 @@ def test_the_tf32_switch_changes_matmul_and_cudnn_convolution_results_and_puts_t
     for enabled in (False, True):
         mpnb.set_mode("fp32", device="cuda")
         try:
-            with mpnb.tf32(enabled, device="cuda"):  # in mode fp32 the switch moves between fp32 and tf32
+            with mpnb.tf32(
+                enabled, device="cuda"
+            ):  # in mode fp32 the switch moves between fp32 and tf32
                 errors[enabled] = _tf32_errors(a, b, images, kernels)
         finally:
             session.restore(session_before)
@@ -177,7 +197,11 @@ def test_the_tf32_switch_changes_matmul_and_cudnn_convolution_results_and_puts_t
     finally:
         session.restore(session_before)
     assert _flags() == before
-    assert mm_default < 2 * mm_exact and conv_default > 20 * conv_exact, (mm_default, conv_default, errors)
+    assert mm_default < 2 * mm_exact and conv_default > 20 * conv_exact, (
+        mm_default,
+        conv_default,
+        errors,
+    )
 
 
 def test_a_batch_already_on_the_gpu_goes_to_the_step_as_it_is():
@@ -208,14 +232,18 @@ def test_a_batch_already_on_the_gpu_goes_to_the_step_as_it_is():
 
 
 def _digits_run(mode: str):
-    trainer, train, _ = mpnb.examples.example_trainer(mode, "cuda", batch_size=256, dashboard=None, model="mlp")
+    trainer, train, _ = mpnb.examples.example_trainer(
+        mode, "cuda", batch_size=256, dashboard=None, model="mlp"
+    )
     return trainer, train
 
 
 def test_compare_measures_a_speedup_for_every_mode_on_the_gpu():
     """compare's table on CUDA: every mode trained and timed with the device's clock, a speedup
     over fp32 with its interval for each, tf32 said to have no effect only where it has none."""
-    comparison = mpnb.compare(_digits_run, ["fp32", "tf32", "bf16", "fp16"], steps=30, warmup=3, progress=None)
+    comparison = mpnb.compare(
+        _digits_run, ["fp32", "tf32", "bf16", "fp16"], steps=30, warmup=3, progress=None
+    )
     rows = {row["mode"]: row for row in comparison.rows()}
     assert set(rows) == {"fp32", "tf32", "bf16", "fp16"}
     for mode, row in rows.items():
@@ -243,7 +271,9 @@ def test_max_batch_size_is_found_by_running_out_of_gpu_memory_and_leaves_the_gpu
                 model, torch.optim.Adam(model.parameters()), nn.functional.cross_entropy, mode=mode, device="cuda",
                 dashboard=None,
             )  # fmt: skip
-            return trainer, [(torch.randn(16, 4096, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))]
+            return trainer, [
+                (torch.randn(16, 4096, device="cuda"), torch.randint(0, 10, (16,), device="cuda"))
+            ]
 
         report = mpnb.max_batch_size(make_run, ["fp32", "bf16"], start=1024, limit=2**20)
     finally:
@@ -264,9 +294,14 @@ def test_a_flush_of_values_on_two_devices_reads_each_device_once_and_keeps_every
 
     recorder = Recorder(flush_every=4)
     for step in range(1, 5):
-        lr = torch.tensor(0.1 * step) if step % 2 else 0.5  # a CPU tensor in some rows, a number in others
+        lr = (
+            torch.tensor(0.1 * step) if step % 2 else 0.5
+        )  # a CPU tensor in some rows, a number in others
         recorder.record(
-            step=step, loss=torch.tensor(float(step), device="cuda"), lr=lr, skipped=torch.tensor(step == 3)
+            step=step,
+            loss=torch.tensor(float(step), device="cuda"),
+            lr=lr,
+            skipped=torch.tensor(step == 3),
         )
     history = recorder.history
     assert recorder.host_transfers == 2

@@ -31,8 +31,13 @@ def test_step_times_are_the_devices_not_the_queueing_hosts(mode):
     torch.manual_seed(0)
     model = gpu_bound_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    data = [(torch.randn(4096, 4096, device="cuda"), torch.randint(0, 10, (4096,), device="cuda")) for _ in range(4)]
-    trainer = mpnb.Trainer(model, optimizer, nn.functional.cross_entropy, mode=mode, device="cuda", dashboard=None)
+    data = [
+        (torch.randn(4096, 4096, device="cuda"), torch.randint(0, 10, (4096,), device="cuda"))
+        for _ in range(4)
+    ]
+    trainer = mpnb.Trainer(
+        model, optimizer, nn.functional.cross_entropy, mode=mode, device="cuda", dashboard=None
+    )
     trainer.fit(data, epochs=2)  # warm-up: cuBLAS plans, allocator
     batches = [data[i % len(data)] for i in range(40)]
 

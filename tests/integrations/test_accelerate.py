@@ -12,13 +12,16 @@ from torch import nn
 
 from mpnb.integrations.accelerate import LoopRecorder
 
-accelerate = pytest.importorskip("accelerate", reason="accelerate: pip install 'mpnb[transformers]'")
+accelerate = pytest.importorskip(
+    "accelerate", reason="accelerate: pip install 'mpnb[transformers]'"
+)
 
 
 def batches(count: int = 8):
     generator = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(count)
+        (torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator))
+        for _ in range(count)
     ]
 
 
@@ -27,7 +30,9 @@ def prepared(mixed_precision: str, scaler: torch.amp.GradScaler | None = None, a
         mixed_precision=mixed_precision, cpu=True, gradient_accumulation_steps=accumulate
     )
     if scaler is not None:
-        accelerator.scaler = scaler  # on CPU Accelerate makes none; its own code paths use one given
+        accelerator.scaler = (
+            scaler  # on CPU Accelerate makes none; its own code paths use one given
+        )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -64,7 +69,9 @@ def test_accumulation_makes_one_row_per_optimizer_step():
     accelerator, model, optimizer = prepared("bf16", accumulate=2)
     history, losses = run(accelerator, model, optimizer, batches())
     assert len(history) == 4
-    assert history.loss == pytest.approx([(losses[i] + losses[i + 1]) / 2 for i in range(0, 8, 2)], rel=1e-6)
+    assert history.loss == pytest.approx(
+        [(losses[i] + losses[i + 1]) / 2 for i in range(0, 8, 2)], rel=1e-6
+    )
 
 
 def test_skips_are_counted_from_the_scaler_accelerate_really_uses():
@@ -94,7 +101,9 @@ def test_fp16_on_cpu_says_that_accelerate_trains_something_else():
 def test_a_plain_loop_and_a_recorder_used_after_close():
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    recorder = LoopRecorder.start("my loop", model, optimizer, scaler=None, device="cpu", dashboard=None)
+    recorder = LoopRecorder.start(
+        "my loop", model, optimizer, scaler=None, device="cpu", dashboard=None
+    )
     recorder.close()
     with pytest.raises(RuntimeError, match="my loop: no run is being recorded"):
         recorder.record(torch.tensor(1.0))
@@ -104,5 +113,8 @@ def test_a_plain_loop_and_a_recorder_used_after_close():
 def test_importing_mpnb_imports_no_framework():
     code = "import sys, mpnb, mpnb.integrations; print(sorted({'transformers', 'lightning', 'accelerate'} & set(sys.modules)))"
     assert (
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        == "[]"
     )

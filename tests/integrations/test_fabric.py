@@ -16,7 +16,8 @@ from mpnb.integrations.lightning import fabric_telemetry  # noqa: E402
 def batches(count: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(count)
+        (torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator))
+        for _ in range(count)
     ]
 
 
@@ -67,4 +68,7 @@ def test_16_mixed_on_cpu_is_recorded_as_the_bf16_fabric_runs_and_said_when_asked
             history, _, _ = fabric_loop("16-mixed", told=told)
         said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
         assert history.mode == ["bf16"] * 6
-        assert any("asked for fp16" in message and "bf16" in message for message in said) is said_by_mpnb, said
+        assert (
+            any("asked for fp16" in message and "bf16" in message for message in said)
+            is said_by_mpnb
+        ), said

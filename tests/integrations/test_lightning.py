@@ -56,7 +56,14 @@ def quiet_trainer(*callbacks, **options) -> L.Trainer:
     )
 
 
-def fit(callback, setting: str = "32-true", max_steps: int = 5, module=None, validation=None, **trainer_options):
+def fit(
+    callback,
+    setting: str = "32-true",
+    max_steps: int = 5,
+    module=None,
+    validation=None,
+    **trainer_options,
+):
     """Fit ``module`` (a fresh Classifier by default); returns the trainer, the module and mpnb's warnings."""
     torch.manual_seed(0)
     module = module if module is not None else Classifier()
@@ -124,7 +131,11 @@ def test_a_stop_pressed_after_mpnbs_hook_ran_still_ends_training_at_that_step(ac
     in is the last, whatever the order of the callbacks."""
     callback = MpnbCallback(dashboard=None)
     trainer = quiet_trainer(
-        callback, StopAtStep(callback, 2), precision="bf16-mixed", max_steps=10, accumulate_grad_batches=accumulate
+        callback,
+        StopAtStep(callback, 2),
+        precision="bf16-mixed",
+        max_steps=10,
+        accumulate_grad_batches=accumulate,
     )
     trainer.fit(Classifier(), loader())
     assert trainer.global_step == len(callback.history) == 2
@@ -164,13 +175,17 @@ def test_precision_strings_follow_the_session_and_refuse_what_lightning_lacks():
 def test_a_part_filled_last_window_records_the_mean_of_its_own_batches():
     """12 batches, accumulating 5: windows of 5, 5 and 2; Lightning divides the last by 5 too."""
     callback = MpnbCallback(dashboard=None)
-    trainer, module, _ = fit(callback, "bf16-mixed", max_steps=-1, max_epochs=1, accumulate_grad_batches=5)
+    trainer, module, _ = fit(
+        callback, "bf16-mixed", max_steps=-1, max_epochs=1, accumulate_grad_batches=5
+    )
     assert len(callback.history) == trainer.global_step == 3
     windows = [module.losses[0:5], module.losses[5:10], module.losses[10:12]]
     assert callback.history.loss == pytest.approx([sum(w) / len(w) for w in windows], rel=1e-5)
 
 
-@pytest.mark.parametrize(("setting", "name"), [("bf16-true", "bf16-true"), ("32-true", "fp32"), ("64-true", "fp64")])
+@pytest.mark.parametrize(
+    ("setting", "name"), [("bf16-true", "bf16-true"), ("32-true", "fp32"), ("64-true", "fp64")]
+)
 def test_true_precisions_are_recorded_from_the_weights_without_a_warning(setting, name):
     callback = MpnbCallback(dashboard=None)
     _, _, said = fit(callback, setting, max_steps=2)
@@ -187,7 +202,9 @@ class Manual(Classifier):
     ``every``-th batch, a second one (with ``optimizers=2``) once in every batch. Returns the last
     loss, or None with ``returns_loss=False``."""
 
-    def __init__(self, optimizers: int = 1, first_steps: int = 1, every: int = 1, returns_loss: bool = False) -> None:
+    def __init__(
+        self, optimizers: int = 1, first_steps: int = 1, every: int = 1, returns_loss: bool = False
+    ) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.optimizer_count, self.first_steps, self.every, self.returns_loss = (
@@ -218,7 +235,9 @@ def test_manual_optimization_without_a_returned_loss_is_recorded_as_unknown_loss
     callback = MpnbCallback(dashboard=None, on_nonfinite="stop")
     trainer, _, said = fit(callback, max_steps=3, module=Manual())
     assert trainer.global_step == len(callback.history) == 3
-    assert callback.history.loss_missing == [True] * 3 and callback.history.summary()["alarms"] == []
+    assert (
+        callback.history.loss_missing == [True] * 3 and callback.history.summary()["alarms"] == []
+    )
     assert len(said) == 1 and "no loss" in said[0]
     assert fit.caught[0].filename == __file__  # the warning points here, not at mpnb
 
@@ -235,7 +254,9 @@ def test_validation_during_training_is_left_out_of_step_times_and_epochs_are_rec
     )  # fmt: skip
     history = callback.history
     assert len(history) == 8 and history.epoch == [0, 0, 0, 0, 1, 1, 1, 1]
-    after_validation = [history.step_time[i] for i in (2, 4, 6)]  # steps 3, 5 and 7 follow validations
+    after_validation = [
+        history.step_time[i] for i in (2, 4, 6)
+    ]  # steps 3, 5 and 7 follow validations
     others = statistics.median(history.step_time[i] for i in (1, 3, 5, 7))
     assert max(after_validation) < others + 0.15, history.step_time  # each validation slept 0.3 s
 
@@ -259,7 +280,9 @@ class StepsOfFirstOptimizer(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.steps = 0
-        self.handle = trainer.optimizers[0].register_step_post_hook(lambda *_: setattr(self, "steps", self.steps + 1))
+        self.handle = trainer.optimizers[0].register_step_post_hook(
+            lambda *_: setattr(self, "steps", self.steps + 1)
+        )
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.handle.remove()
@@ -270,11 +293,15 @@ class StepsOfFirstOptimizer(L.Callback):
     [(2, 1, 1), (1, 2, 1), (2, 1, 2)],
     ids=["gan-shape", "two-steps-a-batch", "first-every-second-batch"],
 )
-def test_manual_optimization_records_each_step_of_the_first_optimizer_and_no_false_skip(optimizers, first_steps, every):
+def test_manual_optimization_records_each_step_of_the_first_optimizer_and_no_false_skip(
+    optimizers, first_steps, every
+):
     """Under a GradScaler with no overflow: one row per real step of the first optimizer, none skipped
     (the second optimizer's hooks once reset the first one's watch: every row read as skipped)."""
     callback, truth = MpnbCallback(dashboard=None), StepsOfFirstOptimizer()
-    trainer = quiet_trainer(callback, truth, plugins=[fp16_with_scaler()], max_epochs=1, limit_train_batches=4)
+    trainer = quiet_trainer(
+        callback, truth, plugins=[fp16_with_scaler()], max_epochs=1, limit_train_batches=4
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(Manual(optimizers, first_steps, every, returns_loss=True), loader())
@@ -317,7 +344,9 @@ def test_a_stop_pressed_inside_an_accumulation_window_ends_training_as_lightning
 
     for order in ("mpnb first", "mpnb last"):
         callback = MpnbCallback(dashboard=None)
-        callbacks = [callback, StopInStep3()] if order == "mpnb first" else [StopInStep3(), callback]
+        callbacks = (
+            [callback, StopInStep3()] if order == "mpnb first" else [StopInStep3(), callback]
+        )
         trainer = quiet_trainer(*callbacks, max_steps=10, accumulate_grad_batches=2)
         trainer.fit(Classifier(), loader())
         assert trainer.global_step == len(callback.history) == 2, order
@@ -343,7 +372,9 @@ def test_stop_reaches_lightning_when_the_first_optimizer_no_longer_steps():
     trainer = quiet_trainer(callback, StopAtEpoch1(), max_epochs=5, limit_train_batches=6)
     module = FirstOptimizerOnlyInEpoch0(optimizers=2)
     trainer.fit(module, loader())
-    assert trainer.should_stop and module.batches == 6 + 3  # Lightning stopped after the batch Stop was pressed in
+    assert (
+        trainer.should_stop and module.batches == 6 + 3
+    )  # Lightning stopped after the batch Stop was pressed in
     assert len(callback.history) == 6  # the first optimizer's steps, all in epoch 0
 
 
@@ -356,7 +387,9 @@ def test_a_batch_cut_short_by_on_train_batch_start_is_not_counted_into_the_next_
     fit(callback, max_steps=-1, module=EndEpochAtBatch3(), max_epochs=2)
     history = callback.history
     assert len(history) == 6 and history.epoch == [0, 0, 0, 1, 1, 1]
-    assert [rate * time for rate, time in zip(history.samples_per_s, history.step_time)] == pytest.approx([8] * 6)
+    assert [
+        rate * time for rate, time in zip(history.samples_per_s, history.step_time)
+    ] == pytest.approx([8] * 6)
 
 
 def test_validation_inside_an_accumulation_window_keeps_the_windows_own_time_and_leaves_its_own_out():
@@ -378,5 +411,7 @@ def test_validation_inside_an_accumulation_window_keeps_the_windows_own_time_and
     history = callback.history
     assert len(history) == 2
     for step_time, rate in zip(history.step_time, history.samples_per_s):
-        assert 0.2 <= step_time < 0.2 + 0.25, history.step_time  # 4 batches of 50 ms; each validation slept 0.3 s
+        assert 0.2 <= step_time < 0.2 + 0.25, (
+            history.step_time
+        )  # 4 batches of 50 ms; each validation slept 0.3 s
         assert rate == pytest.approx(32 / step_time)

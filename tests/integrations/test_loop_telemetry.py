@@ -19,7 +19,9 @@ def run_steps(telemetry, model, steps, *, loss=True, autocast=None, epoch=0):
     for _ in range(steps):
         telemetry.window_begin()
         with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-            value = model(torch.ones(8, 4, dtype=next(model.parameters()).dtype)).float().pow(2).mean()
+            value = (
+                model(torch.ones(8, 4, dtype=next(model.parameters()).dtype)).float().pow(2).mean()
+            )
         value.backward()
         if loss:
             telemetry.add_loss(value)
@@ -96,7 +98,9 @@ def test_a_loss_that_is_not_one_number_is_refused_and_earlier_rows_are_kept():
     assert len(telemetry.history) == 2 and all(v > 0 for v in telemetry.history.loss)
 
 
-@pytest.mark.parametrize(("dtype", "label"), [(torch.bfloat16, "bf16-true"), (torch.float16, "fp16-true")])
+@pytest.mark.parametrize(
+    ("dtype", "label"), [(torch.bfloat16, "bf16-true"), (torch.float16, "fp16-true")]
+)
 def test_low_precision_weights_are_read_as_what_they_are(dtype, label):
     telemetry = LoopTelemetry("my loop", dashboard=None)
     model = torch.nn.Linear(4, 1).to(dtype)
@@ -113,7 +117,9 @@ def test_asked_is_checked_when_the_run_begins():
         begin(telemetry, model, asked="bf17")
     assert not telemetry.running
     begin(telemetry, model, asked="bf16")
-    said = recorded_warnings(lambda: (run_steps(telemetry, model, 1, autocast=torch.bfloat16), telemetry.end()))
+    said = recorded_warnings(
+        lambda: (run_steps(telemetry, model, 1, autocast=torch.bfloat16), telemetry.end())
+    )
     assert said == [] and telemetry.history.mode == ["bf16"]
 
 
@@ -122,7 +128,9 @@ def test_each_run_says_its_notices_and_is_marked_in_the_history():
     model = torch.nn.Linear(4, 1)
     for _ in range(2):
         begin(telemetry, model)
-        said = recorded_warnings(lambda: (run_steps(telemetry, model, 2, autocast=torch.float16), telemetry.end()))
+        said = recorded_warnings(
+            lambda: (run_steps(telemetry, model, 2, autocast=torch.float16), telemetry.end())
+        )
         assert len(said) == 1 and "without loss scaling" in said[0]
     events = telemetry.history.events
     assert [e["step"] for e in events if e["kind"] == "fp16_without_scaling"] == [1, 3]
@@ -154,7 +162,9 @@ def test_a_bad_flush_every_is_refused_with_its_value(flush_every):
 
 
 def test_with_on_nonfinite_stop_the_framework_is_told_at_the_step_of_the_nan():
-    telemetry = LoopTelemetry("my loop", dashboard=None, on_nonfinite="stop")  # the default flush_every
+    telemetry = LoopTelemetry(
+        "my loop", dashboard=None, on_nonfinite="stop"
+    )  # the default flush_every
     model = torch.nn.Linear(4, 1)
     begin(telemetry, model)
     telemetry.window_begin()
@@ -175,7 +185,9 @@ def test_step_end_says_stop_once_stop_is_pressed():
     assert telemetry.step_end() is False
     telemetry.control.stop()
     telemetry.window_begin()
-    assert telemetry.step_end() is True and telemetry.steps == 2  # the step is recorded all the same
+    assert (
+        telemetry.step_end() is True and telemetry.steps == 2
+    )  # the step is recorded all the same
     telemetry.end()
 
 
@@ -225,7 +237,9 @@ def test_skips_of_a_fused_optimizer_are_counted_when_the_scaler_updates_before_t
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.Adam(model.parameters(), fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # inputs of 1 never overflow at this scale
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=1024.0
+    )  # inputs of 1 never overflow at this scale
     telemetry = LoopTelemetry("my loop", dashboard=None)
     telemetry.begin(model, optimizer, scaler=scaler, device="cpu", asked="fp16")
     for size in (1e4, 1.0, 1e4):
@@ -283,7 +297,9 @@ def test_a_loop_that_records_at_each_steps_end_reads_every_slow_step():
     model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     plan = [torch.bfloat16, None, torch.bfloat16, None, torch.bfloat16]
-    with LoopRecorder.start("my loop", model, optimizer, scaler=None, device="cpu", dashboard=None) as recorder:
+    with LoopRecorder.start(
+        "my loop", model, optimizer, scaler=None, device="cpu", dashboard=None
+    ) as recorder:
         for dtype in plan:
             time.sleep(0.02)  # a 20 ms step: the hook costs under 0.2% of it
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
@@ -331,7 +347,9 @@ def test_new_parameter_objects_and_a_replaced_first_module_are_followed():
     telemetry = LoopTelemetry("my loop", dashboard=None)
     begin(telemetry, model)
     run_steps(telemetry, model, 1)
-    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, assign=True)
+    model.load_state_dict(
+        {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, assign=True
+    )
     time.sleep(0.3)
     run_steps(telemetry, model, 1)
     model[0], model[2] = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
@@ -465,7 +483,9 @@ def test_a_step_ended_without_before_optimizer_step_is_said_to_be_unknown():
             telemetry.step_end()
         telemetry.end()
 
-    said = [message for message in recorded_warnings(two_steps) if "before_optimizer_step" in message]
+    said = [
+        message for message in recorded_warnings(two_steps) if "before_optimizer_step" in message
+    ]
     assert len(said) == 1 and "step 1 ended without before_optimizer_step()" in said[0]
     assert [e["kind"] for e in telemetry.history.events].count("not_prepared") == 1
     assert math.isnan(telemetry.history.lr[0]) and telemetry.history.loss == [0.5, 0.5]
@@ -492,7 +512,9 @@ def test_a_pause_between_steps_is_left_out_of_the_next_steps_time():
     telemetry, model = linear_run()
     run_steps(telemetry, model, 1)
     paused_at = time.perf_counter()
-    telemetry.control.pollers.append(lambda: time.perf_counter() - paused_at > 0.3 and telemetry.control.resume())
+    telemetry.control.pollers.append(
+        lambda: time.perf_counter() - paused_at > 0.3 and telemetry.control.resume()
+    )
     telemetry.control.pause()
     run_steps(telemetry, model, 2)  # the first of them waits in its step_end until resumed
     telemetry.end()
@@ -504,7 +526,9 @@ def test_bad_values_for_a_row_are_refused_with_their_value():
 
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with LoopRecorder.start("my loop", model, optimizer, scaler=None, device="cpu", dashboard=None) as recorder:
+    with LoopRecorder.start(
+        "my loop", model, optimizer, scaler=None, device="cpu", dashboard=None
+    ) as recorder:
         with pytest.raises(TypeError, match="ends_step.*'no'"):
             recorder.record(1.0, ends_step="no")
         with pytest.raises(TypeError, match="epoch.*'x'"):
@@ -514,4 +538,8 @@ def test_bad_values_for_a_row_are_refused_with_their_value():
         with pytest.raises(TypeError, match="epoch.*True"):
             recorder.record(1.0, epoch=True)
         recorder.record(torch.tensor(0.5), ends_step=True, epoch=numpy.int64(1))  # a whole number
-    assert recorder.history.loss == [0.5] and recorder.history.epoch == [1] and type(recorder.history.epoch[0]) is int
+    assert (
+        recorder.history.loss == [0.5]
+        and recorder.history.epoch == [1]
+        and type(recorder.history.epoch[0]) is int
+    )

@@ -11,7 +11,9 @@ from mpnb.integrations.observed import PRECISIONS, PrecisionObserver
 class Distiller(nn.Module):
     """A frozen teacher declared first, then the student that trains (a distillation's shape)."""
 
-    def __init__(self, teacher_dtype: torch.dtype = torch.float32, teacher_under_no_grad: bool = True) -> None:
+    def __init__(
+        self, teacher_dtype: torch.dtype = torch.float32, teacher_under_no_grad: bool = True
+    ) -> None:
         super().__init__()
         self.teacher = nn.Linear(4, 4).to(teacher_dtype).requires_grad_(False)
         self.student = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -38,7 +40,9 @@ def test_a_frozen_teacher_run_without_grad_does_not_hide_the_students_precision(
 
 
 def test_a_frozen_low_precision_teacher_is_not_taken_for_the_trained_weights():
-    assert observed(Distiller(torch.bfloat16, teacher_under_no_grad=False), autocast=False) == "fp32"
+    assert (
+        observed(Distiller(torch.bfloat16, teacher_under_no_grad=False), autocast=False) == "fp32"
+    )
 
 
 def test_float64_weights_are_read_as_fp64_which_autocast_leaves_alone():

@@ -9,7 +9,9 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the transformers extra: pip install 'mpnb[transformers]'")
+pytest.importorskip(
+    "transformers", reason="the transformers extra: pip install 'mpnb[transformers]'"
+)
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
 
 from transformers import Trainer, TrainingArguments
@@ -67,7 +69,11 @@ def train(
 
 
 def logged(trainer, key: str) -> list[float]:
-    return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
+    return [
+        entry[key]
+        for entry in trainer.state.log_history
+        if key in entry and "train_runtime" not in entry
+    ]
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -88,7 +94,9 @@ def test_bf16_rows_are_the_trainers_own_steps_losses_and_learning_rates(tmp_path
 def test_fp16_on_cpu_is_reported_as_what_really_runs(tmp_path):
     callback = MpnbCallback(dashboard=None)
     trainer, said = train(callback, "fp16", tmp_path, max_steps=3)
-    observed = callback.history.mode[0]  # read from autocast, whatever this transformers version does on CPU
+    observed = callback.history.mode[
+        0
+    ]  # read from autocast, whatever this transformers version does on CPU
     assert callback.history.mode == [observed] * 3
     assert callback.history.loss == pytest.approx(logged(trainer, "loss"), rel=1e-6)
     if observed == "fp16":  # older stacks: fp16 autocast and no scaler
@@ -116,7 +124,10 @@ def test_session_op_lists_are_said_to_act_inside_the_trainer(tmp_path):
     session.oplists.add("fp32", ["softmax"])
     callback = MpnbCallback(dashboard=None)
     _, said = train(callback, "bf16", tmp_path, max_steps=2)
-    assert len(said) == 1 and "op lists (%oplist: 0 lower, 1 fp32) act inside transformers.Trainer" in said[0]
+    assert (
+        len(said) == 1
+        and "op lists (%oplist: 0 lower, 1 fp32) act inside transformers.Trainer" in said[0]
+    )
 
 
 def test_stop_ends_training_through_the_trainers_own_stop(tmp_path):
@@ -189,7 +200,9 @@ def test_a_train_that_raised_mid_step_does_not_double_count_the_next_ones_losses
     model = gpt2_model()
     args = TrainingArguments(str(tmp_path), use_cpu=True, per_device_train_batch_size=8, max_steps=3, logging_steps=1,
                              report_to=[], save_strategy="no", disable_tqdm=True)  # fmt: skip
-    failing = Trainer(model=model, args=args, train_dataset=token_data(), callbacks=[callback, FailAtStep2()])
+    failing = Trainer(
+        model=model, args=args, train_dataset=token_data(), callbacks=[callback, FailAtStep2()]
+    )
     with pytest.raises(RuntimeError, match="failed at step 2"):
         failing.train()
     again = Trainer(model=model, args=args, train_dataset=token_data(), callbacks=[callback])
@@ -207,8 +220,12 @@ def test_a_loss_computed_outside_the_model_is_recorded_as_unknown_not_as_nan(tmp
 
     callback = MpnbCallback(dashboard=None, on_nonfinite="stop")
     trainer, said = train(callback, "bf16", tmp_path, max_steps=3, trainer=OwnLoss)
-    assert trainer.state.global_step == len(callback.history) == 3  # not stopped as if the loss were NaN
-    assert callback.history.loss_missing == [True] * 3 and callback.history.summary()["alarms"] == []
+    assert (
+        trainer.state.global_step == len(callback.history) == 3
+    )  # not stopped as if the loss were NaN
+    assert (
+        callback.history.loss_missing == [True] * 3 and callback.history.summary()["alarms"] == []
+    )
     assert len(said) == 1 and "no loss" in said[0]
 
 
@@ -232,7 +249,9 @@ def test_evaluation_during_training_is_left_out_of_step_times_and_epochs_are_rec
     history = callback.history
     assert len(history) == trainer.state.global_step == 8
     assert history.epoch == [0, 0, 0, 0, 1, 1, 1, 1]
-    after_evaluation = [history.step_time[i] for i in (2, 4, 6)]  # steps 3, 5, 7 follow the evaluations
+    after_evaluation = [
+        history.step_time[i] for i in (2, 4, 6)
+    ]  # steps 3, 5, 7 follow the evaluations
     others = statistics.median(history.step_time[i] for i in (1, 3, 5, 7))
     assert max(after_evaluation) < others + 0.15, history.step_time  # each evaluation slept 0.3 s
 
@@ -264,11 +283,15 @@ def test_a_trainer_told_to_divide_by_the_accumulation_is_recorded_as_it_logs(tmp
             self.model_accepts_loss_kwargs = False
 
     callback = MpnbCallback(dashboard=None)
-    trainer, said = train(callback, "bf16", tmp_path, max_steps=3, accumulate=4, data=token_data(96), trainer=Dividing)
+    trainer, said = train(
+        callback, "bf16", tmp_path, max_steps=3, accumulate=4, data=token_data(96), trainer=Dividing
+    )
     assert callback.history.loss == pytest.approx(logged(trainer, "loss"), rel=1e-6) and said == []
 
 
-def test_a_stop_pressed_inside_an_accumulation_window_ends_training_as_the_trainers_own_stop_does(tmp_path):
+def test_a_stop_pressed_inside_an_accumulation_window_ends_training_as_the_trainers_own_stop_does(
+    tmp_path,
+):
     """The Trainer breaks off after the running micro-batch and drops the unfinished window: the step
     before is the last, and the rows say so."""
     from transformers import TrainerCallback
@@ -308,7 +331,12 @@ def test_a_train_that_raised_in_a_notebook_cell_is_ended_with_that_cell(tmp_path
     callback = MpnbCallback(dashboard="text")
     args = TrainingArguments(str(tmp_path), use_cpu=True, per_device_train_batch_size=8, max_steps=4, report_to=[],
                              save_strategy="no", disable_tqdm=True)  # fmt: skip
-    trainer = Trainer(model=gpt2_model(), args=args, train_dataset=token_data(), callbacks=[callback, FailAtStep2()])
+    trainer = Trainer(
+        model=gpt2_model(),
+        args=args,
+        train_dataset=token_data(),
+        callbacks=[callback, FailAtStep2()],
+    )
     ip.user_ns.update(trainer=trainer)
     cell_hooks = list(ip.events.callbacks["post_run_cell"])
     run_expecting(ip, "trainer.train()", RuntimeError)
@@ -316,7 +344,11 @@ def test_a_train_that_raised_in_a_notebook_cell_is_ended_with_that_cell(tmp_path
     assert not callback.telemetry.running and callback.control.state == "idle"
     assert not trainer.model._forward_hooks
     assert len(callback.history) == 2
-    assert [e for e in callback.history.events if e.get("kind") == "run failed" and "failed at step 2" in e["message"]]
+    assert [
+        e
+        for e in callback.history.events
+        if e.get("kind") == "run failed" and "failed at step 2" in e["message"]
+    ]
     run(ip, "1 + 1")  # the next cell finds nothing left to end
 
 
@@ -329,6 +361,8 @@ def test_label_smoothing_the_trainer_turned_off_is_not_blamed_for_a_loss_that_wa
             super().__init__(*args, model=model, **kwargs)
 
     callback = MpnbCallback(dashboard=None)
-    trainer, said = train(callback, "bf16", tmp_path, max_steps=2, label_smoothing_factor=0.1, trainer=MultiLabel)
+    trainer, said = train(
+        callback, "bf16", tmp_path, max_steps=2, label_smoothing_factor=0.1, trainer=MultiLabel
+    )
     assert callback.history.loss == pytest.approx(logged(trainer, "loss"), rel=1e-6)
     assert not any("label_smoothing" in message for message in said), said

@@ -14,10 +14,17 @@ from tests.conformance.models import MODELS
 
 
 def _autocast_cpu_kernel(op_name: str) -> str:
-    return next(line for line in torch._C._dispatch_dump(op_name).splitlines() if line.startswith("AutocastCPU"))
+    return next(
+        line
+        for line in torch._C._dispatch_dump(op_name).splitlines()
+        if line.startswith("AutocastCPU")
+    )
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine: the Python kernels are used")
+@pytest.mark.skipif(
+    shutil.which("c++") is None,
+    reason="no C++ compiler on this machine: the Python kernels are used",
+)
 def test_the_compiled_kernels_are_used_where_a_compiler_is(monkeypatch):
     monkeypatch.delenv("MPNB_LIST_KERNELS", raising=False)
     assert compiled_kernels.kind() == "compiled", compiled_kernels.unavailable_reason()
@@ -43,11 +50,20 @@ def test_compiled_and_python_kernels_train_bit_for_bit_alike(monkeypatch, preset
         monkeypatch.setenv("MPNB_LIST_KERNELS", kind)
         case = MODELS[model_name]()
         torch.manual_seed(0)
-        with OpListOverride(OpLists.preset(preset), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        with (
+            OpListOverride(OpLists.preset(preset), ["cpu"]),
+            torch.autocast("cpu", dtype=torch.bfloat16),
+        ):
             loss = case.loss(case.model, case.batch)
         loss.backward()
-        results[kind] = [loss.detach(), *(p.grad for p in case.model.parameters()), *case.model.buffers()]
-    assert all(torch.equal(a, b) for a, b in zip(results["compiled"], results["python"], strict=True))
+        results[kind] = [
+            loss.detach(),
+            *(p.grad for p in case.model.parameters()),
+            *case.model.buffers(),
+        ]
+    assert all(
+        torch.equal(a, b) for a, b in zip(results["compiled"], results["python"], strict=True)
+    )
 
 
 def test_a_failed_build_falls_back_to_the_python_kernels_and_says_why(monkeypatch, tmp_path):
@@ -62,5 +78,8 @@ def test_a_failed_build_falls_back_to_the_python_kernels_and_says_why(monkeypatc
     with pytest.warns(RuntimeWarning, match="Python kernels .* could not be built: .*Error"):
         assert compiled_kernels.kind() == "python"
     assert "Error" in compiled_kernels.unavailable_reason()
-    with OpListOverride(OpLists.of(lower=["relu"]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        OpListOverride(OpLists.of(lower=["relu"]), ["cpu"]),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         assert torch.relu(torch.ones(2)).dtype == torch.bfloat16

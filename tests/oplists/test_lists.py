@@ -28,7 +28,9 @@ def test_presets_hold_habanas_lists():
     resnet = OpLists.preset("resnet50")
     assert sorted(resnet.fp32) == ["cross_entropy", "log_softmax", "nll_loss", "softmax", "topk"]
     assert not OpLists.preset("torch")
-    with pytest.raises(InvalidChoiceError, match="unknown preset 'bert'; valid: torch, hmp, resnet50"):
+    with pytest.raises(
+        InvalidChoiceError, match="unknown preset 'bert'; valid: torch, hmp, resnet50"
+    ):
         OpLists.preset("bert")
 
 
@@ -42,14 +44,18 @@ def test_add_moves_between_lists_and_bad_names_change_nothing():
     assert "matmul" not in lists.fp32
     with pytest.raises(InvalidChoiceError, match="unknown list 'bf8'; valid: lower, fp32"):
         lists.add("bf8", ["mm"])
-    with pytest.raises(InvalidChoiceError, match="unknown op on the fp32 list 'mm'; valid: softmax"):
+    with pytest.raises(
+        InvalidChoiceError, match="unknown op on the fp32 list 'mm'; valid: softmax"
+    ):
         lists.remove("fp32", ["mm"])
     lists.remove("fp32", ["softmax"])
     assert not lists.fp32
 
 
 def test_aliases_resolve_to_the_aten_ops_they_mean():
-    assert {str(op) for op in aten_overloads("cross_entropy")} == {"aten.cross_entropy_loss.default"}
+    assert {str(op) for op in aten_overloads("cross_entropy")} == {
+        "aten.cross_entropy_loss.default"
+    }
     assert "aten.div.Tensor" in {str(op) for op in aten_overloads("truediv")}
     assert all("out" not in str(op) for op in aten_overloads("softmax"))
 
@@ -58,7 +64,9 @@ def test_files_round_trip_in_habanas_format(tmp_path):
     (tmp_path / "bf16.txt").write_text("# ops that run in bf16\nlinear\n\nconv2d  # the convs\n")
     (tmp_path / "fp32.txt").write_text("softmax\n")
     lists = OpLists.from_files(tmp_path / "bf16.txt", tmp_path / "fp32.txt")
-    assert dict(lists.lower) == {"linear": "bf16.txt", "conv2d": "bf16.txt"} and list(lists.fp32) == ["softmax"]
+    assert dict(lists.lower) == {"linear": "bf16.txt", "conv2d": "bf16.txt"} and list(
+        lists.fp32
+    ) == ["softmax"]
     lower_path, fp32_path = lists.save(tmp_path / "saved")
     again = OpLists.from_files(lower_path, fp32_path)
     assert sorted(again.lower) == ["conv2d", "linear"] and list(again.fp32) == ["softmax"]

@@ -56,10 +56,15 @@ def test_running_statistics_update_under_the_lists_as_without_them(module_factor
 
 def test_the_hmp_preset_keeps_a_cnns_statistics():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
-    with OpListOverride(OpLists.preset("hmp"), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        OpListOverride(OpLists.preset("hmp"), ["cpu"]),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         model(torch.randn(8, 3, 6, 6) + 1)
     assert model[1].num_batches_tracked == 1
-    assert model[1].running_mean.abs().min() > 0 and not torch.equal(model[1].running_var, torch.ones(4))
+    assert model[1].running_mean.abs().min() > 0 and not torch.equal(
+        model[1].running_var, torch.ones(4)
+    )
 
 
 @pytest.mark.parametrize(
@@ -80,7 +85,10 @@ def test_ops_whose_results_alias_their_inputs_are_refused_with_the_reason(name, 
 def test_presets_hold_only_castable_ops_so_views_stay_views():
     assert "t" not in OpLists.preset("hmp").lower
     w = torch.randn(3, 4)
-    with OpListOverride(OpLists.preset("hmp"), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        OpListOverride(OpLists.preset("hmp"), ["cpu"]),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         view = w.t()
     assert view._base is w and view.dtype == torch.float32
 
@@ -88,7 +96,10 @@ def test_presets_hold_only_castable_ops_so_views_stay_views():
 @pytest.mark.parametrize("which", ["lower", "fp32"])
 def test_float64_and_integer_tensors_are_left_as_torch_autocast_leaves_them(which):
     x64, ints = torch.randn(3, 3, dtype=torch.float64), torch.arange(9).reshape(3, 3)
-    with OpListOverride(OpLists.of(**{which: ["mm", "add"]}), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        OpListOverride(OpLists.of(**{which: ["mm", "add"]}), ["cpu"]),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         listed = torch.mm(x64, x64), torch.add(ints, ints)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = torch.mm(x64, x64), torch.add(ints, ints)
@@ -98,7 +109,10 @@ def test_float64_and_integer_tensors_are_left_as_torch_autocast_leaves_them(whic
 
 def test_the_other_low_dtype_is_cast_as_torch_casts_it():
     half = torch.randn(3, 3, dtype=torch.float16)
-    with OpListOverride(OpLists.of(lower=["add"], fp32=["mm"]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        OpListOverride(OpLists.of(lower=["add"], fp32=["mm"]), ["cpu"]),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         assert torch.add(half, half).dtype == torch.bfloat16
         assert torch.mm(half, half).dtype == torch.float32
 
@@ -107,7 +121,9 @@ def _has_mpnb_kernel(op_name: str) -> bool:
     """Whether mpnb holds the op's AutocastCPU kernel (other devices' keys are not probed here)."""
     lines = torch._C._dispatch_dump(op_name).splitlines()
     mpnb_files = ("override.py", "list_kernel.cpp")  # the Python or the C++ kernels
-    return any(line.startswith("AutocastCPU") and any(f in line for f in mpnb_files) for line in lines)
+    return any(
+        line.startswith("AutocastCPU") and any(f in line for f in mpnb_files) for line in lines
+    )
 
 
 def test_an_op_torch_already_runs_as_listed_gets_no_kernel_of_mpnbs():
@@ -121,7 +137,10 @@ def test_an_op_torch_already_runs_as_listed_gets_no_kernel_of_mpnbs():
 
 def test_a_blocks_list_still_wins_where_the_session_moved_an_op_torch_lowers():
     x = torch.randn(2, 2)
-    with OpListOverride(OpLists.of(fp32=["mm"]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        OpListOverride(OpLists.of(fp32=["mm"]), ["cpu"]),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         assert torch.mm(x, x).dtype == torch.float32
         with OpListOverride(OpLists.of(lower=["mm"]), ["cpu"]):
             assert torch.mm(x, x).dtype == torch.bfloat16
@@ -133,7 +152,11 @@ def test_stateful_ops_keep_their_statistics_in_their_own_precision(dtype):
     """Kept in fp16, running_var would overflow to inf; kept in bf16, small momentum updates would
     round away: the statistics stay in the buffers' own precision."""
     torch.manual_seed(0)
-    x = torch.randn(16, 3, 4, 4) * 400 if dtype == torch.float16 else torch.randn(64, 3, 8, 8) * 1.2 + 0.5
+    x = (
+        torch.randn(16, 3, 4, 4) * 400
+        if dtype == torch.float16
+        else torch.randn(64, 3, 8, 8) * 1.2 + 0.5
+    )
     plain, listed = torch.nn.BatchNorm2d(3, momentum=0.01), torch.nn.BatchNorm2d(3, momentum=0.01)
     for _ in range(30):
         with torch.autocast("cpu", dtype=dtype):
@@ -149,14 +172,20 @@ def test_eval_mode_statistics_are_left_bit_for_bit_even_with_a_nan():
     bn = torch.nn.BatchNorm2d(3).eval()
     bn.running_mean[:] = torch.tensor([float("nan"), 0.7654321, -1.2345678])
     before = bn.running_mean.clone()
-    with OpListOverride(OpLists.preset("hmp"), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        OpListOverride(OpLists.preset("hmp"), ["cpu"]),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         bn(torch.randn(2, 3, 4, 4))
     assert torch.equal(bn.running_mean[1:], before[1:]) and bn.running_mean[0].isnan()
 
 
 @pytest.mark.parametrize("name", ["eq", "ne", "index", "index_put", "copy", "_unsafe_index"])
 def test_every_name_a_list_accepts_can_be_applied(name):
-    with OpListOverride(OpLists.of(fp32=[name]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        OpListOverride(OpLists.of(fp32=[name]), ["cpu"]),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         pass
 
 
@@ -190,7 +219,10 @@ def test_torchs_rule_is_never_read_off_an_mpnb_kernel():
         lists.add("lower", ["mm"])
         lists.reset()
         x = torch.randn(2, 2)
-        with OpListOverride(OpLists.of(fp32=["mm"]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+        with (
+            OpListOverride(OpLists.of(fp32=["mm"]), ["cpu"]),
+            torch.autocast("cpu", dtype=torch.bfloat16),
+        ):
             assert torch.mm(x, x).dtype == torch.float32
     finally:
         lists.reset()
@@ -201,7 +233,11 @@ def test_lists_work_under_inference_mode(which):
     """Casts made in inference mode are inference tensors, which keep no version counter."""
     x, w = torch.randn(4, 4), torch.randn(4, 4)
     lists = OpLists.of(**{which: ["relu", "mm"]})
-    with OpListOverride(lists, ["cpu"]), torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        OpListOverride(lists, ["cpu"]),
+        torch.inference_mode(),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         listed = torch.relu(x), torch.mm(x, w)
     dtype = torch.bfloat16 if which == "lower" else torch.float32
     assert [t.dtype for t in listed] == [dtype, dtype]
@@ -211,7 +247,10 @@ def test_lists_work_under_inference_mode(which):
 def test_a_listed_call_reads_a_weight_changed_in_place_within_the_same_autocast_region(kernels):
     """The cast is made at each call, as the Python kernel makes it: no stale cached copy."""
     weight = torch.ones(4, requires_grad=True)
-    with OpListOverride(OpLists.of(lower=["relu"]), ["cpu"]), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        OpListOverride(OpLists.of(lower=["relu"]), ["cpu"]),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         torch.relu(weight)
         with torch.no_grad():
             weight.add_(1)  # an optimizer step inside the region
@@ -226,7 +265,10 @@ def test_a_float_argument_named_like_a_state_does_not_stop_the_other_tensors_bei
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5)
     assert out.dtype == torch.float32
     assert torch.equal(
-        out, torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float(), scale=0.5)
+        out,
+        torch.nn.functional.scaled_dot_product_attention(
+            q.float(), q.float(), q.float(), scale=0.5
+        ),
     )
 
 

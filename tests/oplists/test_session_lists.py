@@ -43,7 +43,9 @@ SAMPLES = {
     "t": lambda: _X.t(),
     "avg_pool2d": lambda: F.avg_pool2d(_IMG, 2),
     "max_pool2d": lambda: F.max_pool2d(_IMG, 2),
-    "binary_cross_entropy_with_logits": lambda: F.binary_cross_entropy_with_logits(_X, _X.sigmoid()),
+    "binary_cross_entropy_with_logits": lambda: F.binary_cross_entropy_with_logits(
+        _X, _X.sigmoid()
+    ),
     "cross_entropy": lambda: F.cross_entropy(_X, _TARGET),
     "div": lambda: _X / (_X.abs() + 1),
     "truediv": lambda: torch.true_divide(_X, 2.0),
@@ -70,7 +72,13 @@ def test_presets_give_the_documented_dtypes(preset, dtype):
     session.oplists.preset(preset)
     try:
         for name, call in SAMPLES.items():
-            expected = torch.float32 if name in lists.fp32 else dtype if name in lists.lower else torch_rules[name]
+            expected = (
+                torch.float32
+                if name in lists.fp32
+                else dtype
+                if name in lists.lower
+                else torch_rules[name]
+            )
             assert under_autocast(call, dtype) == expected, (preset, name)
             assert call().dtype == torch.float32, "lists act only under autocast"
     finally:
@@ -85,7 +93,10 @@ def test_each_list_operation_is_live_and_undone(dtype):
     assert under_autocast(SAMPLES["linear"], dtype) == torch.float32
     assert under_autocast(SAMPLES["conv2d"], dtype) == torch.float32
     session.oplists.add("bf16", ["aten::softmax", "linear"])  # moves linear to the lower list
-    assert under_autocast(SAMPLES["softmax"], dtype) == dtype and under_autocast(SAMPLES["linear"], dtype) == dtype
+    assert (
+        under_autocast(SAMPLES["softmax"], dtype) == dtype
+        and under_autocast(SAMPLES["linear"], dtype) == dtype
+    )
     session.oplists.remove("lower", ["linear"])
     assert under_autocast(SAMPLES["linear"], dtype) == dtype  # torch's own rule again
     session.oplists.remove("fp32", ["conv2d"])
@@ -119,7 +130,9 @@ def test_bad_input_changes_nothing():
         with pytest.raises(MpnbError):
             call()
         assert session.oplists.lists == before and dispatcher_state() == table
-    with pytest.raises(MpnbError, match="aten::arange takes no tensors; torch.autocast never casts"):
+    with pytest.raises(
+        MpnbError, match="aten::arange takes no tensors; torch.autocast never casts"
+    ):
         session.oplists.add("lower", ["arange"])
 
 
@@ -150,21 +163,29 @@ def test_files_for_habanas_own_lists_on_gaudi(tmp_path, monkeypatch):
     fp32_file = os.environ[HPU_LIST_VARIABLES["fp32"]]
     assert os.path.dirname(lower_file) == str(tmp_path)
     assert OpLists.from_files(lower_file, fp32_file) == OpLists.from_files(lower_file, fp32_file)
-    assert sorted(OpLists.from_files(None, fp32_file).fp32) == sorted(PRESETS["resnet50"][1].split())
+    assert sorted(OpLists.from_files(None, fp32_file).fp32) == sorted(
+        PRESETS["resnet50"][1].split()
+    )
     notes = lists.reset()
-    assert all(name not in os.environ for name in HPU_LIST_VARIABLES.values())  # unset again, as found
+    assert all(
+        name not in os.environ for name in HPU_LIST_VARIABLES.values()
+    )  # unset again, as found
     assert len(notes) == 1 and "yours again" in notes[0]
     assert SessionOpLists(hpu_present=lambda: False).preset("hmp") == []
     assert all(name not in os.environ for name in HPU_LIST_VARIABLES.values())
 
 
-def test_the_users_own_habana_list_files_come_back_on_reset_and_are_untouched_without_a_gaudi(tmp_path, monkeypatch):
+def test_the_users_own_habana_list_files_come_back_on_reset_and_are_untouched_without_a_gaudi(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv(HPU_LIST_VARIABLES["fp32"], "/home/me/fp32_ops.txt")
     monkeypatch.delenv(HPU_LIST_VARIABLES["lower"], raising=False)
     elsewhere = SessionOpLists(hpu_present=lambda: False, hpu_directory=tmp_path)
     elsewhere.add("fp32", ["softmax"])
     elsewhere.reset()
-    assert os.environ[HPU_LIST_VARIABLES["fp32"]] == "/home/me/fp32_ops.txt" and not list(tmp_path.iterdir())
+    assert os.environ[HPU_LIST_VARIABLES["fp32"]] == "/home/me/fp32_ops.txt" and not list(
+        tmp_path.iterdir()
+    )
     on_gaudi = SessionOpLists(hpu_present=lambda: True, hpu_directory=tmp_path)
     on_gaudi.add("fp32", ["softmax"])
     on_gaudi.add("lower", ["gelu"])  # a second change keeps the user's values saved at the first
@@ -187,7 +208,9 @@ def test_oplist_magic_drives_the_session_lists(ip, capsys):
     shown = capsys.readouterr().out
     assert "from user: layer_norm, linear" in shown and "from preset hmp:" in shown
     assert "kernels: C++" in shown or "kernels: Python" in shown
-    assert "softmax" not in session.oplists.lists.fp32 and "log_softmax" in session.oplists.lists.fp32
+    assert (
+        "softmax" not in session.oplists.lists.fp32 and "log_softmax" in session.oplists.lists.fp32
+    )
     run(
         ip,
         "%%autocast --dtype bf16 --device cpu\ninside_cell = (linear(x).dtype, torch.nn.functional.layer_norm(x, (8,)).dtype)",
@@ -206,7 +229,9 @@ def test_oplist_magic_drives_the_session_lists(ip, capsys):
 def test_oplist_magic_rejects_bad_input_and_changes_nothing(ip):
     run(ip, "%oplist add fp32 linear")
     before, table = session.oplists.lists.copy(), dispatcher_state()
-    assert "unknown op 'lineer'; valid: linear" in usage_error(ip, "%oplist add fp32 softmax lineer")
+    assert "unknown op 'lineer'; valid: linear" in usage_error(
+        ip, "%oplist add fp32 softmax lineer"
+    )
     assert "unknown %oplist action 'ad'; valid: show, add" in usage_error(ip, "%oplist ad fp32 mm")
     assert "unknown list 'fp33'; valid: lower, fp32" in usage_error(ip, "%oplist add fp33 mm")
     assert "takes a list" in usage_error(ip, "%oplist add fp32")
@@ -234,9 +259,16 @@ def test_oplist_files_round_trip_through_the_magic(ip, tmp_path, capsys):
 def test_cell_lists_win_for_the_cell_and_vanish_after_it_even_on_error(ip):
     run(ip, "%oplist add fp32 linear")
     table = dispatcher_state()
-    run(ip, "%%autocast --dtype bf16 --device cpu --lower linear --fp32 softmax,log_softmax\ncell = linear(x).dtype")
+    run(
+        ip,
+        "%%autocast --dtype bf16 --device cpu --lower linear --fp32 softmax,log_softmax\ncell = linear(x).dtype",
+    )
     assert ip.user_ns["cell"] == torch.bfloat16
-    run_expecting(ip, "%%autocast --dtype fp16 --device cpu --lower linear\nlinear(x)\n1 / 0", ZeroDivisionError)
+    run_expecting(
+        ip,
+        "%%autocast --dtype fp16 --device cpu --lower linear\nlinear(x)\n1 / 0",
+        ZeroDivisionError,
+    )
     assert dispatcher_state() == table
     run(ip, "%%autocast --dtype bf16 --device cpu\nnext_cell = linear(x).dtype")
     assert ip.user_ns["next_cell"] == torch.float32
@@ -259,7 +291,9 @@ def test_help_states_the_semantics(ip):
 def test_show_without_lists_reads_torchs_rules(ip, capsys):
     run(ip, "%oplist show")
     shown = capsys.readouterr().out
-    assert f"torch's own autocast rules on {session.resolved_device().type}" in shown  # cpu, or cuda on a GPU
+    assert (
+        f"torch's own autocast rules on {session.resolved_device().type}" in shown
+    )  # cpu, or cuda on a GPU
 
     def names(heading: str) -> list[str]:  # "<heading> (N): a, b, c"
         return shown.split(heading)[1].split("\n")[0].split(": ", 1)[1].split(", ")
@@ -270,10 +304,15 @@ def test_show_without_lists_reads_torchs_rules(ip, capsys):
 
 
 def test_trace_cell_shows_and_keeps_the_trace(ip):
-    run(ip, "%%autocast --dtype bf16 --device cpu --fp32 linear --trace\nout = torch.nn.functional.relu(linear(x))")
+    run(
+        ip,
+        "%%autocast --dtype bf16 --device cpu --fp32 linear --trace\nout = torch.nn.functional.relu(linear(x))",
+    )
     trace = ip.user_ns["_trace"]
     assert {(row.op, row.output) for row in trace.ops()} >= {("addmm", "fp32"), ("relu", "fp32")}
-    run_expecting(ip, "%%autocast --dtype bf16 --device cpu --trace\nlinear(x)\n1 / 0", ZeroDivisionError)
+    run_expecting(
+        ip, "%%autocast --dtype bf16 --device cpu --trace\nlinear(x)\n1 / 0", ZeroDivisionError
+    )
     assert ("addmm", "bf16") in {(row.op, row.output) for row in ip.user_ns["_trace"].ops()}
 
 
@@ -289,7 +328,11 @@ def test_hmp_port_trains_a_small_model(tmp_path):
     inputs = torch.randn(64, 16)
     targets = inputs[:, :4] * 2 - inputs[:, 4:8]
     lists_before = session.oplists.lists.copy()
-    hmp.convert(bf16_file_path=str(tmp_path / "bf16.txt"), fp32_file_path=str(tmp_path / "fp32.txt"), device="cpu")
+    hmp.convert(
+        bf16_file_path=str(tmp_path / "bf16.txt"),
+        fp32_file_path=str(tmp_path / "fp32.txt"),
+        device="cpu",
+    )
     try:
         losses = []
         for _ in range(30):

@@ -37,7 +37,9 @@ def test_trace_lists_ops_modules_and_dtypes_forward_and_backward():
     assert forward["DigitsCNN.features.0", "convolution"].inputs == "bf16, bf16, bf16"
     assert forward["DigitsCNN.features.1", "relu"].output == "bf16"
     assert forward["DigitsCNN.classifier", "addmm"].output == "bf16"
-    assert forward["(top level)", "_log_softmax"].inputs == "fp32"  # cross_entropy is on torch's fp32 list
+    assert (
+        forward["(top level)", "_log_softmax"].inputs == "fp32"
+    )  # cross_entropy is on torch's fp32 list
     assert forward["(top level)", "nll_loss_forward"].inputs == "fp32, int64"
     backward = {(row.module, row.op) for row in trace.filter(phase="backward").ops()}
     assert {
@@ -46,9 +48,19 @@ def test_trace_lists_ops_modules_and_dtypes_forward_and_backward():
         ("DigitsCNN.classifier", "mm"),
         ("(top level)", "nll_loss_backward"),
     } <= backward
-    casts = {(row.phase, row.module, row.inputs, row.output, row.count) for row in trace.rows if row.kind == "cast"}
+    casts = {
+        (row.phase, row.module, row.inputs, row.output, row.count)
+        for row in trace.rows
+        if row.kind == "cast"
+    }
     assert ("forward", "DigitsCNN.features.0", "fp32", "bf16", 3) in casts  # input, weight, bias
-    assert ("backward", "DigitsCNN.features.0", "bf16", "fp32", 2) in casts  # weight and bias grads back to fp32
+    assert (
+        "backward",
+        "DigitsCNN.features.0",
+        "bf16",
+        "fp32",
+        2,
+    ) in casts  # weight and bias grads back to fp32
     assert re.fullmatch(r"\d+ ops: \d+% bf16, \d+% fp32, \d+ casts", trace.summary())
 
 
@@ -59,7 +71,9 @@ def test_trace_follows_the_op_lists_and_marks_user_casts_as_ops():
         images.to(torch.bfloat16)
     classifier = trace.filter(module="classifier", phase="forward")
     assert {row.op: row.output for row in classifier.ops()}["addmm"] == "fp32"
-    assert [row.inputs for row in classifier.rows if row.kind == "cast"] == ["bf16"]  # the bf16 activations, back up
+    assert [row.inputs for row in classifier.rows if row.kind == "cast"] == [
+        "bf16"
+    ]  # the bf16 activations, back up
     user_casts = trace.filter(op="aten::_to_copy", module="(top level)").rows
     assert [(row.kind, row.output) for row in user_casts] == [("op", "bf16")]
 
@@ -110,7 +124,9 @@ def test_the_summary_shares_count_floating_ops_and_list_the_rest_apart():
         model(torch.randn(2, 3, 8, 8))  # BatchNorm's num_batches_tracked += 1 is an int64 op
     summary = recorded.summary()
     shares, _, rest = summary.partition(" (+")
-    assert "int64" not in shares and re.fullmatch(r"\d+ ops: (\d+% (bf16|fp32)(, )?)+, \d+ casts", shares), summary
+    assert "int64" not in shares and re.fullmatch(
+        r"\d+ ops: (\d+% (bf16|fp32)(, )?)+, \d+ casts", shares
+    ), summary
     assert re.fullmatch(r"\d+ non-floating: int64 \d+(, \w+ \d+)*\)", rest), summary
     floating = sum(r.count for r in recorded.ops() if r.output in ("bf16", "fp32"))
     assert shares.startswith(f"{floating} ops: ")
@@ -118,9 +134,9 @@ def test_the_summary_shares_count_floating_ops_and_list_the_rest_apart():
 
 def test_module_names_that_look_like_formulas_open_in_a_spreadsheet_as_text(tmp_path):
     modules = ["=HYPERLINK(0)", "+1", "-2+3", "@SUM(A1)", "\tx", "\rx", "'quoted"]
-    Trace([TraceRow("forward", module, "op", "addmm", "bf16", "bf16", 1) for module in modules]).to_csv(
-        tmp_path / "trace.csv"
-    )
+    Trace(
+        [TraceRow("forward", module, "op", "addmm", "bf16", "bf16", 1) for module in modules]
+    ).to_csv(tmp_path / "trace.csv")
     with open(tmp_path / "trace.csv", newline="", encoding="utf-8") as file:
         rows = list(csv.DictReader(file))
     assert [row["module"] for row in rows] == [f"'{module}" for module in modules]
@@ -135,10 +151,14 @@ def test_trace_csv_replaces_a_planted_link_and_leaves_its_target_alone(tmp_path)
 
 
 def test_a_trace_csv_that_cannot_be_written_leaves_the_old_file_whole(tmp_path):
-    Trace([TraceRow("forward", "Net.fc", "op", "addmm", "bf16", "bf16", 3)]).to_csv(tmp_path / "trace.csv")
+    Trace([TraceRow("forward", "Net.fc", "op", "addmm", "bf16", "bf16", 3)]).to_csv(
+        tmp_path / "trace.csv"
+    )
     before = (tmp_path / "trace.csv").read_bytes()
     rows = [TraceRow("forward", f"Net.{i}", "op", "addmm", "bf16", "bf16", 1) for i in range(1000)]
-    rows.append(TraceRow("forward", "Net.\ud800", "op", "addmm", "bf16", "bf16", 1))  # no UTF-8 for it
+    rows.append(
+        TraceRow("forward", "Net.\ud800", "op", "addmm", "bf16", "bf16", 1)
+    )  # no UTF-8 for it
     with pytest.raises(UnicodeEncodeError):
         Trace(rows).to_csv(tmp_path / "trace.csv")
     assert (tmp_path / "trace.csv").read_bytes() == before and files_in(tmp_path) == ["trace.csv"]

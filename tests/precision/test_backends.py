@@ -26,7 +26,9 @@ def test_unknown_device_names_the_value_and_the_valid_ones(bad):
     assert repr(bad) in str(error.value) and "cpu" in str(error.value)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
+)
 def test_missing_cuda_says_what_is_available():
     with pytest.raises(DeviceUnavailableError, match="available here: .*cpu"):
         resolve_device("cuda")
@@ -57,7 +59,9 @@ def test_cpu_backend_reports_real_numbers():
     assert "47x" in cpu.dtype_warnings(torch.float16)[0]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak resident memory resets only on Linux")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="peak resident memory resets only on Linux"
+)
 def test_cpu_memory_follows_the_process_and_its_peak_reset():
     import psutil
 
@@ -112,7 +116,12 @@ def test_hpu_backend_logic_with_habana_api():
     assert hpu.is_available() and hpu.device_count() == 2
     assert hpu.capabilities() == {"name": "GAUDI2", "count": 2, "bf16": True}
     memory = hpu.memory()
-    assert (memory.used, memory.peak, memory.limit, memory.reserved) == (3 * 2**30, 5 * 2**30, 94 * 2**30, None)
+    assert (memory.used, memory.peak, memory.limit, memory.reserved) == (
+        3 * 2**30,
+        5 * 2**30,
+        94 * 2**30,
+        None,
+    )
     assert "Gaudi2" in hpu.dtype_warnings(torch.float16)[0]
     assert "no reduced-precision fp32 math switch" in hpu.describe_fp32_math()
 
@@ -132,7 +141,9 @@ def test_hpu_is_chosen_before_cpu_and_drives_the_session(monkeypatch):
     assert resolve_device("hpu:1") == torch.device("hpu:1")
     with pytest.raises(DeviceUnavailableError, match="2 Habana"):
         resolve_device("hpu:2")
-    assert mpnb.set_mode("bf16") is mpnb.Mode.BF16  # torch.autocast("hpu") accepts bf16 on any build
+    assert (
+        mpnb.set_mode("bf16") is mpnb.Mode.BF16
+    )  # torch.autocast("hpu") accepts bf16 on any build
     assert "hpu" in mpnb.status().device
 
 
@@ -169,11 +180,18 @@ def test_comparisons_tf32_row_says_when_it_has_no_effect():
     import mpnb.examples as ex
 
     def make_run(mode):
-        trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), batch_size=32, dashboard=None)
+        trainer, train, _ = ex.example_trainer(
+            mode, "cpu", widths=(4, 8), batch_size=32, dashboard=None
+        )
         return trainer, train
 
     result = mpnb.compare(make_run, modes=["fp32", "tf32"], steps=2, warmup=1, progress=None)
     tf32_row = str(result).splitlines()[2]
-    assert tf32_row.startswith("tf32") and ("no effect on this hardware" in tf32_row) == _no_effect_here()
-    assert (result.rows()[1]["speedup_verdict"] == "no effect on this hardware") == _no_effect_here()
+    assert (
+        tf32_row.startswith("tf32")
+        and ("no effect on this hardware" in tf32_row) == _no_effect_here()
+    )
+    assert (
+        result.rows()[1]["speedup_verdict"] == "no effect on this hardware"
+    ) == _no_effect_here()
     assert "no effect" not in str(result).splitlines()[1]

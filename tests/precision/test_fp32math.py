@@ -151,14 +151,18 @@ def test_the_cpu_reduced_math_claim_is_what_this_cpu_really_does():
 def test_the_measurement_leaves_flags_and_random_state_as_found():
     probe_reduced_math.cache_clear()
     pristine = Fp32MathSnapshot.capture()
-    torch.set_float32_matmul_precision("medium")  # a user's own setting, in force while mpnb measures
+    torch.set_float32_matmul_precision(
+        "medium"
+    )  # a user's own setting, in force while mpnb measures
     try:
         flags, rng = read_flags(), torch.get_rng_state()
         probe = _cpu_probe()
         assert read_flags() == flags and torch.equal(torch.get_rng_state(), rng)
     finally:
         pristine.restore()
-    assert probe.exact_error < 1e-5 and probe.has_effect == (probe.reduced_error > 10 * probe.exact_error)
+    assert probe.exact_error < 1e-5 and probe.has_effect == (
+        probe.reduced_error > 10 * probe.exact_error
+    )
     assert _cpu_probe() is probe  # measured once per process
 
 
@@ -188,7 +192,9 @@ def test_the_measurement_is_the_same_inside_an_autocast_cell_with_op_lists_and_a
     ):
         inside = _cpu_probe()
     assert inside == plain and inside.exact_error < 1e-5
-    assert len(recorded.rows) == 0, "the measurement is not the user's work: it stays out of a trace"
+    assert len(recorded.rows) == 0, (
+        "the measurement is not the user's work: it stays out of a trace"
+    )
 
 
 def test_the_measurement_is_of_fp32_whatever_the_default_dtype():

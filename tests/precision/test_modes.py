@@ -37,7 +37,8 @@ def test_modes_carry_their_autocast_dtype_and_fp32_math():
 
 
 @pytest.mark.parametrize(
-    "name, dtype", [("bf16", torch.bfloat16), ("half", torch.float16), (torch.float16, torch.float16)]
+    "name, dtype",
+    [("bf16", torch.bfloat16), ("half", torch.float16), (torch.float16, torch.float16)],
 )
 def test_dtype_names(name, dtype):
     assert parse_dtype(name) is dtype

@@ -123,7 +123,9 @@ def test_bad_set_mode_changes_nothing(mode, device):
     assert policy_state() == before
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
+)
 def test_set_mode_on_missing_device_changes_nothing():
     before = policy_state()
     with pytest.raises(DeviceUnavailableError, match="cuda"):

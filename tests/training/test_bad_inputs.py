@@ -16,7 +16,9 @@ from .test_training import linear_problem, mse
 
 def test_a_one_element_output_that_is_not_0_dim_is_not_taken_for_a_loss():
     model = nn.Linear(4, 1)
-    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mode="fp32", device="cpu", dashboard=None)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.1), mode="fp32", device="cpu", dashboard=None
+    )
     with pytest.raises(MpnbError, match=r"returned a tensor of shape \(1, 1\) with no loss"):
         trainer.fit([torch.randn(1, 4)])
 
@@ -35,22 +37,38 @@ def test_a_loss_that_cannot_train_is_a_clear_error_and_changes_nothing(step_fn, 
     model = nn.Linear(4, 1)
     weight = model.weight.detach().clone()
     trainer = mpnb.Trainer(
-        model, torch.optim.SGD(model.parameters(), 0.1), step_fn=step_fn, mode="fp32", device="cpu", dashboard=None
+        model,
+        torch.optim.SGD(model.parameters(), 0.1),
+        step_fn=step_fn,
+        mode="fp32",
+        device="cpu",
+        dashboard=None,
     )
     with pytest.raises(MpnbError, match=message):
         trainer.fit([torch.randn(2, 4)])
-    assert torch.equal(model.weight, weight) and trainer.amp.between_steps and model.weight.grad is None
+    assert (
+        torch.equal(model.weight, weight)
+        and trainer.amp.between_steps
+        and model.weight.grad is None
+    )
 
 
 def test_bad_fit_arguments_are_refused():
     model, data = linear_problem(steps=2)
     trainer = mpnb.Trainer(
-        model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="fp32", device="cpu", dashboard=None
+        model,
+        torch.optim.SGD(model.parameters(), 0.1),
+        mse,
+        mode="fp32",
+        device="cpu",
+        dashboard=None,
     )
     with pytest.raises(MpnbError, match="data must be an iterable of batches .* got NoneType"):
         trainer.fit(None)
     with pytest.raises(ValueError, match="epochs must be a positive whole number, got 1.5"):
         trainer.fit(data, epochs=1.5)
-    with pytest.raises(ValueError, match="accumulate must be a positive number of micro-batches, got 1.5"):
+    with pytest.raises(
+        ValueError, match="accumulate must be a positive number of micro-batches, got 1.5"
+    ):
         mpnb.AmpStep(trainer.optimizer, accumulate=1.5)
     assert len(trainer.history) == 0

@@ -22,7 +22,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def gpt2():
-    return gpt2_model(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)  # no dropout: the first loss is reproducible
+    return gpt2_model(
+        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )  # no dropout: the first loss is reproducible
 
 
 def bert():
@@ -52,19 +54,30 @@ def bert_batches(count=6, size=4):
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
-@pytest.mark.parametrize("build, batches", [(gpt2, gpt2_batches), (bert, bert_batches)], ids=["gpt2", "bert"])
+@pytest.mark.parametrize(
+    "build, batches", [(gpt2, gpt2_batches), (bert, bert_batches)], ids=["gpt2", "bert"]
+)
 def test_hugging_face_models_train_on_dict_batches_with_their_own_loss(build, batches, mode):
     model = build()
     data = batches()
-    with torch.no_grad(), torch.autocast("cpu", dtype=mpnb.Mode(mode).autocast_dtype):  # no dropout: deterministic
+    with (
+        torch.no_grad(),
+        torch.autocast("cpu", dtype=mpnb.Mode(mode).autocast_dtype),
+    ):  # no dropout: deterministic
         first_loss = model(**data[0]).loss.float().item()
-    trainer = mpnb.Trainer(model, torch.optim.AdamW(model.parameters(), 1e-3), mode=mode, device="cpu", dashboard=None)
+    trainer = mpnb.Trainer(
+        model, torch.optim.AdamW(model.parameters(), 1e-3), mode=mode, device="cpu", dashboard=None
+    )
     history = trainer.fit(data, epochs=2)
     assert len(history) == 12 and history.mode == [mode] * 12
-    assert all(math.isfinite(v) and v > 0 for v in history.samples_per_s[1:])  # samples from the dict batch
+    assert all(
+        math.isfinite(v) and v > 0 for v in history.samples_per_s[1:]
+    )  # samples from the dict batch
     taken = [loss for loss, skipped in zip(history.loss, history.skipped) if not skipped]
     assert all(math.isfinite(v) for v in taken) and history.events == []
-    assert history.loss[0] == pytest.approx(first_loss, rel=1e-6)  # the model's own loss, recorded as is
+    assert history.loss[0] == pytest.approx(
+        first_loss, rel=1e-6
+    )  # the model's own loss, recorded as is
     assert min(taken[-3:]) < first_loss  # and it learns
 
 
@@ -87,9 +100,15 @@ def test_a_model_without_a_loss_is_a_clear_error():
     model = gpt2()
     batch = {"input_ids": torch.randint(0, 96, (2, 12))}  # no labels: the model returns no loss
     trainer = mpnb.Trainer(
-        model, torch.optim.AdamW(model.parameters(), 1e-3), mode="bf16", device="cpu", dashboard=None
+        model,
+        torch.optim.AdamW(model.parameters(), 1e-3),
+        mode="bf16",
+        device="cpu",
+        dashboard=None,
     )
-    with pytest.raises(MpnbError, match="returned a CausalLMOutputWithCrossAttentions .*no loss.*loss_fn.*step_fn"):
+    with pytest.raises(
+        MpnbError, match="returned a CausalLMOutputWithCrossAttentions .*no loss.*loss_fn.*step_fn"
+    ):
         trainer.fit([batch])
     assert trainer.amp.between_steps and len(trainer.history) == 0
 
@@ -104,7 +123,9 @@ def test_a_loss_fn_with_a_dict_batch_says_what_to_pass():
         device="cpu",
         dashboard=None,
     )
-    with pytest.raises(MpnbError, match=r"\(inputs, targets\) pair, got a dict with keys \['x', 'y'\].*step_fn"):
+    with pytest.raises(
+        MpnbError, match=r"\(inputs, targets\) pair, got a dict with keys \['x', 'y'\].*step_fn"
+    ):
         trainer.fit([{"x": torch.randn(3, 4), "y": torch.randn(3, 2)}])
 
 
@@ -151,7 +172,9 @@ def test_dataloaders_iterable_datasets_and_generators():
         trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None, **options)
         return trainer, trainer.fit(data, epochs=2)
 
-    _, history = fit(DataLoader(dataset, batch_size=48, shuffle=True, drop_last=True, num_workers=2))
+    _, history = fit(
+        DataLoader(dataset, batch_size=48, shuffle=True, drop_last=True, num_workers=2)
+    )
     assert len(history) == 2 * (256 // 48) and set(history.epoch) == {0, 1}
 
     class Stream(IterableDataset):
@@ -163,7 +186,9 @@ def test_dataloaders_iterable_datasets_and_generators():
     assert len(history) == 8
 
     generator = ((images[i : i + 64], labels[i : i + 64]) for i in range(0, 256, 64))
-    with pytest.warns(RuntimeWarning, match="no batches in epoch 1 .a generator is used up after one pass"):
+    with pytest.warns(
+        RuntimeWarning, match="no batches in epoch 1 .a generator is used up after one pass"
+    ):
         _, history = fit(generator)
     assert len(history) == 4
 
@@ -185,7 +210,11 @@ def test_resuming_a_generator_goes_on_where_it_stopped():
 def test_indexed_names_the_current_accelerator_and_leaves_others_as_they_are():
     from mpnb.training.batches import indexed
 
-    cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+    cuda = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cuda")
+    )
     assert indexed(torch.device("cuda")) == cuda  # a torch built without CUDA cannot say: unchanged
     assert indexed(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert indexed(torch.device("cpu")) == torch.device("cpu")

@@ -32,7 +32,9 @@ class CreatesMarker:
 
 
 @pytest.mark.parametrize("zipped", [True, False], ids=["zip format", "legacy format"])
-def test_a_one_file_checkpoint_holding_code_is_refused_naming_the_global_and_runs_nothing(tmp_path, zipped):
+def test_a_one_file_checkpoint_holding_code_is_refused_naming_the_global_and_runs_nothing(
+    tmp_path, zipped
+):
     trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
     trainer.save(tmp_path / "run.pt")
     state = torch.load(tmp_path / "run.pt", weights_only=True)
@@ -47,8 +49,13 @@ def test_a_one_file_checkpoint_holding_code_is_refused_naming_the_global_and_run
 
 
 def _full_state(trainer) -> list[torch.Tensor]:
-    optimizer_state = [value for entry in trainer.optimizer.state.values() for value in entry.values()]
-    tensors = [*trainer.model.parameters(), *optimizer_state]  # shards (DTensors) and Adam's step counts
+    optimizer_state = [
+        value for entry in trainer.optimizer.state.values() for value in entry.values()
+    ]
+    tensors = [
+        *trainer.model.parameters(),
+        *optimizer_state,
+    ]  # shards (DTensors) and Adam's step counts
     return [(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for t in tensors]
 
 
@@ -92,7 +99,9 @@ def _plant_in_shards(trainer, directory: str, marker: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    optimizer_state["param_groups"][0]["lr"] = CreatesMarker(marker)  # a non-tensor: torch.save'd into a shard
+    optimizer_state["param_groups"][0]["lr"] = CreatesMarker(
+        marker
+    )  # a non-tensor: torch.save'd into a shard
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
 
 
@@ -116,7 +125,11 @@ def planted_checkpoints_rank(root: str) -> dict[str, str]:
     ):
         directory = os.path.join(root, place.replace(" ", "-"))
         trainer.save(directory)
-        plant(trainer, directory, os.path.join(root, f"marker-{place.replace(' ', '-')}-rank{dist.get_rank()}"))
+        plant(
+            trainer,
+            directory,
+            os.path.join(root, f"marker-{place.replace(' ', '-')}-rank{dist.get_rank()}"),
+        )
         messages[place] = _attempt_load(directory)
     return messages
 
@@ -152,7 +165,10 @@ def test_a_sharded_checkpoint_whose_run_file_holds_code_is_refused_and_runs_noth
 
 def test_a_sharded_checkpoint_whose_metadata_is_no_dcp_metadata_is_an_mpnb_error_naming_it(planted):
     for messages in planted[1]:
-        assert ".metadata' is not a torch.distributed.checkpoint metadata file" in messages["foreign metadata"]
+        assert (
+            ".metadata' is not a torch.distributed.checkpoint metadata file"
+            in messages["foreign metadata"]
+        )
 
 
 @pytest.mark.parametrize(
@@ -164,7 +180,9 @@ def test_a_sharded_checkpoint_whose_metadata_is_no_dcp_metadata_is_an_mpnb_error
     ],
     ids=["model is None", "scaler state is a tensor", "history meta is a tensor"],
 )
-def test_a_checkpoint_of_plain_data_in_the_wrong_shape_is_an_mpnb_error_and_changes_nothing(tmp_path, where, value):
+def test_a_checkpoint_of_plain_data_in_the_wrong_shape_is_an_mpnb_error_and_changes_nothing(
+    tmp_path, where, value
+):
     trainer = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)[0]
     path = tmp_path / "run.pt"
     trainer.save(path)
@@ -178,4 +196,6 @@ def test_a_checkpoint_of_plain_data_in_the_wrong_shape_is_an_mpnb_error_and_chan
     before = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
     with pytest.raises(MpnbError, match="run.pt"):
         trainer.load(path)
-    assert all(torch.equal(before[name], tensor) for name, tensor in trainer.model.state_dict().items())
+    assert all(
+        torch.equal(before[name], tensor) for name, tensor in trainer.model.state_dict().items()
+    )

@@ -33,7 +33,11 @@ class ScopedSwitches(nn.Module):
 
 @pytest.mark.parametrize(
     "switch",
-    [lambda: mpnb.tf32(False), lambda: mpnb.autocast("bf16", device="cpu"), lambda: mpnb.autocast(enabled=False)],
+    [
+        lambda: mpnb.tf32(False),
+        lambda: mpnb.autocast("bf16", device="cpu"),
+        lambda: mpnb.autocast(enabled=False),
+    ],
     ids=["tf32(False)", "autocast(bf16)", "autocast(off)"],
 )
 @pytest.mark.parametrize("mode", ["bf16", "tf32"])
@@ -41,7 +45,12 @@ def test_a_scoped_switch_in_model_code_never_changes_the_trainers_mode(switch, m
     _, data = linear_problem(steps=4)
     model = ScopedSwitches(switch)
     trainer = mpnb.Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), mse, mode=mode, device="cpu", dashboard=None
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mse,
+        mode=mode,
+        device="cpu",
+        dashboard=None,
     )
     before = torch.get_float32_matmul_precision()
     history = trainer.fit(data)
@@ -55,9 +64,16 @@ def test_a_deliberate_session_change_during_a_fit_is_still_followed():
     _, data = linear_problem(steps=4)
     model = nn.Linear(6, 3)
     trainer = mpnb.Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), mse, mode="bf16", device="cpu", dashboard=None
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mse,
+        mode="bf16",
+        device="cpu",
+        dashboard=None,
     )
-    trainer.control.pollers.append(lambda: mpnb.set_mode("fp32", device="cpu") if trainer.amp.steps == 2 else None)
+    trainer.control.pollers.append(
+        lambda: mpnb.set_mode("fp32", device="cpu") if trainer.amp.steps == 2 else None
+    )
     try:
         history = trainer.fit(data)
     finally:
@@ -69,7 +85,12 @@ def test_a_fit_started_inside_a_running_fit_is_refused_and_the_outer_fit_is_undi
     _, data = linear_problem(steps=4)
     inner_model = nn.Linear(6, 3)
     inner = mpnb.Trainer(
-        inner_model, torch.optim.SGD(inner_model.parameters(), lr=0.1), mse, mode="fp32", device="cpu", dashboard=None
+        inner_model,
+        torch.optim.SGD(inner_model.parameters(), lr=0.1),
+        mse,
+        mode="fp32",
+        device="cpu",
+        dashboard=None,
     )
     refusals, precision = [], []
 
@@ -93,4 +114,6 @@ def test_a_fit_started_inside_a_running_fit_is_refused_and_the_outer_fit_is_undi
     history = outer.fit(data)
     assert len(refusals) == 4 and "another fit is running on this thread" in refusals[0]
     assert precision == ["medium"] * 4 and history.mode == ["tf32"] * 4 and len(history) == 4
-    assert len(inner.history) == 0 and inner.fit(data).mode == ["fp32"] * 4  # usable once the outer fit ended
+    assert (
+        len(inner.history) == 0 and inner.fit(data).mode == ["fp32"] * 4
+    )  # usable once the outer fit ended

@@ -35,7 +35,10 @@ def failing_backward(model: nn.Module, on_call: int) -> list[int]:
 def build(optimizer="sgd", seed=0):
     torch.manual_seed(seed)
     model = nn.Linear(6, 3)
-    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05), "adam": lambda p: torch.optim.Adam(p, lr=0.01)}
+    make = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    }
     return model, make[optimizer](model.parameters())
 
 
@@ -65,7 +68,9 @@ def test_a_failure_inside_backward_drops_the_window_and_the_resumed_run_is_exact
     full.fit(train)
 
     trainer, _, _ = ex.example_trainer("bf16", "cpu", accumulate=accumulate, **SMALL)
-    failing_backward(trainer.model, on_call=2 * accumulate + 1)  # the first backward of the third window
+    failing_backward(
+        trainer.model, on_call=2 * accumulate + 1
+    )  # the first backward of the third window
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.fit(train)
     assert all(p.grad is None for p in trainer.model.parameters())
@@ -91,7 +96,11 @@ def test_a_failure_in_the_optimizer_step_before_it_updates_drops_the_window():
     optimizer.step = step_failing_once
     with pytest.raises(RuntimeError, match="optimizer failed"):
         trainer.fit(data)
-    assert all(p.grad is None for p in model.parameters()) and trainer._batch == 1 and len(trainer.history) == 1
+    assert (
+        all(p.grad is None for p in model.parameters())
+        and trainer._batch == 1
+        and len(trainer.history) == 1
+    )
 
 
 @pytest.mark.parametrize("options", [{}, {"clip_grad_norm": 1.0}], ids=["plain", "clipped"])
@@ -100,7 +109,9 @@ def test_an_fp16_optimizer_step_that_fails_after_unscaling_is_retried_exactly(op
     reference = unbroken(data, init_scale=1024.0, **options)
     model, opt = build()
     opt.register_step_pre_hook(fails_once(2, "transient failure"))
-    trainer = mpnb.Trainer(model, opt, mse, mode="fp16", device="cpu", dashboard=None, init_scale=1024.0, **options)
+    trainer = mpnb.Trainer(
+        model, opt, mse, mode="fp16", device="cpu", dashboard=None, init_scale=1024.0, **options
+    )
     with pytest.raises(RuntimeError, match="transient failure"):
         trainer.fit(data)
     history = trainer.fit(data)
@@ -119,7 +130,9 @@ def test_a_failure_after_the_update_counts_the_step_and_never_trains_its_batch_a
     trainer = mpnb.Trainer(model, opt, mse, mode="fp32", device="cpu", dashboard=None)
     with pytest.raises(RuntimeError, match="logging hook failed"):
         trainer.fit(data)
-    assert trainer.history.step == [1, 2] and trainer._batch == 2  # step 2 happened: its batch is behind us
+    assert (
+        trainer.history.step == [1, 2] and trainer._batch == 2
+    )  # step 2 happened: its batch is behind us
     trainer.fit(data)
     assert trainer.history.step == [1, 2, 3, 4] and opt.state[model.weight]["step"].item() == 4
     assert torch.equal(model.weight, reference.weight)
@@ -128,8 +141,12 @@ def test_a_failure_after_the_update_counts_the_step_and_never_trains_its_batch_a
 def test_a_failing_scheduler_or_sink_after_the_update_still_records_the_step():
     _, data = linear_problem(steps=3)
     model, opt = build()
-    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)  # its step() needs a metric: it raises
-    trainer = mpnb.Trainer(model, opt, mse, mode="bf16", device="cpu", dashboard=None, scheduler=plateau)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        opt
+    )  # its step() needs a metric: it raises
+    trainer = mpnb.Trainer(
+        model, opt, mse, mode="bf16", device="cpu", dashboard=None, scheduler=plateau
+    )
     with pytest.raises(TypeError):
         trainer.fit(data)
     assert trainer.history.step == [1] and trainer.amp.between_steps and trainer._batch == 1
@@ -151,7 +168,9 @@ def test_an_error_with_a_generator_keeps_the_windows_batches_for_the_next_fit(ac
             raise RuntimeError("bad batch")
         return mse(output, target)
 
-    trainer = mpnb.Trainer(model, opt, failing_once, mode="bf16", device="cpu", dashboard=None, accumulate=accumulate)
+    trainer = mpnb.Trainer(
+        model, opt, failing_once, mode="bf16", device="cpu", dashboard=None, accumulate=accumulate
+    )
     stream = iter(data)
     with pytest.raises(RuntimeError, match="bad batch"):
         trainer.fit(stream)
@@ -174,7 +193,9 @@ def test_an_error_while_a_generators_window_is_replayed_keeps_the_batches_not_ye
             raise RuntimeError("bad batch")
         return mse(output, target)
 
-    trainer = mpnb.Trainer(model, opt, failing_twice, mode="bf16", device="cpu", dashboard=None, accumulate=3)
+    trainer = mpnb.Trainer(
+        model, opt, failing_twice, mode="bf16", device="cpu", dashboard=None, accumulate=3
+    )
     stream = iter(data)
     for _ in range(2):
         with pytest.raises(RuntimeError, match="bad batch"):

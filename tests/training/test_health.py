@@ -31,7 +31,13 @@ def poisoned_loss(bad_from: int):
 def trainer_with(loss_fn, mode="bf16", steps=12, **options):
     model, data = linear_problem(steps=steps)
     trainer = mpnb.Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, mode=mode, device="cpu", dashboard=None, **options
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn,
+        mode=mode,
+        device="cpu",
+        dashboard=None,
+        **options,
     )
     return trainer, data
 
@@ -44,7 +50,9 @@ def test_a_nan_loss_in_bf16_warns_once_is_an_event_and_the_summary_says_nan():
     assert len(history) == 12  # "warn" trains on
     assert [(e["kind"], e["step"]) for e in history.events] == [("nonfinite", 4)]
     summary = history.summary()
-    assert math.isnan(summary["final_loss"]) and summary["alarms"] and "step 4" in summary["alarms"][0]
+    assert (
+        math.isnan(summary["final_loss"]) and summary["alarms"] and "step 4" in summary["alarms"][0]
+    )
     assert ("alarm", summary["alarms"][0]) in history.summary_rows()
 
 
@@ -96,7 +104,11 @@ def test_healthy_fp16_overflows_raise_no_alarm():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         history = trainer.fit(data)
-    assert history.skipped_steps == [3, 7] and history.events == [] and math.isfinite(history.summary()["final_loss"])
+    assert (
+        history.skipped_steps == [3, 7]
+        and history.events == []
+        and math.isfinite(history.summary()["final_loss"])
+    )
 
 
 def test_the_live_dashboard_marks_alarms():
@@ -143,7 +155,11 @@ def test_on_nonfinite_stop_rearms_for_each_fit():
         assert trainer.fit(data).step == [1, 2]
     _, fresh = linear_problem(seed=1, steps=3)
     model.reset_parameters()
-    assert trainer.fit(fresh).step == [1, 2, 3]  # trains again (from where the stopped epoch was), no stale stop
+    assert trainer.fit(fresh).step == [
+        1,
+        2,
+        3,
+    ]  # trains again (from where the stopped epoch was), no stale stop
 
 
 def test_the_advice_fits_the_mode():

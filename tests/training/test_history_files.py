@@ -56,7 +56,11 @@ def same(a: History, b: History) -> bool:
     def norm(values):
         return [("nan" if isinstance(v, float) and math.isnan(v) else v) for v in values]
 
-    return a.meta == b.meta and a.events == b.events and all(norm(a.columns[c]) == norm(b.columns[c]) for c in COLUMNS)
+    return (
+        a.meta == b.meta
+        and a.events == b.events
+        and all(norm(a.columns[c]) == norm(b.columns[c]) for c in COLUMNS)
+    )
 
 
 def test_formula_looking_text_opens_in_a_spreadsheet_as_text_and_loads_back_exactly(tmp_path):
@@ -76,7 +80,9 @@ def test_numbers_stay_numbers_in_the_csv(tmp_path):
     assert History.load(tmp_path / "run.csv").loss[:2] == [-2.5, -math.inf]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @example(modes=["carriage\rreturn", "'=1+1"], messages=["a,=1+1"])  # a return once ended the row
 @given(
     modes=st.lists(st.text(st.characters(exclude_categories=("Cs",))), min_size=1, max_size=4),
@@ -96,24 +102,61 @@ NAMES = ",".join(COLUMNS) + "\n"
 
 
 def row(**cells: str) -> str:
-    values = {"step": "1", "epoch": "0", "loss": "0.5", "loss_missing": "False", "skipped": "False", "mode": "bf16"}
+    values = {
+        "step": "1",
+        "epoch": "0",
+        "loss": "0.5",
+        "loss_missing": "False",
+        "skipped": "False",
+        "mode": "bf16",
+    }
     return ",".join({**values, **cells}.get(name, "nan") for name in COLUMNS) + "\n"
 
 
 HOSTILE_CSV = {
-    "a field of 200 kB": (HEADER + NAMES + row() + row(mode="x" * 200_000), r"line 4: field larger than field limit"),
-    "an infinite step": (HEADER + NAMES + row(step="inf"), r"line 3, column 'step': 'inf' is not a whole number"),
-    "a NaN step": (HEADER + NAMES + row(step="nan"), r"line 3, column 'step': 'nan' is not a whole number"),
-    "a fractional epoch": (HEADER + NAMES + row(epoch="1.5"), r"line 3, column 'epoch': '1.5' is not a whole"),
-    "a flag that is no bool": (HEADER + NAMES + row(skipped="maybe"), r"line 3, column 'skipped': 'maybe' is not True"),
-    "a loss that is no number": (HEADER + NAMES + row(loss="=1+1"), r"line 3, column 'loss': '=1\+1' is not a number"),
-    "a short row": (HEADER + NAMES + row() + "1,0\n", rf"line 4: 2 cells where line 2 names {len(COLUMNS)} columns"),
+    "a field of 200 kB": (
+        HEADER + NAMES + row() + row(mode="x" * 200_000),
+        r"line 4: field larger than field limit",
+    ),
+    "an infinite step": (
+        HEADER + NAMES + row(step="inf"),
+        r"line 3, column 'step': 'inf' is not a whole number",
+    ),
+    "a NaN step": (
+        HEADER + NAMES + row(step="nan"),
+        r"line 3, column 'step': 'nan' is not a whole number",
+    ),
+    "a fractional epoch": (
+        HEADER + NAMES + row(epoch="1.5"),
+        r"line 3, column 'epoch': '1.5' is not a whole",
+    ),
+    "a flag that is no bool": (
+        HEADER + NAMES + row(skipped="maybe"),
+        r"line 3, column 'skipped': 'maybe' is not True",
+    ),
+    "a loss that is no number": (
+        HEADER + NAMES + row(loss="=1+1"),
+        r"line 3, column 'loss': '=1\+1' is not a number",
+    ),
+    "a short row": (
+        HEADER + NAMES + row() + "1,0\n",
+        rf"line 4: 2 cells where line 2 names {len(COLUMNS)} columns",
+    ),
     "no header line": (NAMES + row(), r"is not an mpnb history CSV: line 1 is 'step,epoch"),
     "no column names": (HEADER, r"line 2: no column names"),
     "an unknown column": (HEADER + "step,los\n1,2\n", r"line 2: unknown columns \['los'\]"),
-    "a column named twice": (HEADER + "step,step\n1,2\n", r"line 2: columns named twice: \['step'\]"),
-    "a header that is no JSON": ("# mpnb-history {version: 1\n" + NAMES, r"line 1: the header is not the JSON"),
-    "a header nested too deep": ("# mpnb-history " + "[" * 100_000 + "\n", r"line 1: the header is not the JSON"),
+    "a column named twice": (
+        HEADER + "step,step\n1,2\n",
+        r"line 2: columns named twice: \['step'\]",
+    ),
+    "a header that is no JSON": (
+        "# mpnb-history {version: 1\n" + NAMES,
+        r"line 1: the header is not the JSON",
+    ),
+    "a header nested too deep": (
+        "# mpnb-history " + "[" * 100_000 + "\n",
+        r"line 1: the header is not the JSON",
+    ),
     "a header of another version": (
         '# mpnb-history {"version": 7}\n' + NAMES,
         r"line 1: not an mpnb-history version 1",
@@ -135,7 +178,9 @@ def test_a_hostile_csv_is_a_value_error_naming_the_line(tmp_path, text, named):
 @pytest.mark.parametrize("suffix", [".csv", ".json"])
 def test_binary_garbage_is_a_value_error_naming_the_line(tmp_path, suffix):
     (tmp_path / f"run{suffix}").write_bytes(b"# mpnb-history {}\n" + bytes(range(256)) * 4)
-    with pytest.raises(ValueError, match=r"line 3: not UTF-8 text \(invalid start byte at byte 146\)"):
+    with pytest.raises(
+        ValueError, match=r"line 3: not UTF-8 text \(invalid start byte at byte 146\)"
+    ):
         History.load(tmp_path / f"run{suffix}")
 
 
@@ -144,23 +189,53 @@ def record(**columns) -> dict:
 
 
 HOSTILE_JSON = {
-    "no JSON": ("{'format': 1}", r"is not JSON: Expecting property name enclosed in double quotes at line 1, column 2"),
+    "no JSON": (
+        "{'format': 1}",
+        r"is not JSON: Expecting property name enclosed in double quotes at line 1, column 2",
+    ),
     "nested too deep": ("[" * 100_000, r"JSON nested too deep"),
     "a number of 5000 digits": ("1" * 5000, r"holds a number this mpnb does not read"),
     "a list": ("[1, 2]", r"not an mpnb-history version 1 record \(a list, not a mapping\)"),
-    "an infinite step": (record(step=["inf"]), r"field 'columns.step', row 0: 'inf' is not a whole number"),
-    "a step of 1e400": ('{"format": "mpnb-history", "version": 1, "columns": {"step": [1e400]}}', r"row 0: inf is"),
-    "a step that is a bool": (record(step=[1, True]), r"field 'columns.step', row 1: True is not a whole number"),
-    "a loss given as text": (record(loss=["0.5"]), r"field 'columns.loss', row 0: '0.5' is text, not a number"),
-    "a flag given as text": (record(skipped=["yes"]), r"field 'columns.skipped', row 0: 'yes' is not True or False"),
-    "a flag of 2": (record(skipped=[False, 2]), r"field 'columns.skipped', row 1: 2 is not True or False"),
+    "an infinite step": (
+        record(step=["inf"]),
+        r"field 'columns.step', row 0: 'inf' is not a whole number",
+    ),
+    "a step of 1e400": (
+        '{"format": "mpnb-history", "version": 1, "columns": {"step": [1e400]}}',
+        r"row 0: inf is",
+    ),
+    "a step that is a bool": (
+        record(step=[1, True]),
+        r"field 'columns.step', row 1: True is not a whole number",
+    ),
+    "a loss given as text": (
+        record(loss=["0.5"]),
+        r"field 'columns.loss', row 0: '0.5' is text, not a number",
+    ),
+    "a flag given as text": (
+        record(skipped=["yes"]),
+        r"field 'columns.skipped', row 0: 'yes' is not True or False",
+    ),
+    "a flag of 2": (
+        record(skipped=[False, 2]),
+        r"field 'columns.skipped', row 1: 2 is not True or False",
+    ),
     "a mode given as a number": (record(mode=[3]), r"field 'columns.mode', row 0: 3 is not text"),
     "a column that is no list": (record(step=5), r"field 'columns.step': 5 is not a list"),
     "an unknown column": (record(los=[1.0]), r"field 'columns': unknown columns \['los'\]"),
-    "columns of two lengths": (record(step=[1, 2], loss=[0.5]), r"field 'columns.loss': 1 values where 'columns.step'"),
+    "columns of two lengths": (
+        record(step=[1, 2], loss=[0.5]),
+        r"field 'columns.loss': 1 values where 'columns.step'",
+    ),
     "meta that is a list": ({**record(), "meta": [1]}, r"field 'meta': \[1\] is not a mapping"),
-    "an event with no message": ({**record(), "events": [{"step": 1}]}, r"field 'events\[0\].message': None is not"),
-    "no columns": ({"format": "mpnb-history", "version": 1}, r"field 'columns': None is not a mapping"),
+    "an event with no message": (
+        {**record(), "events": [{"step": 1}]},
+        r"field 'events\[0\].message': None is not",
+    ),
+    "no columns": (
+        {"format": "mpnb-history", "version": 1},
+        r"field 'columns': None is not a mapping",
+    ),
 }
 
 
@@ -183,18 +258,30 @@ def test_from_dict_takes_what_a_recorder_or_a_checkpoint_holds():
         )
     )
     assert history.step == [1, 2] and type(history.step[0]) is int
-    assert history.loss[0] == 0.5 and math.isnan(history.loss[1]) and history.memory_used == [4096.0, 8192.0]
-    assert math.isnan(history.lr[0]) and history.skipped_steps == [2] and history.skipped == [False, True]
+    assert (
+        history.loss[0] == 0.5
+        and math.isnan(history.loss[1])
+        and history.memory_used == [4096.0, 8192.0]
+    )
+    assert (
+        math.isnan(history.lr[0])
+        and history.skipped_steps == [2]
+        and history.skipped == [False, True]
+    )
 
 
 def test_from_dict_refuses_a_wrong_type_naming_the_column_and_the_value():
-    with pytest.raises(ValueError, match=r"field 'columns.epoch', row 1: 'one' is text, not a number"):
+    with pytest.raises(
+        ValueError, match=r"field 'columns.epoch', row 1: 'one' is text, not a number"
+    ):
         History.from_dict(record(epoch=[0, "one"]))
 
 
 def plain_history() -> History:
     history = History(meta={"device": "cpu"})
-    history.extend({"step": [1, 2], "loss": [0.5, 0.25], "skipped": [False, True], "mode": ["bf16"] * 2})
+    history.extend(
+        {"step": [1, 2], "loss": [0.5, 0.25], "skipped": [False, True], "mode": ["bf16"] * 2}
+    )
     history.note("interrupted", kind="interrupt")
     return history
 

@@ -16,7 +16,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)) for _ in range(count)]
+    return [
+        (torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator))
+        for _ in range(count)
+    ]
 
 
 def model() -> nn.Module:
@@ -66,7 +69,9 @@ def test_the_short_last_window_of_each_epoch_is_stepped_as_the_mean_of_its_batch
     assert run.amp.between_steps and all(p.grad is None for p in run.model.parameters())
     windows = [data[0:3], data[3:6], data[6:7]] * 2  # no window spans two epochs
     reference, losses = by_hand(windows, mode, accumulate=3)
-    assert torch.equal(run.model.weight, reference.weight) and torch.equal(run.model.bias, reference.bias)
+    assert torch.equal(run.model.weight, reference.weight) and torch.equal(
+        run.model.bias, reference.bias
+    )
     assert history.loss == pytest.approx(losses, rel=1e-5)
 
 
@@ -80,12 +85,17 @@ def test_a_run_saved_after_a_short_window_resumes_exactly(tmp_path):
     second = trainer(accumulate=2)
     second.load(tmp_path / "run.pt")
     second.fit(data)
-    assert torch.equal(second.model.weight, unbroken.model.weight) and second.history.step == unbroken.history.step
+    assert (
+        torch.equal(second.model.weight, unbroken.model.weight)
+        and second.history.step == unbroken.history.step
+    )
 
 
 def test_amp_step_finish_window_steps_an_open_window_and_nothing_else():
     net = model()
-    amp = mpnb.AmpStep(torch.optim.SGD(net.parameters(), lr=0.1), mode="bf16", device="cpu", accumulate=4)
+    amp = mpnb.AmpStep(
+        torch.optim.SGD(net.parameters(), lr=0.1), mode="bf16", device="cpu", accumulate=4
+    )
     assert amp.finish_window() is False and len(amp.history) == 0  # no window open: nothing to step
     data = batches(2)
     for inputs, targets in data:
@@ -121,7 +131,9 @@ def test_a_failure_after_the_short_windows_update_does_not_train_its_batches_aga
 
 def amp_with_window(accumulate: int, good: int) -> tuple[mpnb.AmpStep, nn.Module]:
     net = model()
-    amp = mpnb.AmpStep(torch.optim.SGD(net.parameters(), lr=0.1), mode="bf16", device="cpu", accumulate=accumulate)
+    amp = mpnb.AmpStep(
+        torch.optim.SGD(net.parameters(), lr=0.1), mode="bf16", device="cpu", accumulate=accumulate
+    )
     for inputs, targets in batches(good):
         amp.train_step(lambda x=inputs, y=targets: nn.functional.mse_loss(net(x), y))
     return amp, net

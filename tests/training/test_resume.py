@@ -19,7 +19,9 @@ from .test_training import linear_problem, mse
 
 
 def trained(seed: int = 0, optimizer: str = "adam", widths=(4, 8)):
-    trainer, train, _ = ex.example_trainer("fp16", "cpu", seed=seed, widths=widths, batch_size=128, dashboard=None)
+    trainer, train, _ = ex.example_trainer(
+        "fp16", "cpu", seed=seed, widths=widths, batch_size=128, dashboard=None
+    )
     if optimizer == "sgd":
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.1)
         trainer.amp = mpnb.AmpStep(trainer.optimizer, mode="fp16", device="cpu")
@@ -42,7 +44,9 @@ def assert_unchanged(trainer, before: dict) -> None:
     assert after.keys() == before.keys()
     for key in before["model"]:
         assert torch.equal(after["model"][key], before["model"][key])
-    assert {k: v for k, v in after.items() if k != "model"} == {k: v for k, v in before.items() if k != "model"}
+    assert {k: v for k, v in after.items() if k != "model"} == {
+        k: v for k, v in before.items() if k != "model"
+    }
 
 
 def test_loading_another_models_checkpoint_names_the_mismatch_and_changes_nothing(tmp_path):
@@ -72,7 +76,11 @@ def test_a_damaged_checkpoint_is_an_mpnb_error_naming_the_file(tmp_path, damage)
     trainer, _ = trained()
     trainer.save(tmp_path / "run.pt")
     data = (tmp_path / "run.pt").read_bytes()
-    damaged = {"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"\x00not a checkpoint" * 40}[damage]
+    damaged = {
+        "truncated": data[: len(data) // 2],
+        "empty": b"",
+        "garbage": b"\x00not a checkpoint" * 40,
+    }[damage]
     (tmp_path / "bad.pt").write_bytes(damaged)
     before = state_of(trainer)
     with pytest.raises(MpnbError, match=r"bad\.pt"):
@@ -106,7 +114,9 @@ def test_a_failure_while_applying_a_checkpoint_puts_everything_back(tmp_path, mo
     def failing(state):
         raise RuntimeError("scaler state rejected")
 
-    monkeypatch.setattr(trainer.amp, "load_state_dict", failing)  # fails after model and optimizer were loaded
+    monkeypatch.setattr(
+        trainer.amp, "load_state_dict", failing
+    )  # fails after model and optimizer were loaded
     with pytest.raises(RuntimeError, match="scaler state rejected"):
         trainer.load(tmp_path / "run.pt")
     monkeypatch.undo()
@@ -122,9 +132,21 @@ def trainer_for(mode="fp16", scheduler=False, seed=0):
 @pytest.mark.parametrize(
     "saved, loading, message",
     [
-        ({"scheduler": False}, {"scheduler": True}, "no scheduler state and this trainer has a StepLR"),
-        ({"mode": "bf16"}, {"mode": "fp16"}, "saved without a loss scaler .* this trainer runs with one .fp16."),
-        ({"mode": "fp16"}, {"mode": "bf16"}, "saved with a loss scaler .* this trainer runs without one .bf16."),
+        (
+            {"scheduler": False},
+            {"scheduler": True},
+            "no scheduler state and this trainer has a StepLR",
+        ),
+        (
+            {"mode": "bf16"},
+            {"mode": "fp16"},
+            "saved without a loss scaler .* this trainer runs with one .fp16.",
+        ),
+        (
+            {"mode": "fp16"},
+            {"mode": "bf16"},
+            "saved with a loss scaler .* this trainer runs without one .bf16.",
+        ),
     ],
 )
 def test_a_checkpoint_of_another_kind_of_run_is_refused(tmp_path, saved, loading, message):
@@ -141,10 +163,16 @@ def test_a_checkpoint_of_another_kind_of_run_is_refused(tmp_path, saved, loading
     "damage, message",
     [
         (lambda s: s["optimizer"].pop("state"), "no per-parameter state"),
-        (lambda s: s["optimizer"].__setitem__("param_groups", [1]), "parameter groups are unreadable"),
+        (
+            lambda s: s["optimizer"].__setitem__("param_groups", [1]),
+            "parameter groups are unreadable",
+        ),
         (lambda s: s.__setitem__("position", ["a", "b", None]), "position .* is not"),
         (lambda s: s["amp"].__setitem__("steps", "x"), "not whole numbers"),
-        (lambda s: s["optimizer"]["state"][0].__setitem__("exp_avg", torch.zeros(7)), "'exp_avg' of parameter 0"),
+        (
+            lambda s: s["optimizer"]["state"][0].__setitem__("exp_avg", torch.zeros(7)),
+            "'exp_avg' of parameter 0",
+        ),
         (lambda s: s["optimizer"]["state"].__setitem__(99, {}), "names parameter 99"),
     ],
 )
@@ -169,23 +197,34 @@ def test_hand_edited_checkpoints_are_refused_before_anything_changes(tmp_path, d
 def test_loading_drops_the_window_the_replaced_run_left_open(tmp_path):
     _, data = linear_problem(steps=4)
     saver, opt = build()
-    mpnb.Trainer(saver, opt, mse, mode="bf16", device="cpu", dashboard=None, accumulate=2).fit(data[:2])
+    mpnb.Trainer(saver, opt, mse, mode="bf16", device="cpu", dashboard=None, accumulate=2).fit(
+        data[:2]
+    )
     source = mpnb.Trainer(*build(), mse, mode="bf16", device="cpu", dashboard=None, accumulate=2)
     source.fit(data[:2])
     source.save(tmp_path / "run.pt")
 
-    fresh = mpnb.Trainer(*build(seed=3), mse, mode="bf16", device="cpu", dashboard=None, accumulate=2)
+    fresh = mpnb.Trainer(
+        *build(seed=3), mse, mode="bf16", device="cpu", dashboard=None, accumulate=2
+    )
     fresh.load(tmp_path / "run.pt")
     fresh.fit(data[2:])
-    used = mpnb.Trainer(*build(seed=3), mse, mode="bf16", device="cpu", dashboard=None, accumulate=2)
+    used = mpnb.Trainer(
+        *build(seed=3), mse, mode="bf16", device="cpu", dashboard=None, accumulate=2
+    )
     used.fit(data[:2])
     inputs, targets = data[2]
-    used.amp.train_step(lambda: mse(used.model(inputs), targets))  # one micro-batch of an unfinished window
+    used.amp.train_step(
+        lambda: mse(used.model(inputs), targets)
+    )  # one micro-batch of an unfinished window
     assert not used.amp.between_steps
     used.load(tmp_path / "run.pt")
     assert used.amp.between_steps and all(p.grad is None for p in used.model.parameters())
     used.fit(data[2:])
-    assert torch.equal(used.model.weight, fresh.model.weight) and used.history.step == fresh.history.step
+    assert (
+        torch.equal(used.model.weight, fresh.model.weight)
+        and used.history.step == fresh.history.step
+    )
 
 
 def test_resuming_many_times_holds_one_iterator_not_a_chain_of_them():
@@ -226,7 +265,9 @@ def test_a_resumed_fit_goes_on_with_its_data_iterator_instead_of_reloading_the_e
     while trainer.resumable:
         trainer.fit(loader, max_steps=2)
     whole.fit(batches, epochs=1)
-    assert loader.loaded == 12  # not 2 + 4 + 6 + ...: no batch is re-read to skip to the position (42 loads)
+    assert (
+        loader.loaded == 12
+    )  # not 2 + 4 + 6 + ...: no batch is re-read to skip to the position (42 loads)
     assert trainer.history.loss == whole.history.loss
 
 
@@ -238,6 +279,8 @@ def test_a_load_between_fits_forgets_where_the_stopped_fit_was_in_its_data(tmp_p
     trainer.save(tmp_path / "start.pt")
     loader = _CountingLoader(batches)
     trainer.fit(loader, epochs=1, max_steps=3)
-    trainer.load(tmp_path / "start.pt")  # back to batch 0: the loader's place at batch 3 no longer applies
+    trainer.load(
+        tmp_path / "start.pt"
+    )  # back to batch 0: the loader's place at batch 3 no longer applies
     trainer.fit(loader, epochs=1)
     assert trainer.history.step == [1, 2, 3, 4, 5, 6] and len(trainer.history) == 6

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from mpnb.errors import MpnbError
-from mpnb.training.safe_load import load_dcp, load_plain, metadata_globals, read_dcp_metadata, unsafe_globals
+from mpnb.training.safe_load import (
+    load_dcp,
+    load_plain,
+    metadata_globals,
+    read_dcp_metadata,
+    unsafe_globals,
+)
 
 from .test_checkpoint_code import SYSTEM, CreatesMarker
 
@@ -25,11 +31,17 @@ def a_state() -> dict:
         "model": {
             "weight": torch.randn(4, 3, generator=generator),
             "half": torch.randn(5, generator=generator).to(torch.bfloat16),
-            "conv": torch.randn(2, 3, 2, 2, generator=generator).to(memory_format=torch.channels_last),
+            "conv": torch.randn(2, 3, 2, 2, generator=generator).to(
+                memory_format=torch.channels_last
+            ),
             "count": torch.tensor(7, dtype=torch.int64),
             "mask": torch.tensor([True, False]),
         },
-        "optimizer": {"param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "foreach": None, "params": ["weight"]}]},
+        "optimizer": {
+            "param_groups": [
+                {"lr": 0.01, "betas": (0.9, 0.999), "foreach": None, "params": ["weight"]}
+            ]
+        },
     }
 
 
@@ -45,7 +57,9 @@ def dcp_save(state: dict, directory) -> None:
     from torch.distributed import checkpoint as dcp
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # one process: what is meant
+        warnings.filterwarnings(
+            "ignore", "torch.distributed is disabled"
+        )  # one process: what is meant
         dcp.save(state, checkpoint_id=directory, no_dist=True)
 
 
@@ -58,14 +72,20 @@ def dcp_load(state: dict, directory) -> None:
 def test_every_global_a_dcp_save_writes_is_admitted_by_the_metadata_reader(tmp_path):
     dcp_save(a_state(), tmp_path)
     metadata = read_dcp_metadata(tmp_path)  # a global torch started writing is refused here, named
-    assert set(metadata.state_dict_metadata) >= {"model.weight", "model.half", "optimizer.param_groups.0.lr"}
+    assert set(metadata.state_dict_metadata) >= {
+        "model.weight",
+        "model.half",
+        "optimizer.param_groups.0.lr",
+    }
 
 
 def test_every_admitted_global_is_where_torch_keeps_it():
     for qualified, admitted in metadata_globals().items():
         module, _, name = qualified.rpartition(".")
         found = getattr(importlib.import_module(module), name)
-        assert found is admitted or module == "pathlib", qualified  # a path is admitted as a pure path
+        assert found is admitted or module == "pathlib", (
+            qualified
+        )  # a path is admitted as a pure path
 
 
 def test_a_dcp_checkpoint_round_trips_through_the_safe_reader_and_planner(tmp_path):
@@ -74,7 +94,9 @@ def test_a_dcp_checkpoint_round_trips_through_the_safe_reader_and_planner(tmp_pa
     loaded = zeroed(saved)
     dcp_load(loaded, tmp_path)
     for key, tensor in saved["model"].items():
-        assert torch.equal(loaded["model"][key], tensor) and loaded["model"][key].dtype == tensor.dtype
+        assert (
+            torch.equal(loaded["model"][key], tensor) and loaded["model"][key].dtype == tensor.dtype
+        )
     assert loaded["optimizer"] == saved["optimizer"]
 
 
@@ -90,12 +112,20 @@ def test_a_shard_entry_holding_code_is_refused_naming_its_file(tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"\x80\x04garbage", r"\.metadata' cannot be read as a checkpoint's metadata \(damaged\?\)"),
-        (pickle.dumps({"state_dict_metadata": {}}), r"\.metadata' is not a torch\.distributed\.checkpoint metadata"),
+        (
+            b"\x80\x04garbage",
+            r"\.metadata' cannot be read as a checkpoint's metadata \(damaged\?\)",
+        ),
+        (
+            pickle.dumps({"state_dict_metadata": {}}),
+            r"\.metadata' is not a torch\.distributed\.checkpoint metadata",
+        ),
     ],
     ids=["damaged", "foreign"],
 )
-def test_a_metadata_file_that_is_not_dcp_metadata_is_an_mpnb_error_naming_it(tmp_path, content, message):
+def test_a_metadata_file_that_is_not_dcp_metadata_is_an_mpnb_error_naming_it(
+    tmp_path, content, message
+):
     dcp_save(a_state(), tmp_path)
     (tmp_path / ".metadata").write_bytes(content)
     with pytest.raises(MpnbError, match=message):

@@ -29,7 +29,9 @@ def mse(output, target):
 def test_a_trainer_given_a_grad_scaler_trains_with_that_scaler():
     model, optimizer, data = linear_problem()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    trainer = mpnb.Trainer(model, optimizer, mse, mode="fp16", device="cpu", dashboard=None, scaler=scaler)
+    trainer = mpnb.Trainer(
+        model, optimizer, mse, mode="fp16", device="cpu", dashboard=None, scaler=scaler
+    )
     history = trainer.fit(data)
     assert trainer.amp.scaler is scaler
     assert history.loss_scale[0] == 256.0 and len(history) == 3
@@ -37,7 +39,9 @@ def test_a_trainer_given_a_grad_scaler_trains_with_that_scaler():
 
 def test_the_old_scaler_keywords_still_set_the_scale():
     model, optimizer, data = linear_problem()
-    trainer = mpnb.Trainer(model, optimizer, mse, mode="fp16", device="cpu", dashboard=None, init_scale=2.0**10)
+    trainer = mpnb.Trainer(
+        model, optimizer, mse, mode="fp16", device="cpu", dashboard=None, init_scale=2.0**10
+    )
     assert trainer.fit(data).loss_scale[0] == 1024.0
     assert trainer.amp.scaler.get_growth_interval() == 2000  # the others keep GradScaler's defaults
 
@@ -69,13 +73,17 @@ def test_an_enabled_scaler_is_refused_in_a_mode_without_loss_scaling():
 def test_a_disabled_scaler_is_refused_in_fp16():
     model, optimizer, _ = linear_problem()
     with pytest.raises(MpnbError, match="enabled"):
-        AmpStep(optimizer, mode="fp16", device="cpu", scaler=torch.amp.GradScaler("cpu", enabled=False))
+        AmpStep(
+            optimizer, mode="fp16", device="cpu", scaler=torch.amp.GradScaler("cpu", enabled=False)
+        )
 
 
 def test_a_scaler_for_another_device_is_refused():
     model, optimizer, _ = linear_problem()
     with pytest.raises(MpnbError, match="'xpu'.*'cpu'"):
-        AmpStep(optimizer, mode="fp16", device="cpu", scaler=torch.amp.GradScaler("xpu", enabled=False))
+        AmpStep(
+            optimizer, mode="fp16", device="cpu", scaler=torch.amp.GradScaler("xpu", enabled=False)
+        )
 
 
 def test_a_given_scaler_comes_back_after_a_switch_to_bf16_and_back():
@@ -94,6 +102,11 @@ def test_every_trainer_option_is_in_its_signature_with_amp_steps_default():
     for name, parameter in inspect.signature(AmpStep).parameters.items():
         if name in trainer_parameters and name != "optimizer":
             assert trainer_parameters[name].default == parameter.default, name
-    assert {"scheduler", "accumulate", "clip_grad_norm", "record_grad_norm", "scaler", "init_scale"} <= set(
-        trainer_parameters
-    )
+    assert {
+        "scheduler",
+        "accumulate",
+        "clip_grad_norm",
+        "record_grad_norm",
+        "scaler",
+        "init_scale",
+    } <= set(trainer_parameters)

@@ -69,7 +69,9 @@ def test_recorder_adds_no_host_reads_per_step_and_copies_once_per_flush(mode):
         hand_written_steps(model, data, torch.optim.SGD(model.parameters(), lr=0.01), scaler)
 
     model, data = problem()
-    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.01), mode=mode, device="cpu", flush_every=8)
+    amp = mpnb.AmpStep(
+        torch.optim.SGD(model.parameters(), lr=0.01), mode=mode, device="cpu", flush_every=8
+    )
     with OpCounter() as ours:
         amp_steps(model, data, amp)
         mid_run_copies = amp.recorder.host_transfers
@@ -77,7 +79,9 @@ def test_recorder_adds_no_host_reads_per_step_and_copies_once_per_flush(mode):
     assert ours.counts.get(HOST_READ, 0) == baseline.counts.get(HOST_READ, 0)
     assert mid_run_copies == 2  # after steps 8 and 16; the last 4 rows still wait on the device
     assert amp.recorder.host_transfers == 3
-    assert ours.host_copies() - baseline.host_copies() <= 3 + 2 * len(data)  # fp32 loss copies, flush copies
+    assert ours.host_copies() - baseline.host_copies() <= 3 + 2 * len(
+        data
+    )  # fp32 loss copies, flush copies
 
 
 def test_recorder_makes_no_copy_until_a_flush_is_due():
@@ -92,11 +96,16 @@ def test_recorder_makes_no_copy_until_a_flush_is_due():
     assert recorder.history.loss == [float(s) for s in range(1, 51)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: proves no sync with set_sync_debug_mode")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU: proves no sync with set_sync_debug_mode",
+)
 def test_no_host_device_sync_between_flushes_on_cuda():
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64).cuda()
-    data = [(torch.randn(32, 64, device="cuda"), torch.randn(32, 64, device="cuda")) for _ in range(20)]
+    data = [
+        (torch.randn(32, 64, device="cuda"), torch.randn(32, 64, device="cuda")) for _ in range(20)
+    ]
     # A fused optimizer lets GradScaler skip on the device, so torch.amp itself does not sync either.
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     amp = mpnb.AmpStep(optimizer, mode="fp16", device="cuda", flush_every=1000, clip_grad_norm=1.0)
@@ -135,7 +144,11 @@ def same(a: History, b: History) -> bool:
     def norm(values):
         return [("nan" if isinstance(v, float) and math.isnan(v) else v) for v in values]
 
-    return a.meta == b.meta and a.events == b.events and all(norm(a.columns[c]) == norm(b.columns[c]) for c in COLUMNS)
+    return (
+        a.meta == b.meta
+        and a.events == b.events
+        and all(norm(a.columns[c]) == norm(b.columns[c]) for c in COLUMNS)
+    )
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".json"])
@@ -155,7 +168,11 @@ def test_history_json_is_standard_json_and_csv_reads_in_pandas(tmp_path):
     pandas = pytest.importorskip("pandas")
     history.to_csv(tmp_path / "run.csv")
     frame = pandas.read_csv(tmp_path / "run.csv", comment="#")
-    assert list(frame.columns) == list(COLUMNS) and frame["skipped"].tolist() == [False, True, False]
+    assert list(frame.columns) == list(COLUMNS) and frame["skipped"].tolist() == [
+        False,
+        True,
+        False,
+    ]
     assert history.to_pandas()["loss_scale"].tolist() == [65536.0, 65536.0, 32768.0]
 
 
@@ -175,7 +192,9 @@ def test_history_rejects_foreign_files_and_bad_rows(tmp_path):
     (tmp_path / "x.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="not an mpnb-history version 1 record"):
         History.load(tmp_path / "x.json")
-    with pytest.raises(ValueError, match=r"unknown History columns \['los'\]; valid: step, epoch, loss"):
+    with pytest.raises(
+        ValueError, match=r"unknown History columns \['los'\]; valid: step, epoch, loss"
+    ):
         History().extend({"los": [1.0]})
     with pytest.raises(ValueError, match="columns differ in length"):
         History().extend({"step": [1, 2], "loss": [1.0]})
@@ -208,7 +227,9 @@ def test_decimated_points_are_real_points_in_x_order_with_every_extreme(values, 
     series.extend(range(len(values)), values)
     xs, ys = series.points()
     assert len(xs) <= max_points and xs.tolist() == sorted(set(xs.tolist()))  # in order, none twice
-    assert all(ys[i] == values[int(x)] for i, x in enumerate(xs))  # each drawn point is one of the series
+    assert all(
+        ys[i] == values[int(x)] for i, x in enumerate(xs)
+    )  # each drawn point is one of the series
     finite = [v for v in values if math.isfinite(v)]
     if finite:
         assert float(ys.min()) == min(finite) and float(ys.max()) == max(finite)
@@ -219,7 +240,9 @@ def test_decimated_points_are_real_points_in_x_order_with_every_extreme(values, 
 def test_a_row_with_an_fp8_value_beside_others_is_read():
     """fp8 has no type promotion with other dtypes: such a row is still packed and read."""
     recorder = Recorder(flush_every=1)
-    recorder.record(step=1, loss=torch.tensor(0.5).to(torch.float8_e4m3fn), skipped=torch.tensor(True))
+    recorder.record(
+        step=1, loss=torch.tensor(0.5).to(torch.float8_e4m3fn), skipped=torch.tensor(True)
+    )
     assert recorder.history.loss == [0.5] and recorder.history.skipped_steps == [1]
 
 
@@ -252,7 +275,9 @@ def test_a_flush_of_values_on_two_devices_copies_once_per_device_and_keeps_each_
     mixes them within a column): each value lands in its own row and column, one copy per device.
     The second device is torch's lazy (TorchScript) device, real on a CPU-only machine; it runs in
     a process of its own, as starting it registers kernels for the whole process."""
-    done = subprocess.run([sys.executable, "-c", _TWO_DEVICES], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _TWO_DEVICES], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(done.stdout.splitlines()[-1])
     if "skip" in results:

@@ -50,7 +50,9 @@ def run_amp_step(model, data, amp, overflow_at=frozenset()):
 def test_fp16_skipped_steps_are_exactly_the_overflowed_ones_and_skip_the_update():
     model, data = linear_problem()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp = mpnb.AmpStep(optimizer, mode="fp16", device="cpu", init_scale=1024.0, growth_interval=1000, flush_every=5)
+    amp = mpnb.AmpStep(
+        optimizer, mode="fp16", device="cpu", init_scale=1024.0, growth_interval=1000, flush_every=5
+    )
     weights = []
     for step, (x, y) in enumerate(data, start=1):
         before = model.weight.detach().clone()
@@ -97,7 +99,12 @@ def test_accumulation_and_clipping_equal_the_hand_written_recipe_exactly():
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     amp = mpnb.AmpStep(
-        optimizer, mode="fp16", device="cpu", accumulate=accumulate, clip_grad_norm=clip, init_scale=2.0**10
+        optimizer,
+        mode="fp16",
+        device="cpu",
+        accumulate=accumulate,
+        clip_grad_norm=clip,
+        init_scale=2.0**10,
     )
     history = run_amp_step(model, data, amp, overflow_at={5})
 
@@ -121,13 +128,20 @@ def test_accumulation_and_clipping_equal_the_hand_written_recipe_exactly():
     finite = [math.isfinite(n) for n in norms]
     assert finite == [True, False, True, True]
     assert [math.isfinite(n) for n in history.grad_norm] == finite
-    assert [n for n in history.grad_norm if math.isfinite(n)] == [n for n in norms if math.isfinite(n)]
+    assert [n for n in history.grad_norm if math.isfinite(n)] == [
+        n for n in norms if math.isfinite(n)
+    ]
     assert history.loss_scale == [1024.0, 1024.0, 512.0, 512.0]
 
 
 def test_record_grad_norm_without_clipping_leaves_gradients_alone():
     model, data = linear_problem(steps=3)
-    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.0), mode="bf16", device="cpu", record_grad_norm=True)
+    amp = mpnb.AmpStep(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        mode="bf16",
+        device="cpu",
+        record_grad_norm=True,
+    )
     history = run_amp_step(model, data, amp)
     assert all(math.isfinite(v) and v > 0 for v in history.grad_norm)
 
@@ -152,15 +166,21 @@ def test_min_scale_alarm_warns_once_and_notes_the_step():
 def test_bad_arguments_are_rejected_with_the_valid_choices():
     model, _ = linear_problem()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="accumulate must be a positive number of micro-batches, got 0"):
+    with pytest.raises(
+        ValueError, match="accumulate must be a positive number of micro-batches, got 0"
+    ):
         mpnb.AmpStep(optimizer, accumulate=0)
     with pytest.raises(ValueError, match="clip_grad_norm must be a positive norm, got -1"):
         mpnb.AmpStep(optimizer, clip_grad_norm=-1)
-    with pytest.raises(InvalidChoiceError, match="unknown on_nonfinite 'halt'; valid: warn, stop, ignore"):
+    with pytest.raises(
+        InvalidChoiceError, match="unknown on_nonfinite 'halt'; valid: warn, stop, ignore"
+    ):
         mpnb.AmpStep(optimizer, on_nonfinite="halt")
     with pytest.raises(MpnbError, match="unknown mode 'fp8'; valid: off, fp32, tf32, fp16, bf16"):
         mpnb.Trainer(model, optimizer, mse, mode="fp8")
-    with pytest.raises(InvalidChoiceError, match="unknown dashboard 'fancy'; valid: auto, live, text"):
+    with pytest.raises(
+        InvalidChoiceError, match="unknown dashboard 'fancy'; valid: auto, live, text"
+    ):
         mpnb.Trainer(model, optimizer, mse, mode="fp32", device="cpu", dashboard="fancy")
     with pytest.raises(MpnbError, match="give loss_fn or step_fn, not both"):
         mpnb.Trainer(model, optimizer, mse, step_fn=lambda m, b: m(b).sum())
@@ -181,7 +201,10 @@ def test_trainer_takes_mode_from_the_session_and_sets_fp32_math_only_during_fit(
 
     model, data = linear_problem(steps=2)
     mpnb.set_mode("bf16", device="cpu")
-    assert mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, dashboard=None).mode is mpnb.Mode.BF16
+    assert (
+        mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, dashboard=None).mode
+        is mpnb.Mode.BF16
+    )
     mpnb.set_mode("off")
     trainer = mpnb.Trainer(
         model,
@@ -230,12 +253,18 @@ class InterruptingBatches(ex.Batches):
 
 
 def test_interrupt_stops_after_the_step_keeps_history_and_resume_matches_an_uninterrupted_run():
-    full, train, _ = ex.example_trainer("fp16", "cpu", widths=(4, 8), batch_size=256, dashboard=None, init_scale=2.0**8)
+    full, train, _ = ex.example_trainer(
+        "fp16", "cpu", widths=(4, 8), batch_size=256, dashboard=None, init_scale=2.0**8
+    )
     full.fit(train, epochs=2)
 
-    trainer, _, _ = ex.example_trainer("fp16", "cpu", widths=(4, 8), batch_size=256, dashboard=None, init_scale=2.0**8)
+    trainer, _, _ = ex.example_trainer(
+        "fp16", "cpu", widths=(4, 8), batch_size=256, dashboard=None, init_scale=2.0**8
+    )
     handler = signal.getsignal(signal.SIGINT)
-    with pytest.raises(mpnb.FitInterrupted, match="fit stopped after step 3 .epoch 0, batch 3.") as stopped:
+    with pytest.raises(
+        mpnb.FitInterrupted, match="fit stopped after step 3 .epoch 0, batch 3."
+    ) as stopped:
         trainer.fit(InterruptingBatches(train, at=3), epochs=2)
     assert signal.getsignal(signal.SIGINT) is handler
     assert len(stopped.value.history) == 3 and stopped.value.history.step == [1, 2, 3]
@@ -276,7 +305,10 @@ def test_checkpoint_round_trip_continues_like_an_unbroken_run(tmp_path):
 
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):
     trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
-    torch.save({"format": "mpnb-trainer", "payload": ex.Batches(torch.zeros(2), torch.zeros(2))}, tmp_path / "bad.pt")
+    torch.save(
+        {"format": "mpnb-trainer", "payload": ex.Batches(torch.zeros(2), torch.zeros(2))},
+        tmp_path / "bad.pt",
+    )
     with pytest.raises(MpnbError, match=r"bad\.pt' refused: it holds `mpnb\.examples\.Batches`"):
         trainer.load(tmp_path / "bad.pt")
     torch.save({"model": {}}, tmp_path / "other.pt")
@@ -291,7 +323,9 @@ def test_example_model_learns_the_digits():
 
 
 def test_max_steps_ending_an_epoch_completes_it_and_the_next_fit_starts_a_new_one():
-    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), batch_size=512, dashboard=None)
+    trainer, train, _ = ex.example_trainer(
+        "bf16", "cpu", widths=(4, 8), batch_size=512, dashboard=None
+    )
     assert len(train) == 3
     trainer.fit(train, max_steps=3)
     history = trainer.fit(train)
@@ -299,7 +333,9 @@ def test_max_steps_ending_an_epoch_completes_it_and_the_next_fit_starts_a_new_on
 
 
 def test_interrupt_waits_for_the_end_of_an_accumulation_window():
-    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), batch_size=128, dashboard=None, accumulate=4)
+    trainer, train, _ = ex.example_trainer(
+        "bf16", "cpu", widths=(4, 8), batch_size=128, dashboard=None, accumulate=4
+    )
     with pytest.raises(mpnb.FitInterrupted, match="fit stopped after step 2 .epoch 0, batch 8."):
         trainer.fit(InterruptingBatches(train, at=5))
     assert trainer.amp.between_steps and all(p.grad is None for p in trainer.model.parameters())
@@ -314,7 +350,9 @@ def test_an_error_mid_window_drops_the_partial_window_and_fit_resumes_at_its_sta
             raise RuntimeError("bad batch")
         return nn.functional.cross_entropy(output, target)
 
-    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), batch_size=128, dashboard=None, accumulate=4)
+    trainer, train, _ = ex.example_trainer(
+        "bf16", "cpu", widths=(4, 8), batch_size=128, dashboard=None, accumulate=4
+    )
     trainer.loss_fn = failing_once
     with pytest.raises(RuntimeError, match="bad batch"):
         trainer.fit(train)
@@ -374,7 +412,9 @@ def test_an_accumulated_steps_loss_is_the_mean_of_its_micro_batch_losses_in_fp32
 
 def test_a_discarded_windows_forward_time_is_not_counted_in_the_next_step():
     model = nn.Linear(4, 1)
-    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="bf16", device="cpu", accumulate=2)
+    amp = mpnb.AmpStep(
+        torch.optim.SGD(model.parameters(), lr=0.1), mode="bf16", device="cpu", accumulate=2
+    )
     with amp.autocast():
         loss = model(torch.ones(2, 4)).float().mean()
         time.sleep(0.3)
@@ -402,12 +442,17 @@ def test_train_step_does_what_the_three_calls_do(mode):
     one_call = mpnb.AmpStep(torch.optim.SGD(twin.parameters(), lr=0.1), **options)
     for step, (x, y) in enumerate(data, start=1):
         one_call.train_step(
-            lambda x=x, y=y, step=step: mse(twin(x), y) * (math.inf if step in overflow_at else 1.0), samples=len(x)
+            lambda x=x, y=y, step=step: (
+                mse(twin(x), y) * (math.inf if step in overflow_at else 1.0)
+            ),
+            samples=len(x),
         )
     assert torch.equal(model.weight, twin.weight) and torch.equal(model.bias, twin.bias)
     assert one_call.close().mode == history.mode
     for name in ("step", "loss", "loss_scale", "skipped", "grad_norm"):
-        assert getattr(one_call.history, name) == pytest.approx(getattr(history, name), rel=0, abs=0, nan_ok=True)
+        assert getattr(one_call.history, name) == pytest.approx(
+            getattr(history, name), rel=0, abs=0, nan_ok=True
+        )
     assert one_call.history.skipped_steps == ([2] if mode == "fp16" else [])
 
 
@@ -428,7 +473,9 @@ def test_train_step_runs_the_forward_under_the_mode_and_the_backward_outside_any
     amp.train_step(forward)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         amp.train_step(forward)
-        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert (
+            torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        )
     amp.set_precision(TrainingPrecision.resolve("fp32", "cpu"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         amp.train_step(forward)
@@ -462,7 +509,10 @@ def test_a_learning_rate_held_in_a_tensor_is_recorded_as_it_was_at_each_step():
     model = nn.Linear(4, 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
     amp = mpnb.AmpStep(
-        optimizer, mode="bf16", device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+        optimizer,
+        mode="bf16",
+        device="cpu",
+        scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
     )
     for _ in range(3):
         amp.train_step(lambda: model(torch.ones(2, 4)).float().mean())
@@ -496,9 +546,24 @@ def test_train_step_given_no_function_says_what_it_wants():
 def test_an_optimizer_of_another_model_is_refused_before_training():
     model, other = nn.Linear(4, 1), nn.Linear(4, 1)
     with pytest.raises(MpnbError, match=r"holds none of Linear's parameters.*model.parameters\(\)"):
-        mpnb.Trainer(model, torch.optim.SGD(other.parameters(), lr=0.1), mse, mode="fp16", device="cpu", dashboard=None)
-    frozen_head = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))  # an optimizer over part of the model is fine
-    mpnb.Trainer(frozen_head, torch.optim.SGD(frozen_head[1].parameters(), lr=0.1), mse, device="cpu", dashboard=None)
+        mpnb.Trainer(
+            model,
+            torch.optim.SGD(other.parameters(), lr=0.1),
+            mse,
+            mode="fp16",
+            device="cpu",
+            dashboard=None,
+        )
+    frozen_head = nn.Sequential(
+        nn.Linear(4, 4), nn.Linear(4, 1)
+    )  # an optimizer over part of the model is fine
+    mpnb.Trainer(
+        frozen_head,
+        torch.optim.SGD(frozen_head[1].parameters(), lr=0.1),
+        mse,
+        device="cpu",
+        dashboard=None,
+    )
 
 
 def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing():
@@ -509,7 +574,10 @@ def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing():
     with pytest.raises(MpnbError, match="the state does not fit this trainer"):
         trainer.load_state_dict(other.state_dict())
     assert trainer.position == tuple(before["position"]) and len(trainer.history) == 2
-    assert all(torch.equal(a, b) for a, b in zip(trainer.model.state_dict().values(), before["model"].values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(trainer.model.state_dict().values(), before["model"].values())
+    )
 
 
 def test_a_fit_says_how_it_ended():

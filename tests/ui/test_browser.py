@@ -51,7 +51,9 @@ pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 
 # Notebook 7's JupyterLab extension does not load inside Voila ("The getter for the shared module
 # is not a function"): where both are installed, leave it out, as the README says.
-VOILA_WITHOUT_NOTEBOOK7 = '--VoilaConfiguration.extension_denylist=["@jupyter-notebook/lab-extension"]'
+VOILA_WITHOUT_NOTEBOOK7 = (
+    '--VoilaConfiguration.extension_denylist=["@jupyter-notebook/lab-extension"]'
+)
 
 
 def free_port() -> int:
@@ -111,7 +113,9 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_FLAGS)
+        chromium = playwright.chromium.launch(
+            executable_path=shutil.which("chromium"), args=CHROMIUM_FLAGS
+        )
         yield chromium
         chromium.close()
 
@@ -152,7 +156,9 @@ def notebook(cells: list[str]) -> str:
                 }
                 for i, c in enumerate(cells)
             ],
-            "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+            "metadata": {
+                "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}
+            },
             "nbformat": 4,
             "nbformat_minor": 5,
         }
@@ -186,7 +192,9 @@ def start_jupyter(app: str, work: pathlib.Path, env: dict, tmp_path: pathlib.Pat
         "--ServerApp.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
     ]  # fmt: skip
-    process, log = serve(command, work, env, f"http://127.0.0.1:{port}/api/status", tmp_path / "server.log")
+    process, log = serve(
+        command, work, env, f"http://127.0.0.1:{port}/api/status", tmp_path / "server.log"
+    )
     return process, log, port
 
 
@@ -232,7 +240,9 @@ def test_panel_and_live_dashboard_control_a_running_fit(tmp_path, jupyter_env, b
         run_all_cells(page, port, path)
         page.wait_for_selector(".widget-toggle-buttons", timeout=90_000)
         page.wait_for_selector(".js-plotly-plot", timeout=90_000)
-        page.wait_for_function("() => document.querySelector('.js-plotly-plot').data[0].x.length > 0", timeout=60_000)
+        page.wait_for_function(
+            "() => document.querySelector('.js-plotly-plot').data[0].x.length > 0", timeout=60_000
+        )
         first = plotted_points(page)
         page.wait_for_timeout(2500)
         grown = plotted_points(page)
@@ -244,14 +254,18 @@ def test_panel_and_live_dashboard_control_a_running_fit(tmp_path, jupyter_env, b
         result = page.locator(".jp-OutputArea-output", has_text="RESULT")
         result.wait_for(timeout=90_000)
         page.screenshot(path=str(ARTIFACTS / f"{frontend}-after-stop.png"))
-        assert result.inner_text().strip() == "RESULT ['bf16', 'fp16'] stopped True"  # seen from the kernel
+        assert (
+            result.inner_text().strip() == "RESULT ['bf16', 'fp16'] stopped True"
+        )  # seen from the kernel
         known = KNOWN_FRONTEND_ERRORS.get(frontend, ())
         assert not [e for e in errors if not e.startswith(known)], errors
     finally:
         stop(process, log)
 
 
-def test_the_quickstart_notebook_runs_in_jupyterlab_with_panel_and_growing_dashboard(tmp_path, jupyter_env, browser):
+def test_the_quickstart_notebook_runs_in_jupyterlab_with_panel_and_growing_dashboard(
+    tmp_path, jupyter_env, browser
+):
     ARTIFACTS.mkdir(exist_ok=True)
     work = tmp_path / "work"
     work.mkdir()
@@ -274,9 +288,13 @@ def test_the_quickstart_notebook_runs_in_jupyterlab_with_panel_and_growing_dashb
         page.screenshot(path=str(ARTIFACTS / "quickstart.png"), full_page=True)
         growing = sorted(points for points in seen if 0 < points < final)
         assert growing, (seen, final)  # drawn while training ran, not only at the end
-        assert page.locator(".jp-OutputArea-output", has_text="torch.bfloat16 torch.float32").count() == 1
+        assert (
+            page.locator(".jp-OutputArea-output", has_text="torch.bfloat16 torch.float32").count()
+            == 1
+        )
         assert not page.locator(
-            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']", has_text="Error"
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
+            has_text="Error",
         ).count()
         assert not errors, errors
     finally:
@@ -290,7 +308,9 @@ def test_voila_serves_the_precision_lab_and_run_produces_the_table(tmp_path, jup
         sys.executable, "-m", "voila", str(ROOT / "widgets" / "precision_lab.ipynb"), "--no-browser",
         f"--port={port}", "--Voila.ip=127.0.0.1", VOILA_WITHOUT_NOTEBOOK7,
     ]  # fmt: skip
-    process, log = serve(command, ROOT, jupyter_env, f"http://127.0.0.1:{port}/", tmp_path / "voila.log")
+    process, log = serve(
+        command, ROOT, jupyter_env, f"http://127.0.0.1:{port}/", tmp_path / "voila.log"
+    )
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
         errors = console_errors(page)
@@ -305,8 +325,12 @@ def test_voila_serves_the_precision_lab_and_run_produces_the_table(tmp_path, jup
         rows = table.locator("tbody tr")
         assert rows.count() == 2 and rows.nth(0).inner_text().startswith("fp32")
         assert "1.00x" in rows.nth(0).inner_text()
-        titles = page.evaluate("() => [...document.querySelectorAll('.annotation-text')].map(e => e.textContent)")
-        assert "loss minus fp32's loss" in titles and "step time (ms)" in titles  # the live view's panels
+        titles = page.evaluate(
+            "() => [...document.querySelectorAll('.annotation-text')].map(e => e.textContent)"
+        )
+        assert (
+            "loss minus fp32's loss" in titles and "step time (ms)" in titles
+        )  # the live view's panels
         page.screenshot(path=str(ARTIFACTS / "voila-lab-result.png"), full_page=True)
         assert not errors, errors
     finally:
@@ -329,12 +353,20 @@ def test_the_compare_report_draws_every_panel_and_one_legend_in_the_browser(tmp_
     errors = console_errors(page)
     page.goto((tmp_path / "report.html").as_uri())
     page.wait_for_selector(".js-plotly-plot .legendtext", timeout=60_000)
-    titles = page.evaluate("() => [...document.querySelectorAll('.annotation-text')].map(e => e.textContent)")
+    titles = page.evaluate(
+        "() => [...document.querySelectorAll('.annotation-text')].map(e => e.textContent)"
+    )
     assert set(_PANELS) <= set(titles), titles
-    legend = page.evaluate("() => [...document.querySelectorAll('.legendtext')].map(e => e.textContent)")
+    legend = page.evaluate(
+        "() => [...document.querySelectorAll('.legendtext')].map(e => e.textContent)"
+    )
     assert legend == ["fp32", "bf16"]  # one entry per mode for all five panels
-    drawn = page.evaluate("() => document.querySelector('.js-plotly-plot').data.map(t => t.x ? t.x.length : 0)")
-    assert drawn[0] == 14 and drawn[7] == 14 and drawn[8] == 14  # fp32 loss; bf16 loss and its difference
+    drawn = page.evaluate(
+        "() => document.querySelector('.js-plotly-plot').data.map(t => t.x ? t.x.length : 0)"
+    )
+    assert (
+        drawn[0] == 14 and drawn[7] == 14 and drawn[8] == 14
+    )  # fp32 loss; bf16 loss and its difference
     assert (
         "IQR (ms)" in page.locator("table thead").inner_text()
         or "IQR (ms)" in page.locator("table tr").first.inner_text()

@@ -44,8 +44,14 @@ def test_the_cell_runs_once_per_mode_in_that_mode_within_the_step_budget(shell, 
     assert shell.user_ns["_comparison"] is comparison
     seen = shell.user_ns["seen_modes"]
     assert [mode for mode, _, _ in seen] == ["fp32", "tf32", "bf16"]
-    assert [autocast for _, autocast, _ in seen] == [False, False, True]  # the %amp bf16 cell does not leak
-    assert seen[0][2] == "highest" and seen[1][2] != "highest"  # each mode's fp32-math flags while it runs
+    assert [autocast for _, autocast, _ in seen] == [
+        False,
+        False,
+        True,
+    ]  # the %amp bf16 cell does not leak
+    assert (
+        seen[0][2] == "highest" and seen[1][2] != "highest"
+    )  # each mode's fp32-math flags while it runs
     for mode in ("fp32", "tf32", "bf16"):
         history = comparison.result(mode).history
         assert len(history) == 6 and set(history.mode) == {mode}  # epochs=50 held to warmup + steps
@@ -53,11 +59,15 @@ def test_the_cell_runs_once_per_mode_in_that_mode_within_the_step_budget(shell, 
     rows = {row["mode"]: row for row in comparison.rows()}
     assert all(0 <= row["metric"] <= 1 for row in rows.values())
     header = str(comparison).splitlines()[0]
-    assert " accuracy " in header and "mpnb.examples" not in header  # a short name, not the expression
+    assert (
+        " accuracy " in header and "mpnb.examples" not in header
+    )  # a short name, not the expression
     first_losses = [comparison.result(mode).history.loss[0] for mode in ("fp32", "tf32")]
     assert first_losses[0] == first_losses[1]  # same seed, same model, same first batch
     printed = capsys.readouterr().out
-    assert "training DigitsCNN" not in printed and "finished:" not in printed  # the trainer's own dashboard gave way
+    assert (
+        "training DigitsCNN" not in printed and "finished:" not in printed
+    )  # the trainer's own dashboard gave way
     assert mpnb.get_mode() is mpnb.Mode.BF16 and torch_state() == before
     assert torch.equal(torch.random.get_rng_state(), random_before)
 
@@ -65,9 +75,17 @@ def test_the_cell_runs_once_per_mode_in_that_mode_within_the_step_budget(shell, 
 def test_an_error_in_the_cell_restores_everything(shell):
     run(shell, "%amp fp16")
     before = policy_state()
-    run_expecting(shell, "%%compare --modes fp32,bf16 --steps 2 --progress none\nraise KeyError('boom')", KeyError)
+    run_expecting(
+        shell,
+        "%%compare --modes fp32,bf16 --steps 2 --progress none\nraise KeyError('boom')",
+        KeyError,
+    )
     assert policy_state() == before
-    run_expecting(shell, "%%compare --modes tf32 --steps 2 --progress none\nraise KeyboardInterrupt", KeyboardInterrupt)
+    run_expecting(
+        shell,
+        "%%compare --modes tf32 --steps 2 --progress none\nraise KeyboardInterrupt",
+        KeyboardInterrupt,
+    )
     assert policy_state() == before
 
 
@@ -96,7 +114,11 @@ def test_bad_input_runs_nothing_and_changes_nothing(shell, line, words):
 
 
 def test_out_writes_the_report_files(shell, tmp_path, capsys):
-    run(shell, f"%%compare --modes fp32,bf16 --steps 2 --warmup 0 --progress none --out {tmp_path}\n" + TRAIN_CELL)
+    run(
+        shell,
+        f"%%compare --modes fp32,bf16 --steps 2 --warmup 0 --progress none --out {tmp_path}\n"
+        + TRAIN_CELL,
+    )
     assert "report.html" in capsys.readouterr().out
     data = json.loads((tmp_path / "comparison.json").read_text())
     assert [row["mode"] for row in data["modes"]] == ["fp32", "bf16"]
@@ -105,7 +127,10 @@ def test_out_writes_the_report_files(shell, tmp_path, capsys):
 
 def test_help_names_every_option(shell):
     help_text = shell.magics_manager.magics["cell"]["compare"].__doc__
-    assert all(option in help_text for option in ("--modes", "--steps", "--warmup", "--seed", "--metric", "--out"))
+    assert all(
+        option in help_text
+        for option in ("--modes", "--steps", "--warmup", "--seed", "--metric", "--out")
+    )
 
 
 def test_unload_removes_compare_too(shell):
@@ -117,7 +142,9 @@ def test_mode_scope_restores_the_session_even_when_the_mode_is_refused():
     mpnb.set_mode("tf32")
     before = policy_state()
     with session.mode_scope("fp32"):
-        assert mpnb.get_mode() is mpnb.Mode.FP32 and torch.get_float32_matmul_precision() == "highest"
+        assert (
+            mpnb.get_mode() is mpnb.Mode.FP32 and torch.get_float32_matmul_precision() == "highest"
+        )
     assert policy_state() == before
     with pytest.raises(mpnb.InvalidChoiceError), session.mode_scope("fp8"):
         pass
@@ -125,7 +152,9 @@ def test_mode_scope_restores_the_session_even_when_the_mode_is_refused():
 
 
 def make_run(mode):
-    trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), batch_size=32, dashboard=None)
+    trainer, train, _ = ex.example_trainer(
+        mode, "cpu", widths=(4, 8), batch_size=32, dashboard=None
+    )
     return trainer, train
 
 
@@ -166,7 +195,9 @@ def test_live_progress_overlays_each_mode_as_it_trains():
     drawn_when_fp32_ended = {}
 
     def traces(figure, mode_index):
-        return dict(zip(MODE_TRACES, figure.data[mode_index * per_mode : (mode_index + 1) * per_mode]))
+        return dict(
+            zip(MODE_TRACES, figure.data[mode_index * per_mode : (mode_index + 1) * per_mode])
+        )
 
     def on_result(result):
         if result.mode == "fp32":
@@ -174,20 +205,32 @@ def test_live_progress_overlays_each_mode_as_it_trains():
                 {m: len(traces(view.figure, i)["loss"].x) for i, m in enumerate(["fp32", "bf16"])}
             )
 
-    result = compare(make_run, ["fp32", "bf16"], steps=5, warmup=1, block=1, progress=view, on_result=on_result)
+    result = compare(
+        make_run, ["fp32", "bf16"], steps=5, warmup=1, block=1, progress=view, on_result=on_result
+    )
     # Turns alternate fp32, bf16 | bf16, fp32 | ...: when fp32 ends (round 5) bf16 has 4 of its 5 timed steps.
     assert drawn_when_fp32_ended == {"fp32": 6, "bf16": 5}
     fp32, bf16 = traces(view.figure, 0), traces(view.figure, 1)
     assert list(fp32["loss"].x) == list(range(1, 7)) and list(bf16["loss"].x) == list(range(1, 7))
     assert list(bf16["loss"].y) == result.result("bf16").history.loss
     fp32_loss = result.result("fp32").history.loss
-    assert list(bf16["loss - fp32"].y) == [b - a for a, b in zip(fp32_loss, result.result("bf16").history.loss)]
+    assert list(bf16["loss - fp32"].y) == [
+        b - a for a, b in zip(fp32_loss, result.result("bf16").history.loss)
+    ]
     assert len(fp32["loss - fp32"].x) == 0  # fp32 is the reference
     assert list(fp32["step time"].x) == list(range(2, 7))  # the timed steps
-    assert math.isclose(fp32["step time"].y[-1], result.result("fp32").history.step_time[-1] * 1e3, rel_tol=1e-6)
+    assert math.isclose(
+        fp32["step time"].y[-1], result.result("fp32").history.step_time[-1] * 1e3, rel_tol=1e-6
+    )
     assert len(fp32["step time (smoothed)"].y) == 5 and len(fp32["memory in use"].y) == 6
-    assert fp32["loss"].line.color != bf16["loss"].line.color and fp32["loss"].line.dash != bf16["loss"].line.dash
-    assert [t.name for t in view.figure.data if t.showlegend] == ["fp32", "bf16"]  # one legend entry per mode
+    assert (
+        fp32["loss"].line.color != bf16["loss"].line.color
+        and fp32["loss"].line.dash != bf16["loss"].line.dash
+    )
+    assert [t.name for t in view.figure.data if t.showlegend] == [
+        "fp32",
+        "bf16",
+    ]  # one legend entry per mode
     parser = _Tables()
     parser.feed(view.table.value)
     assert "fp32" in parser.cells and "bf16" in parser.cells and "speedup vs fp32" in parser.cells
@@ -203,22 +246,32 @@ def test_each_modes_metric_reads_the_names_that_mode_bound(shell):
     rows = {row["mode"]: row for row in comparison.rows()}
     assert (rows["fp32"]["metric"], rows["bf16"]["metric"]) == (0.0, 1.0)
     assert "is bf16" in str(comparison).splitlines()[0]
-    assert shell.user_ns["trainer"].mode.value == "bf16"  # the namespace ends as the last mode left it
+    assert (
+        shell.user_ns["trainer"].mode.value == "bf16"
+    )  # the namespace ends as the last mode left it
 
 
 def test_the_timed_turns_continue_the_cells_fit_exactly(shell):
     """Interleaved turns of the cell's fit give the losses one uninterrupted fit gives."""
     interleaved = run(
-        shell, "%%compare --modes fp32,bf16 --steps 6 --warmup 2 --block 1 --progress none\n" + TRAIN_CELL
+        shell,
+        "%%compare --modes fp32,bf16 --steps 6 --warmup 2 --block 1 --progress none\n" + TRAIN_CELL,
     )
-    alone = run(shell, "%%compare --modes bf16 --steps 6 --warmup 2 --block 6 --progress none\n" + TRAIN_CELL)
+    alone = run(
+        shell,
+        "%%compare --modes bf16 --steps 6 --warmup 2 --block 6 --progress none\n" + TRAIN_CELL,
+    )
     assert interleaved.result("bf16").history.loss == alone.result("bf16").history.loss
     assert len(interleaved.result("bf16").blocks) == 6
 
 
 def test_no_warmup_still_times_every_step(shell):
-    comparison = run(shell, "%%compare --modes fp32,bf16 --steps 3 --warmup 0 --progress none\n" + TRAIN_CELL)
-    assert [len(r.history) for r in comparison.results] == [3, 3] and comparison.rows()[1]["timed_steps"] == 3
+    comparison = run(
+        shell, "%%compare --modes fp32,bf16 --steps 3 --warmup 0 --progress none\n" + TRAIN_CELL
+    )
+    assert [len(r.history) for r in comparison.results] == [3, 3] and comparison.rows()[1][
+        "timed_steps"
+    ] == 3
 
 
 def test_a_metric_with_its_own_scope_reads_the_modes_names_too(shell):
@@ -233,6 +286,8 @@ def test_a_metric_with_its_own_scope_reads_the_modes_names_too(shell):
 def test_a_trainer_built_outside_the_cell_is_refused(shell):
     run(shell, "outside, train, _ = mpnb.examples.example_trainer(widths=(4, 8), dashboard=None)")
     error = run_expecting(
-        shell, "%%compare --modes fp32,bf16 --steps 2 --progress none\noutside.fit(train)", ValueError
+        shell,
+        "%%compare --modes fp32,bf16 --steps 2 --progress none\noutside.fit(train)",
+        ValueError,
     )
     assert "share one Trainer" in str(error) and "inside the cell" in str(error)

@@ -47,7 +47,9 @@ def feed(dashboard: LiveDashboard, source: History, chunk: int) -> History:
     """Grow a history ``chunk`` rows at a time, updating the dashboard after each, as the recorder does."""
     history = History()
     for start in range(0, len(source), chunk):
-        history.extend({name: values[start : start + chunk] for name, values in source.columns.items()})
+        history.extend(
+            {name: values[start : start + chunk] for name, values in source.columns.items()}
+        )
         dashboard.update(history)
     dashboard.close(history)
     return history
@@ -77,7 +79,9 @@ def test_live_redraws_are_throttled():
 
 def test_trainer_feeds_a_live_dashboard_while_it_trains(wire):
     dashboard = LiveDashboard("digits", min_interval=0, max_share=0)
-    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=dashboard, flush_every=5)
+    trainer, train, _ = ex.example_trainer(
+        "bf16", "cpu", widths=(4, 8), dashboard=dashboard, flush_every=5
+    )
     trainer.fit(train, max_steps=20)
     # A sink that is due makes the recorder flush early: here after every step, plus the final redraw.
     assert dashboard.redraws == 21 and trainer.amp.recorder.host_transfers == 20
@@ -101,8 +105,12 @@ def test_text_progress_in_a_plain_script():
 
 
 def test_dashboard_kinds():
-    assert [type(sink).__name__ for sink in make_dashboard("auto")] == ["TextProgress"]  # not in a notebook kernel
-    with pytest.raises(InvalidChoiceError, match="unknown dashboard 'plot'; valid: auto, live, text"):
+    assert [type(sink).__name__ for sink in make_dashboard("auto")] == [
+        "TextProgress"
+    ]  # not in a notebook kernel
+    with pytest.raises(
+        InvalidChoiceError, match="unknown dashboard 'plot'; valid: auto, live, text"
+    ):
         make_dashboard("plot")
 
 
@@ -118,7 +126,11 @@ def test_redraw_interval_stretches_so_redrawing_stays_a_small_share_of_the_run()
     dashboard = LiveDashboard("", min_interval=0.0, max_share=0.01)
     history = synthetic_history(2000)
     dashboard.update(history)
-    assert dashboard.redraws == 1 and dashboard.pacer.interval == 0.0  # the first redraw's one-time costs do not count
+    assert (
+        dashboard.redraws == 1 and dashboard.pacer.interval == 0.0
+    )  # the first redraw's one-time costs do not count
     dashboard.update(history)
-    assert dashboard.redraws == 2 and dashboard.pacer.interval > 0.0  # min_interval 0, stretched to 100 x the cost
+    assert (
+        dashboard.redraws == 2 and dashboard.pacer.interval > 0.0
+    )  # min_interval 0, stretched to 100 x the cost
     assert not dashboard.due(time.perf_counter())

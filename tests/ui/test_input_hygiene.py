@@ -40,7 +40,9 @@ def test_magic_arguments_follow_shell_quoting(ip, in_tmp):
     ],
     ids=["latin-1", "binary"],
 )
-def test_an_op_list_file_that_is_not_text_is_a_usage_error_naming_file_and_line(ip, in_tmp, content, words):
+def test_an_op_list_file_that_is_not_text_is_a_usage_error_naming_file_and_line(
+    ip, in_tmp, content, words
+):
     (in_tmp / "bad.txt").write_bytes(content)
     before = policy_state()
     message = usage_error(ip, "%oplist load bad.txt")
@@ -57,7 +59,8 @@ def test_a_huge_op_list_file_is_refused_with_the_limit(ip, in_tmp):
 
 
 @pytest.mark.parametrize(
-    "magic, line", [("amp", "{}"), ("oplist", "add fp32 {}"), ("tf32", "{}"), ("oplist", "preset {}")]
+    "magic, line",
+    [("amp", "{}"), ("oplist", "add fp32 {}"), ("tf32", "{}"), ("oplist", "preset {}")],
 )
 def test_errors_quote_long_input_short(ip, magic, line):
     from IPython.core.error import UsageError
@@ -66,7 +69,11 @@ def test_errors_quote_long_input_short(ip, magic, line):
     # called directly: IPython's own $-expansion of a cell line takes minutes on 5 MB
     with pytest.raises(UsageError) as refused:
         ip.magics_manager.magics["line"][magic](line.format(big))
-    assert len(str(refused.value)) < 600 and "characters)" in str(refused.value) and "limited to" in str(refused.value)
+    assert (
+        len(str(refused.value)) < 600
+        and "characters)" in str(refused.value)
+        and "limited to" in str(refused.value)
+    )
 
 
 @pytest.mark.parametrize(

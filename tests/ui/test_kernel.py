@@ -40,12 +40,18 @@ def execute(client, code: str, timeout: float = 60) -> tuple[dict, str]:
 
 def test_modes_persist_across_kernel_cells_and_unload_restores(kernel):
     _, client = kernel
-    reply, _ = execute(client, "%load_ext mpnb\nimport torch\nlinear = torch.nn.Linear(4, 4)\nx = torch.randn(2, 4)")
+    reply, _ = execute(
+        client,
+        "%load_ext mpnb\nimport torch\nlinear = torch.nn.Linear(4, 4)\nx = torch.randn(2, 4)",
+    )
     assert reply["status"] == "ok"
     execute(client, "%amp bf16")
     assert execute(client, "print(linear(x).dtype)")[1].strip() == "torch.bfloat16"
     # ipykernel runs cells with top-level await on a different code path.
-    assert "torch.bfloat16" in execute(client, "import asyncio\nawait asyncio.sleep(0)\nprint(linear(x).dtype)")[1]
+    assert (
+        "torch.bfloat16"
+        in execute(client, "import asyncio\nawait asyncio.sleep(0)\nprint(linear(x).dtype)")[1]
+    )
     reply, printed = execute(client, "%%autocast -d fp16\nprint(linear(x).dtype)\n1/0")
     assert reply["status"] == "error" and reply["ename"] == "ZeroDivisionError"
     assert "torch.float16" in printed
@@ -77,7 +83,9 @@ def test_kernel_interrupt_inside_an_autocast_cell_restores_state(kernel):
     execute(client, "%unload_ext mpnb")
 
 
-def execute_collecting(client, code: str, timeout: float = 120) -> tuple[dict, list[tuple[float, dict]]]:
+def execute_collecting(
+    client, code: str, timeout: float = 120
+) -> tuple[dict, list[tuple[float, dict]]]:
     """Run a cell; return the reply content and every iopub message with its arrival time."""
     messages: list[tuple[float, dict]] = []
     reply = client.execute_interactive(
@@ -87,13 +95,16 @@ def execute_collecting(client, code: str, timeout: float = 120) -> tuple[dict, l
 
 
 def wire_size(message: dict) -> int:
-    return len(json.dumps(message["content"])) + sum(len(memoryview(b).tobytes()) for b in message.get("buffers") or [])
+    return len(json.dumps(message["content"])) + sum(
+        len(memoryview(b).tobytes()) for b in message.get("buffers") or []
+    )
 
 
 def test_live_dashboard_updates_reach_the_frontend_while_the_cell_runs(kernel):
     _, client = kernel
     execute(
-        client, "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('bf16', 'cpu', widths=(8, 16))"
+        client,
+        "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('bf16', 'cpu', widths=(8, 16))",
     )
     reply, messages = execute_collecting(client, "history = trainer.fit(train, epochs=12)")
     assert reply["status"] == "ok", reply
@@ -101,9 +112,13 @@ def test_live_dashboard_updates_reach_the_frontend_while_the_cell_runs(kernel):
     assert any("application/vnd.jupyter.widget-view+json" in m["content"]["data"] for m in views)
     updates = [(t, m) for t, m in messages if m["msg_type"] == "comm_msg" and m.get("buffers")]
     assert len(updates) >= 3
-    shown = next(t for t, m in messages if m["msg_type"] == "display_data")  # after imports: training starts
+    shown = next(
+        t for t, m in messages if m["msg_type"] == "display_data"
+    )  # after imports: training starts
     run_time = messages[-1][0] - shown
-    assert updates[-1][0] - updates[0][0] > 0.5 * run_time  # spread over the run, not sent at the end
+    assert (
+        updates[-1][0] - updates[0][0] > 0.5 * run_time
+    )  # spread over the run, not sent at the end
     assert max(wire_size(m) for _, m in updates) <= 64 * 1024
     assert execute(client, "print(len(history), history.skipped_steps)")[1].strip() == "276 []"
 
@@ -124,15 +139,19 @@ def test_kernel_interrupt_during_fit_keeps_history_and_fit_continues(kernel):
     steps = int(execute(client, "print(len(trainer.history))")[1])
     assert steps > 0
     assert (
-        execute(client, "print(trainer.history.step == list(range(1, len(trainer.history) + 1)))")[1].strip() == "True"
+        execute(client, "print(trainer.history.step == list(range(1, len(trainer.history) + 1)))")[
+            1
+        ].strip()
+        == "True"
     )
     reply, _ = execute(client, "h = trainer.fit(train, max_steps=3)")
     assert reply["status"] == "ok"
     assert int(execute(client, "print(len(h))")[1]) == steps + 3
     assert (
-        execute(client, "import signal\nprint(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")[
-            1
-        ].strip()
+        execute(
+            client,
+            "import signal\nprint(signal.getsignal(signal.SIGINT) is signal.default_int_handler)",
+        )[1].strip()
         == "True"
     )
 
@@ -146,14 +165,18 @@ def test_without_widget_libraries_fit_warns_once_and_prints_text_progress(kernel
     )
     try:
         execute(
-            client, "import mpnb.examples as ex\ntrainer, train, _ = ex.example_trainer('bf16', 'cpu', widths=(4, 8))"
+            client,
+            "import mpnb.examples as ex\ntrainer, train, _ = ex.example_trainer('bf16', 'cpu', widths=(4, 8))",
         )
         reply, printed = execute(client, "trainer.fit(train, max_steps=5)\nNone")
         assert reply["status"] == "ok"
         assert printed.count("pip install ipywidgets plotly anywidget") == 1
         assert "Traceback" not in printed and "finished: step 5" in printed
     finally:
-        execute(client, "del sys.modules['plotly']\nimport plotly.graph_objects\nsys.modules.update(hidden)")
+        execute(
+            client,
+            "del sys.modules['plotly']\nimport plotly.graph_objects\nsys.modules.update(hidden)",
+        )
 
 
 def widget_comms(messages: list[tuple[float, dict]]) -> dict[str, dict]:
@@ -178,8 +201,14 @@ def test_panel_and_stop_clicks_reach_a_running_fit(kernel):
         "trainer, train, test = ex.example_trainer('bf16', 'cpu', widths=(8, 16))\n_ = mpnb.panel()",
     )
     assert reply["status"] == "ok", reply
-    panel_modes = next(cid for cid, st in widget_comms(messages).items() if st["_model_name"] == "ToggleButtonsModel")
-    options = next(st for st in widget_comms(messages).values() if st["_model_name"] == "ToggleButtonsModel")
+    panel_modes = next(
+        cid
+        for cid, st in widget_comms(messages).items()
+        if st["_model_name"] == "ToggleButtonsModel"
+    )
+    options = next(
+        st for st in widget_comms(messages).values() if st["_model_name"] == "ToggleButtonsModel"
+    )
     fp16_index = list(options["_options_labels"]).index("fp16")
 
     msg_id = client.execute("history = trainer.fit(train, epochs=200)")
@@ -196,8 +225,14 @@ def test_panel_and_stop_clicks_reach_a_running_fit(kernel):
         if message["msg_type"] == "comm_msg" and message.get("buffers"):
             updates += 1  # a dashboard redraw: training is running
             if updates == 2:
-                send_comm(client, panel_modes, {"method": "update", "state": {"index": fp16_index}, "buffer_paths": []})
-                queued = client.execute("queued = len(history)")  # a cell queued meanwhile runs after this one
+                send_comm(
+                    client,
+                    panel_modes,
+                    {"method": "update", "state": {"index": fp16_index}, "buffer_paths": []},
+                )
+                queued = client.execute(
+                    "queued = len(history)"
+                )  # a cell queued meanwhile runs after this one
             if updates == 6:
                 send_comm(client, stop_button, {"method": "custom", "content": {"event": "click"}})
         if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
@@ -220,7 +255,11 @@ def test_panel_and_stop_clicks_reach_a_running_fit(kernel):
 def _restyled_traces(message: dict) -> list[int] | None:
     state = message["content"]["data"].get("state", {})
     restyle = state.get("_py2js_restyle")
-    return restyle.get("restyle_traces") or restyle.get("trace_indexes") if isinstance(restyle, dict) else None
+    return (
+        restyle.get("restyle_traces") or restyle.get("trace_indexes")
+        if isinstance(restyle, dict)
+        else None
+    )
 
 
 def test_compare_cell_draws_each_mode_live_then_the_table(kernel):
@@ -234,16 +273,29 @@ def test_compare_cell_draws_each_mode_live_then_the_table(kernel):
     )
     assert reply["status"] == "ok", reply
     per_mode = len(MODE_TRACES)
-    restyles = [(t, _restyled_traces(m)) for t, m in messages if m["msg_type"] == "comm_msg" and _restyled_traces(m)]
+    restyles = [
+        (t, _restyled_traces(m))
+        for t, m in messages
+        if m["msg_type"] == "comm_msg" and _restyled_traces(m)
+    ]
     fp32 = [t for t, traces in restyles if traces == list(range(per_mode))]
     bf16 = [t for t, traces in restyles if traces == list(range(per_mode, 2 * per_mode))]
     assert len(fp32) >= 2 and len(bf16) >= 2, [traces for _, traces in restyles]
     assert min(bf16) < max(fp32) and min(fp32) < max(bf16)  # drawn in turns, while both train
-    assert not any("training" in m["content"].get("text", "") for _, m in messages if m["msg_type"] == "stream")
-    tables = [m for _, m in messages if m["msg_type"] == "comm_msg" and "speedup vs fp32" in json.dumps(m["content"])]
+    assert not any(
+        "training" in m["content"].get("text", "") for _, m in messages if m["msg_type"] == "stream"
+    )
+    tables = [
+        m
+        for _, m in messages
+        if m["msg_type"] == "comm_msg" and "speedup vs fp32" in json.dumps(m["content"])
+    ]
     assert tables, "the table reaches the front end"
     results = [m for _, m in messages if m["msg_type"] in ("execute_result", "display_data")]
     shown = [m for m in results if "speedup vs fp32" in json.dumps(m["content"])]
     assert shown == [], "the table is shown once: in the live view, not again as the cell's value"
-    assert execute(client, "print([len(r.history) for r in _comparison.results])")[1].strip() == "[152, 152]"
+    assert (
+        execute(client, "print([len(r.history) for r in _comparison.results])")[1].strip()
+        == "[152, 152]"
+    )
     execute(client, "%unload_ext mpnb")

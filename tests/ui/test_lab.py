@@ -8,7 +8,12 @@ from mpnb.ui.widgets.lab import PrecisionLab
 def test_the_lab_runs_the_chosen_modes_and_shows_the_table():
     lab = PrecisionLab()
     lab.dashboard = None
-    lab.model.value, lab.modes.value, lab.steps.value, lab.batch_size.value = "mlp", ("fp32", "bf16"), 5, 32
+    lab.model.value, lab.modes.value, lab.steps.value, lab.batch_size.value = (
+        "mlp",
+        ("fp32", "bf16"),
+        5,
+        32,
+    )
     lab.run_button.click()
     assert [row["mode"] for row in lab.comparison.rows()] == ["fp32", "bf16"]
     assert "<table>" in lab.table.value and "test accuracy" in lab.table.value
@@ -27,7 +32,12 @@ def test_run_pressed_during_a_fit_is_refused_in_the_status_line_and_the_fit_goes
 
     lab = PrecisionLab()
     lab.dashboard = None
-    lab.model.value, lab.modes.value, lab.steps.value, lab.batch_size.value = "mlp", ("bf16",), 3, 32
+    lab.model.value, lab.modes.value, lab.steps.value, lab.batch_size.value = (
+        "mlp",
+        ("bf16",),
+        3,
+        32,
+    )
     trainer, train, _ = ex.example_trainer("tf32", "cpu", widths=(4, 8), dashboard=None)
     precision = []
 
@@ -38,6 +48,9 @@ def test_run_pressed_during_a_fit_is_refused_in_the_status_line_and_the_fit_goes
 
     trainer.control.pollers.append(press_run_once)
     history = trainer.fit(train, max_steps=3)
-    assert "not run: another fit is running on this thread" in lab.status.value and lab.comparison is None
+    assert (
+        "not run: another fit is running on this thread" in lab.status.value
+        and lab.comparison is None
+    )
     assert not lab.run_button.disabled
     assert history.mode == ["tf32"] * 3 and precision[1:] == ["medium"] * (len(precision) - 1)

@@ -70,7 +70,9 @@ def test_amp_switch_takes_effect_from_the_next_cell(ip):
 def test_state_is_restored_after_a_failing_cell(ip, capsys, error, mode):
     run(ip, f"%amp {mode}")
     before = torch_state()
-    raised = run_expecting(ip, f"%%autocast -d fp16 --cache\ny = 1\nraise {error}('from the cell')", BaseException)
+    raised = run_expecting(
+        ip, f"%%autocast -d fp16 --cache\ny = 1\nraise {error}('from the cell')", BaseException
+    )
     assert type(raised).__name__ == error
     assert torch_state() == before
     out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
@@ -97,7 +99,10 @@ def test_autocast_cell_understands_ipython_syntax(ip):
 
 def test_nested_cells_keep_scopes_paired(ip):
     run(ip, "%amp bf16")
-    assert run(ip, "%%capture\nr = linear(x).dtype\nget_ipython().run_cell('q = linear(x).dtype')") is None
+    assert (
+        run(ip, "%%capture\nr = linear(x).dtype\nget_ipython().run_cell('q = linear(x).dtype')")
+        is None
+    )
     assert run(ip, "(r, q)") == (BF16, BF16)
     assert not torch.is_autocast_enabled("cpu")
 
@@ -180,7 +185,9 @@ def test_unload_removes_everything_and_restores_every_switch(ip):
 
 def test_unload_inside_an_amp_cell_closes_that_cell_scope_at_its_end(ip):
     run(ip, "%amp bf16")
-    assert run(ip, "%unload_ext mpnb\nlinear(x).dtype") is BF16  # the cell that unloads ends as it began
+    assert (
+        run(ip, "%unload_ext mpnb\nlinear(x).dtype") is BF16
+    )  # the cell that unloads ends as it began
     assert not torch.is_autocast_enabled("cpu")
     assert run(ip, "linear(x).dtype") is F32
 

@@ -39,7 +39,9 @@ def test_panel_clicks_drive_the_session(panel):
     assert session.mode is Mode.TF32 and panel.mode.value == "tf32"
     panel.list_name.value, panel.op_names.value = "fp32", "linear, F.softmax"
     panel.add_button.click()
-    assert sorted(session.oplists.lists.fp32) == ["linear", "softmax"] and panel.op_names.value == ""
+    assert (
+        sorted(session.oplists.lists.fp32) == ["linear", "softmax"] and panel.op_names.value == ""
+    )
     assert "linear, softmax" in panel.lists_view.value
     panel.op_names.value = "softmax"
     panel.remove_button.click()
@@ -83,17 +85,25 @@ def test_invalid_op_names_are_refused_with_a_message_and_change_nothing(panel):
 
 def test_unloading_the_extension_disables_the_panel(ip, panel):
     ip.run_line_magic("unload_ext", "mpnb")
-    assert panel.mode.disabled and panel.add_button.disabled and "unloaded" in panel.message_view.value
+    assert (
+        panel.mode.disabled and panel.add_button.disabled and "unloaded" in panel.message_view.value
+    )
     assert "<code>%load_ext mpnb</code>" in panel.message_view.value
     assert panel.mode.value == "off"
 
 
-@pytest.mark.parametrize("name", ["<img/src=x/onerror=alert(1)>", "<code><img/src=x/onerror=alert(1)>"])
+@pytest.mark.parametrize(
+    "name", ["<img/src=x/onerror=alert(1)>", "<code><img/src=x/onerror=alert(1)>"]
+)
 def test_markup_typed_as_an_op_name_is_shown_as_text_never_rendered(panel, name):
     panel.list_name.value, panel.op_names.value = "fp32", name
     panel.add_button.click()
     shown = panel.message_view.value
-    assert "unknown op" in shown and "<img" not in shown and "&lt;img/src=x/onerror=alert(1)&gt;" in shown
+    assert (
+        "unknown op" in shown
+        and "<img" not in shown
+        and "&lt;img/src=x/onerror=alert(1)&gt;" in shown
+    )
 
 
 def test_amp_panel_magic_shows_a_panel(ip, capsys):
@@ -170,7 +180,9 @@ def test_a_mode_switch_during_fit_takes_effect_at_the_next_step_and_is_recorded(
     assert history.mode == ["bf16"] * 3 + ["fp16"] * 3 + ["bf16"] * 3
     switches = [(e["step"], e["message"]) for e in history.events if e["kind"] == "switch"]
     assert switches == [(4, "mode bf16 -> fp16"), (7, "mode fp16 -> bf16")]
-    assert not math.isnan(history.loss_scale[3]) and history.loss_scale[3] == 2.0**16  # a real scaler for fp16
+    assert (
+        not math.isnan(history.loss_scale[3]) and history.loss_scale[3] == 2.0**16
+    )  # a real scaler for fp16
     assert trainer.amp.scaler is not None and not trainer.amp.scaler.is_enabled()
     session.oplists.add("fp32", ["linear"])
     more = trainer.fit(train, max_steps=1)
@@ -183,7 +195,10 @@ def test_fp32_math_switched_during_an_fp32_fit_is_where_the_session_wants_it_aft
     trainer.amp.recorder.sinks.append(AtStep(2, lambda: session.set_tf32(True)))
     history = trainer.fit(train, max_steps=4)
     assert history.mode == ["fp32", "fp32", "tf32", "tf32"]
-    assert session.fp32_math.level is Fp32Math.REDUCED and torch.get_float32_matmul_precision() == "medium"
+    assert (
+        session.fp32_math.level is Fp32Math.REDUCED
+        and torch.get_float32_matmul_precision() == "medium"
+    )
     session.reset()
     assert torch.get_float32_matmul_precision() == precision_before
 
@@ -192,7 +207,9 @@ def test_op_list_changes_during_fit_are_noted():
     trainer, train = small_trainer(dashboard=None)
     trainer.amp.recorder.sinks.append(AtStep(2, lambda: session.oplists.add("fp32", ["linear"])))
     history = trainer.fit(train, max_steps=3)
-    assert [e["message"] for e in history.events if e["kind"] == "switch"] == ["op lists: lower 0, fp32 1"]
+    assert [e["message"] for e in history.events if e["kind"] == "switch"] == [
+        "op lists: lower 0, fp32 1"
+    ]
 
 
 def test_buttons_drive_the_control_and_show_its_state():
@@ -215,7 +232,9 @@ def test_buttons_of_a_fit_its_cell_abandoned_say_so_to_the_end():
     buttons = FitButtons(control)
     control.begin()
     control.abandon("the cell that ran it raised ValueError: boom")
-    assert control.state == "idle" and buttons.stop_button.disabled and buttons.pause_button.disabled
+    assert (
+        control.state == "idle" and buttons.stop_button.disabled and buttons.pause_button.disabled
+    )
     buttons.close(History())
     assert buttons.state_label.value == "ended: its cell raised an error"
 

@@ -13,7 +13,9 @@ from tests.planted import assert_link_replaced, files_in, plant_link
 
 def history() -> History:
     h = History()
-    h.extend({"step": [1, 2, 3, 4], "loss": [1.0, 0.8, 0.7, 0.6], "step_time": [0.02, 0.02, 0.021, 0.02]})
+    h.extend(
+        {"step": [1, 2, 3, 4], "loss": [1.0, 0.8, 0.7, 0.6], "step_time": [0.02, 0.02, 0.021, 0.02]}
+    )
     return h
 
 
@@ -47,4 +49,6 @@ def test_a_report_that_cannot_be_written_leaves_the_old_page_whole(tmp_path, wri
             write_report(page, history(), "half a surrogate \ud800")
         else:
             write_comparison_report(page, comparison(), "half a surrogate \ud800")
-    assert page.read_text() == "<p>the last good report</p>" and files_in(tmp_path) == ["report.html"]
+    assert page.read_text() == "<p>the last good report</p>" and files_in(tmp_path) == [
+        "report.html"
+    ]

@@ -41,7 +41,12 @@ HMP_THEN_AMP = [
         ["%amp bf16", "from mpnb import hmp\n_ = hmp.convert(device='cpu')\nhmp.revert()"],
         ["%amp fp16", "from mpnb import hmp\n_ = hmp.convert(device='cpu')", "%amp off"],
     ],
-    ids=["convert-amp-lists", "convert-then-revert-under-amp", "both-in-one-amp-cell", "convert-under-fp16"],
+    ids=[
+        "convert-amp-lists",
+        "convert-then-revert-under-amp",
+        "both-in-one-amp-cell",
+        "convert-under-fp16",
+    ],
 )
 def test_unload_puts_every_torch_switch_back_as_before_load_whatever_happened(ip, cells):
     from tests.conftest import torch_state

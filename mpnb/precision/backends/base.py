@@ -58,12 +58,21 @@ class MemorySnapshot:
     limit: int | None = None
 
     def __str__(self) -> str:
-        parts = [f"{name} {format_bytes(value)}" for name, value in self.fields().items() if value is not None]
+        parts = [
+            f"{name} {format_bytes(value)}"
+            for name, value in self.fields().items()
+            if value is not None
+        ]
         return f"{', '.join(parts)} ({self.source})"
 
     def fields(self) -> dict[str, int | None]:
         """The numeric fields by name."""
-        return {"used": self.used, "peak": self.peak, "reserved": self.reserved, "limit": self.limit}
+        return {
+            "used": self.used,
+            "peak": self.peak,
+            "reserved": self.reserved,
+            "limit": self.limit,
+        }
 
 
 class Backend:

@@ -137,7 +137,10 @@ class CpuBackend(Backend):
         return {
             "name": self._name(),
             "cores": psutil.cpu_count(logical=True),
-            **{unit: bool(caps.get(unit, False)) for unit in (*_BF16_UNITS, "amx_fp16", "avx512_fp16")},
+            **{
+                unit: bool(caps.get(unit, False))
+                for unit in (*_BF16_UNITS, "amx_fp16", "avx512_fp16")
+            },
         }
 
     def has_fast_fp32_math(self) -> bool:

@@ -49,10 +49,16 @@ class CudaBackend(Backend):
     def autocast_dtypes(self) -> tuple[torch.dtype, ...]:
         if not self.is_available():
             return ()
-        return (torch.bfloat16, torch.float16) if torch.cuda.is_bf16_supported() else (torch.float16,)
+        return (
+            (torch.bfloat16, torch.float16) if torch.cuda.is_bf16_supported() else (torch.float16,)
+        )
 
     def dtype_warnings(self, dtype: torch.dtype) -> list[str]:
-        if dtype == torch.bfloat16 and self.is_available() and torch.cuda.get_device_capability() < _AMPERE:
+        if (
+            dtype == torch.bfloat16
+            and self.is_available()
+            and torch.cuda.get_device_capability() < _AMPERE
+        ):
             return ["bf16 on a pre-Ampere GPU runs without bf16 tensor cores: expect no speed-up."]
         return []
 
@@ -93,7 +99,9 @@ class CudaBackend(Backend):
         """Ampere or newer, and TF32 measurably changes a matmul on the current GPU."""
         if not self.is_available() or torch.cuda.get_device_capability() < _AMPERE:
             return False
-        return probe_reduced_math(self, torch.device("cuda", torch.cuda.current_device())).has_effect
+        return probe_reduced_math(
+            self, torch.device("cuda", torch.cuda.current_device())
+        ).has_effect
 
     def apply_fp32_math(self, level: Fp32Math, legacy: bool = True) -> None:
         reduced = level is Fp32Math.REDUCED
@@ -108,10 +116,22 @@ class CudaBackend(Backend):
         torch.backends.cudnn.allow_tf32 = reduced
 
     def describe_fp32_math(self) -> str:
-        matmul = "TF32" if _uses_tf32(lambda: torch.backends.cuda.matmul.allow_tf32, "cuda.matmul") else "exact fp32"
-        conv = "TF32" if _uses_tf32(lambda: torch.backends.cudnn.allow_tf32, "cudnn.conv") else "exact fp32"
+        matmul = (
+            "TF32"
+            if _uses_tf32(lambda: torch.backends.cuda.matmul.allow_tf32, "cuda.matmul")
+            else "exact fp32"
+        )
+        conv = (
+            "TF32"
+            if _uses_tf32(lambda: torch.backends.cudnn.allow_tf32, "cudnn.conv")
+            else "exact fp32"
+        )
         text = f"matmuls: {matmul}; cuDNN convolutions: {conv}."
-        if (matmul == "TF32" or conv == "TF32") and self.is_available() and not self.has_fast_fp32_math():
+        if (
+            (matmul == "TF32" or conv == "TF32")
+            and self.is_available()
+            and not self.has_fast_fp32_math()
+        ):
             text += " This GPU predates Ampere and has no TF32 units, so it computes in full fp32 anyway."
         elif conv == "TF32" and matmul != "TF32":
             text += " (torch allows TF32 convolutions by default.)"

@@ -64,14 +64,18 @@ def parse_line(magic, line: str, valid: str = "") -> argparse.Namespace:
     try:
         return magic.parser.parse_args(words)
     except UsageError as error:
-        usage = " ".join(magic.parser.format_usage().split()).removeprefix("::").strip()  # IPython's "::" prefix
+        usage = (
+            " ".join(magic.parser.format_usage().split()).removeprefix("::").strip()
+        )  # IPython's "::" prefix
         detail = f"; {valid}" if valid else ""
         raise UsageError(f"{_short(str(error))}{detail}; usage: {usage}") from None
 
 
 def _short(message: str) -> str:
     """An argparse message with any long word in it quoted short."""
-    return " ".join(quoted(word)[1:-1] if len(word) > QUOTE_LIMIT else word for word in message.split(" "))
+    return " ".join(
+        quoted(word)[1:-1] if len(word) > QUOTE_LIMIT else word for word in message.split(" ")
+    )
 
 
 def choice(what: str, value: str, valid: tuple[str, ...]) -> str:

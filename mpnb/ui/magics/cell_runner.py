@@ -36,4 +36,6 @@ def run_cell_body(shell, body: str) -> object:
     exec(shell.compile(tree, filename, "exec"), shell.user_global_ns, namespace)
     if last is None:
         return None
-    return eval(shell.compile(ast.Expression(last.value), filename, "eval"), shell.user_global_ns, namespace)
+    return eval(
+        shell.compile(ast.Expression(last.value), filename, "eval"), shell.user_global_ns, namespace
+    )

@@ -33,7 +33,13 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from mpnb.analysis.comparison import Comparison, ModeResult, compare_runs, mode_result, progress_view
+from mpnb.analysis.comparison import (
+    Comparison,
+    ModeResult,
+    compare_runs,
+    mode_result,
+    progress_view,
+)
 from mpnb.precision.blocks import autocast
 from mpnb.precision.modes import MODE_NAMES, parse_mode
 from mpnb.precision.policy import session
@@ -60,20 +66,29 @@ class CompareMagics(Magics):
         help=f"comma-separated modes to run, in order; from {', '.join(MODE_NAMES)} (default fp32,tf32,fp16,bf16)",
     )
     @argument("--steps", type=int, default=100, help="timed optimizer steps per mode (default 100)")
-    @argument("--warmup", type=int, default=5, help="steps run first and left out of the timing (default 5)")
+    @argument(
+        "--warmup",
+        type=int,
+        default=5,
+        help="steps run first and left out of the timing (default 5)",
+    )
     @argument(
         "--block",
         type=int,
         help="timed steps each mode trains per turn (default a tenth of --steps, at most 10); "
         "--block equal to --steps runs the modes one after another",
     )
-    @argument("--seed", type=int, default=0, help="torch.manual_seed before each mode's run (default 0)")
+    @argument(
+        "--seed", type=int, default=0, help="torch.manual_seed before each mode's run (default 0)"
+    )
     @argument(
         "--metric",
         help="a Python expression evaluated after each mode's run (test accuracy, say); its value fills the "
         "table's metric column",
     )
-    @argument("--metric-name", help="the metric column's title (default: the name the expression calls)")
+    @argument(
+        "--metric-name", help="the metric column's title (default: the name the expression calls)"
+    )
     @argument(
         "--progress",
         default="auto",
@@ -100,12 +115,18 @@ class CompareMagics(Magics):
             trainer.fit(train, epochs=3)
         """
         __tracebackhide__ = True
-        args = parse_line(self.compare, line, f"modes: {', '.join(MODE_NAMES)}; progress: auto, live, text, none")
+        args = parse_line(
+            self.compare, line, f"modes: {', '.join(MODE_NAMES)}; progress: auto, live, text, none"
+        )
         progress = choice("progress", args.progress, _PROGRESS_CHOICES)
         with as_usage_error():
-            modes = [parse_mode(name.strip()).value for name in args.modes.split(",") if name.strip()]
+            modes = [
+                parse_mode(name.strip()).value for name in args.modes.split(",") if name.strip()
+            ]
         if not modes:
-            raise UsageError(f"--modes names no mode: {args.modes!r}; valid: {', '.join(MODE_NAMES)}")
+            raise UsageError(
+                f"--modes names no mode: {args.modes!r}; valid: {', '.join(MODE_NAMES)}"
+            )
         for option, value, least in (
             ("--steps", args.steps, 1),
             ("--warmup", args.warmup, 0),
@@ -137,7 +158,9 @@ class CompareMagics(Magics):
         try:
             return compile(expression, "<%%compare --metric>", "eval")
         except SyntaxError as error:
-            raise UsageError(f"--metric {expression!r} is not a Python expression: {error.msg}") from None
+            raise UsageError(
+                f"--metric {expression!r} is not a Python expression: {error.msg}"
+            ) from None
 
 
 class _CellRun:
@@ -181,12 +204,18 @@ class _CellRun:
                 "(build an mpnb.Trainer and call trainer.fit(data) in the cell)"
             )
         self.trainer, self.data = capture.last_fit
-        self.bound = {key: value for key, value in names.items() if key not in before or before[key] is not value}
+        self.bound = {
+            key: value
+            for key, value in names.items()
+            if key not in before or before[key] is not value
+        }
 
     def result(self, warmup: int) -> ModeResult:
         value = math.nan
         if self.metric is not None:
-            with self._in_mode():  # one dict: nested scopes (a generator expression, a lambda) see the names too
+            with (
+                self._in_mode()
+            ):  # one dict: nested scopes (a generator expression, a lambda) see the names too
                 namespace = {**self.shell.user_global_ns, **self.shell.user_ns, **self.bound}
                 value = float(eval(self.metric, namespace))
         return mode_result(self.name, self.trainer, warmup, value)

@@ -68,8 +68,15 @@ class DistributedMagics(Magics):
 
     @magic_arguments()
     @argument("--nproc", type=int, default=2, help="worker processes (default 2)")
-    @argument("--timeout", type=float, default=None, help="seconds the workers may run (default: no limit)")
-    @argument("--backend", default=None, help="process-group backend (default: gloo on CPU, nccl on CUDA)")
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds the workers may run (default: no limit)",
+    )
+    @argument(
+        "--backend", default=None, help="process-group backend (default: gloo on CPU, nccl on CUDA)"
+    )
     @cell_magic
     def distributed(self, line: str, cell: str) -> None:
         """Run the cell in ``--nproc`` processes with torch.distributed set up; rank 0's names come back."""

@@ -47,7 +47,9 @@ class CellModeHook:
 
     def pre_run_cell(self, info) -> None:
         scope = contextlib.ExitStack()
-        nested = bool(self._open_scopes)  # run by a magic of an outer cell (%%capture): that cell's choice holds
+        nested = bool(
+            self._open_scopes
+        )  # run by a magic of an outer cell (%%capture): that cell's choice holds
         self._open_scopes.append(scope)  # appended first, so post_run_cell always pairs with it
         if not nested:
             scope.enter_context(session.cell_scope())
@@ -73,7 +75,12 @@ def load(shell) -> None:
     """Register mpnb's magics and cell hook on ``shell``."""
     if id(shell) in _hooks:
         return
-    magics = [PrecisionMagics(shell), OpListMagics(shell), CompareMagics(shell), DistributedMagics(shell)]
+    magics = [
+        PrecisionMagics(shell),
+        OpListMagics(shell),
+        CompareMagics(shell),
+        DistributedMagics(shell),
+    ]
     for instance in magics:
         shell.register_magics(instance)
     hook = CellModeHook(shell)

@@ -35,7 +35,9 @@ class OpListMagics(Magics):
         help="show (the default), add LIST OP..., remove LIST OP..., preset NAME, load BF16_FILE [FP32_FILE], "
         "save DIR, or reset. LIST is lower (alias bf16) or fp32; a file may be '-' for an empty list.",
     )
-    @argument("values", nargs="*", help="the list and op names, the preset, the files or the directory")
+    @argument(
+        "values", nargs="*", help="the list and op names, the preset, the files or the directory"
+    )
     @with_semantics
     @line_magic
     def oplist(self, line: str) -> None:
@@ -52,7 +54,9 @@ class OpListMagics(Magics):
             %oplist add fp32 layer_norm
             %oplist show
         """
-        args = parse_line(self.oplist, line, "actions: show, add, remove, preset, load, save, reset")
+        args = parse_line(
+            self.oplist, line, "actions: show, add, remove, preset, load, save, reset"
+        )
         action = choice("%oplist action", args.action, _OPLIST_ACTIONS)
         with as_usage_error():
             notes = _OPLIST_HANDLERS[action](args.values)

@@ -53,8 +53,15 @@ class PrecisionMagics(Magics):
         help=f"autocast dtype: {' or '.join(DTYPE_NAMES)} (aliases float16/half, bfloat16). "
         "Default: the %%amp mode's dtype, else the device's preferred one (bf16 where supported).",
     )
-    @argument("--device", help="cpu, cuda, cuda:N or hpu. Default: the session device, else cuda > hpu > cpu.")
-    @argument("--off", action="store_true", help="run the cell with autocast off (overrides %%amp for this cell)")
+    @argument(
+        "--device",
+        help="cpu, cuda, cuda:N or hpu. Default: the session device, else cuda > hpu > cpu.",
+    )
+    @argument(
+        "--off",
+        action="store_true",
+        help="run the cell with autocast off (overrides %%amp for this cell)",
+    )
     @argument(
         "--cache",
         action=argparse.BooleanOptionalAction,
@@ -62,8 +69,16 @@ class PrecisionMagics(Magics):
         help="keep cast copies of weights for the whole cell. Off by default: a cell that runs "
         "optimizer steps under a cached autocast keeps using the first step's weights.",
     )
-    @argument("--fp32", nargs="+", action="append", metavar="OP", help="ops to run in fp32 in this cell")
-    @argument("--lower", nargs="+", action="append", metavar="OP", help="ops to run in the autocast dtype in this cell")
+    @argument(
+        "--fp32", nargs="+", action="append", metavar="OP", help="ops to run in fp32 in this cell"
+    )
+    @argument(
+        "--lower",
+        nargs="+",
+        action="append",
+        metavar="OP",
+        help="ops to run in the autocast dtype in this cell",
+    )
     @argument(
         "--trace",
         action="store_true",
@@ -86,7 +101,9 @@ class PrecisionMagics(Magics):
         __tracebackhide__ = True
         args = parse_line(self.autocast, line, f"dtypes: {', '.join(DTYPE_NAMES)}")
         if args.off and args.dtype:
-            raise UsageError(f"--off runs the cell without autocast; it takes no --dtype (got {args.dtype!r})")
+            raise UsageError(
+                f"--off runs the cell without autocast; it takes no --dtype (got {args.dtype!r})"
+            )
         with as_usage_error():
             context = autocast(
                 args.dtype,
@@ -132,7 +149,9 @@ class PrecisionMagics(Magics):
         args = parse_line(self.amp, line, f"modes: {', '.join(MODE_NAMES)}, status, panel")
         if args.mode.strip().lower() in ("status", "panel"):
             if args.device:
-                raise UsageError(f"--device goes with a mode, not with {args.mode} (got --device {args.device!r})")
+                raise UsageError(
+                    f"--device goes with a mode, not with {args.mode} (got --device {args.device!r})"
+                )
             if args.mode.strip().lower() == "panel":
                 from mpnb.ui.widgets.panel import panel
 

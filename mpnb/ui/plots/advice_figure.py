@@ -30,10 +30,16 @@ def advice_heatmap(advice: Advice) -> go.Figure:
     z = [list(values) for values in zip(*scaled)] if scaled else []
     text = [[f"{v:.3g}" for v in row.values()] for row in advice.rows]
     heatmap = go.Heatmap(
-        z=z, x=list(METRICS), y=[r.module for r in advice.rows], text=text, texttemplate="%{text}", colorscale="Reds"
+        z=z,
+        x=list(METRICS),
+        y=[r.module for r in advice.rows],
+        text=text,
+        texttemplate="%{text}",
+        colorscale="Reds",
     )
     figure = go.Figure(heatmap)
     figure.update_layout(
-        title="numerics per module (colour: share of the column's maximum)", height=120 + 28 * len(advice.rows)
+        title="numerics per module (colour: share of the column's maximum)",
+        height=120 + 28 * len(advice.rows),
     )
     return figure

@@ -37,7 +37,9 @@ __all__: list[str] = []
 _BAR_WIDTH = 20
 
 
-def make_comparison_progress(kind: str, modes: Sequence[str], title: str = "") -> ComparisonProgress:
+def make_comparison_progress(
+    kind: str, modes: Sequence[str], title: str = ""
+) -> ComparisonProgress:
     """The view for ``kind`` (``"auto"``, ``"live"``, ``"text"``); a live one is displayed now."""
     from mpnb.ui.environment import display_kind
 
@@ -64,7 +66,9 @@ class TextComparison(ComparisonProgress):
         stream: where to print (stdout).
     """
 
-    def __init__(self, modes: Sequence[str], *, interval: float = 2.0, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, modes: Sequence[str], *, interval: float = 2.0, stream: TextIO | None = None
+    ) -> None:
         self.width = max((len(mode) for mode in modes), default=4)
         self.interval, self.stream = interval, stream
         self.bar_shown = False  # a bar is on the terminal's current line (rewritten in place)
@@ -114,7 +118,12 @@ class _TextBar(Sink):
             f"{self.mode.ljust(self.view.width)}  [{'#' * filled}{'-' * (_BAR_WIDTH - filled)}]  "
             f"{step:>{len(str(self.steps))}}/{self.steps} steps  {step_time * 1e3:.1f} ms/step  loss {loss:.4g}"
         )
-        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", file=self.view._out(), flush=True)
+        print(
+            f"\r{line}" if self.tty else line,
+            end="" if self.tty else "\n",
+            file=self.view._out(),
+            flush=True,
+        )
         self.view.bar_shown = self.tty
 
 
@@ -153,7 +162,11 @@ class LiveComparison(ComparisonProgress):
 
         self.figure = go.FigureWidget(empty_comparison_figure(modes, title))
         self.modes = list(modes)
-        self.pacing = {"min_interval": min_interval, "max_share": max_share, "max_points": max_points}
+        self.pacing = {
+            "min_interval": min_interval,
+            "max_share": max_share,
+            "max_points": max_points,
+        }
         self.status = widgets.HTML()
         self.table = widgets.HTML()
         self.shows_table = show_table
@@ -175,7 +188,9 @@ class LiveComparison(ComparisonProgress):
 
     def finished(self, result: ModeResult) -> None:
         if result.skipped_reason:
-            self.status.value = f"{html.escape(result.mode)} not run: {html.escape(result.skipped_reason)}"
+            self.status.value = (
+                f"{html.escape(result.mode)} not run: {html.escape(result.skipped_reason)}"
+            )
 
     def close(self, comparison: Comparison) -> None:
         ran = sum(result.history is not None for result in comparison.results)
@@ -205,7 +220,9 @@ class _LiveLines(PacedPlot):
         self.view, self.figure = view, figure
         self.names = list(MODE_TRACES)
         self.traces = list(range(first_trace, first_trace + len(self.names)))
-        self.series = {name: MinMaxSeries(max_points) for name in self.names if name != "skipped step"}
+        self.series = {
+            name: MinMaxSeries(max_points) for name in self.names if name != "skipped step"
+        }
         self.skipped: tuple[list[float], list[float]] = ([], [])
         self.history: History | None = None
         self._seen, self._diff_seen, self.warmup = 0, 0, warmup
@@ -229,7 +246,10 @@ class _LiveLines(PacedPlot):
             self._diff_seen += len(xs)
 
     def _draw(self) -> None:
-        drawn = [self.skipped if name == "skipped step" else self.series[name].points() for name in self.names]
+        drawn = [
+            self.skipped if name == "skipped step" else self.series[name].points()
+            for name in self.names
+        ]
         self.figure.plotly_restyle(
             {"x": [xs for xs, _ in drawn], "y": [ys for _, ys in drawn]}, trace_indexes=self.traces
         )

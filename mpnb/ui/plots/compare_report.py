@@ -37,7 +37,13 @@ from mpnb.training.history import History
 __all__: list[str] = []
 
 #: A fixed colour per mode, the same in the live view and in the report.
-MODE_COLORS = {"fp32": "#1f77b4", "tf32": "#9467bd", "fp16": "#d62728", "bf16": "#2ca02c", "off": "#7f7f7f"}
+MODE_COLORS = {
+    "fp32": "#1f77b4",
+    "tf32": "#9467bd",
+    "fp16": "#d62728",
+    "bf16": "#2ca02c",
+    "off": "#7f7f7f",
+}
 #: A line style per mode, so that curves on top of each other stay visible.
 MODE_DASHES = {"fp32": "solid", "tf32": "dash", "fp16": "dot", "bf16": "dashdot", "off": "longdash"}
 
@@ -53,7 +59,13 @@ MODE_TRACES: dict[str, tuple[int, int]] = {
     "step time (smoothed)": (3, 1),
 }
 
-_PANELS = ("loss", "loss minus fp32's loss", "loss scale (x = skipped step)", "memory in use (MiB)", "step time (ms)")
+_PANELS = (
+    "loss",
+    "loss minus fp32's loss",
+    "loss scale (x = skipped step)",
+    "memory in use (MiB)",
+    "step time (ms)",
+)
 _SMOOTHING = 9  # steps in the step-time median
 _MIB = 2.0**20
 
@@ -61,7 +73,10 @@ _MIB = 2.0**20
 def _style(mode: str, trace: str) -> dict:
     line = {"color": MODE_COLORS.get(mode), "dash": MODE_DASHES.get(mode, "solid"), "width": 2}
     if trace == "skipped step":
-        return {"mode": "markers", "marker": {"color": MODE_COLORS.get(mode), "symbol": "x", "size": 9}}
+        return {
+            "mode": "markers",
+            "marker": {"color": MODE_COLORS.get(mode), "symbol": "x", "size": 9},
+        }
     if trace == "step time":
         return {"mode": "lines", "line": {**line, "width": 1, "dash": "solid"}, "opacity": 0.25}
     if trace == "loss scale":
@@ -123,27 +138,36 @@ def mode_points(
     skipped = history.skipped[start:]
     timed = max(start, timed_from)
     times = [t * 1e3 for t in history.step_time[timed:]]
-    smooth_from = max(0, timed - timed_from - _SMOOTHING + 1)  # enough earlier timed rows for the median
+    smooth_from = max(
+        0, timed - timed_from - _SMOOTHING + 1
+    )  # enough earlier timed rows for the median
     context = [t * 1e3 for t in history.step_time[timed_from + smooth_from : timed]]
     return {
         "loss": (steps, losses),
         "loss - fp32": loss_difference(history, baseline, start),
         "loss scale": (steps, scales),
-        "skipped step": ([s for s, k in zip(steps, skipped) if k], [v for v, k in zip(scales, skipped) if k]),
+        "skipped step": (
+            [s for s, k in zip(steps, skipped) if k],
+            [v for v, k in zip(scales, skipped) if k],
+        ),
         "memory in use": (steps, [v / _MIB for v in history.memory_used[start:]]),
         "step time": (history.step[timed:], times),
         "step time (smoothed)": (history.step[timed:], smoothed(context + times)[len(context) :]),
     }
 
 
-def loss_difference(history: History, baseline: History | None, start: int = 0) -> tuple[list[float], list[float]]:
+def loss_difference(
+    history: History, baseline: History | None, start: int = 0
+) -> tuple[list[float], list[float]]:
     """The mode's loss minus fp32's at the same step, rows ``start`` onwards while fp32 has that step.
 
     Steps count from 1 with no gaps, so fp32's loss at step ``s`` is ``baseline.loss[s - 1]``.
     """
     base = baseline.loss if baseline is not None else []
     paired = [
-        (s, loss - base[s - 1]) for s, loss in zip(history.step[start:], history.loss[start:]) if 0 < s <= len(base)
+        (s, loss - base[s - 1])
+        for s, loss in zip(history.step[start:], history.loss[start:])
+        if 0 < s <= len(base)
     ]
     return [s for s, _ in paired], [difference for _, difference in paired]
 
@@ -154,7 +178,9 @@ def comparison_figure(comparison: Comparison) -> go.Figure:
     baseline = next((result.history for result in ran if result.mode == "fp32"), None)
     figure = empty_comparison_figure([result.mode for result in ran])
     for index, result in enumerate(ran):
-        points = mode_points(result.history, result.timed_from, baseline if result.mode != "fp32" else None)
+        points = mode_points(
+            result.history, result.timed_from, baseline if result.mode != "fp32" else None
+        )
         for offset, (xs, ys) in enumerate(points.values()):
             figure.data[index * len(MODE_TRACES) + offset].update(x=xs, y=[_finite(y) for y in ys])
     return figure
@@ -166,7 +192,9 @@ def _finite(value: float) -> float | None:
 
 def comparison_html(comparison: Comparison, title: str, device_report: str = "") -> str:
     """The whole report page as a string."""
-    plot = comparison_figure(comparison).to_html(include_plotlyjs=True, full_html=False, config={"displaylogo": False})
+    plot = comparison_figure(comparison).to_html(
+        include_plotlyjs=True, full_html=False, config={"displaylogo": False}
+    )
     device = f"<h2>Device</h2><pre>{html.escape(device_report)}</pre>" if device_report else ""
     return (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
@@ -195,7 +223,9 @@ def write_comparison_files(
         The three paths written.
     """
     os.makedirs(folder, exist_ok=True)
-    paths = [os.path.join(folder, name) for name in ("comparison.csv", "comparison.json", "report.html")]
+    paths = [
+        os.path.join(folder, name) for name in ("comparison.csv", "comparison.json", "report.html")
+    ]
     comparison.to_csv(paths[0])
     comparison.to_json(paths[1])
     write_comparison_report(paths[2], comparison, title, device_report)

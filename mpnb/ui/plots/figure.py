@@ -54,20 +54,28 @@ _STYLE = {
 def empty_figure(title: str = "") -> go.Figure:
     """The dashboard layout with every trace present and empty."""
     figure = four_panels(
-        ("loss", "loss scale (x = skipped step)", "memory (MiB)", "throughput (samples/s)"), title, log_panel=(1, 2)
+        ("loss", "loss scale (x = skipped step)", "memory (MiB)", "throughput (samples/s)"),
+        title,
+        log_panel=(1, 2),
     )
     for name, (row, col) in TRACES.items():
-        figure.add_trace(go.Scatter(x=[], y=[], name=name, **{"mode": "lines", **_STYLE[name]}), row=row, col=col)
+        figure.add_trace(
+            go.Scatter(x=[], y=[], name=name, **{"mode": "lines", **_STYLE[name]}), row=row, col=col
+        )
     return figure
 
 
-def four_panels(titles: tuple[str, str, str, str], title: str, log_panel: tuple[int, int]) -> go.Figure:
+def four_panels(
+    titles: tuple[str, str, str, str], title: str, log_panel: tuple[int, int]
+) -> go.Figure:
     """Two rows of two panels over steps, in the dashboards' style; ``log_panel`` (row, column) on a log scale.
 
     >>> four_panels(("a", "b", "c", "d"), "demo", log_panel=(2, 2)).layout.yaxis4.type
     'log'
     """
-    figure = make_subplots(rows=2, cols=2, subplot_titles=titles, horizontal_spacing=0.1, vertical_spacing=0.16)
+    figure = make_subplots(
+        rows=2, cols=2, subplot_titles=titles, horizontal_spacing=0.1, vertical_spacing=0.16
+    )
     figure.update_yaxes(type="log", row=log_panel[0], col=log_panel[1])
     figure.update_xaxes(title_text="step", row=2)
     figure.update_layout(
@@ -88,7 +96,10 @@ def trace_points(history: History, start: int = 0) -> dict[str, tuple[list[float
     return {
         "loss": (steps, history.loss[start:]),
         "loss scale": (steps, scales),
-        "skipped step": ([s for s, k in zip(steps, skipped) if k], [v for v, k in zip(scales, skipped) if k]),
+        "skipped step": (
+            [s for s, k in zip(steps, skipped) if k],
+            [v for v, k in zip(scales, skipped) if k],
+        ),
         "memory in use": (steps, [v / MIB for v in history.memory_used[start:]]),
         "peak memory": (steps, [v / MIB for v in history.memory_peak[start:]]),
         "samples/s": (steps, history.samples_per_s[start:]),

@@ -45,7 +45,12 @@ class LiveDashboard(PacedPlot):
     """
 
     def __init__(
-        self, title: str = "", *, min_interval: float = 0.25, max_points: int = 500, max_share: float = 0.01
+        self,
+        title: str = "",
+        *,
+        min_interval: float = 0.25,
+        max_points: int = 500,
+        max_share: float = 0.01,
     ) -> None:
         self.figure = go.FigureWidget(empty_figure(title))
         super().__init__(min_interval, max_share)
@@ -65,5 +70,6 @@ class LiveDashboard(PacedPlot):
         """Send every trace's decimated points in one message."""
         points = [series.points() for series in self._series.values()]
         self.figure.plotly_restyle(
-            {"x": [x for x, _ in points], "y": [y for _, y in points]}, trace_indexes=list(range(len(points)))
+            {"x": [x for x, _ in points], "y": [y for _, y in points]},
+            trace_indexes=list(range(len(points))),
         )

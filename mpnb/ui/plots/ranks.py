@@ -48,21 +48,39 @@ PANELS = {
     (2, 1): ("memory_used", 1 / MIB),
     (2, 2): ("loss_scale", 1.0),
 }
-_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+_COLORS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 
 
 def verdict(rows: RankRows) -> list[str]:
     """What to say across ranks: agreement on scale and skips, and the stragglers."""
     disagree = rows.disagreements()
-    said = [f"ranks DISAGREE on scale or skips at steps {disagree[:5]}" if disagree else "scale and skips agree"]
-    said += [f"rank {rank} is slow ({ratio}x the others)" for rank, ratio in rows.stragglers().items()]
+    said = [
+        f"ranks DISAGREE on scale or skips at steps {disagree[:5]}"
+        if disagree
+        else "scale and skips agree"
+    ]
+    said += [
+        f"rank {rank} is slow ({ratio}x the others)" for rank, ratio in rows.stragglers().items()
+    ]
     return said
 
 
 class TextRanks(RanksView):
     """One line every ``interval`` seconds while the ranks train, and one at the end."""
 
-    def __init__(self, title: str = "", *, interval: float = 2.0, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, title: str = "", *, interval: float = 2.0, stream: TextIO | None = None
+    ) -> None:
         self.title, self.interval, self.stream = title, interval, stream
         self._last = -math.inf
 
@@ -98,10 +116,16 @@ class TextRanks(RanksView):
 class LiveRanks(RanksView):
     """The live per-rank figure (a plotly FigureWidget), redrawn at most every ``min_interval`` s."""
 
-    def __init__(self, title: str = "", *, min_interval: float = 0.5, max_points: int = 300) -> None:
+    def __init__(
+        self, title: str = "", *, min_interval: float = 0.5, max_points: int = 300
+    ) -> None:
         self.title, self.max_points = title, max_points
         self.figure = go.FigureWidget(
-            four_panels(("loss", "step time (ms)", "memory in use (MiB)", "loss scale"), title, log_panel=(2, 2))
+            four_panels(
+                ("loss", "step time (ms)", "memory in use (MiB)", "loss scale"),
+                title,
+                log_panel=(2, 2),
+            )
         )
         self.pacer = RedrawPacer(min_interval)
         self._series: dict[tuple[int, tuple[int, int]], MinMaxSeries] = {}
@@ -119,14 +143,18 @@ class LiveRanks(RanksView):
 
     def _ingest(self, rows: RankRows) -> None:
         for rank, history in rows.latest().items():
-            if self._fit.get(rank) != id(history):  # another fit on this rank: its curves start again
+            if self._fit.get(rank) != id(
+                history
+            ):  # another fit on this rank: its curves start again
                 self._fit[rank], self._seen[rank] = id(history), 0
                 for panel in PANELS:
                     self._series[(rank, panel)] = MinMaxSeries(self.max_points)
             start = self._seen[rank]
             steps = history.step[start:]
             for panel, (column, scale) in PANELS.items():
-                self._series[(rank, panel)].extend(steps, [value * scale for value in history.columns[column][start:]])
+                self._series[(rank, panel)].extend(
+                    steps, [value * scale for value in history.columns[column][start:]]
+                )
             self._seen[rank] = len(history)
 
     def _redraw(self, rows: RankRows) -> None:
@@ -136,7 +164,8 @@ class LiveRanks(RanksView):
             for rank in rows.ranks:
                 self._draw_rank(rank, slow.get(rank))
             self.figure.layout.title.text = (
-                f"{self.title}: {rows.common_steps()} steps on {len(rows.ranks)} ranks; " + ("; ".join(verdict(rows)))
+                f"{self.title}: {rows.common_steps()} steps on {len(rows.ranks)} ranks; "
+                + ("; ".join(verdict(rows)))
             )
         self.pacer.record(started, time.perf_counter())
 
@@ -154,7 +183,10 @@ class LiveRanks(RanksView):
                         name=label,
                         legendgroup=label,
                         showlegend=(row, col) == (1, 1),
-                        line={"color": color, "shape": "hv" if column == "loss_scale" else "linear"},
+                        line={
+                            "color": color,
+                            "shape": "hv" if column == "loss_scale" else "linear",
+                        },
                     ),
                     row=row,
                     col=col,

@@ -39,7 +39,10 @@ def report_html(history: History, title: str, extra_rows: Sequence[tuple[str, st
 
 
 def write_report(
-    path: str | os.PathLike[str], history: History, title: str, extra_rows: Sequence[tuple[str, str]] = ()
+    path: str | os.PathLike[str],
+    history: History,
+    title: str,
+    extra_rows: Sequence[tuple[str, str]] = (),
 ) -> None:
     """Write :func:`report_html` to ``path``, replacing it whole (never writing through a link)."""
     with atomic_write(path) as file:

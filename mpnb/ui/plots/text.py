@@ -32,7 +32,9 @@ __all__: list[str] = []
 class TextProgress(Sink):
     """Periodic one-line progress and a final summary, printed to ``stream`` (stdout)."""
 
-    def __init__(self, title: str = "", *, interval: float = 2.0, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, title: str = "", *, interval: float = 2.0, stream: TextIO | None = None
+    ) -> None:
         self.title, self.interval = title, interval
         self.stream = stream
         self._last_line = -math.inf

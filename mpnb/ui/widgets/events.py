@@ -47,7 +47,9 @@ class _MainShellQueue:
         self._noblock = zmq.NOBLOCK
         self.shell = shell
         self.kernel = shell.kernel
-        self.socket = self.kernel.shell_channel_thread.manager.get_shell_channel_to_subshell_pair(None).to_socket
+        self.socket = self.kernel.shell_channel_thread.manager.get_shell_channel_to_subshell_pair(
+            None
+        ).to_socket
         self.deferred: list[Any] = []
 
     def poll(self, limit: int) -> None:
@@ -69,7 +71,10 @@ class _MainShellQueue:
             kernel.session.digest_history.discard(signature)
             self.deferred.append(frames)
             return
-        parent, parent_ident = kernel.get_parent("shell"), kernel._get_shell_context_var(kernel._shell_parent_ident)
+        parent, parent_ident = (
+            kernel.get_parent("shell"),
+            kernel._get_shell_context_var(kernel._shell_parent_ident),
+        )
         kernel.set_parent(idents, message, channel="shell")
         try:
             kernel.shell_handlers[msg_type](kernel.shell_stream, idents, message)

@@ -44,8 +44,12 @@ class FitButtons(Sink):
     def __init__(self, control: FitControl, pump: KernelEventPump | None = None) -> None:
         self.control = control
         self.pump = pump or KernelEventPump()
-        self.stop_button = widgets.Button(description="Stop", icon="stop", tooltip="finish this step, keep everything")
-        self.pause_button = widgets.ToggleButton(description="Pause", icon="pause", tooltip="hold between steps")
+        self.stop_button = widgets.Button(
+            description="Stop", icon="stop", tooltip="finish this step, keep everything"
+        )
+        self.pause_button = widgets.ToggleButton(
+            description="Pause", icon="pause", tooltip="hold between steps"
+        )
         self.state_label = widgets.Label(_STATE_TEXT[control.state])
         self.widget = widgets.HBox([self.stop_button, self.pause_button, self.state_label])
         self.stop_button.on_click(lambda _: control.stop())

@@ -42,8 +42,12 @@ class PrecisionLab:
         self.model = widgets.Dropdown(options=list(ex.MODELS), value="cnn", description="model")
         self.device = widgets.Dropdown(options=available_device_types(), description="device")
         choices = tuple(name for name in MODE_NAMES if name != "off")
-        self.modes = widgets.SelectMultiple(options=choices, value=("fp32", "bf16"), description="modes", rows=4)
-        self.batch_size = widgets.IntSlider(value=64, min=16, max=512, step=16, description="batch size")
+        self.modes = widgets.SelectMultiple(
+            options=choices, value=("fp32", "bf16"), description="modes", rows=4
+        )
+        self.batch_size = widgets.IntSlider(
+            value=64, min=16, max=512, step=16, description="batch size"
+        )
         self.steps = widgets.IntSlider(value=60, min=5, max=1000, step=5, description="steps")
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         self.status = widgets.HTML()
@@ -82,8 +86,12 @@ class PrecisionLab:
                 )
             self.table.value = self.comparison._repr_html_()
             self.status.value = f"done: {len(done)} mode(s), {self.steps.value} timed steps each"
-        except MpnbError as error:  # a fit already running on this thread (Run pressed during a fit), say
-            self.status.value = f"<span style='color:#b00020'>not run: {html.escape(str(error))}</span>"
+        except (
+            MpnbError
+        ) as error:  # a fit already running on this thread (Run pressed during a fit), say
+            self.status.value = (
+                f"<span style='color:#b00020'>not run: {html.escape(str(error))}</span>"
+            )
             return None
         finally:
             self.run_button.disabled = False
@@ -92,7 +100,11 @@ class PrecisionLab:
     def _make_run(self, mode: str):
         self.status.value = f"training in {html.escape(mode)}..."
         trainer, train, test = ex.example_trainer(
-            mode, self.device.value, model=self.model.value, batch_size=self.batch_size.value, dashboard=None
+            mode,
+            self.device.value,
+            model=self.model.value,
+            batch_size=self.batch_size.value,
+            dashboard=None,
         )
         return trainer, train, lambda fitted: ex.accuracy(fitted.model, test, fitted.device)
 

@@ -67,17 +67,31 @@ class ControlPanel:
         self.state = PanelState()
         self._shown_in_cell: int | None = None
         self._syncing = False
-        self.mode = widgets.ToggleButtons(options=_MODES, description="mode", style={"button_width": "64px"})
+        self.mode = widgets.ToggleButtons(
+            options=_MODES, description="mode", style={"button_width": "64px"}
+        )
         self.device = widgets.Dropdown(options=available_device_types(), description="device")
         # its own width, unindented: the default description box cuts a long label off ("...fp32 ma...")
-        self.reduced_fp32_math = widgets.Checkbox(description=_FP32_MATH_LABEL, indent=False, layout={"width": "auto"})
-        self.list_name = widgets.Dropdown(options=LIST_NAMES, description="op list", layout={"width": "170px"})
-        self.op_names = widgets.Text(placeholder="linear, F.softmax, aten::addmm", layout={"width": "260px"})
+        self.reduced_fp32_math = widgets.Checkbox(
+            description=_FP32_MATH_LABEL, indent=False, layout={"width": "auto"}
+        )
+        self.list_name = widgets.Dropdown(
+            options=LIST_NAMES, description="op list", layout={"width": "170px"}
+        )
+        self.op_names = widgets.Text(
+            placeholder="linear, F.softmax, aten::addmm", layout={"width": "260px"}
+        )
         self.add_button = widgets.Button(description="add", tooltip="put these ops on the list")
-        self.remove_button = widgets.Button(description="remove", tooltip="take these ops off the list")
-        self.preset = widgets.Dropdown(options=list(PRESETS), description="preset", layout={"width": "190px"})
+        self.remove_button = widgets.Button(
+            description="remove", tooltip="take these ops off the list"
+        )
+        self.preset = widgets.Dropdown(
+            options=list(PRESETS), description="preset", layout={"width": "190px"}
+        )
         self.preset_button = widgets.Button(description="load preset")
-        self.reset_button = widgets.Button(description="reset lists", tooltip="torch's own autocast rules")
+        self.reset_button = widgets.Button(
+            description="reset lists", tooltip="torch's own autocast rules"
+        )
         self.lists_view = widgets.HTML()
         self.status_view = widgets.HTML()
         self.message_view = widgets.HTML()
@@ -101,9 +115,15 @@ class ControlPanel:
         self.state.observe(self._on_mode, "mode")
         self.state.observe(self._on_device, "device")
         self.state.observe(self._on_fp32_math, "reduced_fp32_math")
-        self.add_button.on_click(lambda _: self._edit_lists(self.session.oplists.add, self.list_name.value))
-        self.remove_button.on_click(lambda _: self._edit_lists(self.session.oplists.remove, self.list_name.value))
-        self.preset_button.on_click(lambda _: self._apply(lambda: self.session.oplists.preset(self.preset.value)))
+        self.add_button.on_click(
+            lambda _: self._edit_lists(self.session.oplists.add, self.list_name.value)
+        )
+        self.remove_button.on_click(
+            lambda _: self._edit_lists(self.session.oplists.remove, self.list_name.value)
+        )
+        self.preset_button.on_click(
+            lambda _: self._apply(lambda: self.session.oplists.preset(self.preset.value))
+        )
         self.reset_button.on_click(lambda _: self._apply(self.session.oplists.reset))
         self._unsubscribe = owner.subscribe(self._on_session)
         self.refresh()
@@ -133,7 +153,9 @@ class ControlPanel:
     def _on_session(self, what: str) -> None:
         if what == "unloaded":
             self.state.enabled = False
-            self.state.message = _note("mpnb was unloaded: this panel is off. `%load_ext mpnb`, then a new panel.")
+            self.state.message = _note(
+                "mpnb was unloaded: this panel is off. `%load_ext mpnb`, then a new panel."
+            )
             return
         self.refresh()
 
@@ -166,15 +188,29 @@ class ControlPanel:
     def _edit_lists(self, edit: Callable[[str, list[str]], list[str]], which: str) -> None:
         names = [name for name in self.op_names.value.replace(",", " ").split() if name]
         if not names:
-            self.state.message = _note("type one or more op names first (e.g. linear, F.softmax)", error=True)
+            self.state.message = _note(
+                "type one or more op names first (e.g. linear, F.softmax)", error=True
+            )
             return
         if self._apply(lambda: edit(which, names)):
             self.op_names.value = ""
 
     def _on_enabled(self, change: dict) -> None:
-        for child in (self.mode, self.device, self.reduced_fp32_math, self.list_name, self.op_names):
+        for child in (
+            self.mode,
+            self.device,
+            self.reduced_fp32_math,
+            self.list_name,
+            self.op_names,
+        ):
             child.disabled = not change["new"]
-        for button in (self.add_button, self.remove_button, self.preset, self.preset_button, self.reset_button):
+        for button in (
+            self.add_button,
+            self.remove_button,
+            self.preset,
+            self.preset_button,
+            self.reset_button,
+        ):
             button.disabled = not change["new"]
 
     def close(self) -> None:
@@ -213,8 +249,13 @@ def _note(text: str, error: bool = False) -> str:
 
 def _status_html(owner: Session) -> str:
     mode = owner.mode
-    lines = [f"<b>{mode.value}</b> on {html.escape(str(owner.resolved_device()))}: {html.escape(mode.summary)}"]
-    lines += [f'<span style="color:#a15c00">warning: {html.escape(note)}</span>' for note in owner.warnings()]
+    lines = [
+        f"<b>{mode.value}</b> on {html.escape(str(owner.resolved_device()))}: {html.escape(mode.summary)}"
+    ]
+    lines += [
+        f'<span style="color:#a15c00">warning: {html.escape(note)}</span>'
+        for note in owner.warnings()
+    ]
     return "<br>".join(lines)
 
 
