@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from mpnb.training.history import COLUMNS, History
 from tests.planted import FORMULA_STARTS, assert_link_replaced, files_in, is_number, plant_link
+from tests.training.test_telemetry import same
 
 FORMULAS = [
     '=HYPERLINK("http://evil.example","click")',
@@ -50,17 +51,6 @@ def text_a_spreadsheet_sees(text: str) -> list[str]:
     file splits them (spaces after a comma taken off, as some spreadsheets do)."""
     cells = [cell.lstrip(" ") for row in csv.reader(io.StringIO(text, newline="")) for cell in row]
     return [cell for cell in cells if not is_number(cell)]
-
-
-def same(a: History, b: History) -> bool:
-    def norm(values):
-        return [("nan" if isinstance(v, float) and math.isnan(v) else v) for v in values]
-
-    return (
-        a.meta == b.meta
-        and a.events == b.events
-        and all(norm(a.columns[c]) == norm(b.columns[c]) for c in COLUMNS)
-    )
 
 
 def test_formula_looking_text_opens_in_a_spreadsheet_as_text_and_loads_back_exactly(tmp_path):

@@ -7,23 +7,20 @@ import inspect
 
 import pytest
 import torch
-from torch import nn
 
 import mpnb
 from mpnb.errors import MpnbError
 from mpnb.training.amp_step import AmpStep
 from mpnb.training.step_precision import TrainingPrecision
 
+from .test_training import linear_problem as linear_batches
+from .test_training import mse
+
 
 def linear_problem(steps: int = 3):
-    torch.manual_seed(0)
-    model = nn.Linear(6, 3)
-    data = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(steps)]
+    """:func:`tests.training.test_training.linear_problem` with its SGD optimizer."""
+    model, data = linear_batches(steps=steps)
     return model, torch.optim.SGD(model.parameters(), lr=0.1), data
-
-
-def mse(output, target):
-    return nn.functional.mse_loss(output.float(), target)
 
 
 def test_a_trainer_given_a_grad_scaler_trains_with_that_scaler():
