@@ -23,7 +23,7 @@ import dataclasses
 import json
 from typing import Any
 
-from mpnb.distributed.signing import Signer
+from mpnb.distributed.signing import TAG_BYTES, Signer
 from mpnb.errors import quoted
 from mpnb.training.history import COLUMNS
 
@@ -64,7 +64,7 @@ def decode(signer: Signer, data: bytes, ranks: range) -> RowsMessage:
         Refused: too large, not signed with this launch's secret, not a rows message, a rank
             outside ``ranks``, or a column that is unknown, of another type or another length.
     """
-    if len(data) > MAX_MESSAGE_BYTES + 32:
+    if len(data) > MAX_MESSAGE_BYTES + TAG_BYTES:
         raise Refused(f"{len(data)} bytes, more than the {MAX_MESSAGE_BYTES} a message may have")
     payload = signer.open(data)
     if payload is None:

@@ -29,7 +29,8 @@ __all__: list[str] = []
 SECRET_ENV = "MPNB_LAUNCH_SECRET"
 #: The fewest bytes a shared secret may have (a hex string of 32 characters).
 MIN_SECRET_BYTES = 16
-_TAG_BYTES = hashlib.sha256().digest_size
+#: The bytes a signature puts in front of a payload.
+TAG_BYTES = hashlib.sha256().digest_size
 
 
 def new_secret() -> bytes:
@@ -76,7 +77,7 @@ class Signer:
 
     def open(self, message: bytes) -> bytes | None:
         """The payload of a message this secret signed; None for anything else (compared in constant time)."""
-        if not isinstance(message, bytes) or len(message) < _TAG_BYTES:
+        if not isinstance(message, bytes) or len(message) < TAG_BYTES:
             return None
-        tag, payload = message[:_TAG_BYTES], message[_TAG_BYTES:]
+        tag, payload = message[:TAG_BYTES], message[TAG_BYTES:]
         return payload if hmac.compare_digest(tag, self.tag(payload)) else None
