@@ -99,9 +99,8 @@ class _Turns:
         """Run one turn with this mode's random state, measuring the memory it reaches if asked."""
         self.random_state.restore()
         backend = backend_for(device)
-        if (
-            measure_memory and not self.rows
-        ):  # the mode's first timed turn: other modes' freed memory goes back
+        # the mode's first timed turn: other modes' freed memory goes back
+        if measure_memory and not self.rows:
             backend.release_cached_memory()
         measured = measure_memory and backend.reset_peak_memory(device.index)
         start = backend.memory(device.index).used if measured else None

@@ -124,9 +124,8 @@ class LauncherChannel:
             raise Refused(
                 f"rank {message.rank} sent batch {message.seq} of fit {message.fit} again (a replay)"
             )
-        if (
-            message.seq > expected
-        ):  # taken off the queue by someone else: the view misses those rows
+        # taken off the queue by someone else: the view misses those rows
+        if message.seq > expected:
             self._refuse(
                 f"{message.seq - expected} batch(es) of rank {message.rank}'s rows never arrived"
             )

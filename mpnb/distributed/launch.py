@@ -213,9 +213,8 @@ def launch(
         dashboard, f"{getattr(fn, '__name__', 'launch')} on {nproc * nnodes} ranks", control
     )
     supervisor = Supervisor(channel, view, control)
-    with tempfile.TemporaryDirectory(
-        prefix="mpnb-launch-"
-    ) as logs:  # error files and stacks, removed after
+    # error files and stacks, removed after
+    with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:
         config.logs_specs = DefaultLogsSpecs(log_dir=logs)
         gc.collect()  # this process's garbage finalized here, where it was made, not in a forked worker (see _worker)
         try:
@@ -230,20 +229,19 @@ def launch(
                 )
         except ChildFailedError as failure:
             raise launch_error(failure.failures, timeout, logs, node_rank * nproc) from None
+        # torch's launcher read an error file half-written
         except (
             json.JSONDecodeError,
             EOFError,
-        ) as unread:  # torch's launcher read an error file half-written
+        ) as unread:
             raise launch_error({}, timeout, logs, node_rank * nproc) from unread
-        except (
-            SignalException
-        ) as signalled:  # the launcher turns Ctrl-C / a kernel interrupt into this
+        # the launcher turns Ctrl-C / a kernel interrupt into this
+        except SignalException as signalled:
             if signalled.sigval != signal.SIGINT:
                 raise
             raise KeyboardInterrupt("launch interrupted: every worker was ended") from None
-        except (
-            RendezvousStateError
-        ) as refused:  # mpnb's signed rendezvous refused a state (see rendezvous.py)
+        # mpnb's signed rendezvous refused a state (see rendezvous.py)
+        except RendezvousStateError as refused:
             raise MpnbError(f"the launch could not meet its other nodes: {refused}") from None
     ranks = sorted(returned)
     unpacked = [cloudpickle.loads(returned[rank]) for rank in ranks]
@@ -346,9 +344,8 @@ def _run_worker(
     stacks_on_crash(logs, os.environ["RANK"])
     if timeout is not None:
         end_after(timeout, logs, os.environ["RANK"])
-    if (
-        "OMP_NUM_THREADS" not in os.environ
-    ):  # as torchrun does: the workers share the cores, not oversubscribe them
+    # as torchrun does: the workers share the cores, not oversubscribe them
+    if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     fn, args = cloudpickle.loads(payload)
     if device_type == "cuda":
@@ -380,9 +377,8 @@ def _run_worker(
             result = fn(*args)
         except Exception:
             raise
-        except (
-            BaseException
-        ) as stopped:  # the launcher writes no error file for these: say what happened
+        # the launcher writes no error file for these: say what happened
+        except BaseException as stopped:
             what = {
                 SystemExit: f"sys.exit({getattr(stopped, 'code', None)!r})",
                 KeyboardInterrupt: "KeyboardInterrupt",

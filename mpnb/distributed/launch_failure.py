@@ -103,9 +103,8 @@ def launch_error(
             error.get("message", "")
         )
         what = str(error.get("message", "an error"))
-        if (
-            "by peer" in what
-        ):  # gloo's word for a peer that went away first, leaving no error of its own
+        # gloo's word for a peer that went away first, leaving no error of its own
+        if "by peer" in what:
             what += (
                 "\n(another rank ended first without a Python exception: os._exit, a signal or a crash; "
                 "its exit code is in the launcher's log)"

@@ -102,9 +102,8 @@ class Supervisor:
             return
         try:
             self.channel.ask_stop()
-        except (
-            Exception
-        ) as error:  # the ranks' own stop still works: a worker's interrupt, the timeout
+        # the ranks' own stop still works: a worker's interrupt, the timeout
+        except Exception as error:
             warn_user(
                 f"the launch's stop could not reach the ranks (its channel failed): {error!r}"
             )

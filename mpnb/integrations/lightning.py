@@ -144,13 +144,11 @@ class MpnbCallback(Callback, WithTelemetry):
         self.telemetry.window_begin()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if (
-            optimizer is not trainer.optimizers[0]
-        ):  # the first optimizer's steps only (said at the start)
+        # the first optimizer's steps only (said at the start)
+        if optimizer is not trainer.optimizers[0]:
             return
-        if (
-            self._step_pending
-        ):  # manual optimization, a second step in one batch: the first one's row now
+        # manual optimization, a second step in one batch: the first one's row now
+        if self._step_pending:
             self._end_step(trainer)
         self.telemetry.before_optimizer_step()
         self._step_pending = True

@@ -248,9 +248,8 @@ class LoopTelemetry:
             self.notices.say("not_prepared", not_prepared(self.framework, self.steps), self.steps)
         if observed is None:
             self.notices.say("mode_unseen", mode_unseen(self.framework, self.steps), self.steps)
-        if (
-            observed != run.checked_precision
-        ):  # the precision's notices, when it is first seen or changes
+        # the precision's notices, when it is first seen or changes
+        if observed != run.checked_precision:
             run.checked_precision = observed
             self.notices.say(
                 "precision_mismatch",
@@ -259,9 +258,8 @@ class LoopTelemetry:
             )
             scaling = fp16_without_scaling(observed, run.scaler, self.framework)
             self.notices.say("fp16_without_scaling", scaling, self.steps)
-        if (
-            self.control.checkpoint().paused_s
-        ):  # delivers the dashboard's requests (a Stop), waits while paused
+        # delivers the dashboard's requests (a Stop), waits while paused
+        if self.control.checkpoint().paused_s:
             run.account.restart_clock()  # the pause is no step's work: the next step's time starts at its first batch
         return self.stop_requested
 

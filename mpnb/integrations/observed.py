@@ -166,9 +166,8 @@ class PrecisionObserver:
         if not torch.is_grad_enabled():
             return
         weights = self._weight.dtype if self._weight is not None else None
-        if (
-            torch.compiler.is_compiling()
-        ):  # what is stored here is stored again at each compiled call
+        # what is stored here is stored again at each compiled call
+        if torch.compiler.is_compiling():
             self.precision = precision_in_effect(self.device_type, weights, self._fp32_math)
             self._traced = True
         else:

@@ -60,9 +60,8 @@ class _Build:
                 try:
                     cls._compile_and_load()
                     cls.loaded = True
-                except (
-                    Exception
-                ) as error:  # no compiler, no ninja, a failed build: all mean "use Python"
+                # no compiler, no ninja, a failed build: all mean "use Python"
+                except Exception as error:
                     cls.failure = f"{type(error).__name__}: {_last_lines(str(error))}"
                     warnings.warn(
                         "mpnb: the op lists use their Python kernels (about 15 us more per listed op call) "

@@ -164,9 +164,8 @@ def _kernel(
         if isinstance(value, tensor_type):
             if value.dtype in castable and on_device(value):
                 copy = cast_to(value)
-                if (
-                    not copy.is_inference()
-                ):  # no version counter; only arguments no listed op writes are cast
+                # no version counter; only arguments no listed op writes are cast
+                if not copy.is_inference():
                     copies.append((value, copy, copy._version))
                 return copy
             return value
@@ -181,9 +180,8 @@ def _kernel(
         else:
             dtype, cast_to, castable = fixed
         copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        with exclude_autocast(
-            below_autocast
-        ):  # casts too, as torch's kernels cast: fewer keys to pass
+        # casts too, as torch's kernels cast: fewer keys to pass
+        with exclude_autocast(below_autocast):
             args = list(args)
             for position in tensor_positions:
                 if position < len(args):

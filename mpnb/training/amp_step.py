@@ -299,9 +299,8 @@ class AmpStep:
         if not self._window.open:
             return False
         self._refuse_partial_gradients()
-        if (
-            not self._window.rescaled
-        ):  # once: a retry after a failed optimizer step finds them rescaled
+        # once: a retry after a failed optimizer step finds them rescaled
+        if not self._window.rescaled:
             rescale(self.optimizer, self.accumulate / self._window.micro_batches)
             self._window.rescaled = True
         return self._optimizer_step()
@@ -326,9 +325,8 @@ class AmpStep:
         try:
             self.scaler.step(self.optimizer)
         except BaseException:
-            if (
-                self._step_watch.stepped
-            ):  # the update happened (a later hook failed): the step counts
+            # the update happened (a later hook failed): the step counts
+            if self._step_watch.stepped:
                 self._finish_step(scale_before, False, grad_norm, lr)
             raise
         self._finish_step(

@@ -83,12 +83,13 @@ def indexed(device: torch.device) -> torch.device:
         return device
     try:
         return torch.device(device.type, torch.get_device_module(device.type).current_device())
+    # no device module (lazy), torch built without it
     except (
         RuntimeError,
         AttributeError,
         TypeError,
         AssertionError,
-    ):  # no device module (lazy), torch built without it
+    ):
         return device
 
 
@@ -101,13 +102,11 @@ def to_device(batch: Any, device: torch.device) -> Any:
     >>> to_device(batch, torch.device("cpu")) is batch  # the usual case, already there: as it is
     True
     """
-    if isinstance(
-        batch, (tuple, list)
-    ):  # the usual case: every part a plain tensor already there, as it is
+    # the usual case: every part a plain tensor already there, as it is
+    if isinstance(batch, (tuple, list)):
         for part in batch:
-            if (
-                type(part) is not torch.Tensor or part.device != device
-            ):  # subclasses (DTensor) take the full path
+            # subclasses (DTensor) take the full path
+            if type(part) is not torch.Tensor or part.device != device:
                 break
         else:
             return batch

@@ -122,9 +122,8 @@ def checked_state(
         raise MpnbError(f"{name} is not an mpnb trainer checkpoint (saved by Trainer.save)")
     try:
         problem = _mismatch(trainer, state)
-    except (
-        _MALFORMED
-    ) as error:  # data of the wrong shape where the checks expect another (a tensor for a flag...)
+    # data of the wrong shape where the checks expect another (a tensor for a flag...)
+    except _MALFORMED as error:
         problem = f"its contents are not what Trainer.save writes ({type(error).__name__}: {error})"
     if problem is None:
         try:

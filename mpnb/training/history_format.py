@@ -202,9 +202,8 @@ def _cell_value(column: str, cell: str, where: str) -> Any:
             raise ValueError(f"{where}, column {column!r}: {_shown(cell)} is not True or False")
         return _BOOLS[cell.strip().lower()]
     if kind is int:
-        with contextlib.suppress(
-            ValueError
-        ):  # else read as a float: 3.0 is whole, inf and 1.5 are not
+        # else read as a float: 3.0 is whole, inf and 1.5 are not
+        with contextlib.suppress(ValueError):
             return int(cell)
     try:
         number = float(cell)
@@ -292,9 +291,8 @@ def _checked_column(name: str, values: Any) -> list[Any]:
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
         raise ValueError(f"{where}: {_shown(values)} is not a list")
     kind = COLUMNS[name][0]
-    if {type(value) for value in values} <= {
-        kind
-    }:  # the usual case, a record mpnb wrote: nothing to convert
+    # the usual case, a record mpnb wrote: nothing to convert
+    if {type(value) for value in values} <= {kind}:
         return list(values)
     default = column_default(kind)
     return [

@@ -320,9 +320,8 @@ def load_dcp(state: dict[str, Any], directory: str | os.PathLike[str]) -> None:
     reader, planner = _dcp_reading()
     try:
         dcp.load(state, storage_reader=reader(os.fspath(directory)), planner=planner())
-    except (
-        dcp.api.CheckpointException
-    ) as error:  # every rank's failures, gathered: this rank's own first
+    # every rank's failures, gathered: this rank's own first
+    except dcp.api.CheckpointException as error:
         rank = dist.get_rank() if dist.is_initialized() else 0
         failures = sorted(error.failures.items(), key=lambda failure: failure[0] != rank)
         refusal = next(

@@ -55,10 +55,11 @@ class SessionFollower:
                 trainer.history.note(f"mode not switched: {error}", kind="switch", step=next_step)
         if "fp32_math" in changed and "mode" not in changed:  # a new mode brings its own fp32 math
             level = session.fp32_math.level
+            # the fit's mode owns the flags: move between the two
             if trainer.mode in (
                 Mode.FP32,
                 Mode.TF32,
-            ):  # the fit's mode owns the flags: move between the two
+            ):
                 reduced = level is Fp32Math.REDUCED
                 precision = TrainingPrecision.resolve(
                     Mode.TF32 if reduced else Mode.FP32, trainer.device

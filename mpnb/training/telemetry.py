@@ -375,9 +375,8 @@ def _settle_step_times(columns: dict[str, list[Any]], samples: list[int | None])
     """Read the device's step times (the copy to the host waited for the device already) and
     derive each row's throughput where its example count is known."""
     for name in ("forward_time", "step_time"):
-        if name in columns and not set(map(type, columns[name])) <= {
-            float
-        }:  # device intervals: read them now
+        # device intervals: read them now
+        if name in columns and not set(map(type, columns[name])) <= {float}:
             columns[name] = [seconds(value) for value in columns[name]]
     if "step_time" not in columns:
         return

@@ -307,9 +307,8 @@ class Trainer:
         if epochs is not None or self._end_epoch is None:
             self._end_epoch = self._epoch + (epochs or 1)  # a partly trained epoch counts as one
         self._ended = FitEnd.NOT_RUN  # until this fit ends
-        if (
-            max_steps == 0
-        ):  # a capture's budget is spent: the plan stays, for a later fit(data) to go on with
+        # a capture's budget is spent: the plan stays, for a later fit(data) to go on with
+        if max_steps == 0:
             return self.history
         note_fit(self.history)
         sinks = self._sinks(capture)
@@ -399,10 +398,11 @@ class Trainer:
             return stop.requested
 
         while self._epoch < self._end_epoch:
+            # Batches; a DataLoader's DistributedSampler
             for holder in (
                 data,
                 getattr(data, "sampler", None),
-            ):  # Batches; a DataLoader's DistributedSampler
+            ):
                 if callable(getattr(holder, "set_epoch", None)):
                     holder.set_epoch(self._epoch)
             self.amp.epoch = self._epoch
@@ -436,9 +436,8 @@ class Trainer:
                 try:
                     stepped = self._train_batch(batch)
                 except BaseException:
-                    if (
-                        self.amp.steps != steps_before
-                    ):  # the update happened before the failure: its window is done
+                    # the update happened before the failure: its window is done
+                    if self.amp.steps != steps_before:
                         self._batch += 1
                         self._window_batches = []
                     raise

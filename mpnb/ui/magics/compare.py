@@ -213,9 +213,8 @@ class _CellRun:
     def result(self, warmup: int) -> ModeResult:
         value = math.nan
         if self.metric is not None:
-            with (
-                self._in_mode()
-            ):  # one dict: nested scopes (a generator expression, a lambda) see the names too
+            # one dict: nested scopes (a generator expression, a lambda) see the names too
+            with self._in_mode():
                 namespace = {**self.shell.user_global_ns, **self.shell.user_ns, **self.bound}
                 value = float(eval(self.metric, namespace))
         return mode_result(self.name, self.trainer, warmup, value)

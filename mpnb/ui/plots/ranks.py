@@ -143,9 +143,8 @@ class LiveRanks(RanksView):
 
     def _ingest(self, rows: RankRows) -> None:
         for rank, history in rows.latest().items():
-            if self._fit.get(rank) != id(
-                history
-            ):  # another fit on this rank: its curves start again
+            # another fit on this rank: its curves start again
+            if self._fit.get(rank) != id(history):
                 self._fit[rank], self._seen[rank] = id(history), 0
                 for panel in PANELS:
                     self._series[(rank, panel)] = MinMaxSeries(self.max_points)

@@ -86,9 +86,8 @@ class PrecisionLab:
                 )
             self.table.value = self.comparison._repr_html_()
             self.status.value = f"done: {len(done)} mode(s), {self.steps.value} timed steps each"
-        except (
-            MpnbError
-        ) as error:  # a fit already running on this thread (Run pressed during a fit), say
+        # a fit already running on this thread (Run pressed during a fit), say
+        except MpnbError as error:
             self.status.value = (
                 f"<span style='color:#b00020'>not run: {html.escape(str(error))}</span>"
             )
