@@ -59,9 +59,8 @@ def test_torchs_own_autocast_cases_under_the_lists(label, group, entry, preset, 
     try:
         with torch.autocast("cpu", dtype=dtype):
             plain = _call(group, entry)
-    except (
-        RuntimeError
-    ) as error:  # torch itself refuses some (bf16 inputs under fp16): so must the lists
+    # torch itself refuses some (bf16 inputs under fp16): so must the lists
+    except RuntimeError as error:
         with pytest.raises(RuntimeError, match=str(error).splitlines()[0]):
             with OpListOverride(lists, ["cpu"]), torch.autocast("cpu", dtype=dtype):
                 _call(group, entry)

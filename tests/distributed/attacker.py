@@ -96,9 +96,8 @@ def store_attack(port: int, evil: bytes, report: dict, rows_only: bool = False) 
             report["pushed"] += 1
         except Exception:
             pass
-    for _ in range(
-        0 if rows_only else 20
-    ):  # junk in and out again: the queue empties under the launcher's reads
+    # junk in and out again: the queue empties under the launcher's reads
+    for _ in range(0 if rows_only else 20):
         for message in (b"junk",) * 25:
             try:
                 store.queue_push("mpnb/rows", message)

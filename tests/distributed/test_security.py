@@ -214,9 +214,8 @@ def test_a_node_given_another_secret_is_refused_at_the_rendezvous(tmp_path):
     ]
     deadline = time.monotonic() + 120
     try:
-        while all(
-            node.poll() is None for node in nodes
-        ):  # the node that reads the other's state first ends
+        # the node that reads the other's state first ends
+        while all(node.poll() is None for node in nodes):
             assert time.monotonic() < deadline, "neither node refused the other's rendezvous state"
             time.sleep(0.1)
     finally:

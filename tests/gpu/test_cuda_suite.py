@@ -180,9 +180,8 @@ def test_the_tf32_switch_changes_matmul_and_cudnn_convolution_results_and_puts_t
     for enabled in (False, True):
         mpnb.set_mode("fp32", device="cuda")
         try:
-            with mpnb.tf32(
-                enabled, device="cuda"
-            ):  # in mode fp32 the switch moves between fp32 and tf32
+            # in mode fp32 the switch moves between fp32 and tf32
+            with mpnb.tf32(enabled, device="cuda"):
                 errors[enabled] = _tf32_errors(a, b, images, kernels)
         finally:
             session.restore(session_before)

@@ -60,10 +60,11 @@ def bert_batches(count=6, size=4):
 def test_hugging_face_models_train_on_dict_batches_with_their_own_loss(build, batches, mode):
     model = build()
     data = batches()
+    # no dropout: deterministic
     with (
         torch.no_grad(),
         torch.autocast("cpu", dtype=mpnb.Mode(mode).autocast_dtype),
-    ):  # no dropout: deterministic
+    ):
         first_loss = model(**data[0]).loss.float().item()
     trainer = mpnb.Trainer(
         model, torch.optim.AdamW(model.parameters(), 1e-3), mode=mode, device="cpu", dashboard=None
