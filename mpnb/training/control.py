@@ -33,7 +33,18 @@ __all__ = ["FitControl", "FitEnd"]
 PAUSE_POLL_S = 0.05
 
 
-class FitState(str, enum.Enum):
+class _TextEnum(str, enum.Enum):
+    """An enum whose members stand for their text everywhere a text would go: compared,
+    printed, formatted, and as a dict key."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+    __hash__ = str.__hash__
+
+
+class FitState(_TextEnum):
     """Where a fit is, as its :class:`FitControl` (and every view of it) sees it.
 
     A state equals its name in lower case, so ``control.state == "paused"`` reads as it says.
@@ -47,19 +58,11 @@ class FitState(str, enum.Enum):
     RUNNING = "running"
     PAUSED = "paused"  # held at a step boundary until resumed or stopped
     STOPPING = "stopping"  # asked to stop: the step under way finishes, then the fit ends
-    ABANDONED = (
-        "abandoned"  # for a moment: the code that drove the fit is gone (see FitControl.abandon)
-    )
-
-    def __str__(self) -> str:
-        return self.value
-
-    # As the text it equals, everywhere a text would go: formatted, and as a dict key.
-    __format__ = str.__format__
-    __hash__ = str.__hash__
+    # for a moment: the code that drove the fit is gone (see FitControl.abandon)
+    ABANDONED = "abandoned"
 
 
-class FitEnd(str, enum.Enum):
+class FitEnd(_TextEnum):
     """How a trainer's last ``fit`` ended (``Trainer.ended``).
 
     Example:
@@ -69,13 +72,11 @@ class FitEnd(str, enum.Enum):
 
     NOT_RUN = "not run"  # no fit yet
     FINISHED = "finished"  # the planned epochs are done
-    MAX_STEPS = (
-        "max steps"  # max_steps (or a comparison's step budget) was reached; fit(data) goes on
-    )
+    # max_steps (or a comparison's step budget) was reached; fit(data) goes on
+    MAX_STEPS = "max steps"
     STOPPED = "stopped"  # the dashboard's Stop, control.stop()
-    NONFINITE = (
-        "non-finite"  # on_nonfinite="stop" ended it at a NaN / inf loss or a collapsed scale
-    )
+    # on_nonfinite="stop" ended it at a NaN / inf loss or a collapsed scale
+    NONFINITE = "non-finite"
     PEER_STOPPED = "stopped by another rank"  # strategy="ddp" / "fsdp": another rank asked to stop
     INTERRUPTED = "interrupted"  # Ctrl-C / a kernel interrupt: fit raised FitInterrupted
     FAILED = "failed"  # fit raised
@@ -84,12 +85,6 @@ class FitEnd(str, enum.Enum):
     def stopped(self) -> bool:
         """Ended at a stop someone or something asked for (not at the plan's end, nor an error)."""
         return self in (FitEnd.STOPPED, FitEnd.NONFINITE, FitEnd.PEER_STOPPED)
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
-    __hash__ = str.__hash__
 
 
 @dataclasses.dataclass(frozen=True)
