@@ -73,9 +73,8 @@ class Runs(NamedTuple):
     plain: Callable[[], None]
     watched: Callable[[], None]  # with mpnb attached
     mpnb_code: list[tuple[type, str]]  # mpnb's methods that run in it
-    empty: Callable[[], None] | None = (
-        None  # with a callback that does nothing: what any callback costs
-    )
+    # with a callback that does nothing: what any callback costs
+    empty: Callable[[], None] | None = None
 
 
 def transformers_runs(steps: int, tmp: str) -> Runs:

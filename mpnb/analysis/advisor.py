@@ -42,9 +42,8 @@ __all__ = ["Advice", "advise"]
 
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: smaller magnitudes become 0
-UNDERFLOW_ALARM = (
-    0.01  # share of a module's nonzero gradients lost to underflow that deserves advice
-)
+# share of a module's nonzero gradients lost to underflow that deserves advice
+UNDERFLOW_ALARM = 0.01
 METRICS = (
     "max |activation|",
     "max |gradient|",

@@ -379,9 +379,8 @@ class _Run:
         self.control_listener: Callable[[str], None] = lambda state: (
             None
         )  # Stop to the framework, and more
-        self.checked_precision: str | None = (
-            None  # the observed precision the notices were checked for
-        )
+        # the observed precision the notices were checked for
+        self.checked_precision: str | None = None
         self.next_window()
 
     def next_window(self) -> None:

@@ -110,9 +110,8 @@ class SessionOpLists:
         self._hpu_present = hpu_present
         self.hpu_directory = hpu_directory or _default_hpu_directory()
         self._on_change = on_change
-        self._users_hpu_variables: dict[str, str | None] | None = (
-            None  # while mpnb's values are set
-        )
+        # while mpnb's values are set
+        self._users_hpu_variables: dict[str, str | None] | None = None
 
     @property
     def active(self) -> bool:

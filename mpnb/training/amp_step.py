@@ -237,9 +237,8 @@ class AmpStep:
         """:meth:`backward`, told whether it is called where autocast is on (inside the forward's block)."""
         check_loss(loss)
         self.account.forward_end()
-        self._window.open = self._window.backward_unfinished = (
-            True  # until it returns: partial gradients
-        )
+        # until it returns: partial gradients
+        self._window.open = self._window.backward_unfinished = True
         given = (
             loss.detach()
         )  # recorded as given: summed in fp32, divided once at the step (the mean)

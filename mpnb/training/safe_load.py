@@ -263,9 +263,8 @@ def _dcp_reading() -> tuple[type, type]:
             return metadata
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            self._reading = (
-                sinfo  # read_data does not say which item failed: a refusal names its file
-            )
+            # read_data does not say which item failed: a refusal names its file
+            self._reading = sinfo
             return super()._slice_file(file, sinfo)
 
         def read_data(self, plan: Any, planner: Any) -> Any:

@@ -30,9 +30,8 @@ def prepared(mixed_precision: str, scaler: torch.amp.GradScaler | None = None, a
         mixed_precision=mixed_precision, cpu=True, gradient_accumulation_steps=accumulate
     )
     if scaler is not None:
-        accelerator.scaler = (
-            scaler  # on CPU Accelerate makes none; its own code paths use one given
-        )
+        # on CPU Accelerate makes none; its own code paths use one given
+        accelerator.scaler = scaler
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
