@@ -339,3 +339,26 @@ def test_several_machines_need_a_shared_secret_and_it_must_be_long_enough(monkey
     with pytest.raises(MpnbError, match="fewer than 16"):
         launch(train_rank, 1, nnodes=2, rdzv_endpoint="127.0.0.1:29999", secret="short")
     assert not dist.is_initialized()
+
+
+SHARE_STORE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@pytest.mark.parametrize("found", [None, "0"], ids=["unset", "the user's own value"])
+def test_torchs_store_switch_is_put_back_after_a_launch_and_after_a_failed_one(monkeypatch, found):
+    """A one-machine launch sets torch's switch that keeps the workers' store server from starting;
+    it is as found afterwards, however the launch ended, and no launch stays registered."""
+    from mpnb.distributed import LaunchError
+    from mpnb.distributed.rendezvous import _LAUNCHES
+
+    from .test_launch import fail_on_rank_one, rank_sum
+
+    if found is None:
+        monkeypatch.delenv(SHARE_STORE_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(SHARE_STORE_SWITCH, found)
+    assert launch(rank_sum, 0, nproc=2, dashboard=None).results == [(0, 1), (1, 1)]
+    assert os.environ.get(SHARE_STORE_SWITCH) == found
+    with pytest.raises(LaunchError):
+        launch(fail_on_rank_one, nproc=2, dashboard=None, timeout=60)
+    assert os.environ.get(SHARE_STORE_SWITCH) == found and not _LAUNCHES
