@@ -44,7 +44,7 @@ from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.step_record import StepAccount, flush_every_for
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
 from mpnb.training.telemetry import MinScaleAlarm, Recorder, Sink
-from mpnb.training.window import Window
+from mpnb.training.window import Window, WindowPhase
 
 __all__ = ["AmpStep"]
 
@@ -112,10 +112,8 @@ class AmpStep:
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be a positive norm, got {clip_grad_norm}")
         self.precision = TrainingPrecision.resolve(mode, device)
-        self._forward_context = (
-            self.precision.autocast.context()
-        )  # train_step's: entered once at a time
-        self._in_forward = False  # train_step's forward is running
+        # train_step's: entered once at a time (the window's FORWARD phase)
+        self._forward_context = self.precision.autocast.context()
         self.optimizer, self.scheduler = optimizer, scheduler
         self.accumulate, self.clip_grad_norm, self.record_grad_norm = (
             accumulate,
@@ -211,37 +209,30 @@ class AmpStep:
             MpnbError: ``forward`` returned no loss to train on (see :meth:`backward`).
             RuntimeError: called from inside ``forward`` of a ``train_step`` of the same helper.
         """
-        if self._in_forward:  # the one context object cannot be entered twice at once
-            raise RuntimeError(
-                "AmpStep.train_step() called from inside the forward of another train_step()"
-            )
         if not callable(forward):
             raise TypeError(
                 "train_step wants a function that returns the loss, such as lambda: loss_fn(model(x), y); "
                 f"got a {type(forward).__name__}"
             )
-        outer_autocast = torch.is_autocast_enabled(
-            self.precision.device.type
-        )  # the state backward will run in
+        # the state backward will run in
+        outer_autocast = torch.is_autocast_enabled(self.precision.device.type)
+        self._window.start_forward()  # the one context object cannot be entered twice at once
         self.account.forward_start()
-        self._in_forward = True
         try:
             with self._forward_context:
                 loss = forward()
         finally:
-            self._in_forward = False
+            self._window.end_forward()
         self._backward(loss, outer_autocast)
         return self.step(samples)
 
     def _backward(self, loss: torch.Tensor, under_autocast: bool) -> None:
         """:meth:`backward`, told whether it is called where autocast is on (inside the forward's block)."""
         check_loss(loss)
+        self._window.start_backward()  # until it returns: partial gradients
         self.account.forward_end()
-        # until it returns: partial gradients
-        self._window.open = self._window.backward_unfinished = True
-        given = (
-            loss.detach()
-        )  # recorded as given: summed in fp32, divided once at the step (the mean)
+        # recorded as given: summed in fp32, divided once at the step (the mean)
+        given = loss.detach()
         if self.accumulate > 1:
             loss = loss / self.accumulate
         if under_autocast:  # leave it for the backward
@@ -249,9 +240,8 @@ class AmpStep:
                 self.scaler.scale(loss).backward()
         else:  # the usual place, after the block: no context to build (a few microseconds a step)
             self.scaler.scale(loss).backward()
-        self._window.backward_unfinished = False
+        self._window.end_backward()
         self.account.add_loss(given)  # kept on the device, read at the flush
-        self._window.micro_batches += 1
 
     def step(self, samples: int | None = None) -> bool:
         """End a micro-batch. At the end of an accumulation window: unscale, clip, step,
@@ -263,7 +253,7 @@ class AmpStep:
             RuntimeError: ``step()`` without a ``backward()`` since the last one, or after one that
                 failed half-way (:meth:`discard_window` drops what it left).
         """
-        self._refuse_partial_gradients()
+        self._window.check_steppable()
         if self._window.micro_batches == 0:
             raise RuntimeError(
                 "AmpStep.step() called with no backward(loss) since the previous step"
@@ -291,25 +281,19 @@ class AmpStep:
             RuntimeError: called from inside a :meth:`train_step` forward, or a backward of the
                 window failed half-way (:meth:`discard_window` drops what it left).
         """
-        if self._in_forward:
+        phase = self._window.phase
+        if phase is WindowPhase.FORWARD:
             raise RuntimeError(
                 "AmpStep.finish_window() called from inside the forward of a train_step()"
             )
-        if not self._window.open:
+        if phase is WindowPhase.EMPTY:
             return False
-        self._refuse_partial_gradients()
+        self._window.check_steppable()
         # once: a retry after a failed optimizer step finds them rescaled
-        if not self._window.rescaled:
+        if phase is WindowPhase.ACCUMULATING:
             rescale(self.optimizer, self.accumulate / self._window.micro_batches)
-            self._window.rescaled = True
+            self._window.mark_rescaled()
         return self._optimizer_step()
-
-    def _refuse_partial_gradients(self) -> None:
-        if self._window.backward_unfinished:
-            raise RuntimeError(
-                "a backward of this accumulation window failed half-way, leaving part of its gradients: "
-                "discard_window() drops the window"
-            )
 
     def _optimizer_step(self) -> bool:
         """Unscale, clip, step, update the scale and record the window's row."""
@@ -421,7 +405,7 @@ class AmpStep:
         """True when no accumulation window is open: no backward ran since the last recorded step,
         not even one that failed half-way and left some gradients behind, and no :meth:`train_step`
         forward is running."""
-        return not (self._window.open or self._in_forward)
+        return not self._window.is_open
 
     def restart_clock(self) -> None:
         """Forget the time since the last step (call after a pause, before the next batch)."""

@@ -1,39 +1,133 @@
 """The accumulation window being trained: where its gradients stand before the optimizer step.
 
+A window goes through one phase at a time (:class:`WindowPhase`); each method here is one move
+between phases, and refuses the moves that would train on gradients nobody can account for.
 What a step measures (its losses, examples and times) is the step account's
 (:mod:`mpnb.training.step_record`); this is the recipe's state.
 
 Example:
     >>> window = Window()
-    >>> window.micro_batches += 1
-    >>> window.open, window.micro_batches
-    (False, 1)
+    >>> window.phase
+    <WindowPhase.EMPTY: 'empty'>
+    >>> window.start_backward(); window.end_backward()
+    >>> window.phase, window.micro_batches
+    (<WindowPhase.ACCUMULATING: 'accumulating'>, 1)
     >>> window.close()
-    >>> window.micro_batches
-    0
+    >>> window.phase, window.micro_batches
+    (<WindowPhase.EMPTY: 'empty'>, 0)
 """
 
 from __future__ import annotations
 
+import enum
+
 __all__: list[str] = []
+
+_DISCARD = "discard_window() drops the window"
+
+
+class WindowPhase(enum.Enum):
+    """Where an accumulation window stands.
+
+    ``EMPTY``: no backward since the last recorded step; the gradients are None.
+    ``FORWARD``: a :meth:`~mpnb.AmpStep.train_step` forward is running (inside any other phase
+    but ``BACKWARD`` and ``RESCALED``; the window returns to that phase when it ends).
+    ``BACKWARD``: a backward is running, or raised half-way: the gradients hold part of a
+    micro-batch, and only :meth:`Window.close` (a discard) leaves this phase after a failure.
+    ``ACCUMULATING``: one or more backwards finished, each adding its gradients at
+    ``1/accumulate``.
+    ``RESCALED``: a window the data ended early was rescaled to the mean of its micro-batches and
+    waits for its optimizer step (a retry after a failed step does not rescale again).
+    """
+
+    EMPTY = "empty"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    ACCUMULATING = "accumulating"
+    RESCALED = "rescaled"
 
 
 class Window:
-    """One accumulation window's state, from its first backward until its step is recorded.
+    """One accumulation window, from its first backward until its step is recorded.
 
     Attributes:
-        open: a backward ran since the last recorded step: gradients may be there.
+        phase: where the window stands (:class:`WindowPhase`).
         micro_batches: backwards that finished.
-        backward_unfinished: a backward raised half-way: the gradients hold part of a micro-batch.
-        rescaled: a short window's gradients were rescaled to the mean of its micro-batches.
     """
 
-    __slots__ = ("backward_unfinished", "micro_batches", "open", "rescaled")
+    __slots__ = ("_before_forward", "micro_batches", "phase")
 
     def __init__(self) -> None:
+        self._before_forward = WindowPhase.EMPTY
         self.close()
 
     def close(self) -> None:
-        """Forget everything: the next backward opens a new window."""
-        self.open = self.backward_unfinished = self.rescaled = False
+        """Forget everything (the step was recorded, or the window discarded): the next backward
+        opens a new window."""
+        self.phase = WindowPhase.EMPTY
         self.micro_batches = 0
+
+    @property
+    def is_open(self) -> bool:
+        """A backward ran since the last recorded step, or a forward is running: the optimizer's
+        gradients or the mode must not change now."""
+        return self.phase is not WindowPhase.EMPTY
+
+    def start_forward(self) -> None:
+        """A :meth:`~mpnb.AmpStep.train_step` forward begins.
+
+        Raises:
+            RuntimeError: another forward of this window is running, or the window cannot take
+                another micro-batch (see :meth:`start_backward`).
+        """
+        if self.phase is WindowPhase.FORWARD:
+            raise RuntimeError(
+                "AmpStep.train_step() called from inside the forward of another train_step()"
+            )
+        self._refuse_more()
+        self._before_forward, self.phase = self.phase, WindowPhase.FORWARD
+
+    def end_forward(self) -> None:
+        """The forward returned or raised: the window is where it was before it."""
+        self.phase = self._before_forward
+
+    def start_backward(self) -> None:
+        """A backward begins: until :meth:`end_backward`, the gradients hold part of it.
+
+        Raises:
+            RuntimeError: a backward of this window failed half-way, or the window was rescaled
+                for a step that has not happened: adding gradients to either would train on a
+                sum nobody asked for. Nothing changes.
+        """
+        self._refuse_more()
+        self.phase = WindowPhase.BACKWARD
+
+    def end_backward(self) -> None:
+        """The backward returned: its micro-batch is in the gradients."""
+        self.phase = WindowPhase.ACCUMULATING
+        self.micro_batches += 1
+
+    def check_steppable(self) -> None:
+        """Raise unless every backward of the window finished.
+
+        Raises:
+            RuntimeError: a backward failed half-way, leaving part of its gradients.
+        """
+        if self.phase is WindowPhase.BACKWARD:
+            raise RuntimeError(
+                "a backward of this accumulation window failed half-way, leaving part of its "
+                f"gradients: {_DISCARD}"
+            )
+
+    def mark_rescaled(self) -> None:
+        """The window's gradients were rescaled to the mean of its micro-batches."""
+        self.phase = WindowPhase.RESCALED
+
+    def _refuse_more(self) -> None:
+        self.check_steppable()
+        if self.phase is WindowPhase.RESCALED:
+            raise RuntimeError(
+                f"this accumulation window was rescaled to the mean of its {self.micro_batches} "
+                "micro-batches for an optimizer step that failed: finish_window() retries the "
+                f"step, {_DISCARD}"
+            )

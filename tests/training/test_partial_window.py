@@ -174,3 +174,40 @@ def test_a_window_with_a_backward_that_failed_half_way_is_never_stepped():
     assert torch.equal(net.weight, weight) and len(amp.history) == 0
     amp.discard_window()
     assert amp.between_steps and all(p.grad is None for p in net.parameters())
+
+
+def test_a_backward_after_one_that_failed_half_way_is_refused_until_the_window_is_discarded():
+    """The partial gradients of the failed backward stay in the window: a later backward that
+    finishes does not make the window steppable."""
+    amp, net = amp_with_window(accumulate=3, good=1)
+    inputs, targets = batches(2)[1]
+    hidden = net(inputs)
+    hidden.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("backward failed")))
+    with pytest.raises(RuntimeError, match="backward failed"):
+        amp.backward(nn.functional.mse_loss(hidden, targets))
+    weight = net.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="failed half-way.*discard_window"):
+        amp.backward(nn.functional.mse_loss(net(inputs), targets))
+    with pytest.raises(RuntimeError, match="failed half-way.*discard_window"):
+        amp.train_step(lambda: nn.functional.mse_loss(net(inputs), targets))
+    with pytest.raises(RuntimeError, match="discard_window"):
+        amp.step()
+    assert torch.equal(net.weight, weight) and len(amp.history) == 0
+    amp.discard_window()
+    assert amp.train_step(lambda: nn.functional.mse_loss(net(inputs), targets)) is False
+
+
+def test_a_window_rescaled_for_a_failed_step_takes_no_more_micro_batches():
+    amp, net = amp_with_window(accumulate=3, good=2)
+    handle = amp.optimizer.register_step_pre_hook(
+        lambda *_: (_ for _ in ()).throw(RuntimeError("optimizer failed"))
+    )
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        amp.finish_window()
+    handle.remove()
+    inputs, targets = batches(3)[2]
+    with pytest.raises(RuntimeError, match="rescaled to the mean of its 2 micro-batches"):
+        amp.train_step(lambda: nn.functional.mse_loss(net(inputs), targets))
+    assert amp.finish_window() is True and len(amp.history) == 1
+    reference, _ = by_hand([batches(2)], "bf16", accumulate=3)
+    assert torch.equal(net.weight, reference.weight)
