@@ -92,6 +92,13 @@ class InvalidChoiceError(MpnbError):
         value: the value the user gave.
         valid: the values that would have been accepted.
         hint: an optional sentence that says what to do instead.
+
+    Example:
+        >>> error = InvalidChoiceError("dtype", "fp8", ["bf16", "fp16"], "For fp32, turn autocast off.")
+        >>> str(error)
+        "unknown dtype 'fp8'; valid: bf16, fp16. For fp32, turn autocast off."
+        >>> error.value, error.valid, isinstance(error, MpnbError)
+        ('fp8', ['bf16', 'fp16'], True)
     """
 
     def __init__(self, what: str, value: object, valid: Iterable[str], hint: str = "") -> None:

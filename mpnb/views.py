@@ -64,6 +64,15 @@ def provide(**factories: Callable[..., Any] | None) -> dict[str, Callable[..., A
 
     Raises:
         InvalidChoiceError: a name that is not a view; nothing is installed then.
+
+    Example:
+        >>> import mpnb
+        >>> replaced = provide(history_figure=lambda history: f"{len(history)} steps, no plot")
+        >>> mpnb.History().plot()
+        '0 steps, no plot'
+        >>> _ = provide(**replaced)  # mpnb's own figure again
+        >>> view("history_figure").__module__
+        'mpnb.ui.views'
     """
     for name in factories:
         if name not in _factories:
@@ -75,7 +84,17 @@ def provide(**factories: Callable[..., Any] | None) -> dict[str, Callable[..., A
 
 @contextlib.contextmanager
 def provided(**factories: Callable[..., Any] | None) -> Iterator[None]:
-    """The given view factories for one block; the previous ones are back after it, on any exit."""
+    """The given view factories for one block; the previous ones are back after it, on any exit.
+
+    Example:
+        >>> with provided(advice_figure=None):  # no factory for this view in the block
+        ...     view("advice_figure")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: no 'advice_figure' view is installed: mpnb.views.provide(advice_figure=...) installs one
+        >>> view("advice_figure").__module__
+        'mpnb.ui.views'
+    """
     previous = provide(**factories)
     try:
         yield

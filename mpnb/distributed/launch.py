@@ -85,6 +85,11 @@ class Launched:
     Attributes:
         results: each rank's return value.
         histories: each rank's list of histories, one per ``mpnb.Trainer`` that fitted there.
+
+    Example (two ranks, as :func:`launch` builds it from what they sent back):
+        >>> launched = Launched(results=[21, 21], histories=[[History()], []])
+        >>> launched.results[1], [len(histories) for histories in launched.histories]
+        (21, [1, 0])
     """
 
     results: list[Any]
@@ -157,6 +162,17 @@ def launch(
         LaunchError: a worker raised or timed out (every worker is ended first).
         KeyboardInterrupt: a kernel interrupt (Ctrl-C) ends every worker at once.
         MpnbError / InvalidChoiceError: bad arguments (nothing is started).
+
+    Example (bad arguments are refused before any process starts; the module's example runs
+    two real workers):
+        >>> launch(print, nproc=2, nnodes=2)
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: nnodes=2 needs rdzv_endpoint='host:port' of a machine every node reaches
+        >>> launch(print, nproc=2, dashboard="plot")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.InvalidChoiceError: unknown dashboard 'plot'; valid: auto, live, text, None, a RanksView
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -28,6 +28,13 @@ class RankRows:
 
     Attributes:
         histories: rank -> its histories so far.
+
+    Example (rank 1 has reported one step fewer than rank 0):
+        >>> rows = RankRows()
+        >>> rows.add(0, 0, {"step": [1, 2], "loss": [0.9, 0.7]})
+        >>> rows.add(1, 0, {"step": [1], "loss": [0.8]})
+        >>> rows.ranks, rows.common_steps(), rows.latest()[0].loss
+        ([0, 1], 1, [0.9, 0.7])
     """
 
     def __init__(self) -> None:

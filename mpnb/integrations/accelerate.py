@@ -62,6 +62,23 @@ class LoopRecorder(WithTelemetry):
     Attributes:
         telemetry: the :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry` it feeds.
         step_ends: says whether the micro-batch just recorded ended an optimizer step.
+
+    Example (a plain torch loop under bf16 autocast, two micro-batches a step):
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> recorder = LoopRecorder.start("my loop", model, optimizer, scaler=None, device="cpu", dashboard=None)
+        >>> for index in range(4):
+        ...     with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...         loss = model(torch.ones(8, 4)).float().pow(2).mean()
+        ...     (loss / 2).backward()
+        ...     ends_step = index % 2 == 1
+        ...     if ends_step:
+        ...         optimizer.step()
+        ...         optimizer.zero_grad()
+        ...     _ = recorder.record(loss, batch=torch.ones(8, 4), ends_step=ends_step)
+        >>> history = recorder.close()
+        >>> len(history), history.mode
+        (2, ['bf16', 'bf16'])
     """
 
     def __init__(self, telemetry: LoopTelemetry, step_ends: Callable[[], bool]) -> None:
@@ -144,7 +161,27 @@ def watch(
     accelerator: Any, model: torch.nn.Module, optimizer: Any, dashboard: str | Sink | None = "auto"
 ) -> LoopRecorder:
     """A started :class:`LoopRecorder` for an Accelerate loop: the Accelerator's scaler, device and
-    ``mixed_precision`` setting; a row at each micro-batch with ``accelerator.sync_gradients``."""
+    ``mixed_precision`` setting; a row at each micro-batch with ``accelerator.sync_gradients``.
+
+    Example (``watch`` reads four attributes of the Accelerator: ``scaler``, ``device``,
+    ``mixed_precision`` and ``sync_gradients``. Accelerate allows one ``mixed_precision`` per
+    process, and a real Accelerator made here would fix it for every later one, so the example
+    passes an object with those four instead):
+        >>> import types
+        >>> accelerator = types.SimpleNamespace(scaler=None, device=torch.device("cpu"), mixed_precision="no",
+        ...                                     sync_gradients=True)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with watch(accelerator, model, optimizer, dashboard=None) as recorder:
+        ...     for _ in range(3):
+        ...         loss = model(torch.ones(8, 4)).pow(2).mean()
+        ...         loss.backward()
+        ...         optimizer.step()
+        ...         optimizer.zero_grad()
+        ...         _ = recorder.record(loss, batch=torch.ones(8, 4))
+        >>> len(recorder.history), recorder.history.mode
+        (3, ['fp32', 'fp32', 'fp32'])
+    """
     return LoopRecorder.start(
         "Accelerate",
         getattr(model, "module", model),

@@ -78,6 +78,14 @@ def precision(mode: str | Mode | None = None) -> str:
 
     Raises:
         InvalidChoiceError: an unknown mode, or ``off`` asked for by name.
+
+    Example:
+        >>> precision("bf16"), precision("tf32"), precision()  # the session's mode is off
+        ('bf16-mixed', '32-true', '32-true')
+        >>> precision("off")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.InvalidChoiceError: unknown mode for Lightning 'off'; valid: fp32, tf32, fp16, bf16
     """
     if mode is None and session.mode is Mode.OFF:
         return "32-true"
@@ -107,6 +115,25 @@ class MpnbCallback(Callback, WithTelemetry):
         dashboard: ``"auto"``, ``"live"``, ``"text"``, a Sink, or None.
         precision: what you passed to the Trainer, if Lightning may have changed it (see above).
         on_nonfinite, flush_every: as :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`.
+
+    Example (three bf16 steps of a one-layer model on CPU):
+        >>> import lightning as L
+        >>> class Net(L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer = torch.nn.Linear(4, 1)
+        ...     def training_step(self, batch, index):
+        ...         return self.layer(batch[0]).pow(2).mean()
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        >>> callback = MpnbCallback(dashboard=None)
+        >>> trainer = L.Trainer(accelerator="cpu", precision=precision("bf16"), max_steps=3, callbacks=[callback],
+        ...                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        ...                     enable_model_summary=False)
+        >>> data = torch.utils.data.TensorDataset(torch.ones(32, 4))
+        >>> trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=8))
+        >>> callback.history.step, callback.history.mode
+        ([1, 2, 3], ['bf16', 'bf16', 'bf16'])
     """
 
     def __init__(
@@ -219,6 +246,21 @@ def fabric_telemetry(
                     optimizer.zero_grad()
                 if recorder.record(loss, batch, ends_step=ends_step):  # True once Stop was pressed
                     break
+
+    Example (three bf16 steps on CPU, one micro-batch a step):
+        >>> import lightning as L
+        >>> fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+        >>> model = torch.nn.Linear(4, 1)
+        >>> model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> with fabric_telemetry(fabric, model, optimizer, dashboard=None) as recorder:
+        ...     for _ in range(3):
+        ...         loss = model(torch.ones(8, 4)).float().pow(2).mean()
+        ...         fabric.backward(loss)
+        ...         optimizer.step()
+        ...         optimizer.zero_grad()
+        ...         _ = recorder.record(loss, batch=torch.ones(8, 4))
+        >>> len(recorder.history), recorder.history.mode
+        (3, ['bf16', 'bf16', 'bf16'])
     """
     from mpnb.integrations.accelerate import LoopRecorder
 

@@ -72,6 +72,12 @@ def precision_args(
 
     Raises:
         InvalidChoiceError: an unknown mode, naming the valid ones.
+
+    Example:
+        >>> precision_args("tf32", device="cuda")
+        {'bf16': False, 'fp16': False, 'tf32': True}
+        >>> precision_args("half", device="cpu")  # tf32 is left to the Trainer off CUDA
+        {'bf16': False, 'fp16': True, 'tf32': None}
     """
     chosen = parse_mode(mode) if mode is not None else session.mode
     on_cuda = device is not None and torch.device(device).type == "cuda"
@@ -107,6 +113,13 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
         history: one row per optimizer step (every ``train()`` this callback saw).
         control: Stop / Pause / Resume.
         telemetry: the :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry` behind it.
+
+    Example (made here only; ``Trainer(..., callbacks=[callback]).train()`` fills it, as the
+    module's notes show: a real Trainer is too slow for a docstring example and fixes
+    Accelerate's precision for the rest of the process):
+        >>> callback = MpnbCallback(dashboard=None)
+        >>> callback, len(callback.history), str(callback.control.state)
+        (<mpnb MpnbCallback for transformers.Trainer: 0 steps>, 0, 'idle')
     """
 
     def __init__(

@@ -171,6 +171,14 @@ def check_op(name: str) -> str:
         InvalidChoiceError: an unknown name or overload, with close matches.
         MpnbError: an operator autocast must not cast: it takes no tensors, writes into its
             input (in place, ``out=``) or returns a view of it.
+
+    Example:
+        >>> check_op("F.softmax"), check_op("aten::addmm")
+        ('softmax', 'addmm')
+        >>> check_op("relu_")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: op 'relu_' cannot be on a list: aten::relu_ writes into its input (in place or out=); ... List 'relu' for the op that returns a new tensor.
     """
     entry = canonical_name(name)
     if aten_overloads(entry):
@@ -232,6 +240,14 @@ class OpLists:
     Attributes:
         lower: op name -> where the entry came from.
         fp32: op name -> where the entry came from.
+
+    Example:
+        >>> lists = OpLists.of(lower=["linear"], fp32=["F.softmax"])
+        >>> lists.add("fp32", ["linear"], source="me")  # moves it off the lower list
+        >>> lists
+        OpLists(lower={}, fp32={'softmax': 'user', 'linear': 'me'})
+        >>> bool(lists), bool(OpLists())
+        (True, False)
     """
 
     lower: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -364,6 +380,15 @@ def read_op_file(path: str | os.PathLike[str]) -> list[str]:
             times every aten operator name), not UTF-8 text, or names an op that cannot be
             listed (the message names the file and the line).
         OSError: the file cannot be read.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     path = os.path.join(folder, "fp32_list.txt")
+        ...     with open(path, "w", encoding="utf-8") as file:
+        ...         _ = file.write("# ops kept in fp32\\nsoftmax\\n\\nF.log_softmax  # the loss\\n")
+        ...     read_op_file(path)
+        ['softmax', 'F.log_softmax']
     """
     name = os.fspath(path)
     size = os.path.getsize(path)

@@ -258,6 +258,16 @@ class OpListOverride:
     Args:
         lists: the lists to enforce (copied: later edits of ``lists`` do not leak in).
         device_types: whose autocast to change; default all that torch knows.
+
+    Example (:meth:`apply` and :meth:`release` instead of a ``with`` block):
+        >>> override = OpListOverride(OpLists.of(fp32=["linear"]), ["cpu"])
+        >>> override.apply()
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
+        torch.float32
+        >>> override.release()
+        >>> override.active
+        False
     """
 
     def __init__(self, lists: OpLists, device_types: Iterable[str] = tuple(AUTOCAST_KEYS)) -> None:

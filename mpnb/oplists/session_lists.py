@@ -97,6 +97,22 @@ class SessionOpLists:
             the HPU backend's probe; this package knows no devices, so alone it assumes none.
         hpu_directory: where Habana's list files go.
         on_change: called after each change.
+
+    Example:
+        >>> lists = SessionOpLists()
+        >>> lists.preset("resnet50")  # notes for the user: none off Gaudi
+        []
+        >>> lists.active, lists.summary()
+        (True, 'mpnb: op lists now lower 10, fp32 5 (`%oplist show` for details)')
+        >>> lists.add("lower", ["F.softmx"])
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.InvalidChoiceError: unknown op 'F.softmx'; valid: softmax. ...
+        >>> len(lists.lists.fp32)  # the refused change left the lists as they were
+        5
+        >>> _ = lists.reset()
+        >>> lists.active
+        False
     """
 
     def __init__(

@@ -43,6 +43,13 @@ class AutocastRules:
         fp32: ops autocast runs in fp32.
         other: ops with some other autocast rule (promotion), or that could not be probed.
         probed: False when the device is absent, so every op with a kernel is in ``other``.
+
+    Example:
+        >>> rules = autocast_rules("cpu")
+        >>> rules.device_type, rules.probed
+        ('cpu', True)
+        >>> "conv2d" in rules.lower, "mse_loss" in rules.fp32, "stack" in rules.other
+        (True, True, True)
     """
 
     device_type: str
@@ -164,6 +171,13 @@ def autocast_rules(device_type: str) -> AutocastRules:
 
     Call it while no op lists are applied (mpnb's session does): an override is a
     kernel on the same key and would be read as torch's own.
+
+    Example:
+        >>> rules = autocast_rules("cpu")
+        >>> "linear" in rules.lower, "linear" in rules.fp32
+        (True, False)
+        >>> autocast_rules("cpu") is rules  # read once per process
+        True
     """
     key = AUTOCAST_KEYS[device_type]
     names = sorted(

@@ -64,6 +64,13 @@ class TraceRow:
         inputs: the dtypes of its tensor inputs, comma-separated.
         output: the dtype of its first tensor output (``"-"`` when it has none).
         count: how many times it ran.
+
+    Example:
+        >>> linear = torch.nn.Linear(4, 2)
+        >>> with trace(linear) as t, torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     _ = linear(torch.randn(3, 4))
+        >>> t.filter(op="addmm").rows
+        [TraceRow(phase='forward', module='Linear', kind='op', op='addmm', inputs='bf16, bf16, bf16', output='bf16', count=1)]
     """
 
     phase: str
@@ -285,6 +292,17 @@ class trace:  # noqa: N801 - a context manager used like torch.autocast
         model: the model whose module names to use. Default: the outermost module called.
 
     ``with trace() as t:`` gives a :class:`Trace` that fills in when the block ends.
+
+    Example (forward under autocast, then backward, both traced):
+        >>> linear = torch.nn.Linear(4, 2)
+        >>> with trace(linear) as t:
+        ...     with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...         loss = linear(torch.randn(3, 4)).float().pow(2).mean()
+        ...     loss.backward()
+        >>> [(row.phase, row.op, row.output) for row in t.filter(module="Linear").ops() if "mm" in row.op]
+        [('forward', 'addmm', 'bf16'), ('backward', 'mm', 'bf16')]
+        >>> linear.weight.grad.dtype  # autograd casts the gradient back to the weight's dtype
+        torch.float32
     """
 
     def __init__(self, model: torch.nn.Module | None = None) -> None:

@@ -38,6 +38,14 @@ class AutocastSettings:
         cache: keep the cast copies of weights for the whole block. Off by default: a
             cached autocast block that spans optimizer steps keeps computing with the
             weights as they were at the first step, so training silently stops learning.
+
+    Example:
+        >>> settings = AutocastSettings(torch.device("cpu"), torch.bfloat16, enabled=False)
+        >>> settings.describe()
+        'autocast off on cpu'
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), settings.context():
+        ...     torch.nn.Linear(2, 2)(torch.randn(1, 2)).dtype
+        torch.float32
     """
 
     device: torch.device

@@ -58,6 +58,14 @@ class Conversion:
     Attributes:
         device_type: whose autocast was switched on.
         lists: the op lists in force.
+
+    Example:
+        >>> conversion = convert(device="cpu")
+        >>> conversion.device_type, conversion.active, "linear" in conversion.lists.lower
+        ('cpu', True, True)
+        >>> conversion.revert()
+        >>> conversion.active, torch.is_autocast_enabled("cpu")
+        (False, False)
     """
 
     def __init__(self, device_type: str, lists: OpLists) -> None:
@@ -128,6 +136,16 @@ def convert(
     Raises:
         MpnbError: another opt level, an unknown op in a file, or a device without bf16
             autocast. Nothing is changed then.
+
+    Example:
+        >>> conversion = convert(device="cpu")  # Habana's default lists
+        >>> torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype, conversion.lists.source("fp32", "softmax")
+        (torch.bfloat16, 'preset hmp')
+        >>> revert()
+        >>> convert("O2")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.InvalidChoiceError: unknown opt_level 'O2'; valid: O1. torch.autocast casts per op (O1); there is no O2 on top of it.
     """
     if opt_level not in _OPT_LEVELS:
         raise InvalidChoiceError(
@@ -152,14 +170,33 @@ def convert(
 
 
 def revert() -> None:
-    """Undo :func:`convert` (a no-op when nothing is converted)."""
+    """Undo :func:`convert` (a no-op when nothing is converted).
+
+    Example:
+        >>> _ = convert(device="cpu")
+        >>> torch.is_autocast_enabled("cpu")
+        True
+        >>> revert()
+        >>> torch.is_autocast_enabled("cpu"), session.oplists.active
+        (False, False)
+    """
     while _current:
         _current.pop().revert()
 
 
 @contextlib.contextmanager
 def disable_casts() -> Iterator[None]:
-    """Run a block without autocast on every device where it is on (and so without op lists)."""
+    """Run a block without autocast on every device where it is on (and so without op lists).
+
+    Example:
+        >>> linear = torch.nn.Linear(4, 4)
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     with disable_casts():
+        ...         inside = linear(torch.randn(2, 4)).dtype
+        ...     after = linear(torch.randn(2, 4)).dtype
+        >>> inside, after
+        (torch.float32, torch.bfloat16)
+    """
     with contextlib.ExitStack() as stack:
         for device_type in AUTOCAST_KEYS:
             if torch.is_autocast_enabled(device_type):

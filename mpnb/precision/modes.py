@@ -24,14 +24,31 @@ __all__ = ["Mode", "Fp32Math"]
 
 
 class Fp32Math(str, enum.Enum):
-    """How float32 matmuls and convolutions compute internally."""
+    """How float32 matmuls and convolutions compute internally.
+
+    Example:
+        >>> Mode.FP32.fp32_math, Mode.TF32.fp32_math
+        (<Fp32Math.EXACT: 'exact'>, <Fp32Math.REDUCED: 'reduced'>)
+        >>> Fp32Math("reduced") is Fp32Math.REDUCED
+        True
+    """
 
     EXACT = "exact"
     REDUCED = "reduced"
 
 
 class Mode(str, enum.Enum):
-    """A session precision mode."""
+    """A session precision mode.
+
+    Example:
+        >>> mode = Mode("bf16")
+        >>> mode.autocast_dtype, mode.fp32_math
+        (torch.bfloat16, None)
+        >>> Mode.FP16.summary
+        'autocast to float16; eligible ops run in fp16, the rest in fp32'
+        >>> [mode.value for mode in Mode]
+        ['off', 'fp32', 'tf32', 'fp16', 'bf16']
+    """
 
     OFF = "off"
     FP32 = "fp32"

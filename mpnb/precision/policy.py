@@ -57,6 +57,16 @@ class Session:
         reset_callbacks: undo functions of other switches (``mpnb.hmp.convert``), run by reset.
 
     Views (the control panel, a running fit) :meth:`subscribe` to hear of every change.
+
+    Example (the process's session, ``session``, in bf16 for one block):
+        >>> heard = []
+        >>> unsubscribe = session.subscribe(heard.append)
+        >>> with session.mode_scope("bf16", device="cpu") as mode:
+        ...     mode, session.autocast_settings().describe()
+        (<Mode.BF16: 'bf16'>, 'bf16 autocast on cpu (no cast cache)')
+        >>> session.mode, heard
+        (<Mode.OFF: 'off'>, ['mode', 'mode'])
+        >>> unsubscribe()
     """
 
     def __init__(self) -> None:

@@ -52,6 +52,13 @@ class Status(_Renders):
         fp32_math: the fp32-math state in words.
         memory: the device's memory now.
         warnings: what the user should know.
+
+    Example:
+        >>> now = status()
+        >>> now.mode, now.autocast_dtype
+        (<Mode.OFF: 'off'>, 'off')
+        >>> now.rows()[0]
+        ('mode', "off (mpnb changes nothing: torch's own defaults and your settings apply)")
     """
 
     mode: Mode
@@ -144,7 +151,15 @@ class DeviceInfo:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class DeviceReport(_Renders):
-    """The capability report: every backend mpnb knows, present or not."""
+    """The capability report: every backend mpnb knows, present or not.
+
+    Example:
+        >>> report = devices(check=False)
+        >>> [info.type for info in report.devices]
+        ['cuda', 'hpu', 'cpu']
+        >>> report["cpu"].available, report["cpu"].autocast_dtypes
+        (True, ('bf16', 'fp16'))
+    """
 
     devices: tuple[DeviceInfo, ...]
 

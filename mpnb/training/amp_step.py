@@ -82,6 +82,18 @@ class AmpStep:
         steps: optimizer steps taken or skipped so far.
         health: finds non-finite losses and a collapsed scale in what is recorded.
         epoch: written into each row; a training loop sets it.
+
+    Example (fp16, with a real loss scaler):
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> amp = AmpStep(optimizer, mode="fp16", device="cpu", init_scale=2.0**8)
+        >>> with amp.autocast():
+        ...     loss = model(torch.ones(8, 4)).float().pow(2).mean()
+        >>> amp.backward(loss)
+        >>> amp.step(samples=8)
+        True
+        >>> amp.scaler.is_enabled(), amp.history.loss_scale, amp.history.skipped_steps
+        (True, [256.0], [])
     """
 
     def __init__(

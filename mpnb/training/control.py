@@ -113,6 +113,19 @@ class FitControl:
         pollers: called at every checkpoint, and repeatedly while paused.
         state: a :class:`FitState`; views show it.
         on_state: called with the new state after each change of :attr:`state`.
+
+    Example (what a training loop and a Pause / Stop button do with it):
+        >>> control = FitControl()
+        >>> seen = []
+        >>> control.on_state.append(lambda state: seen.append(str(state)))
+        >>> control.begin()
+        >>> control.pause()
+        >>> control.stop()
+        >>> control.checkpoint().stop
+        True
+        >>> control.end()
+        >>> seen
+        ['running', 'paused', 'stopping', 'idle']
     """
 
     def __init__(self) -> None:

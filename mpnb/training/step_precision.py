@@ -34,6 +34,16 @@ class TrainingPrecision:
         device: where the model and batches live.
         autocast: the autocast to wrap forward passes in (disabled for fp32-like modes, so
             a surrounding ``%amp`` cell cannot leak into them).
+
+    Example:
+        >>> precision = TrainingPrecision.resolve("bf16", "cpu")
+        >>> precision.describe(), precision.autocast.describe()
+        ('bf16 on cpu', 'bf16 autocast on cpu (no cast cache)')
+        >>> with precision.autocast.context():
+        ...     torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype
+        torch.bfloat16
+        >>> TrainingPrecision.resolve("fp32", "cpu").autocast.describe()
+        'autocast off on cpu'
     """
 
     mode: Mode

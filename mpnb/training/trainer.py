@@ -57,7 +57,26 @@ __all__ = ["Trainer", "FitInterrupted"]
 
 
 class FitInterrupted(KeyboardInterrupt):
-    """``fit`` stopped at a consistent point after an interrupt; ``history`` keeps every finished step."""
+    """``fit`` stopped at a consistent point after an interrupt; ``history`` keeps every finished step.
+
+    Example (the signal Ctrl-C sends arrives as the third batch is read; the two finished steps stay):
+        >>> import signal, torch, mpnb.examples as ex
+        >>> model = ex.DigitsCNN(widths=(4, 8))
+        >>> trainer = Trainer(model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.cross_entropy,
+        ...                   mode="bf16", device="cpu", dashboard=None)
+        >>> def interrupted(batches, at):
+        ...     for index, batch in enumerate(batches):
+        ...         if index == at:
+        ...             signal.raise_signal(signal.SIGINT)
+        ...         yield batch
+        >>> try:
+        ...     trainer.fit(interrupted(ex.digits(batch_size=256)[0], at=2))
+        ... except FitInterrupted as stopped:
+        ...     print(stopped)
+        ...     print(stopped.history.step)
+        fit stopped after step 2 (epoch 0, batch 2); trainer.history keeps every finished step; call fit(data) to continue
+        [1, 2]
+    """
 
     def __init__(self, message: str, history: History) -> None:
         super().__init__(message)

@@ -36,6 +36,14 @@ class PrecisionLab:
         widget: the whole app, to display.
         comparison: the last Run's :class:`~mpnb.analysis.comparison.Comparison`, or None.
         dashboard: ``"live"``: the modes' curves overlaid live while they train; None: no plot.
+
+    Example (the choices it offers, and Run with no mode picked; the module's example runs one):
+        >>> lab = PrecisionLab()
+        >>> lab.model.options, lab.modes.options
+        (('cnn', 'mlp', 'transformer'), ('fp32', 'tf32', 'fp16', 'bf16'))
+        >>> lab.modes.value = ()
+        >>> lab.run() is None, lab.status.value
+        (True, "<span style='color:#b00020'>pick at least one mode</span>")
     """
 
     def __init__(self) -> None:

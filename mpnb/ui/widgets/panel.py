@@ -60,6 +60,18 @@ class ControlPanel:
     Attributes:
         state: the declarative state (:class:`PanelState`).
         widget: the whole panel, to display.
+
+    Example (typing op names and pressing add, as a user does):
+        >>> control = ControlPanel()
+        >>> control.op_names.value = "softmx"
+        >>> control.add_button.click()
+        >>> control.message_view.value
+        '<span style="color:#b00020">unknown op &#x27;softmx&#x27;; valid: softmax. ...</span>'
+        >>> control.op_names.value = "F.softmax"
+        >>> control.add_button.click()
+        >>> control.lists_view.value, control.op_names.value
+        ('op lists: lower: softmax; fp32: -', '')
+        >>> control.close(); session.reset()
     """
 
     def __init__(self, owner: Session = session) -> None:
@@ -271,7 +283,15 @@ def _lists_html(owner: Session) -> str:
 
 
 def panel() -> ControlPanel:
-    """Show a control panel for the session and return it (``%amp panel`` does the same)."""
+    """Show a control panel for the session and return it (``%amp panel`` does the same).
+
+    Example (outside a notebook, showing it prints the widgets' text form):
+        >>> shown = panel()
+        VBox(children=(ToggleButtons(description='mode', ...
+        >>> shown
+        <mpnb.ControlPanel mode=off device=...>
+        >>> shown.close()
+    """
 
     control_panel = ControlPanel()
     control_panel._ipython_display_()
