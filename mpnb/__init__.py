@@ -10,6 +10,7 @@ Plain Python::
     mpnb.panel()                         # the same switches as widgets (in Jupyter)
     mpnb.compare(make_run, modes=["fp32", "bf16"])      # the same run in several modes, side by side
     mpnb.max_batch_size(make_run, modes=["fp32", "bf16"])  # the largest batch that fits, per mode
+    mpnb.memory(make_run, modes=["fp32", "bf16"])  # where a step's memory goes, by category
     mpnb.advise(model, (x, y), loss_fn)  # fp16 overflow / underflow per module, and what to do
     mpnb.devices()                       # what this machine can do
     trainer = mpnb.Trainer(model, optimizer, loss_fn)   # AMP training with telemetry
@@ -32,7 +33,16 @@ IPython / Jupyter::
 from __future__ import annotations
 
 from mpnb import examples
-from mpnb.analysis import Advice, BatchSizeReport, Comparison, advise, compare, max_batch_size
+from mpnb.analysis import (
+    Advice,
+    BatchSizeReport,
+    Comparison,
+    MemoryReport,
+    advise,
+    compare,
+    max_batch_size,
+    memory,
+)
 from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
 from mpnb.oplists import OpListOverride, OpLists
 from mpnb.oplists.trace import Trace, trace
@@ -69,6 +79,8 @@ __all__ = [
     "Comparison",
     "max_batch_size",
     "BatchSizeReport",
+    "memory",
+    "MemoryReport",
     "advise",
     "Advice",
     "trace",

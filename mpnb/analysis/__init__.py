@@ -1,7 +1,8 @@
 """Analysis: the same run in several modes, the largest batch per mode, and the numerics advisor.
 
 - :mod:`~mpnb.analysis.comparison`: :func:`compare` and its :class:`Comparison` table.
-- :mod:`~mpnb.analysis.batch_size`: :func:`max_batch_size`, doubling then bisection per mode.
+- :mod:`~mpnb.analysis.memory`: :func:`memory`, where a step's memory goes, by category.
+- :mod:`~mpnb.analysis.batch_size`: :func:`max_batch_size`, built on that account.
 - :mod:`~mpnb.analysis.advisor`: :func:`advise`, fp16 overflow and underflow per module.
 
 Each shows its progress through the view the UI provides (:mod:`mpnb.views`), never by
@@ -11,6 +12,7 @@ importing the UI.
 from mpnb.analysis.advisor import Advice, advise
 from mpnb.analysis.batch_size import BatchSizeReport, max_batch_size
 from mpnb.analysis.comparison import Comparison, ComparisonProgress, ModeResult, compare
+from mpnb.analysis.memory import MemoryReport, memory
 
 __all__ = [
     "compare",
@@ -19,6 +21,8 @@ __all__ = [
     "ModeResult",
     "max_batch_size",
     "BatchSizeReport",
+    "memory",
+    "MemoryReport",
     "advise",
     "Advice",
 ]

@@ -1,17 +1,19 @@
 """The largest batch that fits, per precision mode: "double your batch size", measured.
 
-:func:`max_batch_size` builds a fresh run per mode and per trial with the same ``make_run``
-:func:`mpnb.compare` takes, repeats the first batch of its data to the size under trial
-(memory depends on shapes, not values) and trains a few steps. A size fits when the trial
-does not run out of memory (CUDA, HPU) and its measured peak memory stays within the
-budget. Sizes double from ``start`` until one does not fit, then bisect.
+:func:`max_batch_size` answers from the memory account of :mod:`mpnb.analysis.memory`, which
+counts a step's tensors on a shape-only copy of the model at any batch size in a fraction of a
+second, and the same run gives the same answer. What the account cannot see (kernels' own
+buffers) is measured on one or two real steps at small batches and added, growing with the
+batch. The largest size whose account fits the budget is then tried once for real: on CUDA and
+HPU running out of memory is the judge, and a size that does not fit is bisected with real
+steps. A real step that would take longer than ``trial_seconds`` (bf16 at a large batch on a
+CPU without bf16 units) is not run, and the report says the answer is the account's.
 
-On a CPU nothing runs out of memory before the machine starts swapping, so the budget
-decides: by default half the memory available when the search starts. The peak is the
-process's resident memory, measured per trial (freed heap handed back first, Linux's peak
-counter reset). Trials that would take too long (big budgets on a CPU) end the doubling,
-and the answer is extrapolated from the measured peaks, which grow linearly with the batch;
-the report says so.
+The batch of each trial is the run's first batch, grown along its first dimension (any batch a
+:class:`~mpnb.Trainer` accepts: tensors, tuples, dicts, dataclasses, nested). On a CPU the
+budget is compared with torch's allocator at the step's peak (the resident set adds the heap's
+own overhead: :func:`mpnb.memory` shows it as a line of its own); by default half the memory
+available when the search starts.
 
 Example:
     >>> import mpnb.examples as ex
@@ -29,24 +31,24 @@ import dataclasses
 import gc
 import math
 import re
-import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import psutil
 import torch
 
 from mpnb._render import html_table, text_table
-from mpnb.analysis.comparison import MakeRun
+from mpnb.analysis.comparison import MakeRun, built_run
+from mpnb.analysis.memory import MemoryAccount, account_step, first_batch, measure_step
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode
+from mpnb.training.batches import with_batch_size
 
 __all__ = ["BatchSizeReport", "max_batch_size"]
 
 DEFAULT_BUDGET_SHARE = 0.5  # of the memory available when the search starts (CPU)
-_MIN_TRIALS_FOR_A_LINE = 3
 _UNITS = {
     "": 1,
     "b": 1,
@@ -88,12 +90,23 @@ def parse_bytes(size: int | float | str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Trial:
-    """One trial: a batch size, whether it fit, its measured peak (bytes) and how long it took."""
+    """One look at a batch size.
+
+    Attributes:
+        batch_size: the size looked at.
+        fits: its peak is within the budget, and it did not run out of memory.
+        peak: bytes at the step's peak: the account's (with the measured extra) for an
+            ``"account"`` trial, torch's allocator for a ``"step"`` (a real one).
+        seconds: how long it took.
+        kind: ``"account"`` (counted, nothing computed) or ``"step"`` (trained for real).
+        out_of_memory: a real step ran out of memory.
+    """
 
     batch_size: int
     fits: bool
     peak: float
     seconds: float
+    kind: str = "step"
     out_of_memory: bool = False
 
 
@@ -104,12 +117,13 @@ class ModeBatchSize:
     Attributes:
         mode: the mode's name.
         batch_size: the largest batch that fits (0 if none did; None when the mode did not run).
-        peak: measured (or extrapolated) peak memory at that batch size, bytes.
-        limited_by: ``"out of memory"``, ``"budget"``, ``"limit"`` (the largest size asked
-            about fits), ``"extrapolated"`` (trials got too slow, so the size where the measured
-            peaks' line meets the budget), ``"limit (peak extrapolated)"``, or ``"trial time"``
-            (trials got too slow and their peaks draw no rising line: the largest size tried).
-        trials: every trial, in order.
+        peak: bytes at that size's peak (measured when ``checked`` is True, else the account's).
+        limited_by: ``"budget"``, ``"out of memory"`` or ``"limit"`` (the largest size asked
+            about fits).
+        checked: the answer was trained for real; False: it is the account's (see ``note``).
+        note: why the answer was not trained for real, or "".
+        account: the memory account at the answer's size, by category.
+        trials: every look, in order.
         skipped_reason: why the mode did not run, or None.
     """
 
@@ -117,13 +131,22 @@ class ModeBatchSize:
     batch_size: int | None = None
     peak: float = math.nan
     limited_by: str = ""
+    checked: bool = False
+    note: str = ""
+    account: MemoryAccount | None = None
     trials: list[Trial] = dataclasses.field(default_factory=list)
     skipped_reason: str | None = None
 
 
 @dataclasses.dataclass
 class BatchSizeReport:
-    """:func:`max_batch_size`'s answer: per mode, with the ratio to fp32."""
+    """:func:`max_batch_size`'s answer: per mode, with the ratio to fp32.
+
+    Example:
+        >>> report = BatchSizeReport([ModeBatchSize("fp32", 96), ModeBatchSize("bf16", 144)], None, "cpu")
+        >>> report.ratio_to_fp32("bf16")
+        1.5
+    """
 
     results: list[ModeBatchSize]
     budget: int | None
@@ -144,7 +167,7 @@ class BatchSizeReport:
         rows = []
         for result in self.results:
             if result.skipped_reason:
-                rows.append([result.mode, "-", "-", "-", f"not run: {result.skipped_reason}"])
+                rows.append([result.mode, "-", "-", "-", "-", f"not run: {result.skipped_reason}"])
                 continue
             ratio = self.ratio_to_fp32(result.mode)
             rows.append(
@@ -154,11 +177,12 @@ class BatchSizeReport:
                     "-" if math.isnan(ratio) else f"{ratio:.2f}x",
                     format_bytes(result.peak) if math.isfinite(result.peak) else "-",
                     result.limited_by,
+                    "a real step" if result.checked else f"the account: {result.note}",
                 ]
             )
         return rows
 
-    _HEADERS = ("mode", "max batch size", "vs fp32", "peak memory", "limited by")
+    _HEADERS = ("mode", "max batch size", "vs fp32", "peak memory", "limited by", "checked by")
 
     def __str__(self) -> str:
         budget = f"budget {format_bytes(self.budget)}" if self.budget else "device memory"
@@ -178,149 +202,247 @@ def max_batch_size(
     start: int = 16,
     limit: int = 65536,
     memory_budget: int | float | str | None = None,
-    steps: int = 2,
-    trial_seconds: float = 5.0,
+    trial_seconds: float = 30.0,
 ) -> BatchSizeReport:
-    """Find the largest batch size that fits, per mode.
+    """Find the largest batch size that fits, per mode (see the module's docstring).
 
     Args:
         make_run: as for :func:`mpnb.compare`: ``make_run(mode)`` returns ``(trainer, data, ...)``.
         modes: modes to measure; checked before anything runs.
-        start: the first size tried.
+        start: the batch size of the first real step (the second is twice as large).
         limit: the largest size considered.
-        memory_budget: bytes (or ``"4 GiB"``) a trial's peak may use. Default: none on an
-            accelerator (running out of memory decides), half the available memory on a CPU.
-        steps: optimizer steps per trial (the optimizer's state appears at the first).
-        trial_seconds: a trial slower than this ends the doubling (once three sizes are
-            measured); the answer is then extrapolated from the measured peaks.
+        memory_budget: bytes (or ``"4 GiB"``) a step's peak may use. Default: the device's
+            memory on an accelerator (running out of memory decides), half the available memory
+            on a CPU.
+        trial_seconds: a real step expected to take longer than this is not run.
 
     Raises:
         InvalidChoiceError: an unknown mode.
         ValueError: bad sizes or budget.
+        TypeError: ``make_run`` does not return a run.
     """
     names = [parse_mode(mode).value for mode in modes]
     if not 1 <= start <= limit:
         raise ValueError(f"need 1 <= start <= limit, got start={start}, limit={limit}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     device = None
     results = []
     for name in names:
         try:
-            searcher = _Search(make_run, name, budget, steps)
+            searcher = _Search(make_run, name, budget, trial_seconds)
         except MpnbError as error:
             results.append(ModeBatchSize(name, skipped_reason=str(error)))
             continue
         device = device or searcher.device
-        results.append(searcher.run(start, limit, trial_seconds))
+        results.append(searcher.run(start, limit))
         budget = budget or searcher.budget
     return BatchSizeReport(results, budget, str(device or "-"))
 
 
 class _Search:
-    """Doubling then bisection over trials for one mode."""
+    """One mode's search: accounts everywhere, real steps where they decide."""
 
-    def __init__(self, make_run: MakeRun, mode: str, budget: int | None, steps: int) -> None:
-        self.make_run, self.mode, self.steps = make_run, mode, steps
-        trainer, data, *_ = make_run(mode)  # also checks that the mode can run here
+    def __init__(
+        self, make_run: MakeRun, mode: str, budget: int | None, trial_seconds: float
+    ) -> None:
+        self.make_run, self.mode, self.trial_seconds = make_run, mode, trial_seconds
+        trainer, data, _ = built_run(make_run, mode)  # also checks that the mode can run here
         self.device = trainer.device
         self.backend = backend_for(self.device)
-        self.sample = _first_batch(data)
-        del trainer, data
-        if budget is None and self.device.type == "cpu":
-            budget = int(psutil.virtual_memory().available * DEFAULT_BUDGET_SHARE)
+        self.sample = first_batch(data)
+        self.counted = trainer  # accounts run on shape-only copies: one trainer serves them all
+        if budget is None:
+            snapshot = self.backend.memory(self.device.index)
+            if self.device.type == "cpu":
+                budget = int(psutil.virtual_memory().available * DEFAULT_BUDGET_SHARE)
+            elif snapshot.limit:
+                budget = snapshot.limit
         self.budget = budget
         self.trials: list[Trial] = []
+        self._accounts: dict[int, MemoryAccount] = {}
+        self.extra_at = lambda size: 0.0  # bytes beyond the account, from the real steps
 
-    def run(self, start: int, limit: int, trial_seconds: float) -> ModeBatchSize:
-        good, size = 0, start
-        while True:
-            trial = self.trial(size)
-            if not trial.fits:
-                break
-            good = size
-            if size >= limit:
-                return self._answer(good, "limit")
-            if trial.seconds > trial_seconds and len(self.trials) >= _MIN_TRIALS_FOR_A_LINE:
-                return self._extrapolate(good, limit)
-            size = min(size * 2, limit)
-        low, bad = good, size
-        while bad - low > max(1, low // 32):
-            middle = (low + bad) // 2
-            if self.trial(middle).fits:
-                low = middle
-            else:
-                bad = middle
-        reason = "out of memory" if any(t.out_of_memory for t in self.trials) else "budget"
-        return self._answer(low, reason)
+    def run(self, start: int, limit: int) -> ModeBatchSize:
+        first = self.step(start)
+        if not first.fits:
+            return self._down_from(start)
+        second_size = min(2 * start, limit)
+        if second_size > start and self._affordable(second_size):
+            second = self.step(second_size)
+            if not second.fits:
+                return self._bisect(start, second_size)
+        self._learn_extra()
+        size = self._predicted(limit)
+        reason = "limit" if size >= limit else "budget"
+        if size in self._stepped_fits() or not self._affordable(size):
+            return self._answer(size, reason)
+        if self.step(size).fits:
+            return self._answer(size, reason)
+        return self._bisect(max(self._stepped_fits()), size)
 
-    def trial(self, size: int) -> Trial:
-        """Train ``steps`` steps on a batch of ``size``; measure its peak memory."""
-        self.backend.release_cached_memory()
-        gc.collect()
-        baseline = self.backend.memory(self.device.index).used or 0
-        self.backend.reset_peak_memory(self.device.index)
+    # -- looks at one size ----------------------------------------------------------------
+
+    def step(self, size: int) -> Trial:
+        """Train a fresh run on a batch of ``size`` (after a warm-up step on one sample); its
+        peak is the allocator's (on a CPU, counted from the profiler's events)."""
         started = time.perf_counter()
-        out_of_memory = False
+        out_of_memory, peak = False, math.inf
         try:
-            trainer, *_ = self.make_run(self.mode)
-            trainer.dashboard = None
-            batch = _repeat_to(self.sample, size)
-            trainer.fit([batch] * self.steps, epochs=1)
+            trainer, _, _ = built_run(self.make_run, self.mode)
+            batch = with_batch_size(self.sample, size)
+            measured = measure_step(trainer, batch, self._counted(size))
+            peak = float(measured.allocator)
             del trainer, batch
         except Exception as error:
             if not _is_out_of_memory(error):
                 raise
             out_of_memory = True
-        seconds = time.perf_counter() - started
-        peak = (self.backend.memory(self.device.index).peak or 0) - baseline
         gc.collect()
         self.backend.release_cached_memory()
+        seconds = time.perf_counter() - started
         fits = not out_of_memory and (self.budget is None or peak <= self.budget)
-        trial = Trial(size, fits, float(peak), seconds, out_of_memory)
+        trial = Trial(size, fits, peak, seconds, "step", out_of_memory)
         self.trials.append(trial)
         return trial
 
+    def _counted(self, size: int) -> MemoryAccount:
+        """The memory account of a batch of ``size`` (counted once per size)."""
+        if size not in self._accounts:
+            self._accounts[size] = account_step(self.counted, with_batch_size(self.sample, size))
+        return self._accounts[size]
+
+    def _account(self, size: int) -> Trial:
+        started = time.perf_counter()
+        counted = self._counted(size)
+        peak = counted.tracked + self.extra_at(size)
+        fits = self.budget is None or peak <= self.budget
+        trial = Trial(size, fits, peak, time.perf_counter() - started, "account")
+        self.trials.append(trial)
+        return trial
+
+    # -- what the real steps taught --------------------------------------------------------
+
+    def _learn_extra(self) -> None:
+        """The bytes the real steps used beyond their accounts, as a line in the batch size
+        (through the origin when only one step ran), never below zero."""
+        points = []
+        for trial in self.trials:
+            if trial.kind == "step" and trial.fits:
+                counted = self._counted(trial.batch_size)
+                points.append((trial.batch_size, trial.peak - counted.tracked))
+        if len(points) >= 2:
+            (small, extra_small), (large, extra_large) = points[-2], points[-1]
+            slope = max(0.0, (extra_large - extra_small) / (large - small))
+            offset = max(0.0, extra_small - slope * small)
+        else:
+            size, extra = points[-1]
+            slope, offset = max(0.0, extra / size), 0.0
+        self.extra_at = lambda size: offset + slope * size
+
+    def _predicted(self, limit: int) -> int:
+        """The largest size up to ``limit`` whose account (with the extra) fits the budget.
+
+        An account's peak is piecewise linear in the batch size, so the size where the line
+        through the last two looks meets the budget is nearly always the answer: a handful of
+        accounts instead of a doubling and a bisection, which step in when a guess lands outside
+        the bracket.
+        """
+        good = max(self._stepped_fits())
+        if self.budget is None:
+            return limit
+        points = [(good, self._account(good).peak)]
+        bad = None
+        while bad is None or bad - good > max(1, good // 64):
+            guess = self._guess(points, good, bad, limit)
+            if guess is None:
+                return good  # limit reached, and it fits
+            look = self._account(guess)
+            points.append((guess, look.peak))
+            if look.fits:
+                good = guess
+            else:
+                bad = guess
+        return good
+
+    def _guess(
+        self, points: list[tuple[int, float]], good: int, bad: int | None, limit: int
+    ) -> int | None:
+        """The next size to look at, strictly between ``good`` and ``bad`` (or ``limit``)."""
+        ceiling = limit + 1 if bad is None else bad
+        if good + 1 >= ceiling:
+            return None
+        guess = 2 * good  # no line yet: double
+        if len(points) >= 2:
+            (size_a, peak_a), (size_b, peak_b) = points[-2], points[-1]
+            slope = (peak_b - peak_a) / (size_b - size_a) if size_b != size_a else 0.0
+            if slope > 0:
+                guess = int(size_b + (self.budget - peak_b) / slope)
+                # one look just past the line's answer, so that it is bracketed
+                guess = guess + max(1, guess // 64) if guess <= good else guess
+        if not good < guess < ceiling:
+            guess = (good + ceiling) // 2 if bad is not None else min(2 * good, limit)
+        return guess if good < guess < ceiling else None
+
+    def _bisect(self, good: int, bad: int) -> ModeBatchSize:
+        """Real steps between a size that fit and one that did not."""
+        while bad - good > max(1, good // 32):
+            middle = (good + bad) // 2
+            if self.step(middle).fits:
+                good = middle
+            else:
+                bad = middle
+        return self._answer(good, self._reason())
+
+    def _down_from(self, size: int) -> ModeBatchSize:
+        """The first real step did not fit: halve until one does."""
+        while size > 1:
+            size //= 2
+            if self.step(size).fits:
+                return self._bisect(size, 2 * size)
+        return self._answer(0, self._reason())
+
+    def _reason(self) -> str:
+        return "out of memory" if any(t.out_of_memory for t in self.trials) else "budget"
+
+    def _affordable(self, size: int) -> bool:
+        """A real step of ``size`` is expected within ``trial_seconds`` (always on an
+        accelerator, where running out of memory is the judge)."""
+        return self.device.type != "cpu" or self._seconds_for(size) <= self.trial_seconds
+
+    def _seconds_for(self, size: int) -> float:
+        """The time a real step of ``size`` would take: on the line through the last two real
+        steps' times (a run's setup is the part that does not grow), or in proportion to one."""
+        timed = [(t.batch_size, t.seconds) for t in self.trials if t.kind == "step" and t.fits]
+        if len(timed) >= 2 and timed[-1][0] != timed[-2][0]:
+            (small, small_seconds), (large, large_seconds) = timed[-2], timed[-1]
+            per_sample = max(0.0, (large_seconds - small_seconds) / (large - small))
+            return large_seconds + per_sample * (size - large)
+        if timed:
+            return timed[-1][1] * size / timed[-1][0]
+        return 0.0
+
+    def _stepped(self) -> list[int]:
+        return [t.batch_size for t in self.trials if t.kind == "step"]
+
+    def _stepped_fits(self) -> list[int]:
+        return [t.batch_size for t in self.trials if t.kind == "step" and t.fits]
+
     def _answer(self, size: int, reason: str) -> ModeBatchSize:
-        peak = next((t.peak for t in self.trials if t.batch_size == size and t.fits), math.nan)
-        return ModeBatchSize(self.mode, size, peak, reason, list(self.trials))
-
-    def _extrapolate(self, good: int, limit: int) -> ModeBatchSize:
-        """Peak memory grows linearly with the batch: fit a line to the larger fits, follow it to the budget."""
-        fits = [t for t in self.trials if t.fits and t.batch_size * 8 >= good]
-        if self.budget is None or len({t.batch_size for t in fits}) < 2:
-            return self._answer(good, "trial time")
-        per_sample, offset = statistics.linear_regression(
-            [t.batch_size for t in fits], [t.peak for t in fits]
+        real = [t for t in self.trials if t.kind == "step" and t.batch_size == size and t.fits]
+        looks = [t for t in self.trials if t.batch_size == size]
+        peak = real[-1].peak if real else (looks[-1].peak if looks else math.nan)
+        note = ""
+        if not real and size:
+            seconds = self._seconds_for(size)
+            note = f"a real step of {size} would take about {seconds:.0f} s here (trial_seconds={self.trial_seconds:g})"
+        account = self._counted(size) if size else None
+        return ModeBatchSize(
+            self.mode, size, peak, reason, bool(real), note, account, list(self.trials)
         )
-        if per_sample <= 0:  # peaks too small to rise above the noise
-            return self._answer(good, "trial time")
-        size = max(good, min(limit, int((self.budget - offset) / per_sample)))
-        reason = "limit (peak extrapolated)" if size == limit else "extrapolated"
-        return ModeBatchSize(self.mode, size, offset + per_sample * size, reason, list(self.trials))
-
-
-def _first_batch(data: Any) -> Sequence[Any]:
-    for batch in data:
-        return batch
-    raise ValueError("the run's data yields no batch to measure with")
-
-
-def _repeat_to(batch: Sequence[Any], size: int) -> tuple[Any, ...]:
-    """Each tensor of ``batch`` repeated along its first dimension to ``size`` rows."""
-
-    def grow(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return value
-        repeats = math.ceil(size / len(value))
-        return value.repeat(repeats, *([1] * (value.dim() - 1)))[:size].contiguous()
-
-    return tuple(grow(part) for part in batch)
 
 
 def _is_out_of_memory(error: BaseException) -> bool:
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(error).lower()
     phrases = (

@@ -40,6 +40,32 @@ __all__ = ["Comparison", "ComparisonProgress", "ModeResult", "compare"]
 MakeRun = Callable[[str], Sequence[Any]]
 
 
+def built_run(make_run: MakeRun, mode: str) -> tuple[Any, Any, Callable[[Any], float] | None]:
+    """``make_run(mode)``, checked: its trainer, its data and its metric (None without one).
+
+    Example:
+        >>> built_run(lambda mode: "a trainer", "bf16")
+        Traceback (most recent call last):
+        ...
+        TypeError: make_run('bf16') returned a str; it must return (trainer, data) or (trainer, data, metric), e.g. return trainer, train_loader
+
+    Raises:
+        TypeError: ``make_run`` returned something else than 2 or 3 items with a trainer first.
+    """
+    run = make_run(mode)
+    shape = "(trainer, data) or (trainer, data, metric), e.g. return trainer, train_loader"
+    if not isinstance(run, (tuple, list)) or len(run) not in (2, 3):
+        got = f"{len(run)} items" if isinstance(run, (tuple, list)) else f"a {type(run).__name__}"
+        raise TypeError(f"make_run({mode!r}) returned {got}; it must return {shape}")
+    trainer = run[0]
+    if not hasattr(trainer, "fit") or not hasattr(trainer, "amp"):
+        raise TypeError(
+            f"make_run({mode!r}) returned a {type(trainer).__name__} first; it must return {shape} "
+            "with an mpnb.Trainer"
+        )
+    return trainer, run[1], run[2] if len(run) == 3 else None
+
+
 class ComparisonProgress:
     """How :func:`compare` shows its progress; this base class shows nothing.
 
@@ -217,8 +243,7 @@ class _BuiltRun:
 
     def advance(self, steps: int, sink: Sink | None) -> int:
         if self.trainer is None:
-            self.trainer, self.data, *metric = self.make_run(self.name)
-            self.metric = metric[0] if metric else None
+            self.trainer, self.data, self.metric = built_run(self.make_run, self.name)
         if steps == 0 or (self.fitted and (not self.trainer.resumable or self.trainer.stopped)):
             return 0
         trainer, data = self.trainer, self.data

@@ -111,26 +111,81 @@ def to_device(batch: Any, device: torch.device) -> Any:
         else:
             return batch
 
-    def move(leaf: Any) -> Any:
+    def moved_mapping(mapping: Mapping[Any, Any]) -> Any:
+        mover = getattr(mapping, "to", None)  # a BatchEncoding moves itself
+        return mover(device) if callable(mover) else None
+
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=True), moved_mapping)
+
+
+def map_tensors(
+    batch: Any,
+    change: Callable[[torch.Tensor], torch.Tensor],
+    mapping_change: Callable[[Mapping[Any, Any]], Any] | None = None,
+) -> Any:
+    """``batch`` with ``change(tensor)`` in place of each of its tensors, at any depth, in the
+    containers described in the module's docstring; its structure and other leaves unchanged.
+    ``mapping_change(mapping)`` may handle a non-dict mapping itself (None: rebuild it).
+
+    >>> map_tensors({"ids": torch.zeros(2), "n": 3}, lambda t: t + 1)
+    {'ids': tensor([1., 1.]), 'n': 3}
+    """
+
+    def changed(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return leaf.to(device, non_blocking=True)
+            return change(leaf)
         parts = _opened(leaf)
         if parts is None:
             return leaf
         if isinstance(leaf, Mapping):
-            mover = getattr(leaf, "to", None)
-            return mover(device) if callable(mover) else type(leaf)(to_device(parts, device))
-        return dataclasses.replace(leaf, **to_device(parts, device))
+            handled = mapping_change(leaf) if mapping_change is not None else None
+            if handled is not None:
+                return handled
+            return type(leaf)(map_tensors(parts, change, mapping_change))
+        return dataclasses.replace(leaf, **map_tensors(parts, change, mapping_change))
 
-    return pytree.tree_map(move, batch)
+    return pytree.tree_map(changed, batch)
 
 
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+def with_batch_size(batch: Any, size: int) -> Any:
+    """``batch`` grown (or cut) to ``size`` samples: every tensor whose first dimension is the
+    batch's sample count is repeated along it (memory depends on shapes, not values); other
+    tensors and leaves are kept. Any batch a :class:`~mpnb.Trainer` accepts works.
+
+    >>> batch = {"input_ids": torch.arange(6).view(2, 3), "labels": torch.tensor([0, 1])}
+    >>> grown = with_batch_size(batch, 5)
+    >>> grown["input_ids"].shape, grown["labels"].tolist()
+    (torch.Size([5, 3]), [0, 1, 0, 1, 0])
+
+    Raises:
+        MpnbError: the batch holds no tensor with a first dimension to grow.
+    """
+    samples = samples_in(batch)
+    if not samples:
+        raise MpnbError(
+            f"cannot resize a batch without a tensor of samples: got {_describe(batch)}"
+        )
+
+    def grow(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0 or tensor.shape[0] != samples:
+            return tensor
+        repeats = -(-size // samples)
+        return tensor.repeat(repeats, *([1] * (tensor.dim() - 1)))[:size].contiguous()
+
+    return map_tensors(batch, grow)
+
+
+def tensors_in(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of ``batch``, at any depth.
+
+    >>> [tuple(t.shape) for t in tensors_in({"x": torch.zeros(2, 3), "y": [torch.zeros(2)]})]
+    [(2, 3), (2,)]
+    """
     for leaf in pytree.tree_leaves(batch):
         if isinstance(leaf, torch.Tensor):
             yield leaf
         elif (parts := _opened(leaf)) is not None:
-            yield from _tensors(parts)
+            yield from tensors_in(parts)
 
 
 def samples_in(batch: Any) -> int | None:
@@ -147,7 +202,7 @@ def samples_in(batch: Any) -> int | None:
     else:
         first = batch
     if not isinstance(first, torch.Tensor):
-        first = next(_tensors(batch), None)
+        first = next(tensors_in(batch), None)
     if first is None:
         return None
     shape = first.shape

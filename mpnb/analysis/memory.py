@@ -1,0 +1,348 @@
+"""Where a training step's memory goes, by category and per mode: counted, then cross-checked.
+
+The account (:func:`account_step`) counts a step's tensors by their storages at the step's
+highest point, with torch's own tracker (see :mod:`mpnb.analysis._torch_memory`):
+
+- **parameters** (and buffers), **gradients**, **optimizer state**;
+- **activations**: tensors the forward made that are alive at the peak, mostly those saved for
+  backward; under autocast they are half the size, the main saving of mixed precision;
+- **weight copies**: autocast's fp16/bf16 copies of fp32 weights, saved for backward: what
+  mixed precision *adds*;
+- **workspace**: temporaries alive at the peak; **batch**: the batch's own tensors.
+
+The account runs the step on a shape-only copy of the model (fake tensors: nothing computed,
+so it takes a fraction of a second at any batch size, and the same run gives the same bytes);
+a model that needs real values in its forward (a data-dependent branch) is counted on the
+real step instead. The account sees tensors; a *measured* step (:func:`measure_step`) sees
+what the account cannot, each on its own line: memory kernels take for themselves inside
+torch's allocator (a CPU without bf16 units converts bf16 convolutions through such buffers),
+and what the process holds beyond the allocator (the CPU's resident set, the CUDA cache).
+
+Example:
+    >>> import mpnb.examples as ex
+    >>> def make_run(mode):
+    ...     trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
+    ...     return trainer, train
+    >>> report = memory(make_run, ["fp32", "bf16"], batch_size=64, measure=False)
+    >>> fp32, bf16 = report.result("fp32"), report.result("bf16")
+    >>> bf16.categories["activations"] < fp32.categories["activations"]
+    True
+    >>> fp32.categories["weight copies"], bf16.categories["weight copies"] > 0
+    (0, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mpnb._render import html_table, text_table
+from mpnb.analysis._torch_memory import cpu_allocator_peak, storage_bytes, tracked_peak
+from mpnb.analysis.comparison import MakeRun, built_run
+from mpnb.errors import MpnbError
+from mpnb.precision.backends import backend_for, format_bytes
+from mpnb.precision.modes import parse_mode
+from mpnb.training.batches import (
+    batch_loss,
+    samples_in,
+    tensors_in,
+    to_device,
+    with_batch_size,
+)
+
+__all__ = ["MemoryAccount", "MemoryReport", "memory"]
+
+#: The account's categories, in the order tables and stacked bars show them.
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer state",
+    "activations",
+    "weight copies",
+    "workspace",
+    "batch",
+    "other",
+)
+
+#: An account or a measured step runs two optimizer steps: a warm-up on one sample, where the
+#: optimizer's state appears (and kernels are set up), then the step counted, on the batch.
+WARM_UP_SAMPLES = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryAccount:
+    """One mode's step, in bytes at its highest point.
+
+    Attributes:
+        mode: the mode's name.
+        batch_size: samples in the batch counted.
+        device: where it ran, as text.
+        categories: bytes per category (:data:`CATEGORIES`), counted from tensor storages.
+        shape_only: counted on a shape-only copy (nothing computed); False: on the real step.
+        allocator: torch's allocator at the peak of a measured step (None: not measured).
+        process: the process's memory at that peak: resident set on a CPU, the allocator's
+            reserved bytes on an accelerator (None: not measured or not reported).
+
+    Example:
+        >>> account = MemoryAccount("bf16", 8, "cpu", {"parameters": 4096, "activations": 1024})
+        >>> account.tracked, account.inside_kernels
+        (5120, None)
+    """
+
+    mode: str
+    batch_size: int
+    device: str
+    categories: dict[str, int]
+    shape_only: bool = True
+    allocator: int | None = None
+    process: int | None = None
+
+    @property
+    def tracked(self) -> int:
+        """Bytes the account counts: the sum of its categories."""
+        return sum(self.categories.values())
+
+    @property
+    def inside_kernels(self) -> int | None:
+        """What torch's allocator held beyond the counted tensors: kernels' own buffers."""
+        return None if self.allocator is None else self.allocator - self.tracked
+
+    @property
+    def outside_allocator(self) -> int | None:
+        """What the process held beyond torch's allocator (cache, libraries, heap overhead)."""
+        if self.allocator is None or self.process is None:
+            return None
+        return self.process - self.allocator
+
+    def lines(self) -> dict[str, int | None]:
+        """Every line of the account, categories first, then the measured differences."""
+        return {
+            **{category: self.categories.get(category, 0) for category in CATEGORIES},
+            "inside kernels": self.inside_kernels,
+            "outside the allocator": self.outside_allocator,
+        }
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """:func:`memory`'s answer: an account per mode, or why a mode did not run.
+
+    Example:
+        >>> report = MemoryReport([MemoryAccount("fp32", 8, "cpu", {"activations": 2048})], {})
+        >>> report.result("fp32").tracked
+        2048
+    """
+
+    accounts: list[MemoryAccount]
+    skipped: dict[str, str]
+
+    def result(self, mode: str) -> MemoryAccount:
+        """The account of one mode.
+
+        Raises:
+            KeyError: the mode was not counted (names why when it was skipped).
+        """
+        name = parse_mode(mode).value
+        for account in self.accounts:
+            if account.mode == name:
+                return account
+        raise KeyError(f"no account for {name!r}: {self.skipped.get(name, 'not asked for')}")
+
+    def _columns(self) -> list[str]:
+        shown = [
+            line
+            for line in (*CATEGORIES, "inside kernels", "outside the allocator")
+            if any(account.lines()[line] for account in self.accounts)
+        ]
+        return shown
+
+    def _rows(self) -> list[list[str]]:
+        columns = self._columns()
+        rows = [
+            [account.mode, str(account.batch_size)]
+            + [_bytes(account.lines()[column]) for column in columns]
+            + [format_bytes(account.tracked)]
+            for account in self.accounts
+        ]
+        width = len(columns) + 1
+        rows += [
+            [mode, "-", f"not run: {why}", *[""] * (width - 1)]
+            for mode, why in self.skipped.items()
+        ]
+        return rows
+
+    def _headers(self) -> list[str]:
+        return ["mode", "batch", *self._columns(), "counted"]
+
+    def __str__(self) -> str:
+        notes = []
+        if any(not account.shape_only for account in self.accounts):
+            notes.append("counted on the real step: the model's forward needs real values")
+        if all(account.allocator is None for account in self.accounts):
+            notes.append("not measured: the lines beyond the counted tensors need measure=True")
+        device = self.accounts[0].device if self.accounts else "-"
+        return (
+            text_table(self._headers(), self._rows())
+            + f"\n({device}; {'; '.join(notes) or 'measured'})"
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        return html_table(self._headers(), self._rows())
+
+
+def _bytes(value: int | None) -> str:
+    return "-" if value is None else format_bytes(value)
+
+
+def memory(
+    make_run: MakeRun,
+    modes: Iterable[str] = ("fp32", "bf16", "fp16"),
+    *,
+    batch_size: int | None = None,
+    measure: bool = True,
+) -> MemoryReport:
+    """Count where one training step's memory goes, per mode, for the run ``make_run`` builds.
+
+    Args:
+        make_run: as for :func:`mpnb.compare`: ``make_run(mode)`` returns ``(trainer, data, ...)``.
+        modes: the modes to count; checked before anything runs. A mode this device cannot
+            run is listed with the reason.
+        batch_size: the batch to count (its first batch, grown or cut to this size; default:
+            the data's first batch as it is).
+        measure: also run the step for real (a fresh run trains a warm-up step and the step)
+            and measure what the account cannot see.
+
+    Raises:
+        InvalidChoiceError: an unknown mode.
+        ValueError: a batch size below 1.
+        TypeError: ``make_run`` does not return a run.
+    """
+    names = [parse_mode(mode).value for mode in modes]
+    if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
+        raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+    accounts, skipped = [], {}
+    for name in names:
+        try:
+            trainer, data, _ = built_run(make_run, name)
+        except MpnbError as error:
+            skipped[name] = str(error)
+            continue
+        batch = first_batch(data)
+        if batch_size is not None:
+            batch = with_batch_size(batch, batch_size)
+        account = account_step(trainer, batch)
+        if measure:
+            trainer, _, _ = built_run(make_run, name)
+            account = measure_step(trainer, batch, account)
+        accounts.append(account)
+    return MemoryReport(accounts, skipped)
+
+
+def first_batch(data: Any) -> Any:
+    """The first batch of a run's data.
+
+    Raises:
+        ValueError: the data yields no batch.
+    """
+    for batch in data:
+        return batch
+    raise ValueError("the run's data yields no batch to measure with")
+
+
+def account_step(trainer: Any, batch: Any) -> MemoryAccount:
+    """Count ``trainer``'s training step on ``batch`` by category (see the module's docstring).
+
+    On a shape-only copy, so ``trainer`` is left as it was; a model whose forward needs real
+    values is counted on the real step, which trains ``trainer`` (a warm-up step and the step).
+    """
+    batch = to_device(batch, trainer.device)
+    steps = [_step(trainer, part) for part in _with_warm_up(batch)]
+    model, optimizer = trainer.model, trainer.optimizer
+    try:
+        counted, shape_only = tracked_peak(model, optimizer, steps, fake=True), True
+    except Exception:  # a forward that reads values (.item(), a data-dependent branch)
+        counted, shape_only = tracked_peak(model, optimizer, steps, fake=False), False
+    counted.pop("total")
+    counted["batch"] = _batch_bytes(batch)
+    return MemoryAccount(
+        trainer.amp.precision.mode.value,
+        samples_in(batch) or 0,
+        str(trainer.device),
+        counted,
+        shape_only,
+    )
+
+
+def measure_step(trainer: Any, batch: Any, account: MemoryAccount) -> MemoryAccount:
+    """``account`` with what a real run of the step used: ``trainer`` (a fresh run) trains a
+    warm-up step and then ``batch``, and the allocator's and the process's peaks are read."""
+    device = trainer.device
+    backend = backend_for(device)
+    batch = to_device(batch, device)
+    resident = _resident_bytes(trainer, batch)
+    trainer.dashboard = None
+    gc.collect()
+    backend.release_cached_memory()
+    before = backend.memory(device.index)
+    backend.reset_peak_memory(device.index)
+
+    def train() -> None:
+        trainer.fit(_with_warm_up(batch), epochs=1)
+
+    if device.type == "cpu":
+        allocator = resident + cpu_allocator_peak(train)
+        after = backend.memory(device.index)
+        process = _over(after.peak, before.used, resident)
+    else:
+        train()
+        after = backend.memory(device.index)
+        allocator = _over(after.peak, before.used, resident)
+        process = _over(after.reserved, before.used, resident)
+    return dataclasses.replace(account, allocator=allocator, process=process)
+
+
+def _with_warm_up(batch: Any) -> list[Any]:
+    return [with_batch_size(batch, WARM_UP_SAMPLES), batch]
+
+
+def _over(peak: int | None, before: int | None, resident: int) -> int | None:
+    return None if peak is None or before is None else resident + peak - before
+
+
+def _step(trainer: Any, batch: Any) -> Any:
+    """The training step the account runs: the trainer's forward under its autocast, backward,
+    the optimizer's step (the loss scaler changes no memory worth counting)."""
+    precision = trainer.amp.precision
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        with precision.autocast.context():
+            loss = batch_loss(model, batch, trainer.loss_fn, trainer.step_fn)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _batch_bytes(batch: Any) -> int:
+    return storage_bytes(tensors_in(batch))
+
+
+def _resident_bytes(trainer: Any, batch: Any) -> int:
+    """What a measured step finds in memory before it starts and the account counts: the
+    model's parameters and buffers, the optimizer's state and the batch."""
+    state = [
+        value
+        for per_parameter in trainer.optimizer.state.values()
+        for value in per_parameter.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    model = trainer.model
+    return storage_bytes([*model.parameters(), *model.buffers(), *state]) + _batch_bytes(batch)

@@ -1,0 +1,185 @@
+"""The memory account: a step's bytes by category, counted from storages on a shape-only copy,
+the same run after run, adding up, and cross-checked against torch's allocator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mpnb
+import mpnb.examples as ex
+from mpnb.analysis.memory import CATEGORIES, account_step
+from tests.conformance.models import gpt2_model
+
+
+def cnn_run(mode, widths=(8, 16), batch_size=32):
+    torch.manual_seed(0)
+    model = ex.DigitsCNN(widths, image_size=28)
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.Adam(model.parameters()),
+        nn.functional.cross_entropy,
+        mode=mode,
+        device="cpu",
+        dashboard=None,
+    )
+    batch = (torch.randn(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,)))
+    return trainer, [batch]
+
+
+def bytes_of(tensors):
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def test_torch_still_offers_the_tracker_and_the_events_the_account_reads():
+    """The adapter's private torch API: if torch renames it, this fails before any number is wrong."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    from mpnb.analysis._torch_memory import _CATEGORY_OF, cpu_allocator_peak
+
+    kinds = {kind.name for kind in _MemRefType}
+    assert kinds >= {"PARAM", "BUFFER", "GRAD", "ACT", "TEMP", "OPT"} and kinds <= set(_CATEGORY_OF)
+    assert callable(MemTracker().get_tracker_snapshot) and callable(MemTracker.reset_mod_stats)
+    assert cpu_allocator_peak(lambda: torch.ones(2**20, dtype=torch.uint8).add_(1)) >= 2**20
+
+
+def test_parameters_and_adam_state_are_counted_exactly_and_the_categories_add_up():
+    trainer, data = cnn_run("fp32")
+    account = account_step(trainer, data[0])
+    parameters = list(trainer.model.parameters())
+    assert account.categories["parameters"] == bytes_of(parameters)
+    # Adam: two moments of each parameter's size, and a one-element step count per parameter
+    assert account.categories["optimizer state"] == 2 * bytes_of(parameters) + 4 * len(parameters)
+    assert account.categories["batch"] == bytes_of(data[0])
+    assert account.tracked == sum(account.categories.values()) and set(account.categories) <= set(
+        CATEGORIES
+    )
+    assert account.shape_only and account.batch_size == 32
+
+
+def test_the_account_leaves_the_run_untouched_and_is_the_same_every_time():
+    trainer, data = cnn_run("bf16")
+    weights = [parameter.detach().clone() for parameter in trainer.model.parameters()]
+    first, second = account_step(trainer, data[0]), account_step(trainer, data[0])
+    assert first == second
+    assert all(
+        torch.equal(before, after) for before, after in zip(weights, trainer.model.parameters())
+    )
+    assert not trainer.optimizer.state and trainer.amp.steps == 0
+
+
+def test_bf16_shrinks_the_activations_and_adds_the_bf16_weights_saved_for_backward():
+    fp32_trainer, data = cnn_run("fp32")
+    fp32 = account_step(fp32_trainer, data[0])
+    bf16_trainer, data = cnn_run("bf16")
+    bf16 = account_step(bf16_trainer, data[0])
+    assert bf16.categories["activations"] < 0.75 * fp32.categories["activations"]
+    assert fp32.categories["weight copies"] == 0
+    # autocast casts each layer's weight and bias; backward keeps the weight's copy (for the
+    # input's gradient), not the bias's
+    weights = [
+        module.weight
+        for module in bf16_trainer.model.modules()
+        if isinstance(module, (nn.Conv2d, nn.Linear))
+    ]
+    assert bf16.categories["weight copies"] == sum(weight.numel() * 2 for weight in weights)
+
+
+def test_activations_grow_linearly_with_the_batch():
+    trainer, data = cnn_run("fp32")
+    sizes = (16, 32, 64)
+    activations = [
+        account_step(trainer, mpnb.training.batches.with_batch_size(data[0], size)).categories[
+            "activations"
+        ]
+        for size in sizes
+    ]
+    assert activations[2] - activations[1] == 2 * (activations[1] - activations[0]) > 0
+
+
+class ReadsItsValues(nn.Module):
+    """A forward that branches on a value: a shape-only copy cannot run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if x.sum().item() > 1e9:
+            x = x * 0
+        return self.linear(x)
+
+
+def test_a_forward_that_reads_values_is_counted_on_the_real_step():
+    model = ReadsItsValues()
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.functional.cross_entropy,
+        mode="bf16",
+        device="cpu",
+        dashboard=None,
+    )
+    account = account_step(trainer, (torch.randn(16, 8), torch.randint(0, 4, (16,))))
+    assert not account.shape_only
+    assert account.categories["parameters"] == bytes_of(model.parameters())
+
+
+def test_memory_measures_what_the_account_cannot_see_on_its_own_lines():
+    report = mpnb.memory(lambda mode: cnn_run(mode, widths=(32, 64)), ["fp32", "bf16"])
+    for account in report.accounts:
+        assert account.allocator is not None and account.process is not None
+        # the allocator holds every counted tensor, and kernels' buffers on top
+        assert account.allocator >= 0.95 * account.tracked
+        assert account.inside_kernels == account.allocator - account.tracked
+    text = str(report)
+    assert "inside kernels" in text and "outside the allocator" in text and "activations" in text
+    assert "<table>" in report._repr_html_()
+
+
+def test_memory_lists_a_mode_the_device_cannot_run_and_refuses_bad_input():
+    def refusing(mode):
+        if mode == "fp16":
+            raise mpnb.DeviceUnavailableError("no fp16 here", ["bf16"])
+        return cnn_run(mode)
+
+    report = mpnb.memory(refusing, ["bf16", "fp16"], measure=False)
+    assert report.result("bf16").tracked > 0 and "not run: no fp16 here" in str(report)
+    with pytest.raises(KeyError, match="no fp16 here"):
+        report.result("fp16")
+    with pytest.raises(mpnb.InvalidChoiceError, match="'fp9'"):
+        mpnb.memory(refusing, ["fp9"])
+    with pytest.raises(ValueError, match="batch_size must be a whole number >= 1, got 0"):
+        mpnb.memory(refusing, ["bf16"], batch_size=0)
+
+
+def test_a_make_run_that_returns_only_a_trainer_is_told_what_to_return():
+    expected = r"make_run\('bf16'\) returned a Trainer.*\(trainer, data\)"
+    for analysis in (mpnb.memory, mpnb.max_batch_size, mpnb.compare):
+        with pytest.raises(TypeError, match=expected):
+            analysis(lambda mode: cnn_run(mode)[0], ["bf16"])
+
+
+def gpt2_run(mode):
+    pytest.importorskip("transformers")
+    model = gpt2_model(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    trainer = mpnb.Trainer(
+        model, torch.optim.AdamW(model.parameters()), mode=mode, device="cpu", dashboard=None
+    )
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
+    return trainer, [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}]
+
+
+def test_a_gpt2_with_dict_batches_is_counted_and_sized():
+    report = mpnb.memory(gpt2_run, ["fp32", "bf16"], batch_size=32)
+    fp32, bf16 = report.result("fp32"), report.result("bf16")
+    assert fp32.shape_only and bf16.shape_only and fp32.batch_size == 32
+    assert bf16.categories["activations"] < fp32.categories["activations"]
+    assert bf16.categories["weight copies"] > 0
+    sizes = mpnb.max_batch_size(gpt2_run, ["fp32", "bf16"], memory_budget="96 MiB", start=8)
+    for mode in ("fp32", "bf16"):
+        result = sizes.result(mode)
+        assert result.batch_size > 8 and result.peak <= sizes.budget, str(sizes)
+        assert result.account is not None and result.account.batch_size == result.batch_size
+    assert sizes.result("bf16").batch_size > sizes.result("fp32").batch_size
