@@ -8,16 +8,6 @@ relative error of outputs and gradients against fp32. From these it writes concr
 which dtype, which modules' ops to put on the FP32 list, and a GradScaler ``init_scale``
 that avoids the first-step overflow. (HF transformers' DebugUnderflowOverflow watches the
 forward pass only and prints text; this covers backward too and says what to change.)
-
-Example:
-    >>> import torch
-    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    >>> batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
-    >>> report = advise(model, batch, torch.nn.functional.cross_entropy, device="cpu")
-    >>> [row.module for row in report.rows]
-    ['0', '1', '2']
-    >>> report.fp16_overflow, report.recommended_dtype
-    ([], 'bf16')
 """
 
 from __future__ import annotations
@@ -97,6 +87,16 @@ class Advice:
         init_scale: a GradScaler ``init_scale`` whose first step does not overflow.
         recommended_dtype: ``"bf16"`` or ``"fp16"``.
         advice: the recommendations, as sentences.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        >>> batch = (torch.ones(8, 4), torch.zeros(8, 4))
+        >>> advice = advise(model, batch, torch.nn.functional.mse_loss, device="cpu")
+        >>> [(row.module, row.kind) for row in advice.rows]
+        [('0', 'Linear'), ('1', 'Tanh')]
+        >>> advice.recommended_dtype, advice.fp16_overflow, advice.underflow
+        ('bf16', [], [])
     """
 
     rows: list[ModuleNumerics]
@@ -274,6 +274,18 @@ def advise(
         batch: ``(inputs, targets)``.
         loss_fn: ``loss_fn(outputs, targets) -> scalar``.
         device: where to run; default the model's device.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(
+        ...     torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+        ... )
+        >>> batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
+        >>> report = advise(model, batch, torch.nn.functional.cross_entropy, device="cpu")
+        >>> [row.module for row in report.rows]
+        ['0', '1', '2']
+        >>> report.fp16_overflow, report.recommended_dtype
+        ([], 'bf16')
     """
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     target = resolve_device(device) if device is not None or first is None else first.device

@@ -14,15 +14,6 @@ The batch of each trial is the run's first batch, grown along its first dimensio
 budget is compared with torch's allocator at the step's peak (the resident set adds the heap's
 own overhead: :func:`mpnb.memory` shows it as a line of its own); by default half the memory
 available when the search starts.
-
-Example:
-    >>> import mpnb.examples as ex
-    >>> def make_run(mode):
-    ...     trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
-    ...     return trainer, train
-    >>> report = max_batch_size(make_run, ["fp32"], memory_budget="64 MiB", limit=64)
-    >>> report.result("fp32").batch_size, report.result("fp32").limited_by
-    (64, 'limit')
 """
 
 from __future__ import annotations
@@ -220,6 +211,15 @@ def max_batch_size(
         InvalidChoiceError: an unknown mode.
         ValueError: bad sizes or budget.
         TypeError: ``make_run`` does not return a run.
+
+    Example:
+        >>> import mpnb.examples as ex
+        >>> def make_run(mode):
+        ...     trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
+        ...     return trainer, train
+        >>> report = max_batch_size(make_run, ["fp32"], memory_budget="64 MiB", limit=64)
+        >>> report.result("fp32").batch_size, report.result("fp32").limited_by
+        (64, 'limit')
     """
     names = [parse_mode(mode).value for mode in modes]
     if not 1 <= start <= limit:

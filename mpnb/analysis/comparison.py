@@ -7,15 +7,6 @@ its interquartile range, the speedup over fp32 with its interval, throughput, th
 the mode's own turns, final loss, an optional metric, and skipped steps
 (:mod:`mpnb.analysis.results`). A mode the device cannot run is listed with the reason,
 never dropped.
-
-Example:
-    >>> import mpnb.examples as ex
-    >>> def make_run(mode):
-    ...     trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
-    ...     return trainer, train
-    >>> result = compare(make_run, modes=["fp32", "bf16"], steps=3, warmup=1, progress=None)
-    >>> [row["mode"] for row in result.rows()], result.results[1].history.mode[-1]
-    (['fp32', 'bf16'], 'bf16')
 """
 
 from __future__ import annotations
@@ -73,6 +64,15 @@ class ComparisonProgress:
     of ``steps`` steps, the first ``warmup`` of them untimed;
     ``finished(result)`` hears each mode's end, ``close(comparison)`` the whole result.
     ``shows_table``: whether the view puts the comparison's table on screen itself when it closes.
+
+    Example:
+        >>> class Announce(ComparisonProgress):
+        ...     def finished(self, result):
+        ...         print(f"{result.mode} done")
+        >>> Announce().finished(ModeResult("bf16"))  # as compare(..., progress=Announce()) would
+        bf16 done
+        >>> ComparisonProgress().sink_for("bf16", steps=10) is None
+        True
     """
 
     shows_table = False
@@ -206,6 +206,15 @@ def compare(
     Raises:
         InvalidChoiceError: an unknown mode name.
         ValueError: steps < 1, warmup < 0 or block < 1.
+
+    Example:
+        >>> import mpnb.examples as ex
+        >>> def make_run(mode):
+        ...     trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
+        ...     return trainer, train
+        >>> result = compare(make_run, modes=["fp32", "bf16"], steps=3, warmup=1, progress=None)
+        >>> [row["mode"] for row in result.rows()], result.results[1].history.mode[-1]
+        (['fp32', 'bf16'], 'bf16')
     """
     return compare_runs(
         lambda name: _BuiltRun(

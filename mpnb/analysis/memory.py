@@ -17,18 +17,6 @@ real step instead. The account sees tensors; a *measured* step (:func:`measure_s
 what the account cannot, each on its own line: memory kernels take for themselves inside
 torch's allocator (a CPU without bf16 units converts bf16 convolutions through such buffers),
 and what the process holds beyond the allocator (the CPU's resident set, the CUDA cache).
-
-Example:
-    >>> import mpnb.examples as ex
-    >>> def make_run(mode):
-    ...     trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
-    ...     return trainer, train
-    >>> report = memory(make_run, ["fp32", "bf16"], batch_size=64, measure=False)
-    >>> fp32, bf16 = report.result("fp32"), report.result("bf16")
-    >>> bf16.categories["activations"] < fp32.categories["activations"]
-    True
-    >>> fp32.categories["weight copies"], bf16.categories["weight copies"] > 0
-    (0, True)
 """
 
 from __future__ import annotations
@@ -223,6 +211,18 @@ def memory(
         InvalidChoiceError: an unknown mode.
         ValueError: a batch size below 1.
         TypeError: ``make_run`` does not return a run.
+
+    Example:
+        >>> import mpnb.examples as ex
+        >>> def make_run(mode):
+        ...     trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
+        ...     return trainer, train
+        >>> report = memory(make_run, ["fp32", "bf16"], batch_size=64, measure=False)
+        >>> fp32, bf16 = report.result("fp32"), report.result("bf16")
+        >>> bf16.categories["activations"] < fp32.categories["activations"]
+        True
+        >>> fp32.categories["weight copies"], bf16.categories["weight copies"] > 0
+        (0, True)
     """
     names = [parse_mode(mode).value for mode in modes]
     if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):

@@ -74,6 +74,17 @@ class ModeResult:
             between steps (weights, optimizer state).
         inert: the mode changes nothing on this hardware (tf32 where fp32 math stays exact),
             so its speedup is only noise.
+
+    Example:
+        >>> from mpnb.training.history import History
+        >>> history = History()
+        >>> history.extend({"step": [1, 2, 3, 4], "loss": [1.0, 0.8, 0.6, 0.5],
+        ...                 "step_time": [0.5, 0.020, 0.021, 0.019]})
+        >>> bf16 = ModeResult("bf16", history, timed_from=1)
+        >>> bf16.median_step_s, bf16.summary()["timed_steps"], bf16.summary()["final_loss"]
+        (0.02, 3, 0.5)
+        >>> ModeResult("fp16", skipped_reason="no fp16 here").summary()["timed_steps"]
+        0
     """
 
     mode: str
@@ -190,6 +201,19 @@ class Comparison:
         warmup: untimed steps per mode.
         metric_name: the table's name for the metric column.
         block: timed steps per turn (``block >= steps``: the modes ran one after another).
+
+    Example:
+        >>> from mpnb.training.history import History
+        >>> def result(mode, seconds):
+        ...     history = History()
+        ...     history.extend({"step": [1, 2, 3, 4], "loss": [1.0] * 4, "step_time": [seconds] * 4})
+        ...     return ModeResult(mode, history, blocks=[(0, 2), (2, 4)])
+        >>> skipped = ModeResult("fp16", skipped_reason="no fp16 here")
+        >>> comparison = Comparison([result("fp32", 0.04), result("bf16", 0.02), skipped], 4, 0)
+        >>> comparison.speedup("bf16").median, comparison.result("fp16").skipped_reason
+        (2.0, 'no fp16 here')
+        >>> [row["mode"] for row in comparison.rows()]
+        ['fp32', 'bf16', 'fp16']
     """
 
     results: list[ModeResult]

@@ -46,6 +46,10 @@ def available_device_types() -> list[str]:
 def backend_for(device: str | torch.device) -> Backend:
     """The backend for a device or device type (``"cuda:1"`` -> the CUDA backend).
 
+    Example:
+        >>> backend_for("cuda:1").label, backend_for(torch.device("cpu")).type
+        ('CUDA GPU', 'cpu')
+
     Raises:
         InvalidChoiceError: mpnb has no backend for that device type.
     """
@@ -58,6 +62,14 @@ def backend_for(device: str | torch.device) -> Backend:
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
     """Turn ``device`` into a torch.device that is present here; None picks cuda > hpu > cpu.
+
+    Example:
+        >>> resolve_device(" CPU")
+        device(type='cpu')
+        >>> resolve_device("tpu")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.InvalidChoiceError: unknown device 'tpu'; valid: cuda, hpu, cpu, cuda:N, hpu:N
 
     Raises:
         InvalidChoiceError: ``device`` is not a device name mpnb knows.

@@ -49,6 +49,13 @@ class MemorySnapshot:
         peak: the most bytes in use so far.
         reserved: bytes held by the allocator's cache.
         limit: bytes the device lets this process use at most.
+
+    Example:
+        >>> snapshot = MemorySnapshot("torch's allocator", used=1536, peak=2048)
+        >>> print(snapshot)
+        used 1.5 KiB, peak 2.0 KiB (torch's allocator)
+        >>> snapshot.fields()["limit"] is None
+        True
     """
 
     source: str
@@ -76,7 +83,15 @@ class MemorySnapshot:
 
 
 class Backend:
-    """A device type as mpnb sees it. Defaults describe a device with no special support."""
+    """A device type as mpnb sees it. Defaults describe a device with no special support.
+
+    Example:
+        >>> class ToyBackend(Backend):
+        ...     type, label = "toy", "toy accelerator"
+        >>> toy = ToyBackend()
+        >>> toy.is_available(), toy.unavailable_reason(), toy.preferred_dtype()
+        (False, 'no toy accelerator on this machine', torch.bfloat16)
+    """
 
     type: str = "?"
     label: str = "unknown device"
