@@ -34,7 +34,7 @@ Example:
     >>> provide(nothing=print)
     Traceback (most recent call last):
     ...
-    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure, rank_dashboard
+    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure, memory_figure, rank_dashboard
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ VIEW_NAMES = (
     "history_figure",
     "comparison_progress",
     "advice_figure",
+    "memory_figure",
     "rank_dashboard",
 )
 

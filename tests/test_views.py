@@ -30,6 +30,7 @@ def test_import_mpnb_installs_the_jupyter_views():
         "history_figure": ui_views.history_figure,
         "comparison_progress": ui_views.comparison_progress,
         "advice_figure": ui_views.advice_figure,
+        "memory_figure": ui_views.memory_figure,
         "rank_dashboard": ui_views.make_rank_dashboard,
     }
 

@@ -30,8 +30,8 @@ import psutil
 import torch
 
 from mpnb._render import html_table, text_table
-from mpnb.analysis.comparison import MakeRun, built_run
-from mpnb.analysis.memory import MemoryAccount, account_step, first_batch, measure_step
+from mpnb.analysis.memory import MemoryAccount, account_step, measure_step
+from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode
@@ -200,7 +200,8 @@ def max_batch_size(
     Args:
         make_run: as for :func:`mpnb.compare`: ``make_run(mode)`` returns ``(trainer, data, ...)``.
         modes: modes to measure; checked before anything runs.
-        start: the batch size of the first real step (the second is twice as large).
+        start: the batch size of the first real step (the second is twice as large, or 1.5
+            times when twice would take longer than ``trial_seconds``).
         limit: the largest size considered.
         memory_budget: bytes (or ``"4 GiB"``) a step's peak may use. Default: the device's
             memory on an accelerator (running out of memory decides), half the available memory
@@ -266,8 +267,10 @@ class _Search:
         first = self.step(start)
         if not first.fits:
             return self._down_from(start)
-        second_size = min(2 * start, limit)
-        if second_size > start and self._affordable(second_size):
+        # a second real step draws the line of what the account misses: twice the first, or,
+        # when that would take longer than trial_seconds, half as large again
+        second_size = min(2 * start if self._affordable(2 * start) else start + start // 2, limit)
+        if second_size > start:
             second = self.step(second_size)
             if not second.fits:
                 return self._bisect(start, second_size)

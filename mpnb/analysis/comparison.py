@@ -12,11 +12,14 @@ never dropped.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from mpnb import views
+from mpnb.analysis.memory import MemoryAccount, account_step
+from mpnb.analysis.random_state import kept_random_state
 from mpnb.analysis.results import Comparison, ModeResult
+from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
 from mpnb.analysis.slow_modes import slow_reason
 from mpnb.precision.backends import backend_for
@@ -25,36 +28,6 @@ from mpnb.training.control import refuse_inside_a_fit
 from mpnb.training.telemetry import Sink
 
 __all__ = ["Comparison", "ComparisonProgress", "ModeResult", "compare"]
-
-#: ``make_run(mode)`` returns ``(trainer, train_data)`` or ``(trainer, train_data, metric)``,
-#: where ``metric(trainer) -> float`` is measured after training (test accuracy, say).
-MakeRun = Callable[[str], Sequence[Any]]
-
-
-def built_run(make_run: MakeRun, mode: str) -> tuple[Any, Any, Callable[[Any], float] | None]:
-    """``make_run(mode)``, checked: its trainer, its data and its metric (None without one).
-
-    Example:
-        >>> built_run(lambda mode: "a trainer", "bf16")
-        Traceback (most recent call last):
-        ...
-        TypeError: make_run('bf16') returned a str; it must return (trainer, data) or (trainer, data, metric), e.g. return trainer, train_loader
-
-    Raises:
-        TypeError: ``make_run`` returned something else than 2 or 3 items with a trainer first.
-    """
-    run = make_run(mode)
-    shape = "(trainer, data) or (trainer, data, metric), e.g. return trainer, train_loader"
-    if not isinstance(run, (tuple, list)) or len(run) not in (2, 3):
-        got = f"{len(run)} items" if isinstance(run, (tuple, list)) else f"a {type(run).__name__}"
-        raise TypeError(f"make_run({mode!r}) returned {got}; it must return {shape}")
-    trainer = run[0]
-    if not hasattr(trainer, "fit") or not hasattr(trainer, "amp"):
-        raise TypeError(
-            f"make_run({mode!r}) returned a {type(trainer).__name__} first; it must return {shape} "
-            "with an mpnb.Trainer"
-        )
-    return trainer, run[1], run[2] if len(run) == 3 else None
 
 
 class ComparisonProgress:
@@ -103,8 +76,15 @@ def _notes(trainer: Any) -> list[str]:
     return [f"{reason}: expect this to be slow"] if reason else []
 
 
-def mode_result(name: str, trainer: Any, warmup: int, metric: float = math.nan) -> ModeResult:
-    """The result of a finished run: ``trainer``'s history with the first ``warmup`` steps untimed."""
+def mode_result(
+    name: str,
+    trainer: Any,
+    warmup: int,
+    metric: float = math.nan,
+    memory: MemoryAccount | None = None,
+) -> ModeResult:
+    """The result of a finished run: ``trainer``'s history with the first ``warmup`` steps
+    untimed, and the account of its step's memory if counted."""
     history = trainer.history
     inert = name == "tf32" and not backend_for(trainer.device).has_fast_fp32_math()
     return ModeResult(
@@ -114,6 +94,7 @@ def mode_result(name: str, trainer: Any, warmup: int, metric: float = math.nan) 
         metric=metric,
         notes=_notes(trainer),
         inert=inert,
+        memory=memory,
     )
 
 
@@ -272,4 +253,13 @@ class _BuiltRun:
 
     def result(self, warmup: int) -> ModeResult:
         value = float(self.metric(self.trainer)) if self.metric is not None else math.nan
-        return mode_result(self.name, self.trainer, warmup, value)
+        return mode_result(self.name, self.trainer, warmup, value, self._memory())
+
+    def _memory(self) -> MemoryAccount | None:
+        """The account of the run's step on its data's first batch, read again without changing
+        the random state (a DataLoader's iterator draws a seed); None for a one-shot iterator,
+        whose batches are used up."""
+        if isinstance(self.data, Iterator):
+            return None
+        with kept_random_state(self.trainer.device.type):
+            return account_step(self.trainer, first_batch(self.data))

@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
+from mpnb import views
 from mpnb._render import html_table, text_table
 from mpnb.analysis._torch_memory import cpu_allocator_peak, storage_bytes, tracked_peak
-from mpnb.analysis.comparison import MakeRun, built_run
+from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode
@@ -141,14 +142,15 @@ class MemoryReport:
         raise KeyError(f"no account for {name!r}: {self.skipped.get(name, 'not asked for')}")
 
     def _columns(self) -> list[str]:
-        shown = [
+        return [
             line
             for line in (*CATEGORIES, "inside kernels", "outside the allocator")
             if any(account.lines()[line] for account in self.accounts)
         ]
-        return shown
 
-    def _rows(self) -> list[list[str]]:
+    def table(self) -> list[list[str]]:
+        """The rows of the table, formatted: a mode per row, a line of the account per column
+        (lines empty in every mode are left out; see :meth:`headers`)."""
         columns = self._columns()
         rows = [
             [account.mode, str(account.batch_size)]
@@ -163,8 +165,13 @@ class MemoryReport:
         ]
         return rows
 
-    def _headers(self) -> list[str]:
+    def headers(self) -> list[str]:
+        """The table's column names."""
         return ["mode", "batch", *self._columns(), "counted"]
+
+    def figure(self) -> Any:
+        """Stacked bars: a bar per mode, a segment per line (needs the notebook extras)."""
+        return views.view("memory_figure")(self)
 
     def __str__(self) -> str:
         notes = []
@@ -174,7 +181,7 @@ class MemoryReport:
             notes.append("not measured: the lines beyond the counted tensors need measure=True")
         device = self.accounts[0].device if self.accounts else "-"
         return (
-            text_table(self._headers(), self._rows())
+            text_table(self.headers(), self.table())
             + f"\n({device}; {'; '.join(notes) or 'measured'})"
         )
 
@@ -182,7 +189,7 @@ class MemoryReport:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
-        return html_table(self._headers(), self._rows())
+        return html_table(self.headers(), self.table())
 
 
 def _bytes(value: int | None) -> str:
@@ -243,17 +250,6 @@ def memory(
             account = measure_step(trainer, batch, account)
         accounts.append(account)
     return MemoryReport(accounts, skipped)
-
-
-def first_batch(data: Any) -> Any:
-    """The first batch of a run's data.
-
-    Raises:
-        ValueError: the data yields no batch.
-    """
-    for batch in data:
-        return batch
-    raise ValueError("the run's data yields no batch to measure with")
 
 
 def account_step(trainer: Any, batch: Any) -> MemoryAccount:

@@ -29,6 +29,7 @@ from typing import Any
 
 from mpnb._files import atomic_write
 from mpnb._render import csv_cell, html_table, text_table
+from mpnb.analysis.memory import CATEGORIES, MemoryAccount, MemoryReport
 from mpnb.analysis.timing import NO_SPEEDUP, Speedup, StepTimeStats, speedup_over, step_time_stats
 from mpnb.precision.backends import format_bytes
 from mpnb.precision.modes import parse_mode
@@ -97,6 +98,7 @@ class ModeResult:
     peak_memory: float = math.nan
     added_memory: float = math.nan
     inert: bool = False
+    memory: MemoryAccount | None = None
 
     def block_times(self) -> list[list[float]]:
         """The timed step times (seconds), one list per turn, of :attr:`timed_size` steps."""
@@ -178,6 +180,12 @@ class ModeResult:
             "skipped_steps": base.get("skipped", 0),
             "skipped_reason": self.skipped_reason,
             "notes": [*self.notes, warning] if warning else list(self.notes),
+            **{
+                f"memory {category}": self.memory.categories.get(category, 0)
+                if self.memory
+                else math.nan
+                for category in CATEGORIES
+            },
         }
 
 
@@ -294,14 +302,26 @@ class Comparison:
     def _columns(self) -> list[str]:
         return [self.metric_name if column == "metric" else column for column in _COLUMNS]
 
+    def memory_report(self) -> MemoryReport:
+        """Each mode's memory account, by category (modes without one are left out)."""
+        return MemoryReport([r.memory for r in self.results if r.memory is not None], {})
+
     def __str__(self) -> str:
-        return text_table(self._columns(), self._table())
+        text = text_table(self._columns(), self._table())
+        memory = self.memory_report()
+        if memory.accounts:
+            text += f"\n\n{_MEMORY_TITLE}:\n{text_table(memory.headers(), memory.table())}"
+        return text
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
-        return html_table(self._columns(), self._table())
+        page = html_table(self._columns(), self._table())
+        memory = self.memory_report()
+        if memory.accounts:
+            page += f"<p>{_MEMORY_TITLE}:</p>{html_table(memory.headers(), memory.table())}"
+        return page
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write the rows as JSON (NaN and infinities as null: strict JSON has neither).
@@ -333,6 +353,9 @@ class Comparison:
             for row in rows:
                 cells = {**row, "notes": "; ".join(row["notes"])}
                 writer.writerow({name: csv_cell(value) for name, value in cells.items()})
+
+
+_MEMORY_TITLE = "memory of a step, by category (counted on each mode's first batch)"
 
 
 def _number(value: float, pattern: str) -> str:

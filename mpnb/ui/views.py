@@ -20,6 +20,7 @@ from mpnb.ui.environment import display_kind
 if TYPE_CHECKING:
     from mpnb.analysis.advisor import Advice
     from mpnb.analysis.comparison import ComparisonProgress
+    from mpnb.analysis.memory import MemoryReport
     from mpnb.distributed.rank_rows import RanksView
     from mpnb.training.control import FitControl
     from mpnb.training.history import History
@@ -31,7 +32,8 @@ __all__ = ["install"]
 def make_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> list[Sink]:
     """Sinks for ``kind`` (see :func:`~mpnb.ui.environment.display_kind`); a live dashboard is displayed now.
 
-    With a ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot, and
+    With a ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot (and,
+    for a Trainer's, a memory-by-category view below: :mod:`mpnb.ui.widgets.memory_view`), and
     the fit is abandoned if the cell running now raises and leaves it open (see :mod:`mpnb.ui.cell_end`).
     """
     from mpnb.ui.cell_end import end_with_its_cell
@@ -54,7 +56,12 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
     from mpnb.ui.widgets.fit_controls import FitButtons
 
     buttons = FitButtons(control)
-    display(VBox([buttons.widget, dashboard.figure]))
+    shown = [buttons.widget, dashboard.figure]
+    if control.subject is not None:  # a Trainer: its step can be counted by category
+        from mpnb.ui.widgets.memory_view import MemoryView
+
+        shown.append(MemoryView(control.subject).widget)
+    display(VBox(shown))
     return [dashboard, buttons]
 
 
@@ -93,6 +100,13 @@ def comparison_progress(kind: str, modes: Sequence[str], title: str = "") -> Com
     return make_comparison_progress(kind, modes, title)
 
 
+def memory_figure(report: MemoryReport) -> Any:
+    """Where a step's memory goes, per mode, as stacked bars (plotly)."""
+    from mpnb.ui.plots.memory_figure import memory_figure as figure
+
+    return figure(report)
+
+
 def advice_figure(advice: Advice) -> Any:
     """The numerics advisor's heatmap (plotly)."""
     from mpnb.ui.plots.advice_figure import advice_heatmap
@@ -115,5 +129,6 @@ def install() -> None:
         history_figure=history_figure,
         comparison_progress=comparison_progress,
         advice_figure=advice_figure,
+        memory_figure=memory_figure,
         rank_dashboard=make_rank_dashboard,
     )

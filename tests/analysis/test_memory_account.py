@@ -3,6 +3,8 @@ the same run after run, adding up, and cross-checked against torch's allocator."
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 from torch import nn
@@ -183,3 +185,32 @@ def test_a_gpt2_with_dict_batches_is_counted_and_sized():
         assert result.batch_size > 8 and result.peak <= sizes.budget, str(sizes)
         assert result.account is not None and result.account.batch_size == result.batch_size
     assert sizes.result("bf16").batch_size > sizes.result("fp32").batch_size
+
+
+def test_compare_shows_each_modes_memory_by_category_in_its_table_files_and_report(tmp_path):
+    import json
+
+    from mpnb.ui.plots.compare_report import write_comparison_files
+
+    comparison = mpnb.compare(cnn_run, ["fp32", "bf16"], steps=2, warmup=1, progress=None)
+    fp32, bf16 = comparison.result("fp32").memory, comparison.result("bf16").memory
+    assert bf16.categories["activations"] < fp32.categories["activations"]
+    assert bf16.categories["weight copies"] > 0 == fp32.categories["weight copies"]
+    assert "memory of a step, by category" in str(comparison)
+    _, json_path, report_path = write_comparison_files(tmp_path, comparison, "cnn")
+    rows = json.loads(pathlib.Path(json_path).read_text())["modes"]
+    assert [row["memory activations"] for row in rows] == [
+        fp32.categories["activations"],
+        bf16.categories["activations"],
+    ]
+    page = pathlib.Path(report_path).read_text()
+    assert "memory of a training step, by category" in page and "weight copies" in page
+
+
+def test_compare_leaves_a_one_shot_iterator_uncounted_and_its_run_unchanged():
+    def one_shot(mode):
+        trainer, data = cnn_run(mode)
+        return trainer, iter(data * 3)
+
+    comparison = mpnb.compare(one_shot, ["bf16"], steps=2, warmup=1, progress=None)
+    assert comparison.result("bf16").memory is None and len(comparison.result("bf16").history) == 3

@@ -4,8 +4,9 @@ The figure overlays the modes in five panels that share one legend (a click on a
 it everywhere): loss, and its difference from fp32's loss at the same step; the loss scale
 on a log axis with skipped steps marked; memory in use; and step time of the timed steps,
 raw (faint) and smoothed. Each mode has its own colour and line style, so curves that lie
-on top of each other stay visible. The report adds the comparison table and the device
-report; plotly.js is embedded, so the page opens with no network.
+on top of each other stay visible. The report adds the comparison table, each mode's memory by
+category (stacked bars: what bf16 saves on activations, what its weight copies add) and the
+device report; plotly.js is embedded, so the page opens with no network.
 
 Example:
     >>> from mpnb.analysis.comparison import Comparison, ModeResult
@@ -33,6 +34,7 @@ from plotly.subplots import make_subplots
 from mpnb._files import atomic_write
 from mpnb.analysis.comparison import Comparison
 from mpnb.training.history import History
+from mpnb.ui.plots.memory_figure import memory_figure
 
 __all__: list[str] = []
 
@@ -195,6 +197,14 @@ def comparison_html(comparison: Comparison, title: str, device_report: str = "")
     plot = comparison_figure(comparison).to_html(
         include_plotlyjs=True, full_html=False, config={"displaylogo": False}
     )
+    memory = comparison.memory_report()
+    bars = (
+        memory_figure(memory).to_html(
+            include_plotlyjs=False, full_html=False, config={"displaylogo": False}
+        )
+        if memory.accounts
+        else ""
+    )
     device = f"<h2>Device</h2><pre>{html.escape(device_report)}</pre>" if device_report else ""
     return (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
@@ -202,7 +212,7 @@ def comparison_html(comparison: Comparison, title: str, device_report: str = "")
         "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 12px}</style></head><body>"
         f"<h1>{html.escape(title)}</h1>"
         f"<p>{_method(comparison)}</p>"
-        f"{comparison._repr_html_()}{plot}{device}</body></html>\n"
+        f"{comparison._repr_html_()}{plot}{bars}{device}</body></html>\n"
     )
 
 

@@ -1,0 +1,54 @@
+"""The run an analysis asks ``make_run(mode)`` for, checked before it is used.
+
+:func:`mpnb.compare`, :func:`mpnb.memory` and :func:`mpnb.max_batch_size` all take a
+``make_run``: a function that builds a fresh run for a mode, so that every mode starts from
+the same model, data and seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__: list[str] = []
+
+#: ``make_run(mode)`` returns ``(trainer, train_data)`` or ``(trainer, train_data, metric)``,
+#: where ``metric(trainer) -> float`` is measured after training (test accuracy, say).
+MakeRun = Callable[[str], Sequence[Any]]
+
+
+def built_run(make_run: MakeRun, mode: str) -> tuple[Any, Any, Callable[[Any], float] | None]:
+    """``make_run(mode)``, checked: its trainer, its data and its metric (None without one).
+
+    Example:
+        >>> built_run(lambda mode: "a trainer", "bf16")
+        Traceback (most recent call last):
+        ...
+        TypeError: make_run('bf16') returned a str; it must return (trainer, data) or (trainer, data, metric), e.g. return trainer, train_loader
+
+    Raises:
+        TypeError: ``make_run`` returned something else than 2 or 3 items with a trainer first.
+    """
+    run = make_run(mode)
+    shape = "(trainer, data) or (trainer, data, metric), e.g. return trainer, train_loader"
+    if not isinstance(run, (tuple, list)) or len(run) not in (2, 3):
+        got = f"{len(run)} items" if isinstance(run, (tuple, list)) else f"a {type(run).__name__}"
+        raise TypeError(f"make_run({mode!r}) returned {got}; it must return {shape}")
+    trainer = run[0]
+    if not hasattr(trainer, "fit") or not hasattr(trainer, "amp"):
+        raise TypeError(
+            f"make_run({mode!r}) returned a {type(trainer).__name__} first; it must return {shape} "
+            "with an mpnb.Trainer"
+        )
+    return trainer, run[1], run[2] if len(run) == 3 else None
+
+
+def first_batch(data: Any) -> Any:
+    """The first batch of a run's data.
+
+    Raises:
+        ValueError: the data yields no batch.
+    """
+    for batch in data:
+        return batch
+    raise ValueError("the run's data yields no batch to measure with")
