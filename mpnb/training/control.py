@@ -113,6 +113,8 @@ class FitControl:
         pollers: called at every checkpoint, and repeatedly while paused.
         state: a :class:`FitState`; views show it.
         on_state: called with the new state after each change of :attr:`state`.
+        subject: what the control steers (its :class:`~mpnb.Trainer`), for views that show
+            more of it than its telemetry; None for a bare control.
 
     Example (what a training loop and a Pause / Stop button do with it):
         >>> control = FitControl()
@@ -133,6 +135,7 @@ class FitControl:
         self.on_state: list[Callable[[FitState], None]] = []
         self.state = FitState.IDLE
         self.abandoned_because: str | None = None
+        self.subject: Any = None
         self._stop = False
         self._paused = False
         self._changed: list[str] = []

@@ -199,6 +199,8 @@ class Trainer:
         self._ended = FitEnd.NOT_RUN
         self._window_start = (0, 0)  # position of the current accumulation window's first batch
         self.control = FitControl()
+        self.control.subject = self  # a dashboard's memory view counts this trainer's step
+        self._last_batch: Any = None  # the batch trained last, on the device
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
         self._follower = SessionFollower(self)  # the session's switches made while a fit runs
         # The batches the last fit read and did not train (the one read when it stopped; for a
@@ -212,6 +214,12 @@ class Trainer:
     def history(self) -> History:
         """Every recorded step."""
         return self.amp.history
+
+    @property
+    def last_batch(self) -> Any:
+        """The batch trained last, as it went to the model (on its device); None before the
+        first. ``mpnb.memory`` and the dashboard's memory view count a step on it."""
+        return self._last_batch
 
     @property
     def position(self) -> tuple[int, int, int | None]:
@@ -497,7 +505,7 @@ class Trainer:
             self._epoch, self._batch = self._window_start
 
     def _train_batch(self, batch: Any) -> bool:
-        batch = to_device(batch, self._batch_device)
+        batch = self._last_batch = to_device(batch, self._batch_device)
         return self.amp.train_step(
             lambda: batch_loss(self.model, batch, self.loss_fn, self.step_fn), samples_in(batch)
         )

@@ -1,0 +1,39 @@
+"""The dashboard's memory view: a click during a fit counts a step of it by category, between
+optimizer steps, and the fit trains exactly as it would have without it."""
+
+from __future__ import annotations
+
+import torch
+
+import mpnb.examples as ex
+from mpnb.ui.views import make_dashboard
+from mpnb.ui.widgets.memory_view import MemoryView
+
+
+def test_a_count_asked_for_mid_fit_is_drawn_and_leaves_the_fit_exact():
+    reference, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    reference.fit(train, max_steps=6)
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    view = MemoryView(trainer)
+
+    def click_at_step_three():  # a poller runs at each checkpoint, as a delivered click does
+        if trainer.amp.steps == 3 and not view.figure.data:
+            view.button.click()
+
+    trainer.control.pollers.append(click_at_step_three)
+    trainer.fit(train, max_steps=6)
+    assert view.note.value == "step 3, bf16, counted on shape-only tensors"
+    drawn = {trace.name: trace.x[0] for trace in view.figure.data}
+    assert drawn["weight copies"] > 0 and drawn["activations"] > 0
+    assert all(
+        torch.equal(mine, theirs)
+        for mine, theirs in zip(trainer.model.parameters(), reference.model.parameters())
+    )
+    assert trainer.history.loss == reference.history.loss
+
+
+def test_a_live_dashboard_of_a_trainer_carries_the_memory_view(capsys):
+    trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    make_dashboard("live", "digits", trainer.control)
+    shown = capsys.readouterr().out  # outside a notebook, display() prints the widgets' text
+    assert "description='Stop'" in shown and "description='Memory by category'" in shown
