@@ -12,6 +12,7 @@ Plain Python::
     mpnb.max_batch_size(make_run, modes=["fp32", "bf16"])  # the largest batch that fits, per mode
     mpnb.memory(make_run, modes=["fp32", "bf16"])  # where a step's memory goes, by category
     mpnb.advise(model, (x, y), loss_fn)  # fp16 overflow / underflow per module, and what to do
+    mpnb.locate_nonfinite(model, lambda: loss_fn(model(x), y), dtype=torch.float16)  # where inf/NaN began
     mpnb.devices()                       # what this machine can do
     trainer = mpnb.Trainer(model, optimizer, loss_fn)   # AMP training with telemetry
     history = trainer.fit(data)          # live dashboard in a notebook, text elsewhere
@@ -49,6 +50,7 @@ from mpnb.oplists.trace import Trace, trace
 from mpnb.precision import Mode, autocast, get_mode, get_oplists, hmp, set_mode, set_oplists, tf32
 from mpnb.precision.status import DeviceReport, Status, devices, status
 from mpnb.training import AmpStep, FitInterrupted, History, Trainer
+from mpnb.training.numerics_origin import Origin, locate_nonfinite
 from mpnb.ui.views import install as _install_ui_views
 
 # The core asks mpnb.views for its dashboards and figures; the Jupyter ones are the default.
@@ -67,6 +69,8 @@ __all__ = [
     "Status",
     "DeviceReport",
     "Trainer",
+    "locate_nonfinite",
+    "Origin",
     "AmpStep",
     "History",
     "FitInterrupted",

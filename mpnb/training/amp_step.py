@@ -183,6 +183,8 @@ class AmpStep:
         self.epoch = 0
         self._window = Window()
         self._step_watch = OptimizerStepWatch(optimizer)
+        self.last_skipped: torch.Tensor | bool = False  # the last optimizer step's, as measured
+        self.last_scale: torch.Tensor | float = 1.0  # the loss scale it used
 
     # -- the three calls of a training step ---------------------------------------------
 
@@ -344,6 +346,8 @@ class AmpStep:
         The row is recorded however this ends: the weights have moved, so the step must count
         and its window must never be trained again, even when the scheduler or a sink fails.
         """
+        # what the step's caller may ask (a skipped fp16 step's replay): host-known or a tensor
+        self.last_skipped, self.last_scale = skipped, scale_before
         try:
             self.scaler.update()
             if self.scheduler is not None and self._step_watch.stepped:

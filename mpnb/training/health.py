@@ -92,7 +92,10 @@ class HealthWatch(Sink):
 
     def _report(self, history: History, index: int, kind: str, what: str) -> None:
         self.found.add(kind)
-        message = f"{what}; {ADVICE.get(history.mode[index], ADVICE[''])}"
+        # where the first skipped step's overflow began, when a replay named it (the origin)
+        named = [e for e in history.events if e.get("kind") == "origin" and "origin" in e]
+        where = f" (step {named[-1]['step']}: {named[-1]['origin']})" if named else ""
+        message = f"{what}{where}; {ADVICE.get(history.mode[index], ADVICE[''])}"
         if self.on_nonfinite == "stop":
             self.stop = True
             message += " (stopping: on_nonfinite='stop')"

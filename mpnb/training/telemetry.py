@@ -178,7 +178,7 @@ class Recorder:
             self._append(rows)
         except Exception:  # a bad row among them: the others one by one, then name the bad ones
             refused = self._append_each(rows)
-            self._tell_sinks()
+            self.tell_sinks()
             shown = "; ".join(refused[:3]) + (
                 f"; and {len(refused) - 3} more" if len(refused) > 3 else ""
             )
@@ -186,7 +186,7 @@ class Recorder:
         except BaseException:  # an interrupt: nothing recorded yet, nothing lost
             self._pending[:0] = rows
             raise
-        self._tell_sinks()
+        self.tell_sinks()
 
     def _append(self, rows: list[dict[str, Any]]) -> None:
         columns = _columns_of(rows)
@@ -206,7 +206,8 @@ class Recorder:
                 refused.append(f"step {row.get('step', '?')}: {error}")
         return refused
 
-    def _tell_sinks(self) -> None:
+    def tell_sinks(self) -> None:
+        """Show the sinks the history as it is (after an event noted between two flushes)."""
         for sink in self.sinks:
             sink.update(self.history)
 

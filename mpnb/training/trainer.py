@@ -45,8 +45,10 @@ from mpnb.training.checkpoint import (
     write_checkpoint,
 )
 from mpnb.training.control import FitControl, FitEnd, running_on_this_thread
+from mpnb.training.fp32_modules import Fp32Modules
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
+from mpnb.training.numerics_origin import FirstSkipLocator
 from mpnb.training.parallel import agreed_stop, check_strategy, rank_share, wrap_model
 from mpnb.training.session_follow import SessionFollower
 from mpnb.training.sharded_checkpoint import load_sharded, save_sharded
@@ -132,6 +134,10 @@ class Trainer:
         growth_interval: its growth interval in steps; None: GradScaler's (``2000``).
         min_scale: warn (once) when the fp16 loss scale falls below this.
         flush_every: steps between device-to-host telemetry copies.
+        locate_overflow: at each fit's first skipped fp16 step, replay it to name the module
+            and op where the overflow began (an ``"origin"`` event on the history, marked on the
+            dashboard, named by a later alarm; see :mod:`mpnb.training.numerics_origin`). One
+            process only.
 
     Attributes:
         history: every step of every ``fit`` call so far.
@@ -162,6 +168,7 @@ class Trainer:
         growth_interval: int | None = None,
         min_scale: float | None = None,
         flush_every: int = 64,
+        locate_overflow: bool = True,
     ) -> None:
         if loss_fn is not None and step_fn is not None:
             raise MpnbError(
@@ -201,6 +208,8 @@ class Trainer:
         self.control = FitControl()
         self.control.subject = self  # a dashboard's memory view counts this trainer's step
         self._last_batch: Any = None  # the batch trained last, on the device
+        self._locator = FirstSkipLocator() if locate_overflow and strategy is None else None
+        self._fp32 = Fp32Modules(self.model, self.device.type)  # remedies of the running fit
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
         self._follower = SessionFollower(self)  # the session's switches made while a fit runs
         # The batches the last fit read and did not train (the one read when it stopped; for a
@@ -348,6 +357,8 @@ class Trainer:
         self.model.train()
         self.control.begin()
         self.amp.health.restart(self.history)  # each fit reports its own first problem
+        if self._locator is not None:
+            self._locator.start(self.amp.precision.needs_scaler)
         self._follower.restart()
         try:
             with self._math, StopRequest() as stop:
@@ -362,6 +373,7 @@ class Trainer:
             raise
         finally:
             self._one_shot = self._reader = None
+            self._fp32.release()  # a remedy lasts the fit it was applied for
             self.control.end()
             self.amp.close()
             for sink in sinks:
@@ -506,9 +518,49 @@ class Trainer:
 
     def _train_batch(self, batch: Any) -> bool:
         batch = self._last_batch = to_device(batch, self._batch_device)
-        return self.amp.train_step(
-            lambda: batch_loss(self.model, batch, self.loss_fn, self.step_fn), samples_in(batch)
+
+        def loss() -> torch.Tensor:
+            return batch_loss(self.model, batch, self.loss_fn, self.step_fn)
+
+        if self._locator is None:
+            return self.amp.train_step(loss, samples_in(batch))
+        self._locator.before_step(self.device.type)
+        stepped = self.amp.train_step(loss, samples_in(batch))
+        origin = self._locator.after_step(self.amp, self.model, loss)
+        if origin is not None:
+            self.amp.recorder.tell_sinks()  # a dashboard offers the remedy before the next step
+        return stepped
+
+    def keep_in_fp32(self, module: str) -> str:
+        """The remedy for an overflow named in one module: run ``module`` in float32 (autocast
+        off inside it, its inputs cast up) from the next step until the end of this fit (or of
+        the next, when no fit runs), noted on the history as a switch. Call it between steps:
+        from a dashboard button, a callback, or between fits. Returns the module's name.
+
+        ``module`` may be a name as the model gives it (``"transformer.h.1.mlp.c_proj"``) or
+        as an ``"origin"`` event gives it (the root's class first).
+
+        Example:
+            >>> import mpnb.examples as ex
+            >>> trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+            >>> trainer.keep_in_fp32("classifier")
+            'classifier'
+            >>> trainer.fit(train, max_steps=2).events[-1]["message"]
+            'classifier runs in fp32 (autocast off inside it)'
+            >>> "forward" in vars(trainer.model.classifier)  # put back when the fit ended
+            False
+
+        Raises:
+            MpnbError: no module of that name (the closest names are listed); nothing changes.
+        """
+        found = self._fp32.keep(module)
+        self.history.note(
+            f"{found} runs in fp32 (autocast off inside it)",
+            kind="switch",
+            step=self.amp.steps,
+            module=found,
         )
+        return found
 
     def describe(self) -> str:
         """``"DigitsCNN, bf16 on cpu, 25,578 parameters"``."""

@@ -33,7 +33,8 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
     """Sinks for ``kind`` (see :func:`~mpnb.ui.environment.display_kind`); a live dashboard is displayed now.
 
     With a ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot (and,
-    for a Trainer's, a memory-by-category view below: :mod:`mpnb.ui.widgets.memory_view`), and
+    for a Trainer's, the remedy for a named overflow and a memory-by-category view below:
+    :mod:`mpnb.ui.widgets.remedy_view`, :mod:`mpnb.ui.widgets.memory_view`), and
     the fit is abandoned if the cell running now raises and leaves it open (see :mod:`mpnb.ui.cell_end`).
     """
     from mpnb.ui.cell_end import end_with_its_cell
@@ -56,13 +57,16 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
     from mpnb.ui.widgets.fit_controls import FitButtons
 
     buttons = FitButtons(control)
-    shown = [buttons.widget, dashboard.figure]
-    if control.subject is not None:  # a Trainer: its step can be counted by category
+    shown, sinks = [buttons.widget, dashboard.figure], [dashboard, buttons]
+    if control.subject is not None:  # a Trainer: its step counted, its overflow remedied
         from mpnb.ui.widgets.memory_view import MemoryView
+        from mpnb.ui.widgets.remedy_view import RemedyView
 
-        shown.append(MemoryView(control.subject).widget)
+        remedy = RemedyView(control.subject)
+        shown += [remedy.widget, MemoryView(control.subject).widget]
+        sinks.append(remedy)
     display(VBox(shown))
-    return [dashboard, buttons]
+    return sinks
 
 
 def make_rank_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> RanksView:

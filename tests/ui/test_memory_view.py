@@ -37,3 +37,26 @@ def test_a_live_dashboard_of_a_trainer_carries_the_memory_view(capsys):
     make_dashboard("live", "digits", trainer.control)
     shown = capsys.readouterr().out  # outside a notebook, display() prints the widgets' text
     assert "description='Stop'" in shown and "description='Memory by category'" in shown
+
+
+def test_the_remedy_button_offered_for_a_named_overflow_stops_the_skips_mid_fit():
+    import warnings
+
+    from mpnb.ui.widgets.remedy_view import RemedyView
+    from tests.training.test_numerics_origin import gpt2_batches, gpt2_trainer
+
+    trainer = gpt2_trainer()
+    view = RemedyView(trainer)
+    trainer.amp.recorder.sinks.append(view)
+
+    def click_when_offered():  # a poller runs at each checkpoint, as a delivered click does
+        if view.module is not None and not view.button.disabled:
+            view.button.click()
+
+    trainer.control.pollers.append(click_when_offered)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        history = trainer.fit(gpt2_batches(4))
+    assert view.button.description == "Run transformer.h.1.mlp.c_proj in fp32"
+    assert history.skipped == [True, False, False, False]
+    assert "runs in fp32 from the next step" in view.note.value

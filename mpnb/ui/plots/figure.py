@@ -27,7 +27,7 @@ from mpnb.training.history import ALARM_KINDS, History
 __all__: list[str] = []
 
 #: The history events a dashboard marks with a vertical line.
-MARKED_KINDS = ("switch", *ALARM_KINDS)
+MARKED_KINDS = ("switch", "origin", *ALARM_KINDS)
 
 MIB = 2.0**20
 
@@ -113,12 +113,12 @@ def marked_events(history: History, start: int = 0) -> list[dict]:
 
 
 def mark_event(figure: go.Figure, event: dict) -> None:
-    """A dotted vertical line on every panel where a switch took effect or an alarm went off, labelled on the
-    loss panel (alarms in red)."""
+    """A dotted vertical line on every panel where a switch took effect, an alarm went off or a
+    skipped step's origin was named, labelled on the loss panel (alarms in red)."""
     alarm = event.get("kind") in ALARM_KINDS
     color = "#c0392b" if alarm else "#555"
-    # a switch acts between two steps; an alarm is about its own step
-    x = event["step"] if alarm else event["step"] - 0.5
+    # a switch acts between two steps; an alarm or a named origin is about its own step
+    x = event["step"] if alarm or event.get("kind") == "origin" else event["step"] - 0.5
     figure.add_vline(x=x, line={"dash": "dot", "color": color, "width": 1}, row="all", col="all")
     figure.add_annotation(
         x=x,

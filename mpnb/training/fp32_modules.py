@@ -1,0 +1,105 @@
+"""Modules kept in float32 inside an autocast model: the remedy for an overflow named in one.
+
+When a step's overflow is traced to one module (:mod:`mpnb.training.numerics_origin`), the
+smallest change that stops it is to run that module in float32: autocast is off inside it and
+its floating inputs are cast up, so its ops compute in float32 and its output leaves in float32
+(the next module casts again as autocast says). The rest of the model keeps its mode.
+
+The change is to the module object's ``forward`` (an attribute set on the instance, the class
+untouched) and is undone exactly: :meth:`Fp32Modules.release` deletes it again, or puts back an
+instance ``forward`` the module had. Hooks, parameters and the state dict are not touched.
+
+Example:
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    >>> kept = Fp32Modules(model, "cpu")
+    >>> kept.keep("1")
+    '1'
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     model[0](torch.ones(1, 4)).dtype, model(torch.ones(1, 4)).dtype
+    (torch.bfloat16, torch.float32)
+    >>> kept.release()
+    >>> "forward" in vars(model[1])
+    False
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from mpnb.errors import MpnbError
+
+__all__: list[str] = []
+
+_LOW = (torch.float16, torch.bfloat16)
+_ABSENT = object()
+
+
+class Fp32Modules:
+    """The modules of ``model`` kept in float32, by name, and how to put each back."""
+
+    def __init__(self, model: nn.Module, device_type: str) -> None:
+        self.model, self.device_type = model, device_type
+        self._saved: dict[str, tuple[nn.Module, Any]] = {}
+
+    @property
+    def names(self) -> list[str]:
+        """The modules kept in float32 now, in the order they were asked for."""
+        return list(self._saved)
+
+    def keep(self, name: str) -> str:
+        """Run module ``name`` in float32 from its next call; returns the name as the model
+        knows it. A name as the numerics origin gives it (the root's class first) works too.
+
+        Raises:
+            MpnbError: no module of that name (the message lists the closest names); nothing
+                changes.
+        """
+        found = self._resolve(name)
+        if found in self._saved:
+            return found
+        module = self.model.get_submodule(found)
+        before = vars(module).get("forward", _ABSENT)
+        forward = module.forward
+        device_type = self.device_type
+
+        @functools.wraps(forward)
+        def in_float32(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = pytree.tree_map(_up, (args, kwargs))
+            with torch.autocast(device_type, enabled=False):
+                return forward(*args, **kwargs)
+
+        module.forward = in_float32
+        self._saved[found] = (module, before)
+        return found
+
+    def release(self, name: str | None = None) -> None:
+        """Put module ``name`` (every kept module for None) back as it was."""
+        for kept in [name] if name is not None else list(self._saved):
+            module, before = self._saved.pop(self._resolve(kept))
+            if before is _ABSENT:
+                del module.forward
+            else:
+                module.forward = before
+
+    def _resolve(self, name: str) -> str:
+        names = [found for found, _ in self.model.named_modules() if found]
+        if name in names:
+            return name
+        root = type(self.model).__name__
+        if name.startswith(root + ".") and name[len(root) + 1 :] in names:
+            return name[len(root) + 1 :]
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+        hint = f"; closest: {', '.join(close)}" if close else f"; it has {len(names)} modules"
+        raise MpnbError(f"the model has no module named {name!r}{hint}")
+
+
+def _up(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in _LOW:
+        return value.float()
+    return value

@@ -1,0 +1,311 @@
+"""Where a non-finite value first appeared in a training step: the module, the op, forward or
+backward, and the value it would have had.
+
+A skipped fp16 step says *that* a gradient overflowed, not *where*. :func:`locate_nonfinite`
+replays the step (forward under the step's autocast, backward of the loss times the scale the
+step used) with every op watched in execution order: the first op whose inputs are finite and
+whose output is not is the origin. The module it ran in comes from torch's own module tracker
+(``torch.distributed._tools.mod_tracker.ModTracker``, which follows the module hierarchy in
+backward too); for an overflow the op is run again on float32 copies of its inputs to say how
+large the value would have been. Each op's check reads a flag back from the device: a replay
+is slow, and runs only when asked or at a fit's first skipped step.
+
+A replay changes nothing: the parameters' gradients are dropped afterwards, buffers (a
+BatchNorm's running statistics) and the random state are put back as they were, and the random
+state of the step is used when given, so dropout repeats. A replay can only find what the step
+would do again: the weights must be those of the step (GradScaler skipped its update), and a
+step whose weights already hold NaN has nothing left to find (the report says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Origin", "locate_nonfinite"]
+
+#: The history event kind of a named origin.
+ORIGIN_KIND = "origin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where the first non-finite value of a step appeared.
+
+    Attributes:
+        module: the innermost module running (its qualified name, the root's class first), or
+            ``""`` when it appeared outside every module (the loss function).
+        op: the ATen op that made it (``"aten.addmm"``).
+        phase: ``"forward"`` or ``"backward"``.
+        kind: ``"overflow"`` (an inf from finite inputs), ``"nan"`` (a NaN from finite inputs),
+            or ``"input"`` (the op's inputs already held inf/NaN: the weights or the batch).
+        dtype: the output's dtype (``"float16"``).
+        would_be: the largest magnitude the output has when the op runs in float32 (NaN when
+            not an overflow or not computable).
+        limit: the largest finite value of ``dtype``.
+
+    Example:
+        >>> origin = Origin("GPT2.h.1.mlp.c_proj", "aten.mm", "backward", "overflow", "float16", 7.1e4, 65504.0)
+        >>> str(origin)
+        'float16 overflow first in GPT2.h.1.mlp.c_proj, backward (aten.mm): 7.1e+04 > 65504'
+    """
+
+    module: str
+    op: str
+    phase: str
+    kind: str
+    dtype: str
+    would_be: float = math.nan
+    limit: float = math.nan
+
+    def __str__(self) -> str:
+        where = f"in {self.module}" if self.module else "outside every module (the loss?)"
+        if self.kind == "overflow":
+            value = (
+                f": {self.would_be:.2g} > {self.limit:.0f}" if math.isfinite(self.would_be) else ""
+            )
+            return f"{self.dtype} overflow first {where}, {self.phase} ({self.op}){value}"
+        if self.kind == "nan":
+            return f"{self.dtype} NaN first {where}, {self.phase} ({self.op})"
+        return (
+            f"inf/NaN already in the inputs of {self.op} {where}, {self.phase}: "
+            "the weights or the batch hold them, so the step cannot show where they began"
+        )
+
+
+def locate_nonfinite(
+    model: nn.Module,
+    compute_loss: Callable[[], torch.Tensor],
+    *,
+    dtype: torch.dtype | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    device_type: str = "cpu",
+    scale: float = 1.0,
+    random_state: Any = None,
+) -> Origin | None:
+    """Replay one step of ``model`` and return where its first inf/NaN appeared (None: the
+    step stays finite; its loss too).
+
+    Args:
+        model: the model the loss comes from; its modules name the origin.
+        compute_loss: runs the forward and returns the loss (as the training step does).
+        dtype: autocast's dtype for the forward (None: no autocast).
+        autocast: instead of ``dtype``, a function that returns the forward's context (a
+            trainer's, with its op lists).
+        device_type: the device the step runs on.
+        scale: the loss scale the step used (GradScaler's, before its update): the backward
+            sees the same magnitudes.
+        random_state: :func:`random_state` taken before the step, so that dropout repeats.
+
+    Example:
+        >>> class Planted(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        ...     def forward(self, x):
+        ...         return self.second(torch.log(self.first(x)))  # log of a negative: NaN
+        >>> model = Planted()
+        >>> with torch.no_grad():
+        ...     _ = model.first.bias.fill_(-10.0)
+        >>> origin = locate_nonfinite(model, lambda: model(torch.zeros(2, 4)).sum(), dtype=torch.bfloat16)
+        >>> origin.module, origin.op, origin.phase, origin.kind
+        ('Planted', 'aten.log', 'forward', 'nan')
+    """
+    if autocast is None:
+        autocast = lambda: torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)  # noqa: E731
+    with _replay(model, device_type, random_state), _Watch() as watch:
+        with autocast():
+            loss = compute_loss()
+        if watch.origin is None and loss.requires_grad:
+            (loss.float() * scale).backward()
+    return watch.origin
+
+
+def random_state(device_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU and ``device_type``'s random state, to hand to :func:`locate_nonfinite`."""
+    device_module = getattr(torch, device_type, None) if device_type != "cpu" else None
+    getter = getattr(device_module, "get_rng_state", None)
+    return torch.get_rng_state(), getter() if callable(getter) else None
+
+
+@contextlib.contextmanager
+def _replay(model: nn.Module, device_type: str, state: Any) -> Iterator[None]:
+    """Run a step that leaves no trace: gradients dropped, buffers and random state restored."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    before = random_state(device_type)
+    if state is not None:
+        _set_random_state(device_type, state)
+    try:
+        yield
+    finally:
+        for parameter in model.parameters():
+            parameter.grad = None
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        _set_random_state(device_type, before)
+
+
+def _set_random_state(device_type: str, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    cpu, device = state
+    torch.set_rng_state(cpu)
+    if device is not None:
+        getattr(torch, device_type).set_rng_state(device)
+
+
+#: Ops whose output holds whatever the memory held (filled by the next op): never an origin.
+_UNINITIALIZED = ("aten.empty", "aten.new_empty", "aten.resize_", "aten.set_")
+
+
+class _Watch(TorchDispatchMode):
+    """Checks every op's output in execution order and keeps the first non-finite one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        self.tracker = ModTracker()
+        self.origin: Origin | None = None
+
+    def __enter__(self) -> _Watch:
+        self.tracker.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.tracker.__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.origin is None and not _op_name(func).startswith(_UNINITIALIZED):
+            bad = next((t for t in _floats(out) if not bool(torch.isfinite(t).all())), None)
+            if bad is not None:
+                self.origin = self._origin(func, args, kwargs, bad)
+        return out
+
+    def _origin(self, func: Any, args: Any, kwargs: Any, bad: torch.Tensor) -> Origin:
+        inputs_finite = all(bool(torch.isfinite(t).all()) for t in _floats((args, kwargs)))
+        has_nan = bool(torch.isnan(bad).any())
+        kind = "input" if not inputs_finite else "nan" if has_nan else "overflow"
+        would_be = math.nan
+        if kind == "overflow" and bad.dtype in (torch.float16, torch.bfloat16):
+            would_be = _in_float32(func, args, kwargs)
+        modules = [name for name in self.tracker.parents if name != "Global"]
+        innermost = max(modules, key=lambda name: name.count("."), default="")
+        return Origin(
+            module=innermost,
+            op=_op_name(func),
+            phase="backward" if self.tracker.is_bw else "forward",
+            kind=kind,
+            dtype=str(bad.dtype).removeprefix("torch."),
+            would_be=would_be,
+            limit=torch.finfo(bad.dtype).max,
+        )
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    return [
+        leaf
+        for leaf in pytree.tree_leaves(value)
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel()
+    ]
+
+
+def _in_float32(func: Any, args: Any, kwargs: Any) -> float:
+    """The largest magnitude of ``func``'s output computed on float32 copies of its inputs."""
+
+    def up(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+            return value.float()
+        if isinstance(value, torch.dtype) and value in (torch.float16, torch.bfloat16):
+            return torch.float32
+        return value
+
+    try:
+        out = func(*pytree.tree_map(up, args), **pytree.tree_map(up, kwargs))
+    except Exception:  # an op with no float32 form for these arguments
+        return math.nan
+    magnitudes = [float(t.abs().max()) for t in _floats(out)]
+    return max(magnitudes, default=math.nan)
+
+
+def _op_name(func: Any) -> str:
+    """``aten.addmm`` for ``aten.addmm.default``."""
+    name = str(func)
+    return name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
+
+
+class FirstSkipLocator:
+    """Names the origin of a fit's first skipped fp16 step, right after it.
+
+    GradScaler skips the update of a step whose gradients overflowed, so the weights are still
+    the step's, and the trainer still holds its batch: the step is replayed under
+    :func:`locate_nonfinite`, with the random state taken before it and the scale it used, and
+    the origin is noted on the history (an event of kind ``"origin"``, which dashboards mark and
+    offer a remedy for). It is no alarm: a first skip is often GradScaler finding its scale; an
+    alarm that follows (a collapsed scale) names it. Only the first skip of each fit is replayed; taking the random state costs a few microseconds a step in
+    fp16, nothing in other modes.
+
+    Example:
+        >>> locator = FirstSkipLocator()
+        >>> locator.pending
+        False
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._state: Any = None
+
+    def start(self, needs_scaler: bool) -> None:
+        """A fit begins: watch for its first skip when its mode scales the loss."""
+        self.pending, self._state = needs_scaler, None
+
+    def before_step(self, device_type: str) -> None:
+        """A micro-batch is about to train: keep the random state the replay will need."""
+        if self.pending:
+            self._state = random_state(device_type)
+
+    def after_step(
+        self, amp: Any, model: nn.Module, compute_loss: Callable[[], torch.Tensor]
+    ) -> Origin | None:
+        """After ``amp``'s step: if it was the fit's first skip, replay it and note where."""
+        if not self.pending or amp.last_skipped is not True:
+            return None
+        self.pending = False
+        origin = locate_nonfinite(
+            model,
+            compute_loss,
+            autocast=amp.precision.autocast.context,
+            device_type=amp.precision.device.type,
+            scale=float(amp.last_scale),
+            random_state=self._state,
+        )
+        step = amp.steps
+        if origin is None:
+            amp.recorder.history.note(
+                f"step {step} skipped, but its replay stayed finite (a kernel that is not "
+                "deterministic, or the window's earlier micro-batches)",
+                kind=ORIGIN_KIND,
+                step=step,
+            )
+            return None
+        amp.recorder.history.note(
+            f"step {step} skipped: {origin}",
+            kind=ORIGIN_KIND,
+            step=step,
+            origin=str(origin),
+            **{
+                ("problem" if name == "kind" else name): value
+                for name, value in dataclasses.asdict(origin).items()
+            },
+        )
+        return origin

@@ -1,0 +1,166 @@
+"""Where a step's first inf/NaN appeared, named: a replay of the step that watches every op in
+execution order, forward and backward, and leaves the run exactly as it was."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mpnb
+from mpnb.training.numerics_origin import locate_nonfinite
+from tests.conformance.models import gpt2_model
+
+
+def overflowing_gpt2() -> nn.Module:
+    """A GPT-2 from a small config whose second block's MLP projection overflows fp16: its input
+    grown tenfold and its weights scaled to reach 30000 (still finite in fp16)."""
+    model = gpt2_model(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    mlp = model.transformer.h[1].mlp
+    with torch.no_grad():
+        mlp.c_fc.weight.mul_(10)
+        mlp.c_proj.weight.mul_(3e4 / mlp.c_proj.weight.abs().max())
+    return model
+
+
+def gpt2_batches(count: int = 3) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, 96, (4, 16), generator=generator)
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return batches
+
+
+def test_the_first_skipped_step_of_a_gpt2_names_the_projection_that_overflowed():
+    model = overflowing_gpt2()
+    trainer = mpnb.Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4), mode="fp16", device="cpu",
+        dashboard=None, init_scale=1.0,
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"collapsed .*\(step 1: float16 overflow first in"):
+        history = trainer.fit(gpt2_batches())
+    (origin,) = [event for event in history.events if event["kind"] == "origin"]
+    assert origin["module"] == "GPT2LMHeadModel.transformer.h.1.mlp.c_proj"
+    assert (origin["phase"], origin["op"], origin["problem"]) == (
+        "forward",
+        "aten.addmm",
+        "overflow",
+    )
+    assert origin["would_be"] > origin["limit"] == 65504 and origin["step"] == 1
+
+
+class DropoutBatchNormNet(nn.Module):
+    """Dropout (random state) and BatchNorm (running statistics) before a block that overflows
+    fp16 in backward once the loss is scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.stem(images)).flatten(1))
+
+
+def bn_run(locate: bool) -> tuple[mpnb.Trainer, torch.Tensor]:
+    model = DropoutBatchNormNet()
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), nn.functional.cross_entropy,
+        mode="fp16", device="cpu", dashboard=None, init_scale=2.0**30, locate_overflow=locate,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(16, 3, 8, 8, generator=generator), torch.randint(0, 10, (16,), generator=generator))
+        for _ in range(4)
+    ]  # fmt: skip
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        trainer.fit(data)
+    return trainer, torch.get_rng_state()
+
+
+def test_the_replay_leaves_weights_statistics_and_random_state_as_they_would_have_been():
+    (located, located_rng), (plain, plain_rng) = bn_run(locate=True), bn_run(locate=False)
+    assert located.history.skipped[0] and not plain.history.events
+    (origin,) = [event for event in located.history.events if event["kind"] == "origin"]
+    # a scale of 2**30 overflows where the loss's gradient is first cast to fp16, outside every
+    # module; never in an uninitialised buffer (dropout's empty_like holds whatever memory held)
+    assert (origin["phase"], origin["op"], origin["module"]) == ("backward", "aten._to_copy", "")
+    assert origin["problem"] == "overflow" and origin["would_be"] > 65504
+    for mine, theirs in zip(located.model.state_dict().values(), plain.model.state_dict().values()):
+        assert torch.equal(mine, theirs)
+    assert located.history.loss == plain.history.loss
+    assert torch.equal(located_rng, plain_rng)  # dropout drew the same numbers afterwards
+    assert not located.model.stem[0]._forward_hooks and not located.model._forward_pre_hooks
+    assert not torch.nn.modules.module._global_forward_hooks
+
+
+def test_a_bf16_nan_from_a_log_of_a_negative_is_located_in_its_module():
+    class Planted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.logs, self.head = nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 2)
+
+        def forward(self, x):
+            hidden = self.encoder(x)
+            return self.head(torch.log(hidden - 100.0))  # every value negative: NaN
+
+    model = Planted()
+    origin = locate_nonfinite(model, lambda: model(torch.randn(4, 8)).sum(), dtype=torch.bfloat16)
+    assert (origin.module, origin.op, origin.phase, origin.kind) == (
+        "Planted", "aten.log", "forward", "nan"
+    )  # fmt: skip
+    assert "bfloat16 NaN first in Planted, forward (aten.log)" == str(origin)
+
+
+def test_a_step_that_stays_finite_has_no_origin():
+    model = nn.Linear(4, 2)
+    assert locate_nonfinite(model, lambda: model(torch.ones(3, 4)).sum(), scale=2.0**16) is None
+    assert model.weight.grad is None
+
+
+def gpt2_trainer() -> mpnb.Trainer:
+    model = overflowing_gpt2()
+    return mpnb.Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4), mode="fp16", device="cpu",
+        dashboard=None, init_scale=1.0,
+    )  # fmt: skip
+
+
+def test_the_named_module_kept_in_fp32_stops_the_skips_from_the_next_step_of_the_same_fit():
+    trainer = gpt2_trainer()
+
+    def remedy_once_named():  # between steps, as a dashboard button's click is delivered
+        origins = [e for e in trainer.history.events if e["kind"] == "origin"]
+        if origins and not trainer._fp32.names:
+            trainer.keep_in_fp32(origins[0]["module"])
+
+    trainer.control.pollers.append(remedy_once_named)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        history = trainer.fit(gpt2_batches(5))
+    assert history.skipped == [True, False, False, False, False]
+    switch = next(e for e in history.events if e["kind"] == "switch")
+    assert switch["module"] == "transformer.h.1.mlp.c_proj" and switch["step"] == 1
+    # the remedy lasted the fit: the module is as it was, and the next fit skips again
+    trainer.control.pollers.remove(remedy_once_named)
+    assert "forward" not in vars(trainer.model.transformer.h[1].mlp.c_proj)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert trainer.fit(gpt2_batches(1)).skipped[-1]
+
+
+def test_a_module_name_that_is_not_there_is_refused_with_the_closest_names():
+    trainer = gpt2_trainer()
+    with pytest.raises(
+        mpnb.MpnbError,
+        match=r"no module named 'transformer.h.1.mlp.cproj'; closest: transformer.h.1.mlp.c_proj",
+    ):
+        trainer.keep_in_fp32("transformer.h.1.mlp.cproj")
+    assert not trainer.history.events and not trainer._fp32.names
