@@ -121,9 +121,10 @@ def locate_nonfinite(
     """
     if autocast is None:
         autocast = lambda: torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)  # noqa: E731
-    with _replay(model, device_type, random_state), _Watch() as watch:
+    with _replay(model, device_type, random_state), _Watch(model) as watch:
         with autocast():
             loss = compute_loss()
+        watch.loss_done(loss)
         if watch.origin is None and loss.requires_grad:
             (loss.float() * scale).backward()
     return watch.origin
@@ -166,14 +167,34 @@ _UNINITIALIZED = ("aten.empty", "aten.new_empty", "aten.resize_", "aten.set_")
 
 
 class _Watch(TorchDispatchMode):
-    """Checks every op's output in execution order and keeps the first non-finite one."""
+    """Follows a step in execution order and keeps where its first inf/NaN was *made*.
 
-    def __init__(self) -> None:
+    Two levels. At module boundaries (torch's ModTracker hooks): in forward, the first module
+    whose inputs are finite and whose output is not; in backward, the first whose output
+    gradients are finite and whose input gradients are not. Values that stay inside a module
+    (T5 takes the log of 0 to bucket positions, and masks the -inf away) are no origin. At op
+    level (this dispatch mode): the first op of each module that made a non-finite value, which
+    names the op inside the module found. A non-finite loss, or loss gradient, with every module
+    finite is placed outside every module.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         from torch.distributed._tools.mod_tracker import ModTracker
 
+        root = type(model).__name__
+        self.names = {
+            id(module): f"{root}.{name}" if name else root for name, module in model.named_modules()
+        }
         self.tracker = ModTracker()
+        self.tracker.register_user_hooks(
+            post_fw_hook=self._after_forward,
+            pre_bw_hook=self._before_backward,
+            post_bw_hook=self._after_backward,
+        )
         self.origin: Origin | None = None
+        self._ops: list[tuple[str, str, Origin]] = []  # (module, phase, the op's own finding)
+        self._finite_out_grads: set[int] = set()
 
     def __enter__(self) -> _Watch:
         self.tracker.__enter__()
@@ -183,33 +204,82 @@ class _Watch(TorchDispatchMode):
         super().__exit__(*exc)
         self.tracker.__exit__(*exc)
 
+    # -- module boundaries ------------------------------------------------------------------
+
+    def _after_forward(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        if self.origin is None and not _finite(outputs) and _finite(inputs):
+            self._name(self.names.get(id(module), ""), "forward")
+
+    def _before_backward(self, module: nn.Module, grad_outputs: Any) -> None:
+        if self.origin is not None:
+            return
+        if _finite(grad_outputs):
+            self._finite_out_grads.add(id(module))
+        else:  # no module made it: the loss's own backward did
+            self._name("", "backward")
+
+    def _after_backward(self, module: nn.Module, grad_inputs: Any) -> None:
+        if self.origin is None and id(module) in self._finite_out_grads:
+            if not _finite(grad_inputs):
+                self._name(self.names.get(id(module), ""), "backward")
+
+    def loss_done(self, loss: torch.Tensor) -> None:
+        """The forward returned ``loss``: non-finite with every module finite, it was made
+        outside every module."""
+        if self.origin is None and not _finite(loss):
+            self._name("", "forward")
+
+    def _name(self, module: str, phase: str) -> None:
+        """The origin is ``module`` (``""``: outside every module): its first op's finding."""
+        inside = [
+            finding
+            for where, when, finding in self._ops
+            if when == phase and (where == module or where.startswith(module + ".") or not module)
+        ]
+        if module == "":
+            inside = [f for where, when, f in self._ops if when == phase and where == ""] or inside
+        found = inside[0] if inside else Origin(module, "?", phase, "overflow", "?")
+        self.origin = dataclasses.replace(found, module=module, phase=phase)
+
+    # -- ops --------------------------------------------------------------------------------
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.origin is None and not _op_name(func).startswith(_UNINITIALIZED):
             bad = next((t for t in _floats(out) if not bool(torch.isfinite(t).all())), None)
             if bad is not None:
-                self.origin = self._origin(func, args, kwargs, bad)
+                module = self._innermost()
+                phase = "backward" if self.tracker.is_bw else "forward"
+                if not any(where == module and when == phase for where, when, _ in self._ops):
+                    self._ops.append((module, phase, self._finding(func, args, kwargs, bad)))
         return out
 
-    def _origin(self, func: Any, args: Any, kwargs: Any, bad: torch.Tensor) -> Origin:
-        inputs_finite = all(bool(torch.isfinite(t).all()) for t in _floats((args, kwargs)))
+    def _innermost(self) -> str:
+        modules = [name for name in self.tracker.parents if name != "Global"]
+        return max(modules, key=lambda name: name.count("."), default="")
+
+    def _finding(self, func: Any, args: Any, kwargs: Any, bad: torch.Tensor) -> Origin:
+        """What one op did: made an overflow or a NaN from finite inputs, or passed them on."""
+        inputs_finite = _finite((args, kwargs))
         has_nan = bool(torch.isnan(bad).any())
         kind = "input" if not inputs_finite else "nan" if has_nan else "overflow"
         would_be = math.nan
         if kind == "overflow" and bad.dtype in (torch.float16, torch.bfloat16):
             would_be = _in_float32(func, args, kwargs)
-        modules = [name for name in self.tracker.parents if name != "Global"]
-        innermost = max(modules, key=lambda name: name.count("."), default="")
         return Origin(
-            module=innermost,
+            module="",
             op=_op_name(func),
-            phase="backward" if self.tracker.is_bw else "forward",
+            phase="",
             kind=kind,
             dtype=str(bad.dtype).removeprefix("torch."),
             would_be=would_be,
             limit=torch.finfo(bad.dtype).max,
         )
+
+
+def _finite(value: Any) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in _floats(value))
 
 
 def _floats(value: Any) -> list[torch.Tensor]:

@@ -164,3 +164,29 @@ def test_a_module_name_that_is_not_there_is_refused_with_the_closest_names():
     ):
         trainer.keep_in_fp32("transformer.h.1.mlp.cproj")
     assert not trainer.history.events and not trainer._fp32.names
+
+
+def test_a_t5_overflow_is_named_in_its_feed_forward_not_where_t5_makes_infs_on_purpose():
+    """T5 in fp16 with its feed-forward scaled up (transformers' known T5 fp16 overflow). T5's
+    attention takes the log of 0 to bucket relative positions and masks the -inf away: a value
+    that stays inside its module is no origin."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def loss():
+        return model(input_ids=ids, labels=ids).loss
+
+    assert locate_nonfinite(model, loss, dtype=torch.float16) is None  # as built: finite
+    feed_forward = model.encoder.block[1].layer[1].DenseReluDense
+    with torch.no_grad():
+        feed_forward.wi.weight.mul_(30)
+        feed_forward.wo.weight.mul_(3e4 / feed_forward.wo.weight.abs().max())
+    origin = locate_nonfinite(model, loss, dtype=torch.float16)
+    assert origin.module == "T5ForConditionalGeneration.encoder.block.1.layer.1.DenseReluDense.wo"
+    assert (origin.phase, origin.op, origin.kind) == ("forward", "aten.mm", "overflow")
