@@ -34,7 +34,7 @@ Example:
     >>> provide(nothing=print)
     Traceback (most recent call last):
     ...
-    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure, memory_figure, rank_dashboard
+    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure, memory_figure, numerics_figure, rank_dashboard
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ VIEW_NAMES = (
     "comparison_progress",
     "advice_figure",
     "memory_figure",
+    "numerics_figure",
     "rank_dashboard",
 )
 

@@ -31,6 +31,7 @@ def test_import_mpnb_installs_the_jupyter_views():
         "comparison_progress": ui_views.comparison_progress,
         "advice_figure": ui_views.advice_figure,
         "memory_figure": ui_views.memory_figure,
+        "numerics_figure": ui_views.numerics_figure,
         "rank_dashboard": ui_views.make_rank_dashboard,
     }
 

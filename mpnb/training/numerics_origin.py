@@ -193,7 +193,7 @@ class _Watch(TorchDispatchMode):
             post_bw_hook=self._after_backward,
         )
         self.origin: Origin | None = None
-        self._ops: list[tuple[str, str, Origin]] = []  # (module, phase, the op's own finding)
+        self._findings: list[tuple[str, str, Origin]] = []  # (module, phase, the op's own finding)
         self._finite_out_grads: set[int] = set()
 
     def __enter__(self) -> _Watch:
@@ -233,11 +233,13 @@ class _Watch(TorchDispatchMode):
         """The origin is ``module`` (``""``: outside every module): its first op's finding."""
         inside = [
             finding
-            for where, when, finding in self._ops
+            for where, when, finding in self._findings
             if when == phase and (where == module or where.startswith(module + ".") or not module)
         ]
         if module == "":
-            inside = [f for where, when, f in self._ops if when == phase and where == ""] or inside
+            inside = [
+                f for where, when, f in self._findings if when == phase and where == ""
+            ] or inside
         found = inside[0] if inside else Origin(module, "?", phase, "overflow", "?")
         self.origin = dataclasses.replace(found, module=module, phase=phase)
 
@@ -251,8 +253,8 @@ class _Watch(TorchDispatchMode):
             if bad is not None:
                 module = self._innermost()
                 phase = "backward" if self.tracker.is_bw else "forward"
-                if not any(where == module and when == phase for where, when, _ in self._ops):
-                    self._ops.append((module, phase, self._finding(func, args, kwargs, bad)))
+                if not any(where == module and when == phase for where, when, _ in self._findings):
+                    self._findings.append((module, phase, self._finding(func, args, kwargs, bad)))
         return out
 
     def _innermost(self) -> str:

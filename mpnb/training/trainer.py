@@ -49,10 +49,12 @@ from mpnb.training.fp32_modules import Fp32Modules
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
 from mpnb.training.numerics_origin import FirstSkipLocator
+from mpnb.training.numerics_watch import NumericsLog, NumericsWatch
 from mpnb.training.parallel import agreed_stop, check_strategy, rank_share, wrap_model
 from mpnb.training.session_follow import SessionFollower
 from mpnb.training.sharded_checkpoint import load_sharded, save_sharded
 from mpnb.training.step_precision import TrainingPrecision
+from mpnb.training.step_watch import scale_in_use
 from mpnb.training.telemetry import Sink, check_dashboard, dashboard_sinks
 
 __all__ = ["Trainer", "FitInterrupted"]
@@ -138,6 +140,9 @@ class Trainer:
             and op where the overflow began (an ``"origin"`` event on the history, marked on the
             dashboard, named by a later alarm; see :mod:`mpnb.training.numerics_origin`). One
             process only.
+        watch_numerics: every how many optimizer steps to measure each leaf module's largest
+            activation and gradient, fp16-underflow share and non-finite count (read at the
+            telemetry's flush; :attr:`numerics`, :mod:`mpnb.training.numerics_watch`). None: off.
 
     Attributes:
         history: every step of every ``fit`` call so far.
@@ -169,6 +174,7 @@ class Trainer:
         min_scale: float | None = None,
         flush_every: int = 64,
         locate_overflow: bool = True,
+        watch_numerics: int | None = None,
     ) -> None:
         if loss_fn is not None and step_fn is not None:
             raise MpnbError(
@@ -210,6 +216,7 @@ class Trainer:
         self._last_batch: Any = None  # the batch trained last, on the device
         self._locator = FirstSkipLocator() if locate_overflow and strategy is None else None
         self._fp32 = Fp32Modules(self.model, self.device.type)  # remedies of the running fit
+        self._watch = NumericsWatch(self.model, watch_numerics) if watch_numerics else None
         self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
         self._follower = SessionFollower(self)  # the session's switches made while a fit runs
         # The batches the last fit read and did not train (the one read when it stopped; for a
@@ -223,6 +230,11 @@ class Trainer:
     def history(self) -> History:
         """Every recorded step."""
         return self.amp.history
+
+    @property
+    def numerics(self) -> NumericsLog | None:
+        """Each watched module's sampled numerics (``watch_numerics``); None when not watched."""
+        return self._watch.log if self._watch is not None else None
 
     @property
     def last_batch(self) -> Any:
@@ -347,7 +359,7 @@ class Trainer:
         if max_steps == 0:
             return self.history
         note_fit(self.history)
-        sinks = self._sinks(capture)
+        sinks = self._sinks(capture) + ([self._watch] if self._watch is not None else [])
         steps_before = self.amp.steps
         self.history.meta.update(
             model=self.describe(), device=str(self.device), mode=self.mode.value
@@ -522,12 +534,14 @@ class Trainer:
         def loss() -> torch.Tensor:
             return batch_loss(self.model, batch, self.loss_fn, self.step_fn)
 
-        if self._locator is None:
-            return self.amp.train_step(loss, samples_in(batch))
-        self._locator.before_step(self.device.type)
+        if self._watch is not None and self.amp.between_steps:
+            self._watch.before_step(self.amp.steps + 1, scale_in_use(self.amp.scaler))
+        if self._locator is not None:
+            self._locator.before_step(self.device.type)
         stepped = self.amp.train_step(loss, samples_in(batch))
-        origin = self._locator.after_step(self.amp, self.model, loss)
-        if origin is not None:
+        if stepped and self._watch is not None:
+            self._watch.after_step(self.amp.steps)
+        if self._locator is not None and self._locator.after_step(self.amp, self.model, loss):
             self.amp.recorder.tell_sinks()  # a dashboard offers the remedy before the next step
         return stepped
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from mpnb.distributed.rank_rows import RanksView
     from mpnb.training.control import FitControl
     from mpnb.training.history import History
+    from mpnb.training.numerics_watch import NumericsLog
     from mpnb.training.telemetry import Sink
 
 __all__ = ["install"]
@@ -111,6 +112,13 @@ def memory_figure(report: MemoryReport) -> Any:
     return figure(report)
 
 
+def numerics_figure(log: NumericsLog) -> Any:
+    """The numerics watch's heatmap: module x sampled step, headroom to the limit (plotly)."""
+    from mpnb.ui.plots.numerics_figure import numerics_heatmap
+
+    return numerics_heatmap(log)
+
+
 def advice_figure(advice: Advice) -> Any:
     """The numerics advisor's heatmap (plotly)."""
     from mpnb.ui.plots.advice_figure import advice_heatmap
@@ -134,5 +142,6 @@ def install() -> None:
         comparison_progress=comparison_progress,
         advice_figure=advice_figure,
         memory_figure=memory_figure,
+        numerics_figure=numerics_figure,
         rank_dashboard=make_rank_dashboard,
     )

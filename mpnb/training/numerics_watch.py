@@ -1,0 +1,221 @@
+"""Per-module numerics, sampled while a fit runs: how close each layer comes to its dtype's
+limits, forward and backward, without a sync of its own.
+
+On a sampled step (every ``every`` optimizer steps) forward hooks on the watched modules (the
+leaves by default) reduce each output on the device to four numbers: its largest magnitude, its
+non-finite count, the share of its values fp16 would make subnormal or zero, and, through a
+hook on the output, the largest magnitude of its gradient divided by the loss scale (the
+unscaled gradient). The numbers stay on the device, stacked one row a module, until the
+telemetry flushes (the watch is a telemetry sink, so it reads them at the flush: one copy of all pending steps, made right after the flush's own; on CUDA that copy is
+one more blocking call at a moment the device has already caught up). Nothing is hooked on other
+steps.
+
+:class:`NumericsLog` holds what was read: a module x sampled-step table per measure, a text form
+(the modules nearest to overflow first) and a heatmap (``log.figure()``, in a notebook).
+
+Example:
+    >>> import mpnb.examples as ex
+    >>> trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None,
+    ...                                        watch_numerics=2)
+    >>> log = trainer.fit(train, max_steps=4) and trainer.numerics
+    >>> log.steps, log.modules[:2]
+    ([2, 4], ['features.0', 'features.1'])
+    >>> log.activation_max["classifier"][0] > 0
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from mpnb import views
+from mpnb.training.history import History
+from mpnb.training.telemetry import Sink
+
+__all__ = ["NumericsLog"]
+
+#: fp16's smallest normal magnitude: below it values lose precision, then flush to zero.
+FP16_TINY = float(torch.finfo(torch.float16).tiny)
+#: The measures kept per module and sampled step, in the order of a stacked row.
+MEASURES = ("activation_max", "nonfinite", "underflow_share", "gradient_max")
+
+
+@dataclasses.dataclass
+class NumericsLog:
+    """The sampled numerics of a run: per measure, per module, one value a sampled step.
+
+    Attributes:
+        steps: the sampled optimizer steps.
+        modules: the watched modules' names.
+        activation_max, nonfinite, underflow_share, gradient_max: module name -> values.
+        limit: the largest finite value of the dtype the watch compares with.
+
+    Example:
+        >>> log = NumericsLog(["fc"], limit=65504.0)
+        >>> log.add(1, [[60000.0, 0.0, 0.0, 2.0]])
+        >>> print(log)
+        module  largest |activation|  headroom  largest |gradient|  fp16-underflow share  non-finite
+        fc      6e+04                 1.09x     2                   0%                    0
+    """
+
+    modules: list[str]
+    limit: float = float(torch.finfo(torch.float16).max)
+    steps: list[int] = dataclasses.field(default_factory=list)
+    activation_max: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    nonfinite: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    underflow_share: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    gradient_max: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def add(self, step: int, rows: list[list[float]]) -> None:
+        """Append one sampled step: a row of :data:`MEASURES` per module, in module order."""
+        self.steps.append(step)
+        for name, row in zip(self.modules, rows, strict=True):
+            for measure, value in zip(MEASURES, row, strict=True):
+                getattr(self, measure).setdefault(name, []).append(float(value))
+
+    def headroom(self, module: str) -> float:
+        """How many times the module's largest finite activation fits under the limit (worst
+        sampled step)."""
+        largest = _worst(self.activation_max.get(module, []))
+        return self.limit / largest if largest > 0 else float("inf")
+
+    def __str__(self) -> str:
+        from mpnb._render import text_table
+
+        def nearest_trouble(name: str) -> tuple[bool, float]:
+            return (_worst(self.nonfinite.get(name, [])) == 0, self.headroom(name))
+
+        rows = []
+        for name in sorted(self.modules, key=nearest_trouble):
+            rows.append(
+                [
+                    name,
+                    f"{_worst(self.activation_max.get(name, [])):.2g}",
+                    f"{self.headroom(name):.3g}x",
+                    f"{_worst(self.gradient_max.get(name, [])):.2g}",
+                    f"{_worst(self.underflow_share.get(name, [])):.0%}",
+                    f"{int(_worst(self.nonfinite.get(name, [])))}",
+                ]
+            )
+        headers = (
+            "module",
+            "largest |activation|",
+            "headroom",
+            "largest |gradient|",
+            "fp16-underflow share",
+            "non-finite",
+        )
+        return text_table(headers, rows)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def figure(self) -> Any:
+        """A heatmap: module x sampled step, the colour the headroom to the limit (needs the
+        notebook extras)."""
+        return views.view("numerics_figure")(self)
+
+
+def _worst(values: list[float]) -> float:
+    """The largest of the values measured (NaN: the module did not run that step)."""
+    return max((value for value in values if value == value), default=0.0)
+
+
+class NumericsWatch(Sink):
+    """Hooks ``model``'s watched modules on sampled steps; a telemetry sink that reads what
+    they measured when the telemetry flushes (see the module's docstring)."""
+
+    def __init__(self, model: nn.Module, every: int) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"watch_numerics must be a whole number of steps >= 1, got {every!r}")
+        self.every = every
+        self.watched = [
+            (name, module)
+            for name, module in model.named_modules()
+            if name and not any(True for _ in module.children())
+        ]
+        self.log = NumericsLog([name for name, _ in self.watched])
+        self._handles: list[Any] = []
+        self._rows: dict[str, list[torch.Tensor]] = {}
+        self._scale: torch.Tensor | float = 1.0
+        self._pending: list[tuple[int, torch.Tensor]] = []
+
+    def before_step(self, step: int, scale: torch.Tensor | float) -> None:
+        """Optimizer step ``step`` is about to train: hook the modules if it is sampled."""
+        self.remove_hooks()
+        if step % self.every:
+            return
+        self._scale = scale
+        self._rows = {}
+        for name, module in self.watched:
+            self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+
+    def after_step(self, step: int) -> None:
+        """The sampled step ended: stack its rows (on the device) for the next flush."""
+        if not self._handles:
+            return
+        self.remove_hooks()
+        measured = [values for values in self._rows.values()]
+        if measured:
+            device = measured[0][0].device
+            rows = [self._row(name, device) for name, _ in self.watched]
+            self._pending.append((step, torch.stack(rows)))
+
+    def remove_hooks(self) -> None:
+        """Take every hook off (a fit's end, an error, the next step)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def update(self, history: History) -> None:
+        """The telemetry flushed: read the pending sampled steps in one copy."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        values = torch.stack([rows.float() for _, rows in pending]).cpu().tolist()
+        for (step, _), rows in zip(pending, values, strict=True):
+            self.log.add(step, rows)
+
+    def close(self, history: History) -> None:
+        self.remove_hooks()
+        self.update(history)
+
+    def _forward_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            tensors = [
+                leaf
+                for leaf in pytree.tree_leaves(output)
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel()
+            ]
+            if not tensors:
+                return
+            out = tensors[0].detach()
+            magnitude = out.abs().float()
+            self._rows[name] = [
+                magnitude.nan_to_num(0.0, 0.0, 0.0).amax(),
+                (~torch.isfinite(out)).sum().float(),
+                ((magnitude < FP16_TINY) & (magnitude > 0)).float().mean(),
+                torch.zeros((), device=out.device),
+            ]
+            if tensors[0].requires_grad:
+                tensors[0].register_hook(self._gradient_hook(name))
+
+        return hook
+
+    def _gradient_hook(self, name: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            largest = grad.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax()
+            self._rows[name][3] = largest / self._scale
+
+        return hook
+
+    def _row(self, name: str, device: torch.device) -> torch.Tensor:
+        values = self._rows.get(name)
+        if values is None:  # not called on this step
+            return torch.full((len(MEASURES),), float("nan"), device=device)
+        return torch.stack([value.to(device) for value in values])
