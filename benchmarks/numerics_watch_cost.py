@@ -1,0 +1,86 @@
+"""What the numerics watch costs a fit: the example CNN and a GPT-2 from a small config, trained
+by mpnb.Trainer with ``watch_numerics`` off and at several sampling intervals, side by side in
+paired rounds (the order flipped every round). Prints, per model and interval, the median of
+the rounds' ratios (watched over unwatched) and, in brackets, the ratio of each side's fastest
+round. Writes benchmarks/results/numerics_watch_cost.json.
+
+    python benchmarks/numerics_watch_cost.py [--rounds 5] [--steps 60] [--every 1,10,50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+from paired_rounds import fastest_ratio, median_ratio, paired_rounds
+from results_file import write_results
+from torch import nn
+
+import mpnb
+import mpnb.examples as ex
+
+
+def cnn_fit(every: int | None, steps: int):
+    train, _ = ex.digits(batch_size=64)
+    batches = list(train)[:steps]
+    torch.manual_seed(0)
+    model = ex.DigitsCNN()
+    trainer = mpnb.Trainer(
+        model, torch.optim.Adam(model.parameters()), nn.functional.cross_entropy,
+        mode="bf16", device="cpu", dashboard=None, watch_numerics=every,
+    )  # fmt: skip
+    return trainer, batches
+
+
+def gpt2_fit(every: int | None, steps: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
+    model = GPT2LMHeadModel(config)
+    trainer = mpnb.Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4), mode="bf16", device="cpu",
+        dashboard=None, watch_numerics=every,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(0, 512, (8, 64), generator=generator)
+        batches.append({"input_ids": ids, "labels": ids})
+    return trainer, batches
+
+
+def timed(build, every: int | None, steps: int):
+    def run(_round: int) -> float:
+        trainer, batches = build(every, steps)
+        started = time.perf_counter()
+        trainer.fit(batches, epochs=1)
+        return time.perf_counter() - started
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--every", default="1,10,50")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    figures = {}
+    for name, build in (("example CNN", cnn_fit), ("GPT-2 (2 layers, 64 wide)", gpt2_fit)):
+        figures[name] = {}
+        for every in (int(value) for value in args.every.split(",")):
+            plain, watched = paired_rounds(
+                timed(build, None, args.steps), timed(build, every, args.steps), args.rounds
+            )
+            median, fastest = median_ratio(plain, watched), fastest_ratio(plain, watched)
+            figures[name][str(every)] = {"median_ratio": median, "fastest_ratio": fastest}
+            print(f"{name}, every {every:3d} steps: {median:.3f}x ({fastest:.3f}x)")
+    write_results("numerics_watch_cost", {"steps": args.steps, "rounds": args.rounds, **figures})
+
+
+if __name__ == "__main__":
+    main()
