@@ -24,9 +24,9 @@ from torch import nn
 
 from mpnb import views
 from mpnb._render import html_list, html_table, text_table
-from mpnb.analysis.random_state import kept_random_state
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, resolve_device
+from mpnb.training.random_state import kept_random_state
 
 __all__ = ["Advice", "advise"]
 

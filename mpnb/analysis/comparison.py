@@ -17,7 +17,6 @@ from typing import Any
 
 from mpnb import views
 from mpnb.analysis.memory import MemoryAccount, account_step
-from mpnb.analysis.random_state import kept_random_state
 from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
@@ -25,6 +24,7 @@ from mpnb.analysis.slow_modes import slow_reason
 from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import MODE_NAMES, parse_mode
 from mpnb.training.control import refuse_inside_a_fit
+from mpnb.training.random_state import kept_random_state
 from mpnb.training.telemetry import Sink
 
 __all__ = ["Comparison", "ComparisonProgress", "ModeResult", "compare"]

@@ -45,11 +45,11 @@ from typing import Any, Protocol
 
 import torch
 
-from mpnb.analysis.random_state import RandomState, kept_random_state
 from mpnb.analysis.results import ModeResult
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for
 from mpnb.precision.policy import session
+from mpnb.training.random_state import RandomState, kept_random_state
 from mpnb.training.telemetry import Sink
 
 __all__: list[str] = []

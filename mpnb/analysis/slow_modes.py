@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpnb.analysis.random_state import kept_random_state
 from mpnb.precision.modes import Mode
 from mpnb.training.batches import batch_loss, to_device
+from mpnb.training.random_state import kept_random_state
 
 __all__: list[str] = []
 

@@ -30,6 +30,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mpnb.training.random_state import RandomState, kept_random_state
+
 __all__ = ["Origin", "locate_nonfinite"]
 
 #: The history event kind of a named origin.
@@ -89,7 +91,7 @@ def locate_nonfinite(
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     device_type: str = "cpu",
     scale: float = 1.0,
-    random_state: Any = None,
+    random_state: RandomState | None = None,
 ) -> Origin | None:
     """Replay one step of ``model`` and return where its first inf/NaN appeared (None: the
     step stays finite; its loss too).
@@ -103,7 +105,8 @@ def locate_nonfinite(
         device_type: the device the step runs on.
         scale: the loss scale the step used (GradScaler's, before its update): the backward
             sees the same magnitudes.
-        random_state: :func:`random_state` taken before the step, so that dropout repeats.
+        random_state: the :class:`~mpnb.training.random_state.RandomState` taken before the
+            step, so that dropout repeats.
 
     Example:
         >>> class Planted(torch.nn.Module):
@@ -130,36 +133,21 @@ def locate_nonfinite(
     return watch.origin
 
 
-def random_state(device_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The CPU and ``device_type``'s random state, to hand to :func:`locate_nonfinite`."""
-    device_module = getattr(torch, device_type, None) if device_type != "cpu" else None
-    getter = getattr(device_module, "get_rng_state", None)
-    return torch.get_rng_state(), getter() if callable(getter) else None
-
-
 @contextlib.contextmanager
-def _replay(model: nn.Module, device_type: str, state: Any) -> Iterator[None]:
+def _replay(model: nn.Module, device_type: str, state: RandomState | None) -> Iterator[None]:
     """Run a step that leaves no trace: gradients dropped, buffers and random state restored."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
-    before = random_state(device_type)
-    if state is not None:
-        _set_random_state(device_type, state)
-    try:
-        yield
-    finally:
-        for parameter in model.parameters():
-            parameter.grad = None
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        _set_random_state(device_type, before)
-
-
-def _set_random_state(device_type: str, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    cpu, device = state
-    torch.set_rng_state(cpu)
-    if device is not None:
-        getattr(torch, device_type).set_rng_state(device)
+    with kept_random_state(device_type):
+        if state is not None:
+            state.restore()
+        try:
+            yield
+        finally:
+            for parameter in model.parameters():
+                parameter.grad = None
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
 
 
 #: Ops whose output holds whatever the memory held (filled by the next op): never an origin.
@@ -344,7 +332,7 @@ class FirstSkipLocator:
     def before_step(self, device_type: str) -> None:
         """A micro-batch is about to train: keep the random state the replay will need."""
         if self.pending:
-            self._state = random_state(device_type)
+            self._state = RandomState.capture(device_type)
 
     def after_step(
         self, amp: Any, model: nn.Module, compute_loss: Callable[[], torch.Tensor]
