@@ -15,7 +15,7 @@ from mpnb.precision.policy import session
 DEVICE_TYPES = ("cpu", "cuda", "hpu")
 
 # Every operator a test puts on a list: its dispatcher entry must be as torch made it after each test.
-_LISTED_IN_TESTS = "linear softmax matmul addmm conv2d log_softmax mul layer_norm gelu"
+_LISTED_IN_TESTS = "linear softmax matmul addmm conv2d log_softmax mul layer_norm gelu lstm"
 WATCHED_OPS = sorted(
     {
         f"{op._schema.name}.{op._schema.overload_name}".rstrip(".")

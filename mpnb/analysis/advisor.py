@@ -25,6 +25,7 @@ from torch import nn
 from mpnb import views
 from mpnb._render import html_list, html_table, text_table
 from mpnb.errors import MpnbError
+from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.backends import backend_for, resolve_device
 from mpnb.training.random_state import kept_random_state
 
@@ -294,7 +295,13 @@ def advise(
         low = {}
         for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
             start_again()
-            low[name] = _pass(model, batch, loss_fn, target, dtype)
+            try:
+                low[name] = _pass(model, batch, loss_fn, target, dtype)
+            except RuntimeError as error:
+                refused = refusal_error(error, dtype)
+                if refused is not None:
+                    raise refused from error
+                raise
     rows = []
     for name, module in reference.leaves:
         if name not in reference.outputs:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mpnb.errors import MpnbError
+from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.modes import Mode
 from mpnb.training.amp_step import AmpStep
 from mpnb.training.batches import (
@@ -382,6 +383,9 @@ class Trainer:
                 FitEnd.INTERRUPTED if isinstance(error, KeyboardInterrupt) else FitEnd.FAILED
             )
             self._drop_unfinished_window()
+            refused = refusal_error(error, self.mode.autocast_dtype)
+            if refused is not None:
+                raise refused from error
             raise
         finally:
             self._one_shot = self._reader = None

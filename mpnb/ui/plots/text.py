@@ -56,9 +56,12 @@ class TextProgress(Sink):
             self._print(progress_line(history))
 
     def close(self, history: History) -> None:
-        summary = history.summary_rows()
-        self._print("finished: " + progress_line(history) if len(history) else "finished: no steps")
-        self._print(text_table(("", ""), summary))
+        if not len(history):
+            # a run that failed before its first step (its error follows) has nothing to sum up
+            self._print("no steps recorded")
+            return
+        self._print("finished: " + progress_line(history))
+        self._print(text_table(("", ""), history.summary_rows()))
 
 
 def progress_line(history: History) -> str:
