@@ -24,7 +24,7 @@ import dataclasses
 import difflib
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -164,8 +164,32 @@ def aten_overloads(name: str) -> list[torch._ops.OpOverload]:
     ]
 
 
+def _spelled(entry: str) -> str:
+    """``entry`` as torch spells it (``LSTM`` -> ``lstm``, ``softmax.INT`` -> ``softmax.int``), or
+    as written when no operator has that name in any case. aten has no two operator names
+    that differ only by case (``mT`` is the only spelling of its name), so case never chooses."""
+    return _names_by_case().get(entry.lower(), entry)
+
+
+@functools.cache
+def _names_by_case() -> dict[str, str]:
+    names = {
+        name[len("aten::") :]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::")
+    }
+    names |= {name.split(".", 1)[0] for name in names} | set(ALIASES)
+    return {name.lower(): name for name in names}
+
+
+def _op_names(ops: str | Iterable[str]) -> list[str]:
+    """One name or several: a string is one op name, never the letters of one."""
+    return [ops] if isinstance(ops, str) else list(ops)
+
+
 def check_op(name: str) -> str:
     """The canonical entry for ``name``, or an error that says why it cannot be on a list.
+    Case does not matter: ``LSTM`` is ``lstm``.
 
     Raises:
         InvalidChoiceError: an unknown name or overload, with close matches.
@@ -173,14 +197,14 @@ def check_op(name: str) -> str:
             input (in place, ``out=``) or returns a view of it.
 
     Example:
-        >>> check_op("F.softmax"), check_op("aten::addmm")
-        ('softmax', 'addmm')
+        >>> check_op("F.softmax"), check_op("aten::addmm"), check_op("LSTM")
+        ('softmax', 'addmm', 'lstm')
         >>> check_op("relu_")
         Traceback (most recent call last):
         ...
         mpnb.errors.MpnbError: op 'relu_' cannot be on a list: aten::relu_ writes into its input (in place or out=); ... List 'relu' for the op that returns a new tensor.
     """
-    entry = canonical_name(name)
+    entry = _spelled(canonical_name(name))
     if aten_overloads(entry):
         return entry
     base, dot, _ = entry.partition(".")
@@ -237,11 +261,16 @@ def _listable_names() -> list[str]:
 class OpLists:
     """Two op lists with provenance: ``lower`` (run in the autocast dtype) and ``fp32``.
 
+    Built from op names (``OpLists(fp32=["lstm"])``, as :meth:`of` builds them) or from
+    entries with their sources (``{"lstm": "user"}``, as :meth:`copy` makes them).
+
     Attributes:
         lower: op name -> where the entry came from.
         fp32: op name -> where the entry came from.
 
     Example:
+        >>> OpLists(fp32=["LSTM"])
+        OpLists(lower={}, fp32={'lstm': 'user'})
         >>> lists = OpLists.of(lower=["linear"], fp32=["F.softmax"])
         >>> lists.add("fp32", ["linear"], source="me")  # moves it off the lower list
         >>> lists
@@ -252,6 +281,21 @@ class OpLists:
 
     lower: dict[str, str] = dataclasses.field(default_factory=dict)
     fp32: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        given = {"lower": self.lower, "fp32": self.fp32}
+        if all(isinstance(entries, Mapping) for entries in given.values()):
+            self.lower, self.fp32 = dict(self.lower), dict(self.fp32)
+            return
+        names = {
+            which: list(entries) if isinstance(entries, Mapping) else _op_names(entries)
+            for which, entries in given.items()
+        }
+        built = OpLists.of(names["lower"], names["fp32"])
+        for which, entries in given.items():  # entries given with their sources keep them
+            if isinstance(entries, Mapping):
+                built._list(which).update({check_op(n): s for n, s in entries.items()})
+        self.lower, self.fp32 = built.lower, built.fp32
 
     @classmethod
     def preset(cls, name: str) -> OpLists:
@@ -270,16 +314,19 @@ class OpLists:
 
     @classmethod
     def of(
-        cls, lower: Iterable[str] = (), fp32: Iterable[str] = (), source: str = "user"
+        cls, lower: str | Iterable[str] = (), fp32: str | Iterable[str] = (), source: str = "user"
     ) -> OpLists:
-        """Lists from two name collections; an op named on both is an error.
+        """Lists from two name collections (or single names); an op named on both is an error.
 
         Example:
             >>> OpLists.of(lower=["F.softmax"], fp32=["aten::linear"])
             OpLists(lower={'softmax': 'user'}, fp32={'linear': 'user'})
         """
-        lower, fp32 = list(lower), list(fp32)
-        both = sorted({canonical_name(n) for n in lower} & {canonical_name(n) for n in fp32})
+        lower, fp32 = _op_names(lower), _op_names(fp32)
+        both = sorted(
+            {_spelled(canonical_name(n)) for n in lower}
+            & {_spelled(canonical_name(n)) for n in fp32}
+        )
         if both:
             raise MpnbError(
                 f"op {both[0]!r} is on both the lower and the fp32 list; name each op on one list"
@@ -317,24 +364,24 @@ class OpLists:
             )
         return self.lower if name == "lower" else self.fp32
 
-    def add(self, which: str, ops: Iterable[str], source: str = "user") -> None:
-        """Put ``ops`` on list ``which`` (taking them off the other list). All names are checked
-        first: one bad name changes nothing."""
+    def add(self, which: str, ops: str | Iterable[str], source: str = "user") -> None:
+        """Put ``ops`` (one name or several) on list ``which``, taking them off the other list.
+        All names are checked first: one bad name changes nothing."""
         target = self._list(which)
-        names = [check_op(name) for name in ops]
+        names = [check_op(name) for name in _op_names(ops)]
         other = self.fp32 if target is self.lower else self.lower
         for name in names:
             other.pop(name, None)
             target[name] = source
 
-    def remove(self, which: str, ops: Iterable[str]) -> None:
-        """Take ``ops`` off list ``which``.
+    def remove(self, which: str, ops: str | Iterable[str]) -> None:
+        """Take ``ops`` (one name or several) off list ``which``.
 
         Raises:
             InvalidChoiceError: an op that is not on the list (nothing is removed).
         """
         target = self._list(which)
-        names = [canonical_name(name) for name in ops]
+        names = [_spelled(canonical_name(name)) for name in _op_names(ops)]
         for name in names:
             if name not in target:
                 raise InvalidChoiceError(
@@ -345,7 +392,7 @@ class OpLists:
 
     def source(self, which: str, name: str) -> str:
         """Where an entry came from."""
-        return self._list(which)[canonical_name(name)]
+        return self._list(which)[_spelled(canonical_name(name))]
 
     def save(self, directory: str | os.PathLike[str]) -> tuple[str, str]:
         """Write ``lower_list.txt`` and ``fp32_list.txt`` into ``directory``; return their paths.

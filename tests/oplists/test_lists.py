@@ -9,6 +9,8 @@ import mpnb.examples as ex
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.oplists.lists import OpLists, aten_overloads
 from mpnb.oplists.override import OpListOverride
+from mpnb.precision.policy import session
+from tests.conftest import run
 from tests.planted import assert_link_replaced, plant_link
 
 LISTED = ("linear", "softmax", "matmul", "addmm", "conv2d", "log_softmax", "mul")
@@ -138,3 +140,54 @@ def test_an_unknown_overload_is_named_whole_with_the_valid_ones(name):
 def test_an_overload_of_an_op_that_cannot_be_listed_says_why():
     with pytest.raises(MpnbError, match="aten::t.0 returns a view of its input"):
         OpLists.of(lower=["t.0"])
+
+
+def test_one_op_name_is_one_op_not_its_letters():
+    lists = OpLists()
+    lists.add("fp32", "lstm")
+    assert lists.fp32 == {"lstm": "user"}
+    lists.remove("fp32", "lstm")
+    assert not lists
+    assert OpLists.of(fp32="lstm", lower="linear") == OpLists.of(fp32=["lstm"], lower=["linear"])
+
+
+def test_the_constructor_takes_the_lists_by_keyword():
+    assert OpLists(fp32=["lstm"]) == OpLists.of(fp32=["lstm"])
+    assert OpLists(lower=("F.linear",), fp32="softmax") == OpLists.of(["linear"], ["softmax"])
+    copied = OpLists(fp32=["lstm"]).copy()
+    assert copied.fp32 == {"lstm": "user"}
+    with pytest.raises(InvalidChoiceError, match="unknown op 'lstmm'"):
+        OpLists(fp32=["lstmm"])
+    with pytest.raises(MpnbError, match="on both the lower and the fp32 list"):
+        OpLists(lower=["linear"], fp32=["linear"])
+
+
+@pytest.mark.parametrize(
+    "written, entry",
+    [
+        ("LSTM", "lstm"),
+        ("aten::LSTM", "lstm"),
+        ("F.Softmax", "softmax"),
+        ("softmax.INT", "softmax.int"),
+    ],
+)
+def test_op_names_match_whatever_their_case(written, entry):
+    lists = OpLists.of(fp32=[written])
+    assert list(lists.fp32) == [entry]
+    lists.remove("fp32", entry.upper())
+    assert not lists
+
+
+def test_names_torch_spells_with_capitals_keep_their_spelling():
+    # aten has no two op names that differ only by case: a name's case folds to one spelling
+    names = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+    assert len({n.lower() for n in names}) == len(names)
+    with pytest.raises(MpnbError, match=r"aten::mT returns a view"):
+        OpLists.of(fp32=["MT"])
+
+
+def test_oplist_magic_matches_op_names_whatever_their_case(ip):
+    run(ip, "%oplist add fp32 LSTM")
+    assert session.oplists.lists.fp32 == {"lstm": "user"}
+    run(ip, "%oplist remove fp32 Lstm")
+    assert not session.oplists.lists
