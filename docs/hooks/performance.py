@@ -1,0 +1,145 @@
+"""MkDocs hook: the performance page's tables, written at build time from benchmarks/results/.
+
+``docs/performance.md`` holds ``<!-- benchmark tables -->``; this hook replaces it with one
+section per ``benchmarks/results/*.json`` file (what each benchmark script last wrote), so the
+figures on the site are the committed results and never a copy made by hand. The headline
+comparison with the peers (``peers*.json``) is drawn as the README drew it: a runner per row, a
+batch size per column; every other file is shown as the tables of figures it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+PLACEHOLDER = "<!-- benchmark tables -->"
+#: Keys that say where a result was measured: shown once, under the section's title.
+MACHINE_KEYS = ("device", "torch", "machine", "cpus", "threads", "cpu")
+#: Keys that repeat what the section's title says.
+TITLE_KEYS = ("benchmark",)
+
+
+def _number(key: str, value: float) -> str:
+    """A figure as a reader wants it: times in ms or us, ratios as 1.023x, shares in percent."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    last = key.rsplit(".", 1)[-1]
+    if last.endswith("_s") or "_s_" in last or last == "seconds":
+        if abs(value) >= 1:
+            return f"{value:.2f} s"
+        if abs(value) >= 1e-3:
+            return f"{value * 1e3:.3g} ms"
+        return f"{value * 1e6:.3g} us"
+    if "share" in last:
+        return f"{value * 100:.2f}%"
+    if "ratio" in last or "speedup" in last:
+        return f"{value:.3f}x"
+    return f"{value:.4g}"
+
+
+def _leaves(value, path: tuple[str, ...] = ()):
+    """(path, scalar) for every number, string or flag in a JSON value; lists of scalars joined."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, (*path, str(key)))
+    elif isinstance(value, list):
+        if all(not isinstance(item, (dict, list)) for item in value):
+            yield path, ", ".join(_number(path[-1] if path else "", item) for item in value)
+        else:
+            for index, item in enumerate(value, 1):
+                label = item.get("case") if isinstance(item, dict) else None
+                yield from _leaves(item, (*path, str(label or f"#{index}")))
+    else:
+        yield path, value
+
+
+def _tables(figures: dict) -> list[str]:
+    """Rows are a leaf's path but its last key; leaves that share their columns make one table."""
+    rows: dict[tuple[str, ...], dict[str, str]] = {}
+    for path, value in _leaves(figures):
+        if len(path) == 1 and path[0] in MACHINE_KEYS + TITLE_KEYS:
+            continue
+        row, column = path[:-1], path[-1]
+        rows.setdefault(row, {})[column] = _number(column, value)
+    groups: dict[tuple[str, ...], list[tuple[tuple[str, ...], dict[str, str]]]] = {}
+    for row, cells in rows.items():
+        groups.setdefault(tuple(cells), []).append((row, cells))
+    lines = []
+    for columns, members in groups.items():
+        lines += [
+            "",
+            "| | " + " | ".join(f"`{column}`" for column in columns) + " |",
+            "|---|" + "---|" * len(columns),
+        ]
+        for row, cells in members:
+            label = " / ".join(row) or "(the run)"
+            lines.append(f"| {label} | " + " | ".join(cells[c] for c in columns) + " |")
+    return lines
+
+
+def _peers(figures: dict) -> list[str]:
+    """Step time over the hand-written loop (own time a step in brackets), runner x batch size."""
+    lines = []
+    for mode, by_batch in figures["results"].items():
+        batches = list(by_batch)
+        runners = list(dict.fromkeys(r for batch in by_batch.values() for r in batch))
+        lines += [
+            "",
+            f"{mode}: median ratio of paired blocks (mpnb's own time a step, share of the hand "
+            "loop's step)",
+            "",
+            "| runner | " + " | ".join(f"batch {b}" for b in batches) + " |",
+            "|---|" + "---|" * len(batches),
+        ]
+        for runner in runners:
+            cells = []
+            for batch in batches:
+                cell = by_batch[batch].get(runner)
+                if cell is None:
+                    cells.append("")
+                    continue
+                text = f"{cell['ratio']:.3f}x"
+                if "own_s_per_step" in cell:
+                    own = cell["own_s_per_step"] * 1e6
+                    text += f" ({own:.0f} us, {cell['own_share'] * 100:.1f}%)"
+                cells.append(text)
+            lines.append(f"| {runner} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _where(figures: dict) -> str:
+    parts = [
+        f"{key} {figures[key]}"
+        for key in MACHINE_KEYS
+        if key in figures and not isinstance(figures[key], (dict, list))
+    ]
+    return "Measured on: " + ", ".join(parts) + "." if parts else ""
+
+
+def tables_markdown() -> str:
+    """Every results file as a section of the performance page."""
+    sections = []
+    for path in sorted(RESULTS.glob("*.json")):
+        figures = json.loads(path.read_text())
+        name = path.stem
+        script = name.split("-")[0]
+        body = _peers(figures) if script == "peers" else _tables(figures)
+        sections += [
+            f"### {name}",
+            "",
+            f"`benchmarks/results/{path.name}`, written by `python benchmarks/{script}.py`. "
+            + _where(figures),
+            *body,
+            "",
+        ]
+    return "\n".join(sections)
+
+
+def on_page_markdown(markdown: str, page, **kwargs) -> str:
+    if page.file.src_uri == "performance.md" and PLACEHOLDER in markdown:
+        return markdown.replace(PLACEHOLDER, tables_markdown())
+    return markdown
