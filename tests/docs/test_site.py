@@ -1,0 +1,219 @@
+"""The documentation site: `mkdocs build --strict` as CI runs it, into a temporary folder, then
+the pages a reader lands on, checked for what they must say, and two of them in a real browser.
+
+Needs the docs tools (in the ``test`` extra); skipped without them, except in CI.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_public_surface import PUBLIC
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HOOKS = ROOT / "docs" / "hooks"
+
+try:
+    import mkdocs  # noqa: F401
+    import mkdocs_jupyter  # noqa: F401
+    import mkdocstrings  # noqa: F401
+except ImportError as missing:
+    if os.environ.get("CI"):
+        raise RuntimeError(f"the docs site cannot be built in CI: {missing}") from None
+    pytest.skip(f"needs the docs tools (pip install '.[docs]'): {missing}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    """The site, built strictly (a warning, a broken link or an undocumented name fails it)."""
+    out = tmp_path_factory.mktemp("site")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def _text(page: pathlib.Path) -> str:
+    """A page's visible text, tags removed, entities decoded, spaces collapsed."""
+    raw = re.sub(r"<(script|style)\b.*?</\1>", " ", page.read_text(), flags=re.DOTALL)
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", "", raw)))
+
+
+def _hook(name: str):
+    """A module of docs/hooks/, imported as mkdocs imports it."""
+    sys.path.insert(0, str(HOOKS))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(HOOKS))
+
+
+PAGES = [
+    "index.html",
+    "getting-started/index.html",
+    *(
+        f"guide/{name}/index.html"
+        for name in (
+            "modes",
+            "oplists",
+            "training",
+            "integrations",
+            "distributed",
+            "compare",
+            "numerics",
+            "fp8",
+            "security",
+        )
+    ),
+    "behaviour/index.html",
+    "lessons/index.html",
+    *(f"lessons/{path.stem}/index.html" for path in sorted((ROOT / "notebooks").glob("*.ipynb"))),
+    "performance/index.html",
+    "reference/index.html",
+]
+
+
+def test_the_strict_build_writes_every_page_of_the_navigation(site):
+    assert [page for page in PAGES if not (site / page).is_file()] == []
+
+
+def test_the_front_page_shows_the_dashboard_and_leads_to_each_part(site):
+    front = (site / "index.html").read_text()
+    assert 'src="images/dashboard.png"' in front and (site / "images/dashboard.png").stat().st_size
+    for target in ("getting-started/", "lessons/", "guide/numerics/", "behaviour/", "reference/"):
+        assert f'href="{target}' in front, target
+
+
+def test_getting_started_gives_the_make_run_contract_and_the_trainer_on_your_model(site):
+    text = _text(site / "getting-started/index.html")
+    assert "(trainer, train_data) or (trainer, train_data, metric)" in text
+    assert "mpnb.Trainer(model" in text and "def make_run(mode):" in text
+
+
+def test_a_lesson_page_shows_its_code_and_its_stored_outputs(site):
+    text = _text(site / "lessons/01_quickstart/index.html")
+    assert "%load_ext mpnb" in text
+    # A checked output of the notebook (nbval compares it), as committed.
+    assert "torch.bfloat16 torch.float32" in text
+
+
+def test_what_moved_out_of_the_readme_is_in_the_guide(site):
+    behaviour = _text(site / "behaviour/index.html")
+    assert "No cast cache by default." in behaviour and "Precedence:" in behaviour
+    security = _text(site / "guide/security/index.html")
+    assert "MPNB_LAUNCH_SECRET" in security and "weights_only=True" in security
+
+
+def test_the_performance_page_shows_the_committed_results(site):
+    text = _text(site / "performance/index.html")
+    for path in (ROOT / "benchmarks/results").glob("*.json"):
+        assert f"benchmarks/results/{path.name}" in text, path.name
+    peers = json.loads((ROOT / "benchmarks/results/peers.json").read_text())["results"]["bf16"]
+    trainer = peers["8"]["mpnb.Trainer"]
+    assert f"{trainer['ratio']:.3f}x ({trainer['own_s_per_step'] * 1e6:.0f} us" in text
+    training = json.loads((ROOT / "benchmarks/results/training_overhead.json").read_text())
+    assert f"{training['results'][0]['ratio_trainer_over_hand']:.3f}x" in text
+
+
+def test_the_api_reference_has_an_entry_for_every_public_name(site):
+    definitions = _hook("api_coverage")._definitions()
+    assert set(definitions) == set(PUBLIC)
+    anchors = set()
+    for page in (site / "reference").rglob("*.html"):
+        anchors |= set(re.findall(r'\bid="(mpnb[\w.]*)"', page.read_text()))
+    assert sorted({path for path in definitions.values()} - anchors) == []
+    assert "mpnb.training.trainer.Trainer.fit" in anchors  # methods too
+
+
+def test_a_public_name_missing_from_the_reference_fails_the_build():
+    from mkdocs.exceptions import PluginError
+
+    coverage = _hook("api_coverage")
+    documented = set(coverage._definitions().values())
+    coverage._documented.clear()
+    coverage._documented.update(documented - {"mpnb.training.trainer.Trainer"})
+    try:
+        with pytest.raises(
+            PluginError, match=r"mpnb\.Trainer \(defined as mpnb\.training\.trainer"
+        ):
+            coverage.on_env(None, None, None)
+    finally:
+        coverage._documented.clear()
+
+
+def test_no_page_loads_anything_from_another_host(site):
+    external = re.compile(r'<(?:link|script|img)\b[^>]*\b(?:href|src)="(?:https?:)?//', re.I)
+    offenders = [
+        str(page.relative_to(site))
+        for page in site.rglob("*.html")
+        if external.search(page.read_text()) or "fonts.googleapis" in page.read_text()
+    ]
+    assert offenders == []
+
+
+@functools.cache
+def _browser_helpers():
+    from tests.ui import test_browser
+
+    return test_browser
+
+
+def test_the_front_page_and_a_lesson_in_a_real_browser(site, tmp_path):
+    browser_tests = _browser_helpers()
+    if browser_tests._reason:
+        pytest.skip(browser_tests._reason)
+    from playwright.sync_api import sync_playwright
+
+    port = browser_tests.free_port()
+    process, handle = browser_tests.serve(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        site,
+        dict(os.environ),
+        f"http://127.0.0.1:{port}/",
+        tmp_path / "server.log",
+    )
+    browser_tests.ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        with sync_playwright() as playwright:
+            chromium = playwright.chromium.launch(
+                executable_path=browser_tests.shutil.which("chromium"),
+                args=browser_tests.CHROMIUM_FLAGS,
+            )
+            page = chromium.new_page(viewport={"width": 1280, "height": 900})
+            errors = browser_tests.console_errors(page)
+
+            page.goto(f"http://127.0.0.1:{port}/", wait_until="networkidle")
+            image = page.locator("article img").first
+            assert image.evaluate("img => img.complete && img.naturalWidth") > 1000
+            assert "mpnb" in page.title()
+            assert page.locator("nav").get_by_text("Getting started").first.is_visible()
+            page.screenshot(path=str(browser_tests.ARTIFACTS / "docs-front-page.png"))
+
+            page.goto(f"http://127.0.0.1:{port}/lessons/01_quickstart/", wait_until="networkidle")
+            cells = page.locator(".jp-Cell")
+            assert cells.count() > 10
+            assert page.get_by_text("%load_ext mpnb").first.is_visible()
+            page.screenshot(
+                path=str(browser_tests.ARTIFACTS / "docs-lesson-01.png"), full_page=False
+            )
+            chromium.close()
+    finally:
+        browser_tests.stop(process, handle)
+    assert errors == []
+    for name in ("docs-front-page.png", "docs-lesson-01.png"):
+        assert (browser_tests.ARTIFACTS / name).stat().st_size > 20_000, name
