@@ -132,9 +132,10 @@ class History:
             step for step, skipped in zip(self.columns["step"], self.columns["skipped"]) if skipped
         ]
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RunSummary:
         """The run in a few numbers: steps, skipped, final loss and scale, median step time, peak memory,
         and the run's alarms (a non-finite loss, a collapsed scale; see :mod:`mpnb.training.health`).
+        A dict that shows itself as a table (see :class:`RunSummary`).
 
         The final loss is the last step the optimizer took, NaN or inf included: a diverged run
         reads as one (steps whose loss could not be read are left out)."""
@@ -146,33 +147,21 @@ class History:
         timed = self.step_time[1:] or self.step_time  # the first step carries warm-up
         rates = [v for v in self.samples_per_s[1:] or self.samples_per_s if math.isfinite(v)]
         peaks = [v for v in self.memory_peak if math.isfinite(v)]
-        return {
-            "steps": len(self),
-            "skipped": len(self.skipped_steps),
-            "final_loss": losses[-1] if losses else math.nan,
-            "final_loss_scale": self.loss_scale[-1] if len(self) else math.nan,
-            "median_step_time": statistics.median(timed) if timed else math.nan,
-            "median_samples_per_s": statistics.median(rates) if rates else math.nan,
-            "peak_memory": max(peaks) if peaks else math.nan,
-            "modes": sorted(set(self.mode)),
-            "alarms": [
-                event["message"] for event in self.events if event.get("kind") in ALARM_KINDS
-            ],
-        }
+        return RunSummary(
+            steps=len(self),
+            skipped=len(self.skipped_steps),
+            final_loss=losses[-1] if losses else math.nan,
+            final_loss_scale=self.loss_scale[-1] if len(self) else math.nan,
+            median_step_time=statistics.median(timed) if timed else math.nan,
+            median_samples_per_s=statistics.median(rates) if rates else math.nan,
+            peak_memory=max(peaks) if peaks else math.nan,
+            modes=sorted(set(self.mode)),
+            alarms=[event["message"] for event in self.events if event.get("kind") in ALARM_KINDS],
+        )
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """:meth:`summary` as (label, formatted value) pairs, for tables."""
-        s = self.summary()
-        return [
-            ("steps", f"{s['steps']} ({s['skipped']} skipped)"),
-            ("final loss", f"{s['final_loss']:.4g}"),
-            ("final loss scale", f"{s['final_loss_scale']:g}"),
-            ("median step time", f"{s['median_step_time'] * 1e3:.2f} ms"),
-            ("median throughput", f"{s['median_samples_per_s']:.0f} samples/s"),
-            ("peak memory", format_bytes(s["peak_memory"])),
-            ("modes", ", ".join(s["modes"]) or "-"),
-            *(("alarm", message) for message in s["alarms"]),
-        ]
+        return self.summary().rows()
 
     def __repr__(self) -> str:
         s = self.summary()
@@ -271,3 +260,48 @@ class History:
     def plot(self) -> Any:
         """A static plotly figure of the run: loss, loss scale with skipped steps, memory, throughput."""
         return views.view("history_figure")(self)
+
+
+class RunSummary(dict):
+    """:meth:`History.summary`: a plain dict of the run's numbers (code reads ``summary["steps"]``,
+    JSON takes it whole) that a notebook shows as a table and ``repr`` as aligned text.
+
+    Example:
+        >>> h = History()
+        >>> h.extend({"step": [1, 2], "loss": [0.9, 0.7], "loss_scale": [1.0, 1.0], "mode": ["bf16"] * 2})
+        >>> summary = h.summary()
+        >>> summary["steps"], summary["final_loss"]
+        (2, 0.7)
+        >>> print(repr(summary).splitlines()[1])
+        final loss         0.7
+    """
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(label, formatted value) pairs, for tables."""
+        return [
+            ("steps", f"{self['steps']} ({self['skipped']} skipped)"),
+            ("final loss", f"{self['final_loss']:.4g}"),
+            ("final loss scale", f"{self['final_loss_scale']:g}"),
+            ("median step time", f"{self['median_step_time'] * 1e3:.2f} ms"),
+            ("median throughput", f"{self['median_samples_per_s']:.0f} samples/s"),
+            ("peak memory", format_bytes(self["peak_memory"])),
+            ("modes", ", ".join(self["modes"]) or "-"),
+            *(("alarm", message) for message in self["alarms"]),
+        ]
+
+    def __repr__(self) -> str:
+        # a table without its (empty) header line
+        return text_table(("", ""), self.rows()).partition("\n")[2]
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))
+
+    def _repr_html_(self) -> str:
+        return html_table(("", ""), self.rows())
+
+    def _repr_markdown_(self) -> str:
+        def cell(text: str) -> str:
+            return text.replace("|", "\\|")
+
+        lines = ["| | |", "|---|---|"] + [f"| {cell(k)} | {cell(v)} |" for k, v in self.rows()]
+        return "\n".join(lines)
