@@ -1,7 +1,8 @@
 """Modes that are slow on a device, said before a run starts, with a measured estimate of its length.
 
 fp16 convolutions have no fast kernels on CPUs: a CNN's fp16 step there takes many times its
-fp32 step. Rather than leave a user staring at a crawling progress bar, ``mpnb train`` and
+fp32 step. A CPU without bf16 units emulates bf16 (the example CNN's bf16 step ~8x its fp32
+step), as the hardware probe of ``%amp`` finds. Rather than leave a user staring at a crawling progress bar, ``mpnb train`` and
 ``mpnb compare`` say so up front, with how long the run will take, measured on one step of a
 copy of the model (the run itself is untouched: same weights, same random state).
 
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpnb.precision.backends import backend_for
 from mpnb.precision.modes import Mode
 from mpnb.training.batches import batch_loss, to_device
 from mpnb.training.random_state import kept_random_state
@@ -36,7 +38,8 @@ def slow_reason(trainer: Any) -> str | None:
     has_convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in trainer.model.modules())
     if trainer.mode is Mode.FP16 and trainer.device.type == "cpu" and has_convolutions:
         return "fp16 convolutions have no fast CPU kernels"
-    return None
+    dtype = trainer.mode.autocast_dtype
+    return backend_for(trainer.device).emulated(dtype) if dtype is not None else None
 
 
 def step_seconds(trainer: Any, batch: Any, repeats: int = 2) -> float:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import torch
 
 import mpnb.examples as ex
 from mpnb.analysis.slow_modes import slow_mode_notice, slow_reason
+from tests.test_cli import mpnb
+
+# Read here from torch's own CPU probe: whether this CPU computes bf16 natively (AMX-BF16 or
+# AVX512-BF16) or emulates it. Either way the tests below check that mpnb says what is so.
+_CAPABILITIES = torch.cpu.get_capabilities()
+BF16_EMULATED = not (_CAPABILITIES.get("amx_bf16") or _CAPABILITIES.get("avx512_bf16"))
+EMULATED = re.compile(r"bf16 is emulated on this CPU \(.+: neither AMX-BF16 nor AVX512-BF16\)")
 
 
 def test_the_estimate_leaves_the_model_and_the_random_state_as_they_were():
@@ -26,9 +36,48 @@ def test_the_estimate_leaves_the_model_and_the_random_state_as_they_were():
 
 
 def test_modes_that_are_not_slow_here_say_nothing():
-    for mode, model in (("bf16", "cnn"), ("fp32", "cnn"), ("fp16", "mlp")):
+    modes = [("fp32", "cnn"), ("fp16", "mlp")] + ([] if BF16_EMULATED else [("bf16", "cnn")])
+    for mode, model in modes:
         trainer, train, _ = ex.example_trainer(mode, "cpu", model=model, dashboard=None)
         assert (
             slow_reason(trainer) is None
             and slow_mode_notice(trainer, next(iter(train)), 10) is None
         )
+
+
+def test_bf16_on_a_cpu_without_bf16_units_is_said_to_be_emulated():
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", model="mlp", dashboard=None)
+    reason = slow_reason(trainer)
+    assert bool(reason and EMULATED.fullmatch(reason)) is BF16_EMULATED, reason
+    notice = slow_mode_notice(trainer, next(iter(train)), steps=100)
+    assert bool(notice and EMULATED.match(notice)) is BF16_EMULATED, notice
+
+
+def test_train_and_compare_say_bf16_is_emulated_where_it_is(tmp_path):
+    trained = mpnb("train", "--mode", "bf16", "--steps", "2", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    assert bool(EMULATED.match(trained.stdout)) is BF16_EMULATED, trained.stdout
+    compared = mpnb(
+        "compare",
+        "--modes",
+        "fp32,bf16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--model",
+        "mlp",
+        cwd=tmp_path,
+    )
+    assert compared.returncode == 0, compared.stderr
+    table = compared.stdout[compared.stdout.index("mode  median step") :].splitlines()
+    bf16_row = next(line for line in table if line.startswith("bf16 "))
+    assert bool(EMULATED.search(bf16_row)) is BF16_EMULATED, table
+    assert not EMULATED.search(next(line for line in table if line.startswith("fp32 ")))
+    out = tmp_path / "mpnb-compare"
+    notes = {
+        row["mode"]: row["notes"]
+        for row in json.loads((out / "comparison.json").read_text())["modes"]
+    }
+    assert any(EMULATED.search(note) for note in notes["bf16"]) is BF16_EMULATED, notes
+    assert bool(EMULATED.search((out / "report.html").read_text())) is BF16_EMULATED

@@ -121,6 +121,11 @@ class Backend:
         """Advice about autocasting to ``dtype`` on this device (slow paths, missing units)."""
         return []
 
+    def emulated(self, dtype: torch.dtype) -> str | None:
+        """Why this device has no units for ``dtype``, which it then emulates (slower than fp32,
+        never faster), in a phrase; None where it computes in ``dtype`` natively."""
+        return None
+
     def memory(self, index: int | None = None) -> MemorySnapshot:
         """Memory in use on the device."""
         return MemorySnapshot(source=f"{self.label} reports no memory statistics")

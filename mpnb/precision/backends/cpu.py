@@ -100,12 +100,17 @@ class CpuBackend(Backend):
                 "fp16 on CPU: convolution backward in fp16 has no fast CPU kernel "
                 f"(a small CNN measured {FP16_CONV_SLOWDOWN}x slower than fp32); use bf16 on CPU."
             )
-        if dtype == torch.bfloat16 and not self._bf16_units():
-            notes.append(
-                f"this CPU ({self._name()}) has neither AMX-BF16 nor AVX512-BF16: "
-                "bf16 is emulated, so expect no speed-up over fp32."
-            )
+        emulated = self.emulated(dtype)
+        if emulated:
+            notes.append(f"{emulated}, so expect no speed-up over fp32.")
         return notes
+
+    def emulated(self, dtype: torch.dtype) -> str | None:
+        if dtype == torch.bfloat16 and not self._bf16_units():
+            return (
+                f"bf16 is emulated on this CPU ({self._name()}: neither AMX-BF16 nor AVX512-BF16)"
+            )
+        return None
 
     def memory(self, index: int | None = None) -> MemorySnapshot:
         # This runs every 250 ms of training: two cheap reads, psutil only where there is no /proc.
