@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 
 
 # Notebook 7's JupyterLab extension does not load inside Voila ("The getter for the shared module
-# is not a function"): where both are installed, leave it out, as the README says.
+# is not a function"): where both are installed, leave it out, as docs/guide/compare.md says.
 VOILA_WITHOUT_NOTEBOOK7 = (
     '--VoilaConfiguration.extension_denylist=["@jupyter-notebook/lab-extension"]'
 )
