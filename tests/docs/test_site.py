@@ -156,6 +156,16 @@ def test_a_public_name_missing_from_the_reference_fails_the_build():
         coverage._documented.clear()
 
 
+def test_a_reference_block_for_a_module_not_written_yet_is_left_out():
+    coverage = _hook("api_coverage")
+    page = type("Page", (), {"file": type("File", (), {"src_uri": "guide/fp8.md"})()})()
+    markdown = (
+        "before\n<!-- if mpnb.precision.not_written -->\n::: mpnb.precision.not_written\n"
+        "<!-- end if -->\n<!-- if mpnb.training.trainer -->\nkept\n<!-- end if -->\nafter\n"
+    )
+    assert coverage.on_page_markdown(markdown, page) == "before\nkept\nafter\n"
+
+
 def test_no_page_loads_anything_from_another_host(site):
     external = re.compile(r'<(?:link|script|img)\b[^>]*\b(?:href|src)="(?:https?:)?//', re.I)
     offenders = [
