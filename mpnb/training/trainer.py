@@ -360,7 +360,8 @@ class Trainer:
         if max_steps == 0:
             return self.history
         note_fit(self.history)
-        sinks = self._sinks(capture) + ([self._watch] if self._watch is not None else [])
+        # the watch first: at a flush it reads its sampled steps before a view draws them
+        sinks = ([self._watch] if self._watch is not None else []) + self._sinks(capture)
         steps_before = self.amp.steps
         self.history.meta.update(
             model=self.describe(), device=str(self.device), mode=self.mode.value

@@ -34,8 +34,9 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
     """Sinks for ``kind`` (see :func:`~mpnb.ui.environment.display_kind`); a live dashboard is displayed now.
 
     With a ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot (and,
-    for a Trainer's, the remedy for a named overflow and a memory-by-category view below:
-    :mod:`mpnb.ui.widgets.remedy_view`, :mod:`mpnb.ui.widgets.memory_view`), and
+    for a Trainer's, the remedy for a named overflow, a memory-by-category view and, when it
+    watches numerics, their live heatmaps below: :mod:`mpnb.ui.widgets.remedy_view`,
+    :mod:`mpnb.ui.widgets.memory_view`, :mod:`mpnb.ui.widgets.numerics_view`), and
     the fit is abandoned if the cell running now raises and leaves it open (see :mod:`mpnb.ui.cell_end`).
     """
     from mpnb.ui.cell_end import end_with_its_cell
@@ -66,6 +67,12 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
         remedy = RemedyView(control.subject)
         shown += [remedy.widget, MemoryView(control.subject).widget]
         sinks.append(remedy)
+        if control.subject.numerics is not None:  # it watches numerics: their heatmaps, live
+            from mpnb.ui.widgets.numerics_view import NumericsView
+
+            numerics = NumericsView(control.subject)
+            shown.append(numerics.widget)
+            sinks.append(numerics)
     display(VBox(shown))
     return sinks
 
@@ -113,7 +120,8 @@ def memory_figure(report: MemoryReport) -> Any:
 
 
 def numerics_figure(log: NumericsLog) -> Any:
-    """The numerics watch's heatmap: module x sampled step, headroom to the limit (plotly)."""
+    """The numerics watch's heatmaps: module x sampled step, headroom to the limit and
+    fp16-underflow share (plotly)."""
     from mpnb.ui.plots.numerics_figure import numerics_heatmap
 
     return numerics_heatmap(log)
