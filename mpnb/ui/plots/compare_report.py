@@ -34,6 +34,7 @@ from plotly.subplots import make_subplots
 from mpnb._files import atomic_write
 from mpnb.analysis.comparison import Comparison
 from mpnb.training.history import History
+from mpnb.ui.plots.figure import LOG_AXIS
 from mpnb.ui.plots.memory_figure import memory_figure
 
 __all__: list[str] = []
@@ -61,14 +62,16 @@ MODE_TRACES: dict[str, tuple[int, int]] = {
     "step time (smoothed)": (3, 1),
 }
 
+_SMOOTHING = 9  # steps in the step-time median
 _PANELS = (
     "loss",
     "loss minus fp32's loss",
     "loss scale (x = skipped step)",
     "memory in use (MiB)",
-    "step time (ms)",
+    f"step time (ms): faint, each step; bold, median of {_SMOOTHING} steps",
 )
-_SMOOTHING = 9  # steps in the step-time median
+#: What a trace's name adds to its mode's, where the panel holds two lines of each mode.
+_SERIES = {"step time": "each step", "step time (smoothed)": f"median of {_SMOOTHING} steps"}
 _MIB = 2.0**20
 
 
@@ -101,21 +104,22 @@ def empty_comparison_figure(modes: Sequence[str], title: str = "") -> go.Figure:
             scatter = go.Scatter(
                 x=[],
                 y=[],
-                name=mode,
+                name=f"{mode}, {_SERIES[trace]}" if trace in _SERIES else mode,
                 legendgroup=mode,
                 showlegend=trace == "loss",
                 hovertext=trace,
                 **_style(mode, trace),
             )
             figure.add_trace(scatter, row=row, col=col)
-    figure.update_yaxes(type="log", row=2, col=1)
+    figure.update_yaxes(LOG_AXIS, row=2, col=1)
     figure.update_xaxes(title_text="step", row=3, col=1)
     figure.update_layout(
         title={"text": title, "font": {"size": 14}},
         height=760,
         template="plotly_white",
-        legend={"orientation": "h", "y": 1.06, "x": 1, "xanchor": "right"},
-        margin={"l": 50, "r": 20, "t": 90 if title else 70, "b": 40},
+        # right of the panels, where it covers no panel and no panel's title
+        legend={"x": 1.02, "xanchor": "left", "y": 1, "yanchor": "top"},
+        margin={"l": 50, "r": 20, "t": 70 if title else 50, "b": 40},
     )
     return figure
 

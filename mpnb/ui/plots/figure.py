@@ -65,6 +65,13 @@ def empty_figure(title: str = "") -> go.Figure:
     return figure
 
 
+#: A log axis whose ticks read as their values: plotly's own log ticks label 0.5 as "5" and 0.2
+#: as "2" (the digit, in a smaller font), which reads as a loss scale of 5. Labelled in full,
+#: every digit's tick crowds a short axis spanning one to two decades (0.3 ... 0.9 1 2): at
+#: most about three labelled ticks (0.5 1 2; 1 100 10000), the others as unlabelled grid lines.
+LOG_AXIS = {"type": "log", "tickformat": "~g", "nticks": 3, "minor": {"showgrid": True}}
+
+
 def four_panels(
     titles: tuple[str, str, str, str], title: str, log_panel: tuple[int, int]
 ) -> go.Figure:
@@ -76,7 +83,7 @@ def four_panels(
     figure = make_subplots(
         rows=2, cols=2, subplot_titles=titles, horizontal_spacing=0.1, vertical_spacing=0.16
     )
-    figure.update_yaxes(type="log", row=log_panel[0], col=log_panel[1])
+    figure.update_yaxes(LOG_AXIS, row=log_panel[0], col=log_panel[1])
     figure.update_xaxes(title_text="step", row=2)
     figure.update_layout(
         title={"text": title, "font": {"size": 14}},
