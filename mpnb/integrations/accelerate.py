@@ -96,13 +96,24 @@ class LoopRecorder(WithTelemetry):
         asked: str | Mode | None = None,
         dashboard: str | Sink | None = "auto",
         step_ends: Callable[[], bool] = lambda: True,
+        flush_every: int = 64,
+        watch_numerics: int | None = None,
+        locate_overflow: bool = True,
     ) -> LoopRecorder:
         """Attach to ``model`` and ``optimizer`` (the torch optimizer) and show the dashboard.
 
         ``asked``: the precision the loop was asked for (``"bf16"``, ``"fp16-true"``..., see
         :data:`~mpnb.integrations.observed.PRECISIONS`), to have a difference said.
+        ``flush_every``, ``watch_numerics``, ``locate_overflow``: see
+        :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`.
         """
-        telemetry = LoopTelemetry(framework, dashboard)
+        telemetry = LoopTelemetry(
+            framework,
+            dashboard,
+            flush_every=flush_every,
+            watch_numerics=watch_numerics,
+            locate_overflow=locate_overflow,
+        )
         telemetry.begin(
             model,
             optimizer,
@@ -158,13 +169,20 @@ class LoopRecorder(WithTelemetry):
 
 
 def watch(
-    accelerator: Any, model: torch.nn.Module, optimizer: Any, dashboard: str | Sink | None = "auto"
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    dashboard: str | Sink | None = "auto",
+    *,
+    watch_numerics: int | None = None,
+    locate_overflow: bool = True,
 ) -> LoopRecorder:
     """A started :class:`LoopRecorder` for an Accelerate loop: the Accelerator's scaler, device and
     ``mixed_precision`` setting; a row at each micro-batch with ``accelerator.sync_gradients``.
 
     Example (``watch`` reads four attributes of the Accelerator: ``scaler``, ``device``,
-    ``mixed_precision`` and ``sync_gradients``. Accelerate allows one ``mixed_precision`` per
+    ``mixed_precision`` and ``sync_gradients``; ``watch_numerics`` and ``locate_overflow`` are
+    :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`'s. Accelerate allows one ``mixed_precision`` per
     process, and a real Accelerator made here would fix it for every later one, so the example
     passes an object with those four instead):
         >>> import types
@@ -193,4 +211,6 @@ def watch(
         asked=_ACCELERATE_PRECISIONS.get(str(accelerator.mixed_precision)),
         dashboard=dashboard,
         step_ends=lambda: accelerator.sync_gradients,
+        watch_numerics=watch_numerics,
+        locate_overflow=locate_overflow,
     )

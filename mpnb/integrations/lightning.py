@@ -114,7 +114,8 @@ class MpnbCallback(Callback, WithTelemetry):
     Args:
         dashboard: ``"auto"``, ``"live"``, ``"text"``, a Sink, or None.
         precision: what you passed to the Trainer, if Lightning may have changed it (see above).
-        on_nonfinite, flush_every: as :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`.
+        on_nonfinite, flush_every, watch_numerics, locate_overflow: as
+            :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`.
 
     Example (three bf16 steps of a one-layer model on CPU):
         >>> import lightning as L
@@ -142,9 +143,13 @@ class MpnbCallback(Callback, WithTelemetry):
         precision: str | int | None = None,
         on_nonfinite: str = "warn",
         flush_every: int = 64,
+        watch_numerics: int | None = None,
+        locate_overflow: bool = True,
     ) -> None:
         asked_precision(precision)  # refuse a setting Lightning does not have, now
-        self.telemetry = LoopTelemetry("Lightning", dashboard, on_nonfinite, flush_every)
+        self.telemetry = LoopTelemetry(
+            "Lightning", dashboard, on_nonfinite, flush_every, watch_numerics, locate_overflow
+        )
         self.asked = precision
         self._step_pending = False
 

@@ -59,8 +59,11 @@ from mpnb.integrations.observed import PrecisionObserver, check_precision
 from mpnb.precision.modes import Mode
 from mpnb.precision.policy import session
 from mpnb.training.control import FitControl
+from mpnb.training.fp32_modules import Fp32Modules
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
+from mpnb.training.numerics_origin import NextSkipLocator
+from mpnb.training.numerics_watch import NumericsLog, NumericsWatch
 from mpnb.training.step_record import StepAccount, flush_every_for
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
 from mpnb.training.telemetry import Recorder, Sink, check_dashboard, dashboard_sinks
@@ -80,6 +83,11 @@ class LoopTelemetry:
             one: its row says ``loss_missing``.
         flush_every: steps between copies of the device values to the host (a whole number >= 1;
             1 with ``on_nonfinite="stop"``, so that the framework stops at the bad step).
+        watch_numerics: every how many optimizer steps to measure each leaf module's numerics
+            (:mod:`mpnb.training.numerics_watch`; read at the flush, :attr:`numerics`). None: off.
+        locate_overflow: in fp16 with a scaler, once a flush shows a skipped step, watch the next
+            steps as they run to name the module and op where the overflow began (an
+            ``"origin"`` event; :class:`~mpnb.training.numerics_origin.NextSkipLocator`).
 
     Attributes:
         history: one row per optimizer step, across every run this object recorded.
@@ -93,8 +101,12 @@ class LoopTelemetry:
         dashboard: str | Sink | None = "auto",
         on_nonfinite: str = "warn",
         flush_every: int = 64,
+        watch_numerics: int | None = None,
+        locate_overflow: bool = True,
     ) -> None:
         check_dashboard(dashboard)
+        if watch_numerics is not None:
+            NumericsWatch.check_every(watch_numerics)
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(
                 f"flush_every must be a whole number of steps, at least 1; got {flush_every!r}"
@@ -113,6 +125,9 @@ class LoopTelemetry:
         self.runs = 0
         #: Why a step may give no loss to read, where the framework's settings say (in its notice).
         self.no_loss_reason: str | None = None
+        self.watch_numerics, self.locate_overflow = watch_numerics, locate_overflow
+        #: The numerics watch's log of the last run (None without ``watch_numerics``).
+        self.numerics: NumericsLog | None = None
         self._run: _Run | None = None
 
     @property
@@ -146,6 +161,9 @@ class LoopTelemetry:
         if self._run is not None:
             self.end()
         self._run = _Run(model, optimizer, scaler, device, asked)
+        self._run.watch_numerics(self.watch_numerics, self.locate_overflow)
+        if self._run.numerics is not None:
+            self.numerics = self._run.numerics.log
         self.runs += 1
         name = title or self.framework
         self.history.note(
@@ -156,6 +174,7 @@ class LoopTelemetry:
         sinks = dashboard_sinks(
             self.dashboard, title or f"{self.framework} (mpnb telemetry)", self.control
         )
+        sinks = self._run.numerics_sinks() + sinks  # read at a flush before a view draws them
         self.recorder.sinks.extend(sinks)
         self._run.sinks = sinks
         self.control.begin()
@@ -177,6 +196,10 @@ class LoopTelemetry:
         run = self._require_run()
         run.account.start()
         run.observer.rearm()
+        if run.numerics is not None and not run.account.open:
+            run.numerics.before_step(self.steps + 1, scale_in_use(run.scaler))
+        if run.locator is not None:
+            run.locator.step_start()
 
     def add_loss(self, loss: torch.Tensor | float, normalized: bool = False) -> None:
         """A micro-batch's loss. ``normalized``: already divided so that the window's losses sum
@@ -230,6 +253,8 @@ class LoopTelemetry:
         skipped = run.watch.skipped(run.scaler, run.device) if watched else False
         observed = run.observer.step_end()
         self.steps += 1
+        if run.locator is not None:  # a step watched after a skip: where did it overflow?
+            run.locator.step_computed(self.history, self.steps)
         record = run.account.close(
             step=self.steps,
             epoch=epoch,
@@ -239,6 +264,8 @@ class LoopTelemetry:
             mode=observed if observed is not None else UNSEEN,
         )
         self.recorder.record(**record.row())
+        if run.numerics is not None:
+            run.numerics.after_step(self.steps)
         run.next_window()
         if record.loss_missing:
             self.notices.say(
@@ -284,6 +311,24 @@ class LoopTelemetry:
         step's time starts at its own first micro-batch instead of at the previous step's end,
         and adds to what a step that the work interrupted had run (:meth:`outside_steps_start`)."""
         self._require_run().account.restart_clock()
+
+    def keep_in_fp32(self, module: str) -> str:
+        """Run ``module`` of the running model in float32 (autocast off inside it, its inputs cast
+        up) from the next step until the run ends, noted on the history as a switch: the remedy
+        for an overflow named in it. Call it between steps (a callback, a dashboard button).
+
+        Raises:
+            MpnbError: no module of that name (the closest are listed); nothing changes.
+            RuntimeError: no run is being recorded.
+        """
+        found = self._require_run().fp32.keep(module)
+        self.history.note(
+            f"{found} runs in fp32 (autocast off inside it)",
+            kind="switch",
+            step=self.steps,
+            module=found,
+        )
+        return found
 
     @property
     def stop_requested(self) -> bool:
@@ -355,6 +400,18 @@ class WithTelemetry:
         """Stop / Pause / Resume of the running training."""
         return self.telemetry.control
 
+    @property
+    def numerics(self) -> NumericsLog | None:
+        """Each leaf module's sampled numerics (with ``watch_numerics``; see
+        :mod:`mpnb.training.numerics_watch`), the steps not yet copied to the host included."""
+        self.telemetry.recorder.flush()
+        return self.telemetry.numerics
+
+    def keep_in_fp32(self, module: str) -> str:
+        """Run ``module`` in float32 from the next step until the run ends (see
+        :meth:`LoopTelemetry.keep_in_fp32`)."""
+        return self.telemetry.keep_in_fp32(module)
+
 
 class _Run:
     """What one attached run holds: its hooks, clock, and the open optimizer step's values."""
@@ -374,6 +431,10 @@ class _Run:
             OptimizerStepWatch(optimizer) if scaler is not None and scaler.is_enabled() else None
         )
         self.observer = PrecisionObserver(model, device.type)
+        self.model = model
+        self.fp32 = Fp32Modules(model, device.type)  # remedies for this run
+        self.numerics: NumericsWatch | None = None
+        self.locator: NextSkipLocator | None = None
         self.sinks: list[Sink] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.control_listener: Callable[[str], None] = lambda state: (
@@ -389,9 +450,39 @@ class _Run:
         self.lr: Any = math.nan
         self.before_called = False
 
+    def watch_numerics(self, every: int | None, locate_overflow: bool) -> None:
+        """Watch the modules' numerics every ``every`` steps; locate an overflow after a skip
+        (only where a scaler can skip a step)."""
+        if every is not None:
+            self.numerics = NumericsWatch(self.model, every)
+        if locate_overflow and self.watch is not None:
+            self.locator = NextSkipLocator(self.model)
+
+    def numerics_sinks(self) -> list[Sink]:
+        """The run's sinks that read at a flush: the numerics watch, the locator's arming."""
+        sinks: list[Sink] = [self.numerics] if self.numerics is not None else []
+        if self.locator is not None:
+            sinks.append(_SkipsSeen(self.locator))
+        return sinks
+
     def detach(self) -> None:
+        if self.numerics is not None:
+            self.numerics.remove_hooks()
+        if self.locator is not None:
+            self.locator.close()
+        self.fp32.release()
         if self.watch is not None:
             self.watch.remove()
         self.observer.remove()
         for handle in self.handles:
             handle.remove()
+
+
+class _SkipsSeen(Sink):
+    """Tells a :class:`~mpnb.training.numerics_origin.NextSkipLocator` what each flush shows."""
+
+    def __init__(self, locator: NextSkipLocator) -> None:
+        self.locator = locator
+
+    def update(self, history: History) -> None:
+        self.locator.seen(history)

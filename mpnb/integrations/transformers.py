@@ -108,6 +108,8 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
             ``"text"``, a Sink, or None.
         on_nonfinite: ``"warn"`` (default) or ``"ignore"``.
         flush_every: optimizer steps between copies of the device values to the host.
+        watch_numerics, locate_overflow: per-module numerics every k steps, and where an fp16
+            overflow began (see :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`).
 
     Attributes:
         history: one row per optimizer step (every ``train()`` this callback saw).
@@ -127,8 +129,12 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
         dashboard: str | Sink | None = "auto",
         on_nonfinite: str = "warn",
         flush_every: int = 64,
+        watch_numerics: int | None = None,
+        locate_overflow: bool = True,
     ) -> None:
-        self.telemetry = LoopTelemetry(_FRAMEWORK, dashboard, on_nonfinite, flush_every)
+        self.telemetry = LoopTelemetry(
+            _FRAMEWORK, dashboard, on_nonfinite, flush_every, watch_numerics, locate_overflow
+        )
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         inner = getattr(

@@ -358,14 +358,94 @@ class FirstSkipLocator:
                 step=step,
             )
             return None
-        amp.recorder.history.note(
-            f"step {step} skipped: {origin}",
-            kind=ORIGIN_KIND,
-            step=step,
-            origin=str(origin),
-            **{
-                ("problem" if name == "kind" else name): value
-                for name, value in dataclasses.asdict(origin).items()
-            },
-        )
+        note_origin(amp.recorder.history, step, origin, f"step {step} skipped")
         return origin
+
+
+def note_origin(history: Any, step: int, origin: Origin, what: str) -> None:
+    """Note ``origin`` on ``history`` as an ``"origin"`` event of ``step`` (``what`` happened
+    there), with its fields (``kind`` as ``problem``) for dashboards and alarms to read."""
+    history.note(
+        f"{what}: {origin}",
+        kind=ORIGIN_KIND,
+        step=step,
+        origin=str(origin),
+        **{
+            ("problem" if name == "kind" else name): value
+            for name, value in dataclasses.asdict(origin).items()
+        },
+    )
+
+
+class NextSkipLocator:
+    """Names where an overflow began in a loop that mpnb does not drive (a framework's), where
+    there is no batch to replay: the steps after a skipped one are watched as they run.
+
+    When a telemetry flush shows a skipped step, the next optimizer steps (at most ``tries``)
+    run under the same instrument as a replay (:func:`locate_nonfinite`'s, every op checked in
+    execution order: slow, on those steps only). The first of them that makes an inf/NaN names
+    the origin, noted on the history like a replay's. If they all stay finite, a note says so:
+    GradScaler lowered the scale after the skip and the scaled gradients fit again, which places
+    the overflow in the scaled backward, not in the model's own values. One origin a run.
+
+    Call :meth:`step_start` when a step's first micro-batch begins, :meth:`step_computed` when
+    its backward is done (before the optimizer), :meth:`seen` at each flush, :meth:`close` at
+    the run's end (it takes the instrument off if a step never finished).
+
+    Example:
+        >>> locator = NextSkipLocator(torch.nn.Linear(2, 2))
+        >>> locator.armed, locator.done
+        (False, False)
+    """
+
+    def __init__(self, model: nn.Module, tries: int = 3) -> None:
+        self.model = model
+        self.tries = tries
+        self.done = False
+        self._left = 0
+        self._skipped_at = 0
+        self._watch: _Watch | None = None
+
+    @property
+    def armed(self) -> bool:
+        """A skip was seen: the next steps are watched."""
+        return self._left > 0
+
+    def seen(self, history: Any) -> None:
+        """A flush: arm at the first skipped step it shows (once a run)."""
+        if self.done or self.armed:
+            return
+        skipped = history.skipped_steps
+        if skipped:
+            self._skipped_at, self._left = skipped[0], self.tries
+
+    def step_start(self) -> None:
+        """A step's first micro-batch begins: watched while armed."""
+        if self.armed and self._watch is None:
+            self._watch = _Watch(self.model).__enter__()
+
+    def step_computed(self, history: Any, step: int) -> None:
+        """Step ``step``'s forward and backward are done: note its origin, if it made one."""
+        if self._watch is None:
+            return
+        watch, self._watch = self._watch, None
+        watch.__exit__(None, None, None)
+        self._left -= 1
+        if watch.origin is not None:
+            self.done, self._left = True, 0
+            what = f"step {step} (watched after step {self._skipped_at} skipped)"
+            note_origin(history, step, watch.origin, what)
+        elif not self._left:
+            self.done = True
+            history.note(
+                f"step {self._skipped_at} skipped; the {self.tries} steps watched after it stayed "
+                "finite: the overflow was in the scaled gradients, and the lowered scale fits them",
+                kind=ORIGIN_KIND,
+                step=step,
+            )
+
+    def close(self) -> None:
+        """The run ended: the instrument comes off if a step was left open."""
+        if self._watch is not None:
+            watch, self._watch = self._watch, None
+            watch.__exit__(None, None, None)

@@ -131,9 +131,8 @@ class NumericsWatch(Sink):
     they measured when the telemetry flushes (see the module's docstring)."""
 
     def __init__(self, model: nn.Module, every: int) -> None:
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"watch_numerics must be a whole number of steps >= 1, got {every!r}")
-        self.every = every
+        self.every = self.check_every(every)
+        self.model = model
         self.watched = [
             (name, module)
             for name, module in model.named_modules()
@@ -144,6 +143,17 @@ class NumericsWatch(Sink):
         self._rows: dict[str, list[torch.Tensor]] = {}
         self._scale: torch.Tensor | float = 1.0
         self._pending: list[tuple[int, torch.Tensor]] = []
+
+    @staticmethod
+    def check_every(every: object) -> int:
+        """``every`` as a sampling interval.
+
+        Raises:
+            ValueError: it is not a whole number of steps >= 1.
+        """
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"watch_numerics must be a whole number of steps >= 1, got {every!r}")
+        return every
 
     def before_step(self, step: int, scale: torch.Tensor | float) -> None:
         """Optimizer step ``step`` is about to train: hook the modules if it is sampled."""

@@ -1,0 +1,136 @@
+"""Per-layer numerics inside the loops mpnb does not drive: the sampled watch, and where an fp16
+overflow began, named from the steps after the first skip (no batch to replay there), with the
+remedy applied from the next step and taken back at the run's end."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mpnb.integrations.accelerate import LoopRecorder
+from tests.training.test_numerics_origin import gpt2_batches, overflowing_gpt2
+
+PLANTED = "GPT2LMHeadModel.transformer.h.1.mlp.c_proj"
+
+
+def fp16_loop(batches, *, remedy: bool, **options):
+    """A hand-written fp16 loop (GradScaler, autocast on the CPU) recorded by mpnb, as
+    ``mpnb.integrations.accelerate.watch`` records an Accelerate loop."""
+    model = overflowing_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    recorder = LoopRecorder.start(
+        "my loop", model, optimizer, scaler=scaler, device="cpu", dashboard=None, **options
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for batch in batches:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**batch).loss
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            recorder.record(loss, batch=batch["input_ids"])
+            origins = [e for e in recorder.history.events if e["kind"] == "origin"]
+            if (
+                remedy
+                and origins
+                and not any(e["kind"] == "switch" for e in recorder.history.events)
+            ):
+                recorder.keep_in_fp32(origins[0]["module"])
+        history = recorder.close()
+    return model, recorder, history
+
+
+def test_the_origin_is_named_from_the_step_after_the_first_skip_in_a_loop_of_ones_own():
+    model, recorder, history = fp16_loop(gpt2_batches(3), remedy=False, flush_every=1)
+    (origin,) = [e for e in history.events if e["kind"] == "origin"]
+    assert (origin["module"], origin["phase"], origin["op"]) == (PLANTED, "forward", "aten.addmm")
+    assert origin["step"] == 2 and "watched after step 1 skipped" in origin["message"]
+    assert history.skipped == [True, True, True]
+    assert not torch._C._is_torch_function_mode_enabled()
+    assert torch._C._len_torch_dispatch_stack() == 0  # the instrument came off
+
+
+def test_the_remedy_stops_the_skips_from_the_next_step_and_is_taken_back_at_the_end():
+    model, _, history = fp16_loop(gpt2_batches(5), remedy=True, flush_every=1)
+    assert history.skipped == [True, True, False, False, False]
+    switch = next(e for e in history.events if e["kind"] == "switch")
+    assert switch["module"] == "transformer.h.1.mlp.c_proj" and switch["step"] == 2
+    assert "forward" not in vars(model.transformer.h[1].mlp.c_proj)  # put back
+
+
+def test_without_locating_no_origin_is_noted_and_the_watch_samples_every_kth_step():
+    _, recorder, history = fp16_loop(
+        gpt2_batches(4), remedy=False, flush_every=1, locate_overflow=False, watch_numerics=2
+    )
+    assert not [e for e in history.events if e["kind"] == "origin"]
+    log = recorder.numerics
+    assert log.steps == [2, 4]
+    assert log.nonfinite["transformer.h.1.mlp.c_proj"][0] > 0
+    assert log.nonfinite["transformer.h.0.mlp.c_proj"] == [0.0, 0.0]
+
+
+def test_a_skip_the_lowered_scale_cures_is_said_to_be_in_the_scaled_gradients():
+    """A scale of 2**40 overflows the scaled backward of a plain GPT-2 once; GradScaler's
+    backoff brings the gradients back in range, and the watched steps stay finite."""
+    from tests.conformance.models import gpt2_model
+
+    model = gpt2_model(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
+    recorder = LoopRecorder.start(
+        "my loop", model, optimizer, scaler=scaler, device="cpu", dashboard=None, flush_every=1
+    )
+    for batch in gpt2_batches(5):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(**batch).loss
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        recorder.record(loss, batch=batch["input_ids"])
+    history = recorder.close()
+    assert history.skipped[0] and not any(history.skipped[1:])
+    (note,) = [e for e in history.events if e["kind"] == "origin"]
+    assert "3 steps watched after it stayed finite" in note["message"]
+    assert "module" not in note
+
+
+def test_lightnings_trainer_names_the_origin_with_its_own_fp16_scaler():
+    lightning = pytest.importorskip(
+        "lightning", reason="the lightning extra: pip install 'mpnb[lightning]'"
+    )
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from mpnb.integrations.lightning import MpnbCallback
+
+    class Gpt2(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = overflowing_gpt2()
+
+        def training_step(self, batch, index):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    callback = MpnbCallback(dashboard=None, flush_every=1, watch_numerics=1)
+    trainer = lightning.Trainer(
+        accelerator="cpu", max_steps=3, callbacks=[callback], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1.0))],
+    )  # fmt: skip
+    data = gpt2_batches(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Gpt2(), torch.utils.data.DataLoader(data, batch_size=None))
+    (origin,) = [e for e in callback.history.events if e["kind"] == "origin"]
+    assert origin["module"] == "Gpt2.model.transformer.h.1.mlp.c_proj"
+    assert origin["phase"] == "forward"
+    assert callback.numerics.steps == [1, 2, 3]
+    assert torch._C._len_torch_dispatch_stack() == 0
