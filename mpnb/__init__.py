@@ -6,6 +6,8 @@ Plain Python::
     with mpnb.autocast("bf16"):          # validated torch.autocast, restored exactly
         out = model(x)
     mpnb.set_mode("bf16")                # the session mode
+    with mpnb.fp8_layers(model):         # Linear layers in fp8 (torchao), undone after the block
+        ...
     mpnb.status()                        # where the session stands
     mpnb.panel()                         # the same switches as widgets (in Jupyter)
     mpnb.compare(make_run, modes=["fp32", "bf16"])      # the same run in several modes, side by side
@@ -24,6 +26,7 @@ IPython / Jupyter::
 
     %load_ext mpnb
     %amp bf16          # every following cell runs under bf16 autocast
+    %amp fp8 --model net   # net's Linear layers in fp8 (torchao) until the mode changes
     %%autocast -d fp16 # one cell under fp16 autocast
     %tf32 on           # reduced-precision fp32 math
     %oplist add fp32 layer_norm        # per-op precision lists
@@ -48,6 +51,7 @@ from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
 from mpnb.oplists import OpListOverride, OpLists
 from mpnb.oplists.trace import Trace, trace
 from mpnb.precision import Mode, autocast, get_mode, get_oplists, hmp, set_mode, set_oplists, tf32
+from mpnb.precision.fp8 import fp8_layers
 from mpnb.precision.status import DeviceReport, Status, devices, status
 from mpnb.training import AmpStep, FitInterrupted, History, Trainer
 from mpnb.training.numerics_origin import Origin, locate_nonfinite
@@ -64,6 +68,7 @@ __all__ = [
     "set_mode",
     "get_mode",
     "tf32",
+    "fp8_layers",
     "status",
     "devices",
     "Status",

@@ -6,6 +6,7 @@ Example (shell)::
     $ mpnb compare --modes fp32,bf16 --steps 50 --out runs/compare
     $ mpnb train                    # the example CNN on the bundled digits, in the device's best AMP mode
     $ mpnb train --mode fp16 --steps 100 --out runs/fp16
+    $ mpnb train --mode fp8 --model mlp --steps 20   # torchao's float8 layers (emulated on a CPU)
     $ mpnb devices                  # capability report, with a tiny autocast check per dtype
     $ mpnb devices --json
 """
@@ -43,7 +44,13 @@ def _train(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     mode = args.mode or dtype_name(backend_for(device).preferred_dtype())
     trainer, train, test = example_trainer(
-        mode, device, batch_size=args.batch_size, lr=args.lr, seed=args.seed, dashboard="text"
+        mode,
+        device,
+        model=args.model,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        dashboard="text",
     )
     _announce_if_slow(trainer, train, args.steps)
     history = trainer.fit(train, epochs=math.ceil(args.steps / len(train)), max_steps=args.steps)
@@ -240,8 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the example CNN on the bundled 8x8 digits; print progress, write history CSV and HTML dashboard",
     )
     train.add_argument(
-        "--mode", help="fp32, tf32, fp16 or bf16 (default: the device's preferred AMP dtype)"
+        "--mode",
+        help="fp32, tf32, fp16, bf16 or fp8 (default: the device's preferred AMP dtype; fp8 "
+        "needs a model with Linear layers: --model mlp or transformer)",
     )
+    train.add_argument("--model", default="cnn", help="cnn, mlp or transformer (default cnn)")
     train.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
     train.add_argument(
         "--steps", type=_positive_int, default=200, help="optimizer steps (default 200)"

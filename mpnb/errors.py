@@ -3,8 +3,8 @@
 
 Example:
     >>> from mpnb.errors import InvalidChoiceError
-    >>> str(InvalidChoiceError("mode", "fp8", ["fp32", "bf16"]))
-    "unknown mode 'fp8'; valid: fp32, bf16"
+    >>> str(InvalidChoiceError("mode", "fp4", ["fp32", "bf16"]))
+    "unknown mode 'fp4'; valid: fp32, bf16"
 """
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ class MpnbError(ValueError):
     Example:
         >>> import mpnb
         >>> try:
-        ...     mpnb.set_mode("fp8")
+        ...     mpnb.set_mode("fp4")
         ... except MpnbError as error:
         ...     print(type(error).__name__, "-", error)
-        InvalidChoiceError - unknown mode 'fp8'; valid: ...
+        InvalidChoiceError - unknown mode 'fp4'; valid: ...
     """
 
 

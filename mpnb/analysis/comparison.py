@@ -86,7 +86,10 @@ def mode_result(
     """The result of a finished run: ``trainer``'s history with the first ``warmup`` steps
     untimed, and the account of its step's memory if counted."""
     history = trainer.history
-    inert = name == "tf32" and not backend_for(trainer.device).has_fast_fp32_math()
+    backend = backend_for(trainer.device)
+    inert = (name == "tf32" and not backend.has_fast_fp32_math()) or (
+        name == "fp8" and backend.fp8_training() == "emulated"
+    )
     return ModeResult(
         name,
         history,

@@ -318,7 +318,7 @@ def _step(trainer: Any, batch: Any) -> Any:
     precision = trainer.amp.precision
 
     def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        with precision.autocast.context():
+        with precision.model_scope(model), precision.autocast.context():  # fp8: its layers
             loss = batch_loss(model, batch, trainer.loss_fn, trainer.step_fn)
         loss.backward()
         optimizer.step()

@@ -39,6 +39,8 @@ __all__ = ["Comparison", "ModeResult"]
 
 #: The speedup column of a mode that changes nothing on this hardware (tf32 where fp32 math stays exact).
 NO_EFFECT = "no effect on this hardware"
+#: The speedup column of fp8 where it is emulated (a CPU): its step time measures the emulation.
+EMULATED = "emulated: numerics only, no speed-up"
 
 _COLUMNS = (
     "mode",
@@ -74,7 +76,8 @@ class ModeResult:
             turns began: what training steps in this mode cost on top of the state kept
             between steps (weights, optimizer state).
         inert: the mode changes nothing on this hardware (tf32 where fp32 math stays exact),
-            so its speedup is only noise.
+            so its speedup is only noise; for fp8, it is emulated (a CPU), so its step time
+            measures the emulation and no speedup is reported.
 
     Example:
         >>> from mpnb.training.history import History
@@ -264,7 +267,9 @@ class Comparison:
             if result.mode == "fp32" or not result.history:
                 verdict = ""
             elif result.inert:
-                verdict = NO_EFFECT
+                verdict = EMULATED if result.mode == "fp8" else NO_EFFECT
+            if verdict == EMULATED:
+                speedup = NO_SPEEDUP
             row.update(
                 speedup_vs_fp32=speedup.median,
                 speedup_low=speedup.low,
@@ -371,7 +376,7 @@ def _bytes(value: float) -> str:
 def _speedup_text(row: dict[str, Any]) -> str:
     """``"1.32x (1.25-1.40)"``, ``"1.02x: no clear difference (0.97-1.08)"`` or ``"no effect on this hardware"``."""
     verdict, median = row["speedup_verdict"], row["speedup_vs_fp32"]
-    if verdict == NO_EFFECT or not math.isfinite(median):
+    if verdict in (NO_EFFECT, EMULATED) or not math.isfinite(median):
         return verdict or "-"
     text = f"{median:.2f}x"
     if verdict == "no clear difference":

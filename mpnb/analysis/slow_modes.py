@@ -38,6 +38,8 @@ def slow_reason(trainer: Any) -> str | None:
     has_convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in trainer.model.modules())
     if trainer.mode is Mode.FP16 and trainer.device.type == "cpu" and has_convolutions:
         return "fp16 convolutions have no fast CPU kernels"
+    if trainer.mode is Mode.FP8 and backend_for(trainer.device).fp8_training() == "emulated":
+        return "fp8 is emulated here (numerics only, no speed-up)"
     dtype = trainer.mode.autocast_dtype
     return backend_for(trainer.device).emulated(dtype) if dtype is not None else None
 
@@ -49,7 +51,7 @@ def step_seconds(trainer: Any, batch: Any, repeats: int = 2) -> float:
     batch = to_device(batch, trainer.device)
     dtype = trainer.amp.precision.mode.autocast_dtype
     fastest = float("inf")
-    with kept_random_state(trainer.device.type):
+    with kept_random_state(trainer.device.type), trainer.amp.precision.model_scope(model):
         for _ in range(repeats):
             start = time.perf_counter()
             with torch.autocast(trainer.device.type, dtype=dtype, enabled=dtype is not None):

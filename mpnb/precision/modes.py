@@ -2,7 +2,8 @@
 
 A mode is what a whole session runs in: ``off`` (mpnb leaves torch alone), ``fp32``
 (autocast off, exact fp32 math), ``tf32`` (autocast off, reduced-precision fp32 math),
-``fp16`` and ``bf16`` (autocast in that dtype).
+``fp16`` and ``bf16`` (autocast in that dtype), ``fp8`` (eligible Linear layers through torchao's
+float8 training, the rest under bf16 autocast; see :mod:`mpnb.precision.fp8`).
 
 Example:
     >>> from mpnb.precision.modes import Mode, parse_mode, parse_dtype
@@ -47,7 +48,9 @@ class Mode(str, enum.Enum):
         >>> Mode.FP16.summary
         'autocast to float16; eligible ops run in fp16, the rest in fp32'
         >>> [mode.value for mode in Mode]
-        ['off', 'fp32', 'tf32', 'fp16', 'bf16']
+        ['off', 'fp32', 'tf32', 'fp16', 'bf16', 'fp8']
+        >>> Mode.FP8.autocast_dtype  # what runs outside the fp8 layers
+        torch.bfloat16
     """
 
     OFF = "off"
@@ -55,11 +58,14 @@ class Mode(str, enum.Enum):
     TF32 = "tf32"
     FP16 = "fp16"
     BF16 = "bf16"
+    FP8 = "fp8"
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The dtype autocast runs in under this mode, or None when autocast is off."""
-        return {Mode.FP16: torch.float16, Mode.BF16: torch.bfloat16}.get(self)
+        return {Mode.FP16: torch.float16, Mode.BF16: torch.bfloat16, Mode.FP8: torch.bfloat16}.get(
+            self
+        )
 
     @property
     def fp32_math(self) -> Fp32Math | None:
@@ -78,6 +84,7 @@ _MODE_SUMMARIES = {
     Mode.TF32: "autocast off; fp32 matmuls and convolutions use reduced-precision math (TF32 on GPUs)",
     Mode.FP16: "autocast to float16; eligible ops run in fp16, the rest in fp32",
     Mode.BF16: "autocast to bfloat16; eligible ops run in bf16, the rest in fp32",
+    Mode.FP8: "eligible Linear layers' matmuls in fp8 (torchao float8 training), the rest under bf16 autocast",
 }
 
 _MODE_ALIASES = {
@@ -91,6 +98,8 @@ _MODE_ALIASES = {
     "half": Mode.FP16,
     "bf16": Mode.BF16,
     "bfloat16": Mode.BF16,
+    "fp8": Mode.FP8,
+    "float8": Mode.FP8,
 }
 
 _DTYPE_ALIASES = {
@@ -120,7 +129,7 @@ def parse_mode(value: str | Mode) -> Mode:
     mode = _MODE_ALIASES.get(str(value).strip().lower())
     if mode is None:
         raise InvalidChoiceError(
-            "mode", value, MODE_NAMES, "Aliases: float32, float16/half, bfloat16."
+            "mode", value, MODE_NAMES, "Aliases: float32, float16/half, bfloat16, float8."
         )
     return mode
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -30,6 +30,7 @@ from mpnb.oplists.lists import OpLists
 from mpnb.oplists.session_lists import SessionOpLists
 from mpnb.precision.autocast_settings import AutocastSettings, ThreadAutocast, check_autocast_dtype
 from mpnb.precision.backends import Backend, backend_for, resolve_device
+from mpnb.precision.fp8 import Fp8Layers, check_fp8, check_recipe
 from mpnb.precision.fp32math import Fp32MathSwitch
 from mpnb.precision.modes import Fp32Math, Mode, parse_dtype, parse_mode
 
@@ -82,6 +83,9 @@ class Session:
         self._outside_cell: ThreadAutocast | None = None  # while a cell scope is open
         self._outside_changed = False
         self.reset_callbacks: list[Callable[[], None]] = []
+        self.fp8_recipe = "tensorwise"  # mode fp8's torchao recipe
+        self.fp8_keep: tuple[str, ...] = ()  # Linear layers mode fp8 keeps in high precision
+        self._until_mode_changes: list[Callable[[], None]] = []
         self._listeners: list[Callable[[str], None]] = []
 
     def subscribe(self, listener: Callable[[str], None]) -> Callable[[], None]:
@@ -117,10 +121,48 @@ class Session:
         backend = backend_for(target)
         if new_mode.autocast_dtype is not None:
             check_autocast_dtype(backend, target, new_mode.autocast_dtype)
+        if new_mode is Mode.FP8:
+            check_fp8(target)
+        self._undo_mode_changes()
         self._apply_fp32_math(new_mode, backend)
         self.mode, self.device = new_mode, new_device
         self.notify("mode")
         return new_mode
+
+    def set_fp8_mode(
+        self,
+        device: str | torch.device | None = None,
+        recipe: str = "tensorwise",
+        keep: Iterable[str] = (),
+        model: torch.nn.Module | None = None,
+    ) -> Fp8Layers | None:
+        """Switch to mode fp8 (what ``%amp fp8`` does): ``recipe`` and ``keep`` for the fits that
+        follow; with ``model``, its layers converted until the mode changes again. Everything
+        is checked before anything changes.
+
+        Raises:
+            MpnbError: as :class:`~mpnb.precision.fp8.Fp8Layers`, or :meth:`set_mode`.
+        """
+        recipe, keep = check_recipe(recipe), tuple([keep] if isinstance(keep, str) else keep)
+        check_fp8(self.device if device is None else device)
+        if model is not None:  # checked as it is; converted once set_mode undid an earlier hold
+            Fp8Layers(model, recipe=recipe, keep=keep, device=device).check_converts()
+        self.set_mode(Mode.FP8, device)
+        self.fp8_recipe, self.fp8_keep = recipe, keep
+        if model is None:
+            return None
+        layers = Fp8Layers(model, recipe=recipe, keep=keep, device=device).convert()
+        self.until_mode_changes(layers.restore)
+        return layers
+
+    def until_mode_changes(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` at the next mode change or reset (a model ``%amp fp8 --model`` converted)."""
+        self._until_mode_changes.append(undo)
+
+    def _undo_mode_changes(self) -> None:
+        undos, self._until_mode_changes = self._until_mode_changes, []
+        for undo in reversed(undos):
+            undo()
 
     def set_tf32(self, enabled: bool, device: str | torch.device | None = None) -> None:
         """Turn reduced-precision fp32 math on or off.
@@ -248,6 +290,8 @@ class Session:
         """Mode off, device auto-detected, no op lists, every fp32-math flag as mpnb found it."""
         for undo in reversed(self.reset_callbacks[:]):
             undo()
+        self._undo_mode_changes()
+        self.fp8_recipe, self.fp8_keep = "tensorwise", ()
         self.want_fp32_math(None, None)
         self.oplists.reset()
         self.mode, self.device = Mode.OFF, None
@@ -275,16 +319,32 @@ class Session:
                 )
         if dtype == torch.float16:
             notes.append("fp16 training needs loss scaling: use torch.amp.GradScaler with it")
+        if self.mode is Mode.FP8:
+            notes.extend(_fp8_notes(backend))
         if self.fp32_math.level is Fp32Math.REDUCED and not backend.has_fast_fp32_math():
             notes.append(f"reduced-precision fp32 math has no effect on this {backend.label}")
         return notes
+
+
+def _fp8_notes(backend: Backend) -> list[str]:
+    notes = []
+    if backend.fp8_training() == "emulated":
+        notes.append(
+            f"fp8 on this {backend.label} is emulated: numerics only, no speed-up (slower than fp32)"
+        )
+    notes.append(
+        "fp8 converts a model's Linear layers: a Trainer does it for each fit; for your own "
+        "loop, `%amp fp8 --model NAME` or `with mpnb.fp8_layers(model):`"
+    )
+    return notes
 
 
 session = Session()
 
 
 def set_mode(mode: str | Mode, device: str | torch.device | None = None) -> Mode:
-    """Set the session precision mode: ``"off"``, ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``.
+    """Set the session precision mode: ``"off"``, ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``,
+    ``"fp8"`` (needs torchao: :mod:`mpnb.precision.fp8`).
 
     In IPython (after ``%load_ext mpnb``) every following cell runs in the mode; in a
     script, ``with mpnb.autocast():`` blocks follow it. Invalid input changes nothing.

@@ -18,8 +18,9 @@ import torch
 
 from mpnb._render import dtype_name, html_list, html_table, text_table
 from mpnb.precision.backends import BACKENDS, Backend, MemorySnapshot
+from mpnb.precision.fp8 import torchao_installed
 from mpnb.precision.modes import Mode
-from mpnb.precision.policy import session
+from mpnb.precision.policy import Session, session
 
 __all__ = ["Status", "DeviceReport", "status", "devices"]
 
@@ -68,10 +69,11 @@ class Status(_Renders):
     fp32_math: str
     memory: MemorySnapshot
     warnings: tuple[str, ...]
+    fp8: str = ""
 
     def rows(self) -> list[tuple[str, str]]:
         """The status as (label, value) pairs."""
-        return [
+        rows = [
             ("mode", f"{self.mode.value} ({self.mode.summary})"),
             ("device", self.device),
             ("autocast", self.autocast_dtype),
@@ -79,6 +81,7 @@ class Status(_Renders):
             ("fp32 math", self.fp32_math),
             ("memory", str(self.memory)),
         ]
+        return rows + ([("fp8", self.fp8)] if self.fp8 else [])
 
     def to_text(self) -> str:
         lines = ["mpnb status", *(f"  {label:<10} {value}" for label, value in self.rows())]
@@ -118,7 +121,25 @@ def status() -> Status:
         fp32_math=backend.describe_fp32_math(),
         memory=backend.memory(device.index),
         warnings=tuple(session.warnings()),
+        fp8=_fp8_words(backend, session) if session.mode is Mode.FP8 else "",
     )
+
+
+def _fp8_words(backend: Backend, session: Session) -> str:
+    """Mode fp8's recipe, kept layers and where it runs, for the status."""
+    kept = f"; kept in bf16 by name: {', '.join(session.fp8_keep)}" if session.fp8_keep else ""
+    return f"torchao {session.fp8_recipe}, {fp8_support(backend)}{kept}"
+
+
+def fp8_support(backend: Backend) -> str:
+    """How fp8 training runs on ``backend``, in words (the device report's fp8 column)."""
+    how = backend.fp8_training()
+    if how == "refused":
+        return f"no: {backend.fp8_refusal()}"
+    words = "fp8 tensor cores" if how == "real" else "emulated: numerics only, no speed-up"
+    if not torchao_installed():
+        words += " (needs pip install 'mpnb[fp8]')"
+    return words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +156,7 @@ class DeviceInfo:
     reduced_fp32_math: str
     capabilities: dict[str, object]
     memory: str
+    fp8: str = "-"
 
     def to_dict(self) -> dict[str, object]:
         """Plain data, for JSON."""
@@ -174,12 +196,13 @@ class DeviceReport(_Renders):
                 "yes" if info.available else "no",
                 ", ".join(info.autocast_dtypes) or "-",
                 ", ".join(f"{k} -> {v}" for k, v in info.verified.items()) or "-",
+                info.fp8,
                 info.detail,
             ]
             for info in self.devices
         ]
 
-    _HEADERS = ("device", "present", "autocast", "checked (Linear output)", "details")
+    _HEADERS = ("device", "present", "autocast", "checked (Linear output)", "fp8", "details")
 
     def to_text(self) -> str:
         lines = [text_table(self._HEADERS, self.rows()), ""]
@@ -224,6 +247,7 @@ def _device_info(backend: Backend, check: bool) -> DeviceInfo:
         reduced_fp32_math=backend.describe_reduced_fp32_math(),
         capabilities=caps,
         memory=str(backend.memory()),
+        fp8=fp8_support(backend),
     )
 
 

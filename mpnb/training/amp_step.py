@@ -54,7 +54,9 @@ class AmpStep:
 
     Args:
         optimizer: the optimizer to step.
-        mode: ``"fp16"``, ``"bf16"``, ``"fp32"``, ``"tf32"`` or ``"off"``; default the session mode.
+        mode: ``"fp16"``, ``"bf16"``, ``"fp32"``, ``"tf32"``, ``"fp8"`` or ``"off"``; default the
+            session mode. fp8 here is its bf16 autocast: convert the model's Linear layers with
+            ``with mpnb.fp8_layers(model):`` around the loop (a Trainer does it itself).
         device: default the session device.
         scheduler: an LR scheduler, stepped only after steps the optimizer really took (a step
             skipped for overflow leaves the schedule where it was).

@@ -18,6 +18,7 @@ import torch
 
 from mpnb.precision.autocast_settings import AutocastSettings
 from mpnb.precision.backends import backend_for
+from mpnb.precision.fp8 import EMULATED, Fp8Layers, check_fp8
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.precision.policy import session
 
@@ -30,7 +31,8 @@ class TrainingPrecision:
 
     Attributes:
         mode: fp16 / bf16 autocast the forward pass; fp32 / tf32 set the fp32-math flags for
-            the run; off runs in fp32 and touches no flag.
+            the run; off runs in fp32 and touches no flag; fp8 converts the model's eligible
+            Linear layers (:meth:`model_scope`) and autocasts the rest to bf16.
         device: where the model and batches live.
         autocast: the autocast to wrap forward passes in (disabled for fp32-like modes, so
             a surrounding ``%amp`` cell cannot leak into them).
@@ -62,6 +64,8 @@ class TrainingPrecision:
         chosen = session.mode if mode is None else parse_mode(mode)
         dtype = chosen.autocast_dtype
         settings = session.autocast_settings(dtype, device, enabled=dtype is not None)
+        if chosen is Mode.FP8:
+            check_fp8(settings.device)
         return cls(chosen, settings.device, settings)
 
     @property
@@ -87,6 +91,22 @@ class TrainingPrecision:
         finally:
             session.apply_fp32_wish()
 
+    @contextlib.contextmanager
+    def model_scope(self, model: torch.nn.Module) -> Iterator[None]:
+        """Fp8: the model's eligible Linear layers converted for a block (with the session's
+        recipe and kept layers), put back on any exit. Other modes leave the model alone.
+
+        Raises:
+            MpnbError: fp8 would convert no layer of ``model`` (nothing changed).
+        """
+        if self.mode is not Mode.FP8:
+            yield
+            return
+        with Fp8Layers(model, recipe=session.fp8_recipe, keep=session.fp8_keep, device=self.device):
+            yield
+
     def describe(self) -> str:
-        """``"bf16 on cpu"``."""
+        """``"bf16 on cpu"``; fp8 says where it is emulated."""
+        if self.mode is Mode.FP8 and backend_for(self.device).fp8_training() == "emulated":
+            return f"fp8 on {self.device} ({EMULATED})"
         return f"{self.mode.value} on {self.device}"

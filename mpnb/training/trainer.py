@@ -111,8 +111,10 @@ class Trainer:
         optimizer: built on the model's parameters.
         loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``, or None (see above).
         step_fn: ``step_fn(model, batch) -> scalar loss``, run under the mode's autocast.
-        mode: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"off"``; default the session
-            mode (``%amp``). fp32/tf32 set their fp32-math flags only while ``fit`` runs.
+        mode: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"`` or ``"off"``; default the
+            session mode (``%amp``). fp32/tf32 set their fp32-math flags only while ``fit`` runs;
+            fp8 converts the model's eligible Linear layers to torchao's float8 layers only while
+            ``fit`` runs (:mod:`mpnb.precision.fp8`; emulated on a CPU).
         device: default the session device (auto-detected: cuda, hpu, else cpu).
         dashboard: ``"auto"`` (live plot in a notebook, text progress elsewhere), ``"live"``,
             ``"text"``, None for no display, or a :class:`~mpnb.training.telemetry.Sink`.
@@ -218,7 +220,7 @@ class Trainer:
         self._locator = FirstSkipLocator() if locate_overflow and strategy is None else None
         self._fp32 = Fp32Modules(self.model, self.device.type)  # remedies of the running fit
         self._watch = NumericsWatch(self.model, watch_numerics) if watch_numerics else None
-        self._math = contextlib.ExitStack()  # the fp32-math scope of the precision training runs in
+        self._math = contextlib.ExitStack()  # the precision's fp32-math (and fp8 layers) scope
         self._follower = SessionFollower(self)  # the session's switches made while a fit runs
         # The batches the last fit read and did not train (the one read when it stopped; for a
         # one-shot iterator also an unfinished window after an error), and the iterator to go on with.
@@ -259,6 +261,7 @@ class Trainer:
         self._math.close()
         self.amp.set_precision(precision)
         self._math.enter_context(precision.math_scope())
+        self._math.enter_context(precision.model_scope(self.model))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything :meth:`save` writes: model, optimizer, scaler, scheduler, position and
@@ -377,6 +380,7 @@ class Trainer:
         try:
             with self._math, StopRequest() as stop:
                 self._math.enter_context(self.amp.precision.math_scope())
+                self._math.enter_context(self.amp.precision.model_scope(self.model))  # fp8 layers
                 self.amp.restart_clock()  # the first step's time counts from here, not from the fit's setup
                 finished = self._run(data, stop, max_steps)
         except BaseException as error:
@@ -541,12 +545,13 @@ class Trainer:
 
         if self._watch is not None and self.amp.between_steps:
             self._watch.before_step(self.amp.steps + 1, scale_in_use(self.amp.scaler))
-        if self._locator is not None:
-            self._locator.before_step(self.device.type)
+        locator = self._locator if self._locator is not None and self._locator.pending else None
+        if locator is not None:
+            locator.before_step(self.device.type)
         stepped = self.amp.train_step(loss, samples_in(batch))
         if stepped and self._watch is not None:
             self._watch.after_step(self.amp.steps)
-        if self._locator is not None and self._locator.after_step(self.amp, self.model, loss):
+        if locator is not None and locator.after_step(self.amp, self.model, loss):
             self.amp.recorder.tell_sinks()  # a dashboard offers the remedy before the next step
         return stepped
 

@@ -25,13 +25,20 @@ def test_mode_names_and_aliases(name, mode):
 
 def test_unknown_mode_names_the_value_and_the_valid_ones():
     with pytest.raises(InvalidChoiceError) as error:
-        parse_mode("fp8")
-    assert "'fp8'" in str(error.value)
-    assert "off, fp32, tf32, fp16, bf16" in str(error.value)
+        parse_mode("fp4")
+    assert "'fp4'" in str(error.value)
+    assert "off, fp32, tf32, fp16, bf16, fp8" in str(error.value)
 
 
 def test_modes_carry_their_autocast_dtype_and_fp32_math():
-    assert [m.autocast_dtype for m in Mode] == [None, None, None, torch.float16, torch.bfloat16]
+    assert [m.autocast_dtype for m in Mode] == [
+        None,
+        None,
+        None,
+        torch.float16,
+        torch.bfloat16,
+        torch.bfloat16,
+    ]
     assert Mode.FP32.fp32_math is Fp32Math.EXACT and Mode.TF32.fp32_math is Fp32Math.REDUCED
     assert Mode.BF16.fp32_math is None
 

@@ -114,7 +114,7 @@ def test_modes_set_fp32_math_and_off_restores_it():
     assert mpnb.get_mode() is mpnb.Mode.OFF
 
 
-@pytest.mark.parametrize("mode, device", [("fp8", None), ("bf16", "tpu"), ("", None)])
+@pytest.mark.parametrize("mode, device", [("fp4", None), ("bf16", "tpu"), ("", None)])
 def test_bad_set_mode_changes_nothing(mode, device):
     mpnb.set_mode("tf32", device="cpu")
     before = policy_state()

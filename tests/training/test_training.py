@@ -176,8 +176,10 @@ def test_bad_arguments_are_rejected_with_the_valid_choices():
         InvalidChoiceError, match="unknown on_nonfinite 'halt'; valid: warn, stop, ignore"
     ):
         mpnb.AmpStep(optimizer, on_nonfinite="halt")
-    with pytest.raises(MpnbError, match="unknown mode 'fp8'; valid: off, fp32, tf32, fp16, bf16"):
-        mpnb.Trainer(model, optimizer, mse, mode="fp8")
+    with pytest.raises(
+        MpnbError, match="unknown mode 'fp4'; valid: off, fp32, tf32, fp16, bf16, fp8"
+    ):
+        mpnb.Trainer(model, optimizer, mse, mode="fp4")
     with pytest.raises(
         InvalidChoiceError, match="unknown dashboard 'fancy'; valid: auto, live, text"
     ):

@@ -148,6 +148,12 @@ class CpuBackend(Backend):
             },
         }
 
+    def fp8_training(self) -> str:
+        return "emulated"  # no CPU has fp8 matmul units: torchao casts, then multiplies in fp32
+
+    def fp8_refusal(self) -> str:
+        return ""
+
     def has_fast_fp32_math(self) -> bool:
         """Measured, not read off the flags: oneDNN keeps exact fp32 on some CPUs with AVX512-BF16."""
         return bool(self._bf16_units()) and probe_reduced_math(self, torch.device("cpu")).has_effect

@@ -25,7 +25,8 @@ from IPython.display import display
 from mpnb.oplists.trace import trace
 from mpnb.precision.backends import backend_for
 from mpnb.precision.blocks import autocast, tf32
-from mpnb.precision.modes import DTYPE_NAMES, MODE_NAMES
+from mpnb.precision.fp8 import RECIPES
+from mpnb.precision.modes import DTYPE_NAMES, MODE_NAMES, Mode, parse_mode
 from mpnb.precision.policy import session
 from mpnb.precision.status import status
 from mpnb.ui.magics.arguments import as_usage_error, choice, parse_line, with_semantics
@@ -133,16 +134,35 @@ class PrecisionMagics(Magics):
         "or panel (a control panel with every switch)",
     )
     @argument("--device", help="cpu, cuda, cuda:N or hpu. Default: cuda > hpu > cpu.")
+    @argument(
+        "--recipe",
+        help=f"fp8 only: torchao's float8 recipe, one of {', '.join(RECIPES)} (default tensorwise)",
+    )
+    @argument(
+        "--keep",
+        nargs="+",
+        action="append",
+        metavar="LAYER",
+        help="fp8 only: Linear layers (or modules holding them) to keep in bf16, besides the "
+        "first and last",
+    )
+    @argument(
+        "--model",
+        help="fp8 only: the variable holding a model whose Linear layers to convert now, until "
+        "the mode changes (a Trainer converts its own model for each fit)",
+    )
     @line_magic
     def amp(self, line: str) -> object:
         """Set the session precision mode for every following cell, or show the status.
 
         Modes: off (mpnb changes nothing), fp32 (exact fp32), tf32 (reduced-precision fp32
-        math), fp16 and bf16 (autocast). ``%%autocast`` overrides the mode for one cell.
+        math), fp16 and bf16 (autocast), fp8 (Linear layers in float8 through torchao, the rest
+        under bf16 autocast; emulated on a CPU). ``%%autocast`` overrides the mode for one cell.
 
         Example::
 
             %amp bf16
+            %amp fp8 --model net --recipe rowwise --keep lm_head
             %amp status
             %amp panel
         """
@@ -158,12 +178,34 @@ class PrecisionMagics(Magics):
                 panel()
                 return None
             return status()
+        fp8_options, layers = [args.recipe, args.keep, args.model], None
         with as_usage_error():
-            mode = session.set_mode(args.mode, args.device)
+            if parse_mode(args.mode) is Mode.FP8:
+                layers = session.set_fp8_mode(
+                    args.device,
+                    args.recipe or "tensorwise",
+                    _op_names(args.keep),
+                    self._model(args.model) if args.model else None,
+                )
+                mode = Mode.FP8
+            elif any(fp8_options):
+                raise UsageError(
+                    f"--recipe, --keep and --model go with mode fp8, not with {args.mode}"
+                )
+            else:
+                mode = session.set_mode(args.mode, args.device)
         print(f"mpnb: mode {mode.value} on {session.resolved_device()}: {mode.summary}")
+        if layers is not None:
+            print(f"mpnb: {args.model}: {layers.describe()} converted until the mode changes")
         for note in session.warnings():
             print(f"mpnb warning: {note}")
         return None
+
+    def _model(self, name: str) -> object:
+        """The user's variable ``name`` for ``%amp fp8 --model``."""
+        if name not in self.shell.user_ns:
+            raise UsageError(f"--model names no variable: {name!r}")
+        return self.shell.user_ns[name]
 
     @magic_arguments()
     @argument("state", nargs="?", default="status", help="on, off, or status (the default)")

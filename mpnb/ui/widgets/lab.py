@@ -40,7 +40,7 @@ class PrecisionLab:
     Example (the choices it offers, and Run with no mode picked; the module's example runs one):
         >>> lab = PrecisionLab()
         >>> lab.model.options, lab.modes.options
-        (('cnn', 'mlp', 'transformer'), ('fp32', 'tf32', 'fp16', 'bf16'))
+        (('cnn', 'mlp', 'transformer'), ('fp32', 'tf32', 'fp16', 'bf16', 'fp8'))
         >>> lab.modes.value = ()
         >>> lab.run() is None, lab.status.value
         (True, "<span style='color:#b00020'>pick at least one mode</span>")
@@ -51,7 +51,7 @@ class PrecisionLab:
         self.device = widgets.Dropdown(options=available_device_types(), description="device")
         choices = tuple(name for name in MODE_NAMES if name != "off")
         self.modes = widgets.SelectMultiple(
-            options=choices, value=("fp32", "bf16"), description="modes", rows=4
+            options=choices, value=("fp32", "bf16"), description="modes", rows=5
         )
         self.batch_size = widgets.IntSlider(
             value=64, min=16, max=512, step=16, description="batch size"

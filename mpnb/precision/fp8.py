@@ -1,0 +1,378 @@
+"""fp8 training through torchao, as a change to a model that is always undone.
+
+Mode ``fp8`` runs the matmuls of a model's eligible ``nn.Linear`` layers in float8 with
+torchao's float8 training (``convert_to_float8_training`` with a ``Float8LinearConfig`` recipe:
+``tensorwise``, ``rowwise`` or ``rowwise_with_gw_hp``) and everything else under bf16 autocast.
+Eligible, as Accelerate's default has it: both dimensions divisible by 16 (fp8 matmul kernels
+need it), not the model's first or last Linear layer (embedding-side and output layers lose the
+most in fp8), not a layer the user names, and not one its parent calls by weight (a
+``MultiheadAttention``'s ``out_proj``).
+
+Converting replaces each eligible layer by torchao's ``Float8Linear`` holding the very same
+``Parameter`` objects. :class:`Fp8Layers` records what it replaced and puts every original
+module object back on :meth:`~Fp8Layers.restore` (its hooks and attributes with it), on any
+exit of its ``with`` block: the ``state_dict`` keys and values never change, so a checkpoint
+saved in fp8 loads into the plain model and back.
+
+Where fp8 is real: CUDA GPUs of compute capability 8.9+ (``torch._scaled_mm``). On a CPU
+torchao emulates the fp8 casts and multiplies in fp32: numerics only, no speed-up (emulation
+is slower than fp32). Elsewhere the mode is refused with the reason.
+
+torchao is an optional extra (``pip install 'mpnb[fp8]'``); ``import mpnb`` does not import it.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32),
+    ...                             torch.nn.Linear(32, 4))
+    >>> weight = model[1].weight
+    >>> with fp8_layers(model, device="cpu") as layers:
+    ...     type(model[1]).__name__, layers.converted, model[1].weight is weight
+    ('Float8Linear', ['1'], True)
+    >>> type(model[1]).__name__
+    'Linear'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import sys
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.precision.backends import backend_for, resolve_device
+
+__all__ = ["Fp8Layers", "fp8_layers"]
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+INSTALL = "pip install 'mpnb[fp8]'"
+EMULATED = "emulated: numerics only, no speed-up"
+#: e4m3's largest finite value and smallest subnormal: what saturates and what flushes to zero.
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+E4M3_SMALLEST = 2.0**-9
+
+
+def import_float8() -> ModuleType:
+    """torchao's ``float8`` package, imported on first use.
+
+    Raises:
+        MpnbError: torchao is not installed (the message names the install command).
+    """
+    try:
+        with _quiet_torchao():
+            return importlib.import_module("torchao.float8")
+    except ImportError as error:
+        raise MpnbError(
+            f"mode fp8 needs torchao, which is not installed ({error}): {INSTALL}"
+        ) from None
+
+
+@contextlib.contextmanager
+def _quiet_torchao() -> Iterator[None]:
+    """torchao's imports warn about CUDA kernels a CPU build cannot load (not used here) and
+    about enums torch now registers itself: quiet for a block, each logger's level put back."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
+
+
+def torchao_installed() -> bool:
+    """Whether torchao can be imported (without importing it)."""
+    if "torchao" in sys.modules:
+        return sys.modules["torchao"] is not None
+    return importlib.util.find_spec("torchao") is not None
+
+
+def check_recipe(recipe: str) -> str:
+    """``recipe`` as torchao names it.
+
+    Raises:
+        InvalidChoiceError: not one of :data:`RECIPES`.
+    """
+    name = str(recipe).strip().lower()
+    if name not in RECIPES:
+        raise InvalidChoiceError("fp8 recipe", recipe, RECIPES)
+    return name
+
+
+def fp8_hardware(device: str | torch.device | None = None) -> str:
+    """``"real"`` or ``"emulated"``: how fp8 runs on ``device``.
+
+    Raises:
+        MpnbError: fp8 does not run there (the reason: no fp8 units, an unsupported device).
+    """
+    target = resolve_device(device)
+    backend = backend_for(target)
+    how = backend.fp8_training()
+    if how == "refused":
+        raise MpnbError(f"mode fp8 is not available on {target}: {backend.fp8_refusal()}")
+    return how
+
+
+def check_fp8(device: str | torch.device | None = None) -> str:
+    """What mode fp8 needs, checked before anything changes: torchao and fp8-capable hardware.
+    Returns how fp8 runs (``"real"`` / ``"emulated"``).
+
+    Raises:
+        MpnbError: torchao is missing, or the device runs no fp8.
+    """
+    how = fp8_hardware(device)
+    import_float8()
+    return how
+
+
+def float8_config(recipe: str, emulate: bool) -> Any:
+    """torchao's ``Float8LinearConfig`` for ``recipe``; ``emulate`` where no fp8 units exist."""
+    float8 = import_float8()
+    config = float8.Float8LinearConfig.from_recipe_name(check_recipe(recipe))
+    # a frozen dataclass (torch.compile needs it frozen); torchao sets its own fields this way too
+    object.__setattr__(config, "emulate", emulate)
+    return config
+
+
+def is_float8(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torchao's float8 training layers (without importing torchao)."""
+    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith(
+        "torchao."
+    )
+
+
+def fp8_cast_measures(module: nn.Module, tensor: torch.Tensor, role: str) -> list[torch.Tensor]:
+    """What casting ``tensor`` (a float8 layer's ``"input"`` or ``"weight"``) to e4m3 does, as
+    the layer's recipe scales it: its largest magnitude (amax, from which the scale is made),
+    the share of its values that saturate (beyond 448 once scaled) and the share of its nonzero
+    values that flush to zero (below half e4m3's smallest subnormal once scaled). Three 0-d
+    tensors on the tensor's device; nothing is read to the host.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
+        ...                             torch.nn.Linear(16, 4))
+        >>> x = torch.tensor([[1e3, 1.0, 1e-6, 0.0]])  # 1e-6 is 1e-9 of the amax
+        >>> with fp8_layers(model, device="cpu"):
+        ...     amax, saturated, flushed = fp8_cast_measures(model[1], x, "input")
+        >>> float(amax), float(saturated), round(float(flushed), 3)  # 1 of 3 nonzero values flushed
+        (1000.0, 0.0, 0.333)
+    """
+    config = getattr(module, "config", None)
+    cast = getattr(config, f"cast_config_{role}", None)
+    rowwise = getattr(getattr(cast, "scaling_granularity", None), "name", "") == "AXISWISE"
+    magnitude = tensor.detach().abs().float().nan_to_num(0.0, 0.0, 0.0)
+    if rowwise:
+        amax = magnitude.amax(dim=-1, keepdim=True)
+    else:
+        amax = magnitude.amax()
+    scale = E4M3_MAX / amax.clamp(min=1e-12)  # torchao's amax_to_scale
+    if getattr(config, "round_scales_to_power_of_2", False):
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scaled = magnitude * scale
+    nonzero = (magnitude > 0).float()
+    # up to 464 rounds to 448 anyway (e4m3's step there is 32): beyond it the cast clips
+    saturated = (scaled > E4M3_MAX + 16).float().mean()
+    flushed = ((scaled < E4M3_SMALLEST / 2).float() * nonzero).sum() / nonzero.sum().clamp(min=1)
+    return [amax.amax(), saturated, flushed]
+
+
+class Fp8Layers:
+    """The eligible Linear layers of ``model`` converted to torchao's float8 training, undone exactly.
+
+    Everything is checked on construction (torchao installed, the device runs fp8, the recipe,
+    the names in ``keep``); nothing changes until :meth:`convert` (or entering the ``with``
+    block). :meth:`restore` puts the original modules back; it is idempotent.
+
+    Args:
+        model: the model whose layers to convert.
+        recipe: torchao's recipe: ``"tensorwise"`` (default), ``"rowwise"`` or
+            ``"rowwise_with_gw_hp"``.
+        keep: names of Linear layers (or of modules containing them) to keep in high precision,
+            besides the first and last Linear layers.
+        device: where the model trains (default: the session device): decides real or emulated.
+
+    Attributes:
+        converted: the names of the layers converted (or to be converted), in model order.
+        kept: each Linear layer left in high precision, with the reason.
+        emulated: True where fp8 is emulated (a CPU): numerics only, no speed-up.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 48),
+        ...                             torch.nn.Linear(48, 32), torch.nn.Linear(32, 4))
+        >>> layers = Fp8Layers(model, keep=["2"], device="cpu")
+        >>> layers.converted, layers.kept["0"], layers.kept["2"]
+        (['1'], 'the first Linear layer', 'kept by name')
+        >>> print(layers.describe())
+        fp8 (tensorwise, emulated: numerics only, no speed-up): 1 of 4 Linear layers
+        >>> _ = layers.convert(); type(model[1]).__name__
+        'Float8Linear'
+        >>> layers.restore(); type(model[1]).__name__
+        'Linear'
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        recipe: str = "tensorwise",
+        keep: Iterable[str] = (),
+        device: str | torch.device | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise MpnbError(f"fp8 converts a torch.nn.Module's layers, got {type(model).__name__}")
+        if isinstance(keep, str):
+            keep = [keep]
+        self.model, self.recipe, self.keep = model, check_recipe(recipe), tuple(keep)
+        self.emulated = check_fp8(device) == "emulated"
+        self.config = float8_config(self.recipe, self.emulated)
+        names = {name for name, _ in model.named_modules()}
+        unknown = [name for name in self.keep if name not in names]
+        if unknown:
+            raise MpnbError(
+                f"fp8 keep names no module of {type(model).__name__}: {', '.join(map(repr, unknown))}"
+            )
+        self.kept, self.converted, self.already = _eligible(model, self.keep)
+        self._swapped: list[tuple[nn.Module, str, nn.Module]] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether the layers are converted now."""
+        return bool(self._swapped)
+
+    def check_converts(self) -> None:
+        """Refuse a model fp8 would leave untouched (every layer would run in bf16: that is mode bf16).
+
+        Raises:
+            MpnbError: no eligible Linear layer; says why each was kept.
+        """
+        if self.converted or self.already:
+            return
+        reasons = "; ".join(f"{name}: {why}" for name, why in self.kept.items())
+        found = reasons or "it has no torch.nn.Linear layer"
+        if any(type(module).__name__ == "Conv1D" for module in self.model.modules()):
+            found += "; transformers' Conv1D layers (GPT-2's) are not torch.nn.Linear"
+        raise MpnbError(
+            f"fp8 would convert no layer of {type(self.model).__name__} ({found}), so it would "
+            "train in bf16: use mode bf16, or a model with Linear layers of sizes divisible by 16"
+        )
+
+    def convert(self) -> Fp8Layers:
+        """Swap the eligible layers for torchao's ``Float8Linear`` (sharing their parameters).
+
+        Raises:
+            MpnbError: nothing to convert (:meth:`check_converts`); the model is unchanged.
+        """
+        if self._swapped:
+            return self
+        self.check_converts()
+        float8 = import_float8()
+        wanted = set(self.converted)
+        before = dict(self.model.named_modules())
+        try:
+            with _quiet_torchao():
+                float8.convert_to_float8_training(
+                    self.model, module_filter_fn=lambda _, name: name in wanted, config=self.config
+                )
+        finally:  # recorded even when torchao fails half-way, so restore undoes what it did
+            after = dict(self.model.named_modules())
+            for name in self.converted:
+                if after.get(name) is not before[name]:
+                    parent_name, _, attribute = name.rpartition(".")
+                    parent = self.model.get_submodule(parent_name)
+                    self._swapped.append((parent, attribute, before[name]))
+        return self
+
+    def restore(self) -> None:
+        """Put every original layer object back where it was (parameters were shared all along)."""
+        swapped, self._swapped = self._swapped, []
+        for parent, attribute, original in reversed(swapped):
+            setattr(parent, attribute, original)
+
+    def describe(self) -> str:
+        """``"fp8 (tensorwise, emulated: numerics only, no speed-up): 2 of 4 Linear layers"``."""
+        where = EMULATED if self.emulated else "fp8 tensor cores"
+        total = len(self.converted) + len(self.already) + len(self.kept)
+        done = len(self.converted) + len(self.already)
+        return f"fp8 ({self.recipe}, {where}): {done} of {total} Linear layers"
+
+    def __enter__(self) -> Fp8Layers:
+        return self.convert()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.restore()
+
+    def __repr__(self) -> str:
+        state = "converted" if self.active else "not converted"
+        return f"<Fp8Layers {self.describe()}, {state}>"
+
+
+def _eligible(
+    model: nn.Module, keep: tuple[str, ...]
+) -> tuple[dict[str, str], list[str], list[str]]:
+    """(kept: name -> reason, to convert, already float8) over the model's Linear layers."""
+    parents = {
+        f"{name}.{child}".lstrip("."): module
+        for name, module in model.named_modules()
+        for child, _ in module.named_children()
+    }
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    kept: dict[str, str] = {}
+    converted, already = [], []
+    for index, (name, module) in enumerate(linears):
+        if is_float8(module):
+            already.append(name)
+        elif name == "":
+            kept[name] = "the model itself is the Linear layer"
+        elif index == 0:
+            kept[name] = "the first Linear layer"
+        elif index == len(linears) - 1:
+            kept[name] = "the last Linear layer"
+        elif any(name == k or name.startswith(k + ".") for k in keep if k):
+            kept[name] = "kept by name"
+        elif module.in_features % 16 or module.out_features % 16:
+            kept[name] = f"{module.in_features}x{module.out_features} is not divisible by 16"
+        elif isinstance(parents.get(name), nn.MultiheadAttention):
+            kept[name] = "its MultiheadAttention uses the weight directly"
+        else:
+            converted.append(name)
+    return kept, converted, already
+
+
+def fp8_layers(
+    model: nn.Module,
+    recipe: str = "tensorwise",
+    keep: Iterable[str] = (),
+    device: str | torch.device | None = None,
+) -> Fp8Layers:
+    """The eligible Linear layers of ``model`` in fp8 for a ``with`` block (or until
+    ``.restore()`` after ``.convert()``); the model is exactly as before afterwards.
+
+    Run the forward pass under bf16 autocast (``mpnb.autocast("bf16")``, or ``%amp fp8``), as
+    mode fp8 does. A ``Trainer`` in mode fp8 does all this for each fit.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32),
+        ...                             torch.nn.Linear(32, 4))
+        >>> before = {k: v.clone() for k, v in model.state_dict().items()}
+        >>> with fp8_layers(model, device="cpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     model(torch.randn(8, 16)).shape
+        torch.Size([8, 4])
+        >>> all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        True
+
+    Raises:
+        MpnbError: torchao missing (``pip install 'mpnb[fp8]'``), a device without fp8, an
+            unknown recipe or kept name; nothing changes.
+    """
+    return Fp8Layers(model, recipe=recipe, keep=keep, device=device)

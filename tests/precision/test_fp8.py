@@ -1,0 +1,449 @@
+"""Mode fp8: torchao's float8 training layers, emulated on this CPU, always put back.
+
+Compared with torchao's own conversion bit for bit; the model's parameters and state dict are
+checked to be the same objects and values before, during and after.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import mpnb
+from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.precision.backends.cpu import CpuBackend
+from mpnb.precision.backends.cuda import CudaBackend
+from mpnb.precision.backends.hpu import HpuBackend
+from mpnb.precision.policy import session
+from tests.conftest import policy_state, run, usage_error
+
+float8 = pytest.importorskip("torchao.float8", reason="mode fp8 needs torchao (mpnb[fp8])")
+
+from mpnb.precision.fp8 import Fp8Layers, float8_config, fp8_layers  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(32, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 48),
+        nn.ReLU(),
+        nn.Linear(48, 10),
+    )
+
+
+def forward_backward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().pow(2).mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_outputs_and_gradients_equal_torchaos_own_conversion_bit_for_bit(recipe):
+    ours, theirs = mlp(), mlp()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    float8.convert_to_float8_training(
+        theirs,
+        module_filter_fn=lambda _, name: name in ("2", "4"),
+        config=float8_config(recipe, emulate=True),
+    )
+    with fp8_layers(ours, recipe=recipe, device="cpu") as layers:
+        assert layers.converted == ["2", "4"] and layers.emulated
+        out, grads = forward_backward(ours, x)
+    expected_out, expected_grads = forward_backward(theirs, x)
+    assert torch.equal(out, expected_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+    # and fp8 really ran: the plain model (same weights) computes something else
+    plain_out, _ = forward_backward(mlp(), x)
+    assert not torch.equal(plain_out, out)
+
+
+def test_conversion_and_restoration_keep_parameters_and_state_dict():
+    model = mlp()
+    modules = dict(model.named_modules())
+    parameters = {name: p for name, p in model.named_parameters()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with fp8_layers(model, device="cpu"):
+        assert [type(model[i]).__name__ for i in (0, 2, 4, 6)] == [
+            "Linear",
+            "Float8Linear",
+            "Float8Linear",
+            "Linear",
+        ]
+        assert {name: p for name, p in model.named_parameters()} == parameters
+        assert all(a is b for a, b in zip(model.parameters(), parameters.values(), strict=True))
+        assert list(model.state_dict()) == list(state)
+    assert all(modules[name] is module for name, module in model.named_modules())
+    assert all(type(m) in (nn.Sequential, nn.Linear, nn.ReLU) for m in model.modules())
+    assert all(a is b for a, b in zip(model.parameters(), parameters.values(), strict=True))
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_restored_after_an_error_inside_the_block_and_hooks_survive():
+    model = mlp()
+    seen = []
+    model[2].register_forward_hook(lambda *_: seen.append("hook"))
+    original = model[2]
+    with pytest.raises(RuntimeError, match="inside"), fp8_layers(model, device="cpu"):
+        assert model[2] is not original
+        raise RuntimeError("inside")
+    assert model[2] is original
+    model(torch.randn(2, 32))
+    assert seen == ["hook"]
+
+
+def test_a_checkpoint_saved_in_fp8_loads_into_the_plain_model_and_back():
+    model = mlp()
+    with fp8_layers(model, device="cpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(8, 32)).float().sum().backward()
+        optimizer.step()
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    plain = mlp(seed=5)
+    plain.load_state_dict(torch.load(buffer, weights_only=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values())
+    )
+    back = mlp(seed=6)
+    with fp8_layers(back, device="cpu"):
+        back.load_state_dict(plain.state_dict())
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(back.state_dict().values(), plain.state_dict().values())
+        )
+
+
+def test_eligibility_follows_accelerates_default_and_the_users_names():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32),
+        nn.Linear(32, 24),  # 24 is not divisible by 16
+        nn.Linear(24, 32),
+        nn.Linear(32, 32),
+        nn.Linear(32, 32),
+        nn.Linear(32, 4),
+    )
+    layers = Fp8Layers(model, keep=["4"], device="cpu")
+    assert layers.converted == ["3"]
+    assert layers.kept == {
+        "0": "the first Linear layer",
+        "1": "32x24 is not divisible by 16",
+        "2": "24x32 is not divisible by 16",
+        "4": "kept by name",
+        "5": "the last Linear layer",
+    }
+    attention = nn.Sequential(nn.Linear(32, 32), nn.MultiheadAttention(32, 2), nn.Linear(32, 32))
+    assert (
+        "its MultiheadAttention uses the weight directly"
+        in Fp8Layers(attention, device="cpu").kept.values()
+    )
+
+
+def test_bad_input_names_the_value_and_changes_nothing():
+    model = mlp()
+    with pytest.raises(
+        InvalidChoiceError, match="unknown fp8 recipe 'blockwise'; valid: tensorwise, rowwise"
+    ):
+        fp8_layers(model, recipe="blockwise", device="cpu")
+    with pytest.raises(MpnbError, match="fp8 keep names no module of Sequential: 'lm_head'"):
+        fp8_layers(model, keep=["lm_head"], device="cpu")
+    with pytest.raises(
+        MpnbError,
+        match="would convert no layer of Sequential .0: the first Linear layer; 1: the last",
+    ):
+        fp8_layers(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), device="cpu").convert()
+    assert all(type(m) in (nn.Sequential, nn.Linear, nn.ReLU) for m in model.modules())
+
+
+def test_hardware_real_emulated_or_refused_with_the_reason():
+    assert CpuBackend().fp8_training() == "emulated"
+    assert HpuBackend().fp8_training() == "refused"
+    if not torch.cuda.is_available():
+        assert CudaBackend().fp8_training() == "refused"
+        assert "no CUDA GPU" in CudaBackend().fp8_refusal()
+    from mpnb.precision.backends.cuda import fp8_refusal_for
+
+    assert "compute capability 8.9 or newer" in fp8_refusal_for((8, 6), "RTX 3090")
+    assert fp8_refusal_for((8, 9), "L4") == fp8_refusal_for((10, 0), "B200") == ""
+
+
+def test_trainer_converts_for_each_fit_and_puts_the_model_back():
+    model = mlp()
+    layers = [model[i] for i in (0, 2, 4, 6)]
+    x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+    data = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.Adam(model.parameters(), 1e-3),
+        nn.functional.cross_entropy,
+        mode="fp8",
+        device="cpu",
+        dashboard=None,
+    )
+    assert "emulated: numerics only, no speed-up" in trainer.describe()
+    history = trainer.fit(data)
+    assert history.mode == ["fp8"] * 4 and all(math.isfinite(loss) for loss in history.loss)
+    assert [model[i] for i in (0, 2, 4, 6)] == layers
+
+    def failing(model, batch):
+        assert type(model[2]).__name__ == "Float8Linear"
+        raise RuntimeError("the model failed")
+
+    trainer.step_fn, trainer.loss_fn = failing, None
+    with pytest.raises(RuntimeError, match="the model failed"):
+        trainer.fit(data)
+    assert [model[i] for i in (0, 2, 4, 6)] == layers
+
+
+def _llama(seed: int = 0) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_a_small_transformer_trains_in_fp8_within_tolerance_of_bf16():
+    tokens = (torch.arange(32).repeat(4, 1) * 3 + torch.arange(4)[:, None]) % 128
+    data = [{"input_ids": tokens, "labels": tokens}] * 6
+    losses = {}
+    for mode in ("bf16", "fp8"):
+        model = _llama()
+        trainer = mpnb.Trainer(
+            model,
+            torch.optim.AdamW(model.parameters(), 3e-3),
+            mode=mode,
+            device="cpu",
+            dashboard=None,
+        )
+        losses[mode] = trainer.fit(data).loss
+    assert losses["fp8"][-1] < losses["fp8"][0] - 0.2  # it learns
+    assert all(abs(a - b) / b < 0.02 for a, b in zip(losses["fp8"], losses["bf16"], strict=True)), (
+        losses
+    )
+
+
+def test_gpt2_is_refused_with_the_reason():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_embd=64,
+        n_layer=1,
+        n_head=4,
+        vocab_size=128,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(MpnbError, match="Conv1D layers .GPT-2's. are not torch.nn.Linear"):
+        fp8_layers(model, device="cpu").convert()
+
+
+def test_compiled_model_trains_in_fp8():
+    model = mlp()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    with fp8_layers(model, device="cpu"):
+        compiled = torch.compile(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = compiled(x)
+        out.float().pow(2).mean().backward()
+        eager, _ = forward_backward(model, x)
+    assert torch.allclose(out.float(), eager.float(), rtol=0.02, atol=0.02)
+    assert type(model[2]) is nn.Linear
+
+
+def test_the_magic_converts_a_named_model_until_the_mode_changes(ip, capsys):
+    run(
+        ip,
+        "net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))",
+    )
+    run(ip, "%amp fp8 --model net --recipe rowwise")
+    printed = capsys.readouterr().out
+    assert (
+        "net: fp8 (rowwise, emulated: numerics only, no speed-up): 1 of 3 Linear layers" in printed
+    )
+    assert run(ip, "type(net[1]).__name__, net(torch.randn(2, 16)).dtype") == (
+        "Float8Linear",
+        torch.bfloat16,
+    )
+    assert "emulated: numerics only, no speed-up" in str(mpnb.status())
+    run(ip, "%amp bf16")
+    assert run(ip, "type(net[1]).__name__") == "Linear"
+    run(ip, "%amp fp8 --model net")
+    ip.run_line_magic("unload_ext", "mpnb")
+    assert run(ip, "type(net[1]).__name__") == "Linear"
+
+
+def test_the_magic_refuses_bad_fp8_input_and_changes_nothing(ip):
+    run(
+        ip,
+        "net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))",
+    )
+    run(ip, "%amp bf16")
+    before = policy_state()
+    for line, words in (
+        ("%amp fp8 --recipe blockwise", "unknown fp8 recipe 'blockwise'"),
+        ("%amp fp8 --model nothing", "--model names no variable: 'nothing'"),
+        ("%amp fp8 --model net --keep head", "fp8 keep names no module of Sequential: 'head'"),
+        ("%amp fp8 --model linear", "fp8 would convert no layer"),
+        ("%amp bf16 --recipe rowwise", "go with mode fp8, not with bf16"),
+    ):
+        assert words in usage_error(ip, line)
+        assert policy_state() == before
+    assert run(ip, "type(net[1]).__name__") == "Linear"
+
+
+def test_devices_have_an_fp8_column_and_compare_reports_no_emulated_speedup():
+    report = mpnb.devices(check=False)
+    assert report["cpu"].fp8 == "emulated: numerics only, no speed-up"
+    assert "fp8" in report.to_text().splitlines()[0]
+    from mpnb.analysis.results import Comparison, ModeResult
+    from mpnb.training.history import History
+
+    def result(mode, seconds, inert=False):
+        history = History()
+        history.extend({"step": [1, 2, 3], "loss": [1.0] * 3, "step_time": [seconds] * 3})
+        return ModeResult(mode, history, blocks=[(0, 3)], inert=inert)
+
+    comparison = Comparison([result("fp32", 0.01), result("fp8", 0.002, inert=True)], 3, 0)
+    row = comparison.rows()[1]
+    assert row["speedup_verdict"] == "emulated: numerics only, no speed-up"
+    assert math.isnan(row["speedup_vs_fp32"])
+    assert "5.00x" not in str(comparison) and "emulated: numerics only" in str(comparison)
+
+
+_WITHOUT_TORCHAO = """
+import sys
+sys.modules["torchao"] = None  # as if torchao were not installed
+import torch, mpnb
+from IPython.core.interactiveshell import InteractiveShell
+from mpnb.precision.policy import session
+ip = InteractiveShell.instance()
+ip.run_line_magic("load_ext", "mpnb")
+ip.run_line_magic("amp", "bf16")
+result = ip.run_cell("%amp fp8")
+print("ERROR:", result.error_in_exec)
+print("MODE:", session.mode.value)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+try:
+    mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mode="fp8", device="cpu")
+except mpnb.MpnbError as error:
+    print("TRAINER:", error)
+print("DEVICES:", mpnb.devices(check=False)["cpu"].fp8)
+"""
+
+
+def test_without_torchao_the_mode_says_how_to_install_it_and_changes_nothing():
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_WITHOUT_TORCHAO)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "ERROR: mode fp8 needs torchao, which is not installed" in out
+    assert "pip install 'mpnb[fp8]'" in out.split("MODE:")[0]
+    assert "MODE: bf16" in out
+    assert "TRAINER: mode fp8 needs torchao" in out
+    assert "DEVICES: emulated: numerics only, no speed-up (needs pip install 'mpnb[fp8]')" in out
+
+
+def test_import_mpnb_does_not_import_torchao():
+    code = "import sys, mpnb; mpnb.set_mode('bf16'); print('torchao' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_session_fp8_is_reset_with_the_session():
+    mpnb.set_mode("fp8", "cpu")
+    assert session.mode is mpnb.Mode.FP8 and "fp8 on this CPU is emulated" in " ".join(
+        session.warnings()
+    )
+    session.reset()
+    assert session.mode is mpnb.Mode.OFF and session.fp8_recipe == "tensorwise"
+    assert session.fp8_keep == ()
+
+
+def test_the_numerics_watch_names_the_fp8_layer_whose_values_flush():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4))
+    with (
+        torch.no_grad()
+    ):  # layer 1's input: one feature 1e7 times the rest, an outlier fp8 cannot span
+        model[0].weight.copy_(torch.eye(32, 16))
+        model[0].weight[0, 0] = 1e7
+        model[0].bias.zero_()
+    x = torch.randn(64, 16)
+    data = [(x[i : i + 16], torch.randn(16, 4)) for i in range(0, 64, 16)]
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), 0.0),
+        nn.functional.mse_loss,
+        mode="fp8",
+        device="cpu",
+        dashboard=None,
+        watch_numerics=2,
+    )
+    log = trainer.fit(data).mode and trainer.numerics
+    assert log.steps == [2, 4] and log.fp8_modules == ["1", "2"]
+    assert log.fp8_amax["1"][0] > 1e6 and log.fp8_flushed["1"][0] > 0.25  # input: 15 of 16
+    assert log.fp8_flushed["2"][0] < 0.01 and log.fp8_saturated["1"] == [0.0, 0.0]
+    assert math.isnan(log.fp8_amax["0"][0])
+    assert "fp8 flushed" in str(log).splitlines()[0]
+
+
+def test_a_hand_loop_with_ampstep_and_fp8_layers():
+    model = mlp()
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="fp8", device="cpu")
+    with mpnb.fp8_layers(model, device="cpu"):
+        for _ in range(2):
+            with amp.autocast():
+                out = model(torch.randn(8, 32))
+            amp.backward(out.float().pow(2).mean())
+            amp.step(samples=8)
+    assert out.dtype is torch.bfloat16 and amp.history.mode == ["fp8", "fp8"]
+    assert type(model[2]) is nn.Linear
+
+
+def test_mpnb_train_in_fp8_on_the_example_mlp(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "mpnb", "train", "--mode", "fp8", "--model", "mlp", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "fp8 is emulated here (numerics only, no speed-up)" in result.stdout
+    assert "DigitsMLP, fp8 on cpu (emulated: numerics only, no speed-up)" in result.stdout
