@@ -1,0 +1,98 @@
+"""The suite's own run: which tests share an xdist worker (the root conftest.py), and how many
+threads each worker's torch gets."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+RECORD = """
+import os, pathlib, torch
+
+def record(name):
+    line = f"{name} {os.environ['PYTEST_XDIST_WORKER']} {torch.get_num_threads()}\\n"
+    with open(pathlib.Path(__file__).parent / "ran.txt", "a") as file:
+        file.write(line)
+"""
+
+SHARED = """
+import pytest, time
+from record import record
+
+@pytest.fixture(scope="module")
+def built_once():
+    return object()
+
+@pytest.mark.parametrize("i", range(6))
+def test_shared(built_once, i):
+    time.sleep(0.1)
+    record("shared")
+"""
+
+FREE = """
+import pytest, time
+from record import record
+
+@pytest.mark.parametrize("i", range(12))
+def test_free(i):
+    time.sleep(0.2)
+    record("free")
+"""
+
+GROUPED = """
+import pytest, time
+from record import record
+
+@pytest.mark.xdist_group("serial")
+@pytest.mark.parametrize("i", range(4))
+def test_grouped(i):
+    time.sleep(0.1)
+    record("grouped")
+
+@pytest.mark.xdist_group("serial")
+def test_grouped_too():
+    record("grouped")
+"""
+
+
+def test_a_module_set_up_and_a_marked_group_each_stay_on_one_worker(tmp_path):
+    """The rest is shared out: both workers run some of the free tests."""
+    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\naddopts = -n 2 --dist loadgroup -p no:cacheprovider --strict-markers\n"
+    )
+    for name, text in [
+        ("record.py", RECORD),
+        ("test_shared.py", SHARED),
+        ("test_free.py", FREE),
+        ("test_grouped.py", GROUPED),
+    ]:
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "OMP_NUM"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    workers: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    threads = set()
+    for line in (tmp_path / "ran.txt").read_text().splitlines():
+        name, worker, count = line.split()
+        workers[name][worker] += 1
+        threads.add(int(count))
+    assert sum(workers["shared"].values()) == 6 and len(workers["shared"]) == 1, workers
+    assert sum(workers["grouped"].values()) == 5 and len(workers["grouped"]) == 1, workers
+    assert sorted(workers["free"]) == ["gw0", "gw1"], workers
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert threads == {max(1, (cores or 1) // 2)}
