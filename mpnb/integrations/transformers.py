@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from mpnb.errors import InvalidChoiceError
 from mpnb.integrations.loop_telemetry import LoopTelemetry, WithTelemetry
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.precision.policy import session
@@ -80,6 +81,14 @@ def precision_args(
         {'bf16': False, 'fp16': True, 'tf32': None}
     """
     chosen = parse_mode(mode) if mode is not None else session.mode
+    if chosen is Mode.FP8:
+        raise InvalidChoiceError(
+            "mode for TrainingArguments",
+            chosen.value,
+            [m.value for m in Mode if m is not Mode.FP8],
+            "TrainingArguments has no fp8 switch: ask bf16 here and run trainer.train() inside "
+            "`with mpnb.fp8_layers(model):`, or use Accelerate's mixed_precision='fp8'.",
+        )
     on_cuda = device is not None and torch.device(device).type == "cuda"
     tf32 = {Mode.TF32: True, Mode.FP32: False}.get(chosen) if on_cuda else None
     return {"bf16": chosen is Mode.BF16, "fp16": chosen is Mode.FP16, "tf32": tf32}

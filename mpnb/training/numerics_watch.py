@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from mpnb import views
+from mpnb.precision.fp8 import fp8_cast_measures, is_float8
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 
@@ -41,8 +42,19 @@ __all__ = ["NumericsLog"]
 
 #: fp16's smallest normal magnitude: below it values lose precision, then flush to zero.
 FP16_TINY = float(torch.finfo(torch.float16).tiny)
-#: The measures kept per module and sampled step, in the order of a stacked row.
-MEASURES = ("activation_max", "nonfinite", "underflow_share", "gradient_max")
+#: The measures kept per module and sampled step, in the order of a stacked row. The fp8 ones
+#: (mode fp8's float8 layers only, NaN elsewhere): the input's amax, from which torchao makes its
+#: scale, and the shares of input and weight values that saturate or flush to zero in e4m3.
+MEASURES = (
+    "activation_max",
+    "nonfinite",
+    "underflow_share",
+    "gradient_max",
+    "fp8_amax",
+    "fp8_saturated",
+    "fp8_flushed",
+)
+_NAN = float("nan")
 
 
 @dataclasses.dataclass
@@ -53,6 +65,8 @@ class NumericsLog:
         steps: the sampled optimizer steps.
         modules: the watched modules' names.
         activation_max, nonfinite, underflow_share, gradient_max: module name -> values.
+        fp8_amax, fp8_saturated, fp8_flushed: the same for mode fp8's float8 layers (see
+            :data:`MEASURES`).
         limit: the largest finite value of the dtype the watch compares with.
 
     Example:
@@ -70,11 +84,16 @@ class NumericsLog:
     nonfinite: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     underflow_share: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     gradient_max: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    fp8_amax: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    fp8_saturated: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    fp8_flushed: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def add(self, step: int, rows: list[list[float]]) -> None:
-        """Append one sampled step: a row of :data:`MEASURES` per module, in module order."""
+        """Append one sampled step: a row of :data:`MEASURES` per module, in module order (the
+        fp8 measures may be left off: NaN)."""
         self.steps.append(step)
         for name, row in zip(self.modules, rows, strict=True):
+            row = list(row) + [_NAN] * (len(MEASURES) - len(row))
             for measure, value in zip(MEASURES, row, strict=True):
                 getattr(self, measure).setdefault(name, []).append(float(value))
 
@@ -100,6 +119,7 @@ class NumericsLog:
                     f"{_worst(self.gradient_max.get(name, [])):.2g}",
                     f"{_worst(self.underflow_share.get(name, [])):.0%}",
                     f"{int(_worst(self.nonfinite.get(name, [])))}",
+                    *(self._fp8_cells(name) if self.fp8_modules else []),
                 ]
             )
         headers = (
@@ -109,8 +129,23 @@ class NumericsLog:
             "largest |gradient|",
             "fp16-underflow share",
             "non-finite",
+            *(("fp8 input amax", "fp8 saturated", "fp8 flushed") if self.fp8_modules else ()),
         )
         return text_table(headers, rows)
+
+    @property
+    def fp8_modules(self) -> list[str]:
+        """The watched modules that ran as fp8 layers (mode fp8) on a sampled step."""
+        return [name for name in self.modules if _measured(self.fp8_amax.get(name, []))]
+
+    def _fp8_cells(self, name: str) -> list[str]:
+        if name not in self.fp8_modules:
+            return ["-", "-", "-"]
+        return [
+            f"{_worst(self.fp8_amax[name]):.2g}",
+            f"{_worst(self.fp8_saturated[name]):.2%}",
+            f"{_worst(self.fp8_flushed[name]):.2%}",
+        ]
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -119,6 +154,10 @@ class NumericsLog:
         """A heatmap: module x sampled step, the colour the headroom to the limit (needs the
         notebook extras)."""
         return views.view("numerics_figure")(self)
+
+
+def _measured(values: list[float]) -> bool:
+    return any(value == value for value in values)
 
 
 def _worst(values: list[float]) -> float:
@@ -162,7 +201,8 @@ class NumericsWatch(Sink):
             return
         self._scale = scale
         self._rows = {}
-        for name, module in self.watched:
+        for name, _ in self.watched:  # by name: mode fp8 puts torchao's layers in their place
+            module = self.model.get_submodule(name)
             self._handles.append(module.register_forward_hook(self._forward_hook(name)))
 
     def after_step(self, step: int) -> None:
@@ -211,6 +251,7 @@ class NumericsWatch(Sink):
                 (~torch.isfinite(out)).sum().float(),
                 ((magnitude < FP16_TINY) & (magnitude > 0)).float().mean(),
                 torch.zeros((), device=out.device),
+                *_fp8_measures(module, inputs, out.device),
             ]
             if tensors[0].requires_grad:
                 tensors[0].register_hook(self._gradient_hook(name))
@@ -229,3 +270,19 @@ class NumericsWatch(Sink):
         if values is None:  # not called on this step
             return torch.full((len(MEASURES),), float("nan"), device=device)
         return torch.stack([value.to(device) for value in values])
+
+
+def _fp8_measures(module: nn.Module, inputs: Any, device: torch.device) -> list[torch.Tensor]:
+    """A float8 layer's input amax and the shares of its input and weight values that saturate
+    or flush in e4m3 (:func:`~mpnb.precision.fp8.fp8_cast_measures`); NaN for other modules."""
+    first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+    if not is_float8(module) or first is None:
+        return [torch.full((), _NAN, device=device)] * 3
+    amax, saturated, flushed = fp8_cast_measures(module, first, "input")
+    _, weight_saturated, weight_flushed = fp8_cast_measures(module, module.weight, "weight")
+    share = first.numel() / (first.numel() + module.weight.numel())
+    return [
+        amax,
+        saturated * share + weight_saturated * (1 - share),
+        flushed * share + weight_flushed * (1 - share),
+    ]
