@@ -53,7 +53,7 @@ from mpnb.training.telemetry import Sink
 
 __all__ = ["LoopRecorder", "watch"]
 
-_ACCELERATE_PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+_ACCELERATE_PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
 
 
 class LoopRecorder(WithTelemetry):

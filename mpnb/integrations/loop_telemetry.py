@@ -56,6 +56,7 @@ from mpnb.integrations.honesty import (
     session_lists_inside,
 )
 from mpnb.integrations.observed import PrecisionObserver, check_precision
+from mpnb.precision.fp8 import is_float8
 from mpnb.precision.modes import Mode
 from mpnb.precision.policy import session
 from mpnb.training.control import FitControl
@@ -252,6 +253,8 @@ class LoopTelemetry:
         watched = run.watch is not None and prepared and optimizer_called
         skipped = run.watch.skipped(run.scaler, run.device) if watched else False
         observed = run.observer.step_end()
+        if observed in ("bf16", "fp32", "tf32") and run.float8:  # torchao's float8 layers ran
+            observed = "fp8"
         self.steps += 1
         if run.locator is not None:  # a step watched after a skip: where did it overflow?
             run.locator.step_computed(self.history, self.steps)
@@ -432,6 +435,8 @@ class _Run:
         )
         self.observer = PrecisionObserver(model, device.type)
         self.model = model
+        # Accelerate's fp8 (torchao recipe) or the user converted the model before training
+        self.float8 = any(is_float8(module) for module in model.modules())
         self.fp32 = Fp32Modules(model, device.type)  # remedies for this run
         self.numerics: NumericsWatch | None = None
         self.locator: NextSkipLocator | None = None

@@ -447,3 +447,62 @@ def test_mpnb_train_in_fp8_on_the_example_mlp(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "fp8 is emulated here (numerics only, no speed-up)" in result.stdout
     assert "DigitsMLP, fp8 on cpu (emulated: numerics only, no speed-up)" in result.stdout
+
+
+_ACCELERATE_FP8 = """
+import warnings
+import torch
+from torch import nn
+from accelerate import Accelerator
+from accelerate.utils import AORecipeKwargs
+from mpnb.integrations.accelerate import watch
+
+accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()], cpu=True)
+torch.manual_seed(0)
+widths = {widths}
+model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+model, optimizer = accelerator.prepare(model, optimizer)
+with warnings.catch_warnings(record=True) as caught, watch(accelerator, model, optimizer, dashboard=None) as recorder:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        with accelerator.autocast():
+            loss = model(torch.randn(8, widths[0])).float().pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        recorder.record(loss, batch=torch.ones(8))
+print("LAYERS:", [type(m).__name__ for m in model.modules()][1:])
+print("MODES:", recorder.history.mode)
+print("NOTICES:", [str(w.message) for w in caught if "asked for" in str(w.message)])
+"""
+
+
+@pytest.mark.parametrize(
+    "widths, layers, mode, notice",
+    [
+        ((32, 64, 64, 16), ["Linear", "Float8Linear", "Linear"], "fp8", None),
+        (
+            (32, 64, 16),
+            ["Linear", "Linear"],
+            "bf16",
+            "Accelerate was asked for fp8 but trains in bf16",
+        ),
+    ],
+)
+def test_accelerate_fp8_is_read_from_the_layers_that_run(widths, layers, mode, notice):
+    """Each case in its own process: Accelerate fixes mixed_precision for a process."""
+    pytest.importorskip("accelerate")
+    result = subprocess.run(
+        [sys.executable, "-c", _ACCELERATE_FP8.format(widths=widths)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"LAYERS: {layers}" in result.stdout
+    assert f"MODES: {[mode, mode]}" in result.stdout
+    notices = result.stdout.split("NOTICES:")[1]
+    assert (notice in notices) if notice else notices.strip() == "[]", result.stdout
