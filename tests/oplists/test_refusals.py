@@ -130,3 +130,26 @@ def test_advise_names_the_refused_op():
         mpnb.advise(model, _batches(1)[0], nn.functional.cross_entropy, device="cpu")
     assert isinstance(caught.value.__cause__, RuntimeError)
     assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+
+
+def test_compare_lists_the_refused_mode_with_the_fix_and_runs_the_others():
+    _refused_here("bf16")
+
+    def make_run(mode):
+        torch.manual_seed(0)
+        model = Tagger()
+        trainer = mpnb.Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), 0.1),
+            nn.functional.cross_entropy,
+            mode=mode,
+            device="cpu",
+            dashboard=None,
+        )
+        return trainer, _batches(4)
+
+    comparison = mpnb.compare(make_run, ["fp32", "bf16"], steps=2, warmup=1, progress=None)
+    fp32, bf16 = comparison.results
+    assert len(fp32.history) == 3 and bf16.history is None
+    assert bf16.skipped_reason.startswith("lstm cannot run in bf16")
+    assert "`%oplist add fp32 lstm`" in bf16.skipped_reason
