@@ -115,7 +115,7 @@ class NumericsLog:
                 [
                     name,
                     f"{_worst(self.activation_max.get(name, [])):.2g}",
-                    f"{self.headroom(name):.3g}x",
+                    _headroom_cell(self.headroom(name), _worst(self.nonfinite.get(name, []))),
                     f"{_worst(self.gradient_max.get(name, [])):.2g}",
                     f"{_worst(self.underflow_share.get(name, [])):.0%}",
                     f"{int(_worst(self.nonfinite.get(name, [])))}",
@@ -154,6 +154,11 @@ class NumericsLog:
         """A heatmap: module x sampled step, the colour the headroom to the limit (needs the
         notebook extras)."""
         return views.view("numerics_figure")(self)
+
+
+def _headroom_cell(headroom: float, nonfinite: float) -> str:
+    """``"1.09x"``; ``"none"`` for a module that made inf/NaN (its finite values may be small)."""
+    return "none" if nonfinite else f"{headroom:.3g}x"
 
 
 def _measured(values: list[float]) -> bool:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import mpnb
+from mpnb.training.numerics_watch import NumericsLog
 from tests.training.test_numerics_origin import gpt2_batches, overflowing_gpt2
 
 
@@ -100,3 +101,11 @@ def test_a_bad_sampling_interval_is_refused_with_the_value():
         ValueError, match="watch_numerics must be a whole number of steps >= 1, got 0.5"
     ):
         linear_run(watch_numerics=0.5)
+
+
+def test_a_module_that_made_infs_reads_as_having_no_headroom_not_infinite_headroom():
+    log = NumericsLog(["proj", "head"], limit=65504.0)
+    log.add(1, [[0.0, 12.0, 0.0, 0.0], [3.0, 0.0, 0.0, 1.0]])  # proj: every value inf (read as 0)
+    proj, head = str(log).splitlines()[1:]
+    assert proj.split()[:3] == ["proj", "0", "none"] and proj.split()[-1] == "12"
+    assert head.split()[2] == "2.18e+04x"
