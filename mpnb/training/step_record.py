@@ -40,7 +40,7 @@ __all__: list[str] = []
 Duration = tuple[float | DeviceInterval, ...]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)  # not frozen: its 13 fields are set once a step, directly
 class StepRecord:
     """One optimizer step, as recorded. Each field has one type; a tensor stays on the device
     until the recorder's flush, and a duration's device intervals are read there too.

@@ -47,6 +47,10 @@ class WindowPhase(enum.Enum):
     RESCALED = "rescaled"
 
 
+#: The phases in which a window takes no new micro-batch (each refusal says why).
+_NO_MORE = frozenset((WindowPhase.FORWARD, WindowPhase.BACKWARD, WindowPhase.RESCALED))
+
+
 class Window:
     """One accumulation window, from its first backward until its step is recorded.
 
@@ -80,11 +84,12 @@ class Window:
             RuntimeError: another forward of this window is running, or the window cannot take
                 another micro-batch (see :meth:`start_backward`).
         """
-        if self.phase is WindowPhase.FORWARD:
-            raise RuntimeError(
-                "AmpStep.train_step() called from inside the forward of another train_step()"
-            )
-        self._refuse_more()
+        if self.phase in _NO_MORE:  # one test on the way of every micro-batch
+            if self.phase is WindowPhase.FORWARD:
+                raise RuntimeError(
+                    "AmpStep.train_step() called from inside the forward of another train_step()"
+                )
+            self._refuse_more()
         self._before_forward, self.phase = self.phase, WindowPhase.FORWARD
 
     def end_forward(self) -> None:
@@ -99,7 +104,8 @@ class Window:
                 for a step that has not happened: adding gradients to either would train on a
                 sum nobody asked for. Nothing changes.
         """
-        self._refuse_more()
+        if self.phase in _NO_MORE:
+            self._refuse_more()
         self.phase = WindowPhase.BACKWARD
 
     def end_backward(self) -> None:
