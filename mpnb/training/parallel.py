@@ -100,6 +100,10 @@ def wrap_model(
 ) -> nn.Module:
     """``model`` (already on ``device``) as the strategy trains it; for ``"fsdp"``, sharded in
     place with ``mode``'s policy and ``optimizer`` pointed at the sharded parameters."""
+    if strategy == "fsdp" and mode is Mode.FP8:  # torchao's fp8 all-gather with FSDP2: not here
+        raise MpnbError(
+            "mode fp8 with strategy='fsdp' is not supported: use strategy='ddp' or one process"
+        )
     check_strategy(strategy)
     if strategy is None:
         return model
