@@ -2,7 +2,8 @@
 
 :func:`advise` runs one forward and backward pass in fp32 as the reference and again under
 fp16 and bf16 autocast, watching every leaf module's output and the gradient that flows
-back into it. Per module it reports the largest |activation| and |gradient| against fp16's
+back into it with the numerics watch's own probe (:mod:`mpnb.training.module_probe`): one
+batch, looked at once, where the watch looks at sampled steps of a fit. Per module it reports the largest |activation| and |gradient| against fp16's
 range, the share of gradient values fp16 would flush to zero without loss scaling, and the
 relative error of outputs and gradients against fp32. From these it writes concrete advice:
 which dtype, which modules' ops to put on the FP32 list, and a GradScaler ``init_scale``
@@ -27,6 +28,7 @@ from mpnb._render import html_list, html_table, text_table
 from mpnb.errors import MpnbError
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.backends import backend_for, resolve_device
+from mpnb.training.module_probe import ModuleProbe, leaf_names
 from mpnb.training.random_state import kept_random_state
 
 __all__ = ["Advice", "advise"]
@@ -128,36 +130,25 @@ def _row_cells(row: ModuleNumerics) -> list[str]:
 
 
 class _Watch:
-    """Records each leaf module's output and the gradient flowing back into it."""
+    """Keeps a float32 copy of each leaf module's output and of the gradient flowing back into
+    it, through the same probe as the numerics watch (:mod:`mpnb.training.module_probe`)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.leaves = [
-            (name, module) for name, module in model.named_modules() if not list(module.children())
+            (name, model.get_submodule(name)) for name in leaf_names(model, with_root=True)
         ]
         self.outputs: dict[str, torch.Tensor] = {}
         self.gradients: dict[str, torch.Tensor] = {}
         self.largest_parameter_gradient = 0.0
+        self.probe = ModuleProbe(
+            model, [name for name, _ in self.leaves], self._output, self._gradient
+        )
 
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        handles = [module.register_forward_hook(self._hook(name)) for name, module in self.leaves]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+    def _output(self, name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        self.outputs[name] = output.float().clone()
 
-    def _hook(self, name: str) -> Callable:
-        def record(module: nn.Module, inputs: Any, output: Any) -> None:
-            if not isinstance(output, torch.Tensor) or not output.is_floating_point():
-                return
-            self.outputs[name] = output.detach().float().clone()
-            if output.requires_grad:
-                output.register_hook(
-                    lambda grad: self.gradients.__setitem__(name, grad.detach().float().clone())
-                )
-
-        return record
+    def _gradient(self, name: str, grad: torch.Tensor) -> None:
+        self.gradients[name] = grad.detach().float().clone()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -227,7 +218,7 @@ def _pass(
     watch = _Watch(model)
     model.zero_grad(set_to_none=True)
     with (
-        watch.watching(),
+        watch.probe,
         torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None),
     ):
         loss = loss_fn(model(inputs), targets)

@@ -30,12 +30,12 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from mpnb import views
 from mpnb.precision.fp8 import fp8_cast_measures, is_float8
 from mpnb.training.history import History
+from mpnb.training.module_probe import ModuleProbe, leaf_names
 from mpnb.training.telemetry import Sink
 
 __all__ = ["NumericsLog"]
@@ -177,13 +177,8 @@ class NumericsWatch(Sink):
     def __init__(self, model: nn.Module, every: int) -> None:
         self.every = self.check_every(every)
         self.model = model
-        self.watched = [
-            (name, module)
-            for name, module in model.named_modules()
-            if name and not any(True for _ in module.children())
-        ]
-        self.log = NumericsLog([name for name, _ in self.watched])
-        self._handles: list[Any] = []
+        self.log = NumericsLog(leaf_names(model))
+        self._probe = ModuleProbe(model, self.log.modules, self._measure, self._gradient)
         self._rows: dict[str, list[torch.Tensor]] = {}
         self._scale: torch.Tensor | float = 1.0
         self._pending: list[tuple[int, torch.Tensor]] = []
@@ -206,26 +201,22 @@ class NumericsWatch(Sink):
             return
         self._scale = scale
         self._rows = {}
-        for name, _ in self.watched:  # by name: mode fp8 puts torchao's layers in their place
-            module = self.model.get_submodule(name)
-            self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+        self._probe.attach()  # by name: mode fp8 puts torchao's layers in their place
 
     def after_step(self, step: int) -> None:
         """The sampled step ended: stack its rows (on the device) for the next flush."""
-        if not self._handles:
+        if not self._probe.attached:
             return
         self.remove_hooks()
         measured = [values for values in self._rows.values()]
         if measured:
             device = measured[0][0].device
-            rows = [self._row(name, device) for name, _ in self.watched]
+            rows = [self._row(name, device) for name in self.log.modules]
             self._pending.append((step, torch.stack(rows)))
 
     def remove_hooks(self) -> None:
         """Take every hook off (a fit's end, an error, the next step)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._probe.detach()
 
     def update(self, history: History) -> None:
         """The telemetry flushed: read the pending sampled steps in one copy."""
@@ -240,35 +231,21 @@ class NumericsWatch(Sink):
         self.remove_hooks()
         self.update(history)
 
-    def _forward_hook(self, name: str) -> Any:
-        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            tensors = [
-                leaf
-                for leaf in pytree.tree_leaves(output)
-                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel()
-            ]
-            if not tensors:
-                return
-            out = tensors[0].detach()
-            magnitude = out.abs().float()
-            self._rows[name] = [
-                magnitude.nan_to_num(0.0, 0.0, 0.0).amax(),
-                (~torch.isfinite(out)).sum().float(),
-                ((magnitude < FP16_TINY) & (magnitude > 0)).float().mean(),
-                torch.zeros((), device=out.device),
-                *_fp8_measures(module, inputs, out.device),
-            ]
-            if tensors[0].requires_grad:
-                tensors[0].register_hook(self._gradient_hook(name))
+    def _measure(self, name: str, module: nn.Module, inputs: Any, out: torch.Tensor) -> None:
+        """A watched module's output, reduced on the device to its row (gradient to come)."""
+        magnitude = out.abs().float()
+        self._rows[name] = [
+            magnitude.nan_to_num(0.0, 0.0, 0.0).amax(),
+            (~torch.isfinite(out)).sum().float(),
+            ((magnitude < FP16_TINY) & (magnitude > 0)).float().mean(),
+            torch.zeros((), device=out.device),
+            *_fp8_measures(module, inputs, out.device),
+        ]
 
-        return hook
-
-    def _gradient_hook(self, name: str) -> Any:
-        def hook(grad: torch.Tensor) -> None:
-            largest = grad.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax()
-            self._rows[name][3] = largest / self._scale
-
-        return hook
+    def _gradient(self, name: str, grad: torch.Tensor) -> None:
+        """The gradient of that output: its largest magnitude, unscaled."""
+        largest = grad.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax()
+        self._rows[name][3] = largest / self._scale
 
     def _row(self, name: str, device: torch.device) -> torch.Tensor:
         values = self._rows.get(name)

@@ -143,3 +143,27 @@ def test_a_model_spread_over_devices_is_refused_before_anything_moves():
     with pytest.raises(mpnb.MpnbError, match="meta.*cpu|cpu.*meta"):
         mpnb.advise(model, BATCH, F.cross_entropy, device="cpu")
     assert model[1].weight.device.type == "cpu" and torch.equal(model[1].weight, weight)
+
+
+class _Recurrent(torch.nn.Module):
+    """A GRU (a leaf module that returns a tuple) and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = torch.nn.GRU(8, 8, batch_first=True)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0].mean(1))
+
+
+def test_advise_reads_the_same_modules_as_the_numerics_watch_tuple_outputs_included():
+    from mpnb.training.numerics_watch import NumericsWatch
+
+    model = _Recurrent()
+    batch = (torch.randn(4, 5, 8), torch.randint(0, 2, (4,)))
+    advice = mpnb.advise(model, batch, torch.nn.functional.cross_entropy, device="cpu")
+    watch = NumericsWatch(model, 1)
+    assert [row.module for row in advice.rows] == watch.log.modules == ["gru", "head"]
+    gru = advice.rows[0]
+    assert gru.max_activation > 0 and gru.max_gradient > 0
