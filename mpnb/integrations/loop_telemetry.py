@@ -85,7 +85,8 @@ class LoopTelemetry:
         flush_every: steps between copies of the device values to the host (a whole number >= 1;
             1 with ``on_nonfinite="stop"``, so that the framework stops at the bad step).
         watch_numerics: every how many optimizer steps to measure each leaf module's numerics
-            (:mod:`mpnb.training.numerics_watch`; read at the flush, :attr:`numerics`). None: off.
+            (:mod:`mpnb.training.numerics_watch`; read at the flush, :attr:`numerics`), and every
+            step for a few steps after a flush shows trouble. True: every 50. None or False: off.
         locate_overflow: in fp16 with a scaler, once a flush shows a skipped step, watch the next
             steps as they run to name the module and op where the overflow began (an
             ``"origin"`` event; :class:`~mpnb.training.numerics_origin.NextSkipLocator`).
@@ -102,12 +103,14 @@ class LoopTelemetry:
         dashboard: str | Sink | None = "auto",
         on_nonfinite: str = "warn",
         flush_every: int = 64,
-        watch_numerics: int | None = None,
+        watch_numerics: int | bool | None = None,
         locate_overflow: bool = True,
     ) -> None:
         check_dashboard(dashboard)
+        if watch_numerics is False:
+            watch_numerics = None
         if watch_numerics is not None:
-            NumericsWatch.check_every(watch_numerics)
+            watch_numerics = NumericsWatch.check_every(watch_numerics)
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(
                 f"flush_every must be a whole number of steps, at least 1; got {flush_every!r}"

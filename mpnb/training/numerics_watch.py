@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -55,6 +56,11 @@ MEASURES = (
     "fp8_flushed",
 )
 _NAN = float("nan")
+#: The sampling interval of ``watch_numerics=True``: its cost was at most 1% of a step on the
+#: example CNN and a small GPT-2 (``benchmarks/numerics_watch_cost.py``).
+DEFAULT_EVERY = 50
+#: Steps sampled one after another once a flush shows a skipped step or a non-finite loss.
+DENSE_STEPS = 8
 
 
 @dataclasses.dataclass
@@ -180,24 +186,31 @@ class NumericsWatch(Sink):
         self.log = NumericsLog(leaf_names(model))
         self._probe = ModuleProbe(model, self.log.modules, self._measure, self._gradient)
         self._rows: dict[str, list[torch.Tensor]] = {}
+        self._dense_until = 0  # sample every step up to this one: a flush showed trouble
+        self._rows_seen = 0  # the history's rows looked at for trouble
         self._scale: torch.Tensor | float = 1.0
         self._pending: list[tuple[int, torch.Tensor]] = []
 
     @staticmethod
     def check_every(every: object) -> int:
-        """``every`` as a sampling interval.
+        """``every`` as a sampling interval; True: :data:`DEFAULT_EVERY`.
 
         Raises:
-            ValueError: it is not a whole number of steps >= 1.
+            ValueError: it is not True or a whole number of steps >= 1.
         """
+        if every is True:
+            return DEFAULT_EVERY
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"watch_numerics must be a whole number of steps >= 1, got {every!r}")
+            raise ValueError(
+                f"watch_numerics must be True or a whole number of steps >= 1, got {every!r}"
+            )
         return every
 
     def before_step(self, step: int, scale: torch.Tensor | float) -> None:
-        """Optimizer step ``step`` is about to train: hook the modules if it is sampled."""
+        """Optimizer step ``step`` is about to train: hook the modules if it is sampled (every
+        ``every`` steps, and each step for :data:`DENSE_STEPS` after a flush showed trouble)."""
         self.remove_hooks()
-        if step % self.every:
+        if step % self.every and step > self._dense_until:
             return
         self._scale = scale
         self._rows = {}
@@ -219,7 +232,13 @@ class NumericsWatch(Sink):
         self._probe.detach()
 
     def update(self, history: History) -> None:
-        """The telemetry flushed: read the pending sampled steps in one copy."""
+        """The telemetry flushed: read the pending sampled steps in one copy, and sample densely
+        from here when a new row shows a skipped step or a non-finite loss."""
+        fresh = range(self._rows_seen, len(history))
+        self._rows_seen = len(history)
+        skipped, loss, unread = history.skipped, history.loss, history.loss_missing
+        if any(skipped[i] or not (math.isfinite(loss[i]) or unread[i]) for i in fresh):
+            self._dense_until = history.step[-1] + DENSE_STEPS
         if not self._pending:
             return
         pending, self._pending = self._pending, []

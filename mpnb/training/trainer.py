@@ -145,7 +145,9 @@ class Trainer:
             process only.
         watch_numerics: every how many optimizer steps to measure each leaf module's largest
             activation and gradient, fp16-underflow share and non-finite count (read at the
-            telemetry's flush; :attr:`numerics`, :mod:`mpnb.training.numerics_watch`). None: off.
+            telemetry's flush; :attr:`numerics`, :mod:`mpnb.training.numerics_watch`), and every
+            step for a few steps after a flush shows a skipped step or a non-finite loss. True:
+            every 50 steps (about 1% of a step). None or False: off.
 
     Attributes:
         history: every step of every ``fit`` call so far.
@@ -177,7 +179,7 @@ class Trainer:
         min_scale: float | None = None,
         flush_every: int = 64,
         locate_overflow: bool = True,
-        watch_numerics: int | None = None,
+        watch_numerics: int | bool | None = None,
     ) -> None:
         if loss_fn is not None and step_fn is not None:
             raise MpnbError(
@@ -219,7 +221,11 @@ class Trainer:
         self._last_batch: Any = None  # the batch trained last, on the device
         self._locator = FirstSkipLocator() if locate_overflow and strategy is None else None
         self._fp32 = Fp32Modules(self.model, self.device.type)  # remedies of the running fit
-        self._watch = NumericsWatch(self.model, watch_numerics) if watch_numerics else None
+        self._watch = (
+            None
+            if watch_numerics is None or watch_numerics is False
+            else NumericsWatch(self.model, watch_numerics)
+        )
         self._math = contextlib.ExitStack()  # the precision's fp32-math (and fp8 layers) scope
         self._follower = SessionFollower(self)  # the session's switches made while a fit runs
         # The batches the last fit read and did not train (the one read when it stopped; for a

@@ -63,15 +63,15 @@ def test_the_remedy_stops_the_skips_from_the_next_step_and_is_taken_back_at_the_
     assert "forward" not in vars(model.transformer.h[1].mlp.c_proj)  # put back
 
 
-def test_without_locating_no_origin_is_noted_and_the_watch_samples_every_kth_step():
+def test_without_locating_no_origin_is_noted_and_the_watch_samples_densely_after_a_skip():
     _, recorder, history = fp16_loop(
         gpt2_batches(4), remedy=False, flush_every=1, locate_overflow=False, watch_numerics=2
     )
     assert not [e for e in history.events if e["kind"] == "origin"]
     log = recorder.numerics
-    assert log.steps == [2, 4]
+    assert log.steps == [2, 3, 4]  # every 2nd step, and each one after step 1's skip
     assert log.nonfinite["transformer.h.1.mlp.c_proj"][0] > 0
-    assert log.nonfinite["transformer.h.0.mlp.c_proj"] == [0.0, 0.0]
+    assert log.nonfinite["transformer.h.0.mlp.c_proj"] == [0.0, 0.0, 0.0]
 
 
 def test_a_skip_the_lowered_scale_cures_is_said_to_be_in_the_scaled_gradients():
