@@ -43,7 +43,7 @@ def batches(
     ]
 
 
-def syncs_in_a_fit(steps: int) -> int:
+def syncs_in_a_fit(steps: int, **options: object) -> int:
     model = mlp().cuda()
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1e-3, fused=True
@@ -56,6 +56,7 @@ def syncs_in_a_fit(steps: int) -> int:
         device="cuda",
         dashboard=None,
         flush_every=1000,
+        **options,
     )
     data = batches(steps)
     trainer.fit(data[:2])  # lazy initialisation (cuBLAS, the allocator, the scaler) may sync once
@@ -73,6 +74,11 @@ def syncs_in_a_fit(steps: int) -> int:
 def test_a_trainer_fit_syncs_with_the_device_per_fit_not_per_step():
     # the end of a fit reads the telemetry once; more steps must not add a single sync
     assert syncs_in_a_fit(10) == syncs_in_a_fit(40)
+
+
+def test_the_numerics_watch_adds_no_sync_its_rows_wait_for_the_telemetrys_flush():
+    # every 2nd step watched: reductions stay on the device until the one read at the fit's end
+    assert syncs_in_a_fit(10, watch_numerics=2) == syncs_in_a_fit(40, watch_numerics=2)
 
 
 def test_bf16_is_refused_where_the_gpu_has_none_and_nothing_changes(monkeypatch):

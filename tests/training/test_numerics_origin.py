@@ -190,3 +190,30 @@ def test_a_t5_overflow_is_named_in_its_feed_forward_not_where_t5_makes_infs_on_p
     origin = locate_nonfinite(model, loss, dtype=torch.float16)
     assert origin.module == "T5ForConditionalGeneration.encoder.block.1.layer.1.DenseReluDense.wo"
     assert (origin.phase, origin.op, origin.kind) == ("forward", "aten.mm", "overflow")
+
+
+def test_a_batchnorm_resnets_planted_overflow_is_named_in_its_convolution_not_its_batchnorm():
+    """A BatchNorm ResNet in fp16 whose second block's second convolution overflows: the origin
+    is that convolution, not the BatchNorm that receives its infs and normalises them to NaN."""
+    from tests.conformance.models import SmallResNet
+
+    torch.manual_seed(0)
+    model = SmallResNet()
+    with torch.no_grad():
+        model.layers[1].conv2.weight.mul_(3e5)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), nn.functional.cross_entropy,
+        mode="fp16", device="cpu", dashboard=None, init_scale=1.0,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    batch = (
+        torch.randn(4, 3, 16, 16, generator=generator),
+        torch.randint(0, 10, (4,), generator=generator),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        history = trainer.fit([batch])
+    (origin,) = [event for event in history.events if event["kind"] == "origin"]
+    assert origin["module"] == "SmallResNet.layers.1.conv2"
+    assert (origin["phase"], origin["problem"]) == ("forward", "overflow")
+    assert history.skipped == [True]
