@@ -3,6 +3,11 @@ global precision state that every test must leave exactly as it found it."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
+from collections.abc import Iterator
+
 import pytest
 import torch
 from IPython.core.error import UsageError
@@ -67,14 +72,49 @@ def leaves_torch_as_found():
 @pytest.fixture
 def ip():
     """A real InteractiveShell with ``%load_ext mpnb`` done and torch imported."""
+    with mpnb_shell() as shell:
+        yield shell
+
+
+@contextlib.contextmanager
+def mpnb_shell() -> Iterator[InteractiveShell]:
+    """The ``ip`` fixture's shell: a fresh singleton, closed on the way out."""
     InteractiveShell.clear_instance()
     shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "mpnb")
-    run(shell, "import torch\nlinear = torch.nn.Linear(8, 8)\nx = torch.randn(4, 8)")
-    yield shell
-    if "mpnb" in shell.extension_manager.loaded:
-        shell.run_line_magic("unload_ext", "mpnb")
-    InteractiveShell.clear_instance()
+    try:
+        shell.run_line_magic("load_ext", "mpnb")
+        run(shell, "import torch\nlinear = torch.nn.Linear(8, 8)\nx = torch.randn(4, 8)")
+        yield shell
+        if "mpnb" in shell.extension_manager.loaded:
+            shell.run_line_magic("unload_ext", "mpnb")
+    finally:
+        close_shell(shell)
+        InteractiveShell.clear_instance()
+
+
+def close_shell(shell: InteractiveShell) -> None:
+    """Do now what IPython leaves to interpreter exit, less its full garbage collection.
+
+    Each shell registers its exit operations with ``atexit``. That keeps the shell, and all its
+    cells made, alive to the end of the run; at exit each then runs a full ``gc.collect()``
+    (``DisplayHook.flush``): minutes of 100% CPU after pytest's summary, a few hundred shells on.
+    """
+    atexit.unregister(shell.atexit_operations)
+    script_magics = shell.magics_manager.registry.get("ScriptMagics")
+    if script_magics is not None:  # its exit hook holds the shell too
+        script_magics.kill_bg_processes()
+        atexit.unregister(script_magics.kill_bg_processes)
+    shell.cleanup()  # puts back the sys.modules["__main__"] and sys streams it replaced
+    if shell.history_manager is not None:
+        shell.history_manager.close()  # stops its saving thread, closes its database
+        shell.history_manager = None
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Shells made outside ``ip`` (a docstring's example, a test's own) are closed too."""
+    # type(), not isinstance(): a lazy module's __class__ would warn.
+    for shell in [o for o in gc.get_objects() if issubclass(type(o), InteractiveShell)]:
+        close_shell(shell)
 
 
 def run(shell, code: str):

@@ -1,5 +1,5 @@
-"""The suite's own run: which tests share an xdist worker (the root conftest.py), and how many
-threads each worker's torch gets."""
+"""The suite's own run: which tests share an xdist worker (the root conftest.py), how many
+threads each worker's torch gets, and nothing left for interpreter exit."""
 
 from __future__ import annotations
 
@@ -96,3 +96,32 @@ def test_a_module_set_up_and_a_marked_group_each_stay_on_one_worker(tmp_path):
     assert sorted(workers["free"]) == ["gw0", "gw1"], workers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert threads == {max(1, (cores or 1) // 2)}
+
+
+EXIT_AFTER_SHELLS = """
+import atexit, gc, os, sys
+sys.path.insert(0, os.getcwd())
+full = []
+# Registered first, run last: after every exit hook the shells left.
+atexit.register(lambda: os.write(1, f"full collections at exit: {len(full)}".encode()))
+from tests.conftest import mpnb_shell
+for _ in range(3):
+    with mpnb_shell() as shell:
+        shell.run_cell("model = torch.nn.Linear(64, 64)")
+gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2 and full.append(1))
+"""
+
+
+def test_the_ip_fixtures_shells_leave_no_work_for_interpreter_exit():
+    """IPython hands each shell's exit operations to ``atexit``: that kept every test's shell and
+    all its cells made alive to the end of the run, then ran one full garbage collection per
+    shell (``DisplayHook.flush``) after pytest's summary: minutes, a few hundred shells on."""
+    result = subprocess.run(
+        [sys.executable, "-c", EXIT_AFTER_SHELLS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("full collections at exit: 0"), result.stdout + result.stderr
