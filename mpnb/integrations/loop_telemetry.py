@@ -63,7 +63,7 @@ from mpnb.training.control import FitControl
 from mpnb.training.fp32_modules import Fp32Modules
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
-from mpnb.training.numerics_origin import NextSkipLocator
+from mpnb.training.numerics_origin import NextStepsLocator
 from mpnb.training.numerics_watch import NumericsLog, NumericsWatch
 from mpnb.training.step_record import StepAccount, flush_every_for
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
@@ -87,9 +87,9 @@ class LoopTelemetry:
         watch_numerics: every how many optimizer steps to measure each leaf module's numerics
             (:mod:`mpnb.training.numerics_watch`; read at the flush, :attr:`numerics`), and every
             step for a few steps after a flush shows trouble. True: every 50. None or False: off.
-        locate_overflow: in fp16 with a scaler, once a flush shows a skipped step, watch the next
-            steps as they run to name the module and op where the overflow began (an
-            ``"origin"`` event; :class:`~mpnb.training.numerics_origin.NextSkipLocator`).
+        locate_overflow: once a flush shows a skipped step or a non-finite loss, watch the next
+            steps as they run to name the module and op where the inf/NaN began (an
+            ``"origin"`` event; :class:`~mpnb.training.numerics_origin.NextStepsLocator`).
 
     Attributes:
         history: one row per optimizer step, across every run this object recorded.
@@ -165,7 +165,7 @@ class LoopTelemetry:
         if self._run is not None:
             self.end()
         self._run = _Run(model, optimizer, scaler, device, asked)
-        self._run.watch_numerics(self.watch_numerics, self.locate_overflow)
+        self._run.watch_numerics(self.watch_numerics, self.locate_overflow, len(self.history))
         if self._run.numerics is not None:
             self.numerics = self._run.numerics.log
         self.runs += 1
@@ -442,7 +442,7 @@ class _Run:
         self.float8 = any(is_float8(module) for module in model.modules())
         self.fp32 = Fp32Modules(model, device.type)  # remedies for this run
         self.numerics: NumericsWatch | None = None
-        self.locator: NextSkipLocator | None = None
+        self.locator: NextStepsLocator | None = None
         self.sinks: list[Sink] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.control_listener: Callable[[str], None] = lambda state: (
@@ -458,20 +458,17 @@ class _Run:
         self.lr: Any = math.nan
         self.before_called = False
 
-    def watch_numerics(self, every: int | None, locate_overflow: bool) -> None:
-        """Watch the modules' numerics every ``every`` steps; locate an overflow after a skip
-        (only where a scaler can skip a step)."""
+    def watch_numerics(self, every: int | None, locate_overflow: bool, first_row: int) -> None:
+        """Watch the modules' numerics every ``every`` steps; locate where a skip or a non-finite
+        loss after the history's ``first_row`` began."""
         if every is not None:
             self.numerics = NumericsWatch(self.model, every)
-        if locate_overflow and self.watch is not None:
-            self.locator = NextSkipLocator(self.model)
+        if locate_overflow:
+            self.locator = NextStepsLocator(self.model, first_row)
 
     def numerics_sinks(self) -> list[Sink]:
-        """The run's sinks that read at a flush: the numerics watch, the locator's arming."""
-        sinks: list[Sink] = [self.numerics] if self.numerics is not None else []
-        if self.locator is not None:
-            sinks.append(_SkipsSeen(self.locator))
-        return sinks
+        """The run's sinks that read at a flush: the numerics watch, the locator."""
+        return [sink for sink in (self.numerics, self.locator) if sink is not None]
 
     def detach(self) -> None:
         if self.numerics is not None:
@@ -484,13 +481,3 @@ class _Run:
         self.observer.remove()
         for handle in self.handles:
             handle.remove()
-
-
-class _SkipsSeen(Sink):
-    """Tells a :class:`~mpnb.training.numerics_origin.NextSkipLocator` what each flush shows."""
-
-    def __init__(self, locator: NextSkipLocator) -> None:
-        self.locator = locator
-
-    def update(self, history: History) -> None:
-        self.locator.seen(history)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpnb.training.random_state import RandomState, kept_random_state
+from mpnb.training.telemetry import Sink
 
 __all__ = ["Origin", "locate_nonfinite"]
 
@@ -377,47 +378,69 @@ def note_origin(history: Any, step: int, origin: Origin, what: str) -> None:
     )
 
 
-class NextSkipLocator:
-    """Names where an overflow began in a loop that mpnb does not drive (a framework's), where
-    there is no batch to replay: the steps after a skipped one are watched as they run.
+class NextStepsLocator(Sink):
+    """Names where trouble began when no step can be replayed (a framework's loop holds its
+    batch, not mpnb; a non-finite loss is known only at a flush): the next steps are watched as
+    they run.
 
-    When a telemetry flush shows a skipped step, the next optimizer steps (at most ``tries``)
-    run under the same instrument as a replay (:func:`locate_nonfinite`'s, every op checked in
-    execution order: slow, on those steps only). The first of them that makes an inf/NaN names
-    the origin, noted on the history like a replay's. If they all stay finite, a note says so:
-    GradScaler lowered the scale after the skip and the scaled gradients fit again, which places
-    the overflow in the scaled backward, not in the model's own values. One origin a run.
+    When a telemetry flush (this is a telemetry sink) shows a skipped step (with ``on_skips``)
+    or a non-finite loss, the next optimizer steps (at most ``tries``) run under the same
+    instrument as a replay (:func:`locate_nonfinite`'s, every op checked in execution order:
+    slow, on those steps only). The first of them that makes an inf/NaN names the origin, noted
+    on the history like a replay's (an ``"input"`` origin says the weights already held it). If
+    they all stay finite, a note says so: after a skip, GradScaler lowered the scale and the
+    scaled gradients fit again, which places the overflow in the scaled backward, not in the
+    model's own values. One origin a run.
 
     Call :meth:`step_start` when a step's first micro-batch begins, :meth:`step_computed` when
-    its backward is done (before the optimizer), :meth:`seen` at each flush, :meth:`close` at
-    the run's end (it takes the instrument off if a step never finished).
+    its backward is done (or after its optimizer step), :meth:`close` at the run's end (it takes
+    the instrument off if a step never finished).
+
+    Args:
+        model: the model whose modules name the origin.
+        first_row: the history's rows before this run (trouble there is not this run's).
+        on_skips: arm at a skipped step too (where no replay named it already).
+        tries: steps watched after the trouble.
 
     Example:
-        >>> locator = NextSkipLocator(torch.nn.Linear(2, 2))
+        >>> locator = NextStepsLocator(torch.nn.Linear(2, 2))
         >>> locator.armed, locator.done
         (False, False)
     """
 
-    def __init__(self, model: nn.Module, tries: int = 3) -> None:
+    def __init__(
+        self, model: nn.Module, first_row: int = 0, *, on_skips: bool = True, tries: int = 3
+    ) -> None:
         self.model = model
         self.tries = tries
+        self.on_skips = on_skips
         self.done = False
         self._left = 0
-        self._skipped_at = 0
+        self._rows_seen = first_row
+        self._trouble = ""  # what armed it: "step 3 skipped", "step 3's loss was nan"
         self._watch: _Watch | None = None
 
     @property
     def armed(self) -> bool:
-        """A skip was seen: the next steps are watched."""
+        """Trouble was seen: the next steps are watched."""
         return self._left > 0
 
-    def seen(self, history: Any) -> None:
-        """A flush: arm at the first skipped step it shows (once a run)."""
+    def update(self, history: Any) -> None:
+        """A flush: arm at the first trouble among the rows it added (once a run)."""
+        fresh = range(self._rows_seen, len(history))
+        self._rows_seen = len(history)
         if self.done or self.armed:
             return
-        skipped = history.skipped_steps
-        if skipped:
-            self._skipped_at, self._left = skipped[0], self.tries
+        for row in fresh:
+            loss, step = history.loss[row], history.step[row]
+            if self.on_skips and history.skipped[row]:
+                self._trouble = f"step {step} skipped"
+            elif not (math.isfinite(loss) or history.loss_missing[row]):
+                self._trouble = f"step {step}'s loss was {loss}"
+            else:
+                continue
+            self._left = self.tries
+            return
 
     def step_start(self) -> None:
         """A step's first micro-batch begins: watched while armed."""
@@ -433,18 +456,21 @@ class NextSkipLocator:
         self._left -= 1
         if watch.origin is not None:
             self.done, self._left = True, 0
-            what = f"step {step} (watched after step {self._skipped_at} skipped)"
-            note_origin(history, step, watch.origin, what)
+            note_origin(history, step, watch.origin, f"step {step} (watched after {self._trouble})")
         elif not self._left:
             self.done = True
+            cause = (
+                "the overflow was in the scaled gradients, and the lowered scale fits them"
+                if "skipped" in self._trouble
+                else "the trouble did not come back"
+            )
             history.note(
-                f"step {self._skipped_at} skipped; the {self.tries} steps watched after it stayed "
-                "finite: the overflow was in the scaled gradients, and the lowered scale fits them",
+                f"{self._trouble}; the {self.tries} steps watched after it stayed finite: {cause}",
                 kind=ORIGIN_KIND,
                 step=step,
             )
 
-    def close(self) -> None:
+    def close(self, history: Any = None) -> None:
         """The run ended: the instrument comes off if a step was left open."""
         if self._watch is not None:
             watch, self._watch = self._watch, None

@@ -134,3 +134,40 @@ def test_lightnings_trainer_names_the_origin_with_its_own_fp16_scaler():
     assert origin["phase"] == "forward"
     assert callback.numerics.steps == [1, 2, 3]
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+class _Log(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(x)  # of a negative: NaN
+
+
+def test_a_non_finite_bf16_loss_is_followed_to_where_the_next_step_makes_it():
+    """No scaler, no skip: a NaN loss arms the locator too, and the next step names the module
+    and op that make the NaN (the head's weights turned NaN in the update; the log's input did
+    not, and the log makes the first NaN again)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Log(), torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(-10.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = LoopRecorder.start(
+        "my loop", model, optimizer, scaler=None, device="cpu", dashboard=None, flush_every=1
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.ones(8, 4)).float().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            recorder.record(loss, batch=torch.ones(8, 4))
+        history = recorder.close()
+    (origin,) = [e for e in history.events if e["kind"] == "origin"]
+    assert origin["step"] == 2 and "watched after step 1's loss was nan" in origin["message"]
+    assert (origin["module"], origin["op"], origin["problem"]) == (
+        "Sequential.1",
+        "aten.log",
+        "nan",
+    )
+    assert torch._C._len_torch_dispatch_stack() == 0
