@@ -49,7 +49,7 @@ from mpnb.training.control import FitControl, FitEnd, running_on_this_thread
 from mpnb.training.fp32_modules import Fp32Modules
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
-from mpnb.training.numerics_origin import FirstSkipLocator
+from mpnb.training.numerics_origin import FirstSkipLocator, NextStepsLocator
 from mpnb.training.numerics_watch import NumericsLog, NumericsWatch
 from mpnb.training.parallel import agreed_stop, check_strategy, rank_share, wrap_model
 from mpnb.training.session_follow import SessionFollower
@@ -141,8 +141,9 @@ class Trainer:
         flush_every: steps between device-to-host telemetry copies.
         locate_overflow: at each fit's first skipped fp16 step, replay it to name the module
             and op where the overflow began (an ``"origin"`` event on the history, marked on the
-            dashboard, named by a later alarm; see :mod:`mpnb.training.numerics_origin`). One
-            process only.
+            dashboard, named by a later alarm; see :mod:`mpnb.training.numerics_origin`); after
+            a flush shows a non-finite loss (any mode), watch the next steps as they run to name
+            where the NaN/inf is made. One process only.
         watch_numerics: every how many optimizer steps to measure each leaf module's largest
             activation and gradient, fp16-underflow share and non-finite count (read at the
             telemetry's flush; :attr:`numerics`, :mod:`mpnb.training.numerics_watch`), and every
@@ -220,6 +221,7 @@ class Trainer:
         self.control.subject = self  # a dashboard's memory view counts this trainer's step
         self._last_batch: Any = None  # the batch trained last, on the device
         self._locator = FirstSkipLocator() if locate_overflow and strategy is None else None
+        self._later: NextStepsLocator | None = None  # a non-finite loss's origin, this fit
         self._fp32 = Fp32Modules(self.model, self.device.type)  # remedies of the running fit
         self._watch = (
             None
@@ -371,6 +373,9 @@ class Trainer:
         note_fit(self.history)
         # the watch first: at a flush it reads its sampled steps before a view draws them
         sinks = ([self._watch] if self._watch is not None else []) + self._sinks(capture)
+        if self._locator is not None:  # a non-finite loss: the next steps watched as they run
+            self._later = NextStepsLocator(self.model, len(self.history), on_skips=False)
+            sinks.append(self._later)
         steps_before = self.amp.steps
         self.history.meta.update(
             model=self.describe(), device=str(self.device), mode=self.mode.value
@@ -554,7 +559,12 @@ class Trainer:
         locator = self._locator if self._locator is not None and self._locator.pending else None
         if locator is not None:
             locator.before_step(self.device.type)
+        later = self._later if self._later is not None and self._later.armed else None
+        if later is not None and self.amp.between_steps:
+            later.step_start()
         stepped = self.amp.train_step(loss, samples_in(batch))
+        if later is not None and stepped:
+            later.step_computed(self.history, self.amp.steps)
         if stepped and self._watch is not None:
             self._watch.after_step(self.amp.steps)
         if locator is not None and locator.after_step(self.amp, self.model, loss):

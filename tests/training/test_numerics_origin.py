@@ -217,3 +217,32 @@ def test_a_batchnorm_resnets_planted_overflow_is_named_in_its_convolution_not_it
     assert origin["module"] == "SmallResNet.layers.1.conv2"
     assert (origin["phase"], origin["problem"]) == ("forward", "overflow")
     assert history.skipped == [True]
+
+
+class _Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)  # of a negative: NaN
+
+
+def test_a_bf16_fits_nan_loss_is_followed_to_the_module_and_op_that_make_it():
+    """bf16 has no scaler and skips nothing: the first NaN loss, seen at a flush, has the next
+    step watched as it trains, which names the log that makes the NaN (its input stayed finite)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Log(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(-10.0)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn=lambda m, b: m(b).float().mean(),
+        mode="bf16", device="cpu", dashboard=None, flush_every=1,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        history = trainer.fit([torch.ones(8, 4)] * 4)
+    (origin,) = [event for event in history.events if event["kind"] == "origin"]
+    assert origin["step"] == 2 and "watched after step 1's loss was nan" in origin["message"]
+    assert (origin["module"], origin["op"], origin["problem"]) == (
+        "Sequential.1",
+        "aten.log",
+        "nan",
+    )
+    assert torch._C._len_torch_dispatch_stack() == 0
