@@ -366,3 +366,29 @@ def test_label_smoothing_the_trainer_turned_off_is_not_blamed_for_a_loss_that_wa
     )
     assert callback.history.loss == pytest.approx(logged(trainer, "loss"), rel=1e-6)
     assert not any("label_smoothing" in message for message in said), said
+
+
+class _LogOfShifted(torch.nn.Module):
+    """A GPT-2 MLP activation that makes NaN: the log of values shifted below zero."""
+
+    def forward(self, x):
+        return torch.log(x - 100.0)
+
+
+class _PlantedTrainer(Trainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model.transformer.h[1].mlp.act = _LogOfShifted()
+
+
+def test_a_nan_loss_inside_the_trainer_is_followed_into_the_next_step(tmp_path):
+    """bf16, no scaler: the first NaN loss arms mpnb's locator, and step 2 is watched as the
+    Trainer runs it. The update after step 1 wrote NaN into the weights (the Trainer does not skip
+    a NaN step), so the note says the NaN was already in an op's inputs, and where."""
+    callback = MpnbCallback(dashboard=None, flush_every=1)
+    train(callback, "bf16", tmp_path, max_steps=3, trainer=_PlantedTrainer)
+    history = callback.history
+    (origin,) = [e for e in history.events if e["kind"] == "origin"]
+    assert origin["step"] == 2 and "watched after step 1's loss was nan" in origin["message"]
+    assert (origin["module"], origin["problem"]) == ("GPT2LMHeadModel.transformer.wte", "input")
+    assert torch._C._len_torch_dispatch_stack() == 0
