@@ -10,17 +10,18 @@ import pytest
 import torch
 
 from mpnb.integrations.accelerate import LoopRecorder
-from tests.training.test_numerics_origin import gpt2_batches, overflowing_gpt2
+from tests.training.test_numerics_origin import LogOfNegatives, gpt2_batches, overflowing_gpt2
 
 PLANTED = "GPT2LMHeadModel.transformer.h.1.mlp.c_proj"
 
 
-def fp16_loop(batches, *, remedy: bool, **options):
+def fp16_loop(batches, *, remedy: bool, model=None, optimizer=None, scaler=None, **options):
     """A hand-written fp16 loop (GradScaler, autocast on the CPU) recorded by mpnb, as
-    ``mpnb.integrations.accelerate.watch`` records an Accelerate loop."""
-    model = overflowing_gpt2()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    ``mpnb.integrations.accelerate.watch`` records an Accelerate loop; by default on the GPT-2
+    whose MLP projection overflows, at a scale of 1. ``remedy``: keep the named module in fp32."""
+    model = model or overflowing_gpt2()
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = scaler or torch.amp.GradScaler("cpu", init_scale=1.0)
     recorder = LoopRecorder.start(
         "my loop", model, optimizer, scaler=scaler, device="cpu", dashboard=None, **options
     )
@@ -80,20 +81,14 @@ def test_a_skip_the_lowered_scale_cures_is_said_to_be_in_the_scaled_gradients():
     from tests.conformance.models import gpt2_model
 
     model = gpt2_model(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
-    recorder = LoopRecorder.start(
-        "my loop", model, optimizer, scaler=scaler, device="cpu", dashboard=None, flush_every=1
+    _, _, history = fp16_loop(
+        gpt2_batches(5),
+        remedy=False,
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1e-4),
+        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30),
+        flush_every=1,
     )
-    for batch in gpt2_batches(5):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(**batch).loss
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        recorder.record(loss, batch=batch["input_ids"])
-    history = recorder.close()
     assert history.skipped[0] and not any(history.skipped[1:])
     (note,) = [e for e in history.events if e["kind"] == "origin"]
     assert "3 steps watched after it stayed finite" in note["message"]
@@ -136,17 +131,12 @@ def test_lightnings_trainer_names_the_origin_with_its_own_fp16_scaler():
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
-class _Log(torch.nn.Module):
-    def forward(self, x):
-        return torch.log(x)  # of a negative: NaN
-
-
 def test_a_non_finite_bf16_loss_is_followed_to_where_the_next_step_makes_it():
     """No scaler, no skip: a NaN loss arms the locator too, and the next step names the module
     and op that make the NaN (the head's weights turned NaN in the update; the log's input did
     not, and the log makes the first NaN again)."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Log(), torch.nn.Linear(4, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), LogOfNegatives(), torch.nn.Linear(4, 1))
     with torch.no_grad():
         model[0].bias.fill_(-10.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

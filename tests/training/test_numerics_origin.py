@@ -219,16 +219,18 @@ def test_a_batchnorm_resnets_planted_overflow_is_named_in_its_convolution_not_it
     assert history.skipped == [True]
 
 
-class _Log(nn.Module):
+class LogOfNegatives(nn.Module):
+    """A module that makes NaN where its inputs are negative (a planted bf16 NaN)."""
+
     def forward(self, x):
-        return torch.log(x)  # of a negative: NaN
+        return torch.log(x)
 
 
 def test_a_bf16_fits_nan_loss_is_followed_to_the_module_and_op_that_make_it():
     """bf16 has no scaler and skips nothing: the first NaN loss, seen at a flush, has the next
     step watched as it trains, which names the log that makes the NaN (its input stayed finite)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), _Log(), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(4, 4), LogOfNegatives(), nn.Linear(4, 1))
     with torch.no_grad():
         model[0].bias.fill_(-10.0)
     trainer = mpnb.Trainer(
