@@ -128,7 +128,7 @@ garbage = junk.filter(
     lambda w: (
         w.lower() not in _ALL_VALID
         and not w.lower().startswith(("cuda", "hpu", "cpu"))
-        and not aten_overloads(w)
+        and not aten_overloads(w.lower())  # op names match in any case
         and w.lower() not in PRESETS
     )
 )

@@ -15,6 +15,16 @@ import mpnb.examples as ex
 from mpnb.analysis.batch_size import parse_bytes
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The answers here were measured with torch on two threads; a worker of the parallel suite
+    starts with one (see conftest.py), which changes the kernels' workspaces and step times."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_run(mode):
     trainer, train, _ = ex.example_trainer(mode, "cpu", model="mlp", batch_size=32, dashboard=None)
     return trainer, train
