@@ -31,7 +31,10 @@ def make_run(mode):
 
 
 def test_the_answer_fits_the_budget_and_the_next_size_looked_at_does_not():
-    report = mpnb.max_batch_size(make_run, ["fp32", "bf16"], memory_budget="16 MiB", start=64)
+    # trial_seconds: the confirming step always runs, however busy the machine makes its timing
+    report = mpnb.max_batch_size(
+        make_run, ["fp32", "bf16"], memory_budget="16 MiB", start=64, trial_seconds=600
+    )
     for mode in ("fp32", "bf16"):
         result = report.result(mode)
         assert result.limited_by == "budget" and result.batch_size >= 64
@@ -96,7 +99,9 @@ def test_a_real_allocation_failure_is_caught_and_bisected_to_the_largest_size_th
         )
         return trainer, [(torch.randn(8, 1, 8, 8), torch.arange(8) % 10)]
 
-    report = mpnb.max_batch_size(hungry_run, ["fp32"], memory_budget="1 TB", start=16, limit=4096)
+    report = mpnb.max_batch_size(
+        hungry_run, ["fp32"], memory_budget="1 TB", start=16, limit=4096, trial_seconds=600
+    )
     result = report.result("fp32")
     assert result.limited_by == "out of memory" and result.checked
     assert 98 <= result.batch_size <= 100
