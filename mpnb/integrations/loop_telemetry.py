@@ -107,10 +107,7 @@ class LoopTelemetry:
         locate_overflow: bool = True,
     ) -> None:
         check_dashboard(dashboard)
-        if watch_numerics is False:
-            watch_numerics = None
-        if watch_numerics is not None:
-            watch_numerics = NumericsWatch.check_every(watch_numerics)
+        watch_numerics = NumericsWatch.interval(watch_numerics)
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(
                 f"flush_every must be a whole number of steps, at least 1; got {flush_every!r}"

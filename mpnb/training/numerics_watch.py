@@ -191,6 +191,14 @@ class NumericsWatch(Sink):
         self._scale: torch.Tensor | float = 1.0
         self._pending: list[tuple[int, torch.Tensor]] = []
 
+    @classmethod
+    def interval(cls, watch_numerics: object) -> int | None:
+        """The sampling interval a ``watch_numerics`` option asks for; None (off) for None or
+        False. Raises as :meth:`check_every` does."""
+        if watch_numerics is None or watch_numerics is False:
+            return None
+        return cls.check_every(watch_numerics)
+
     @staticmethod
     def check_every(every: object) -> int:
         """``every`` as a sampling interval; True: :data:`DEFAULT_EVERY`.

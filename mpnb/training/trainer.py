@@ -223,11 +223,8 @@ class Trainer:
         self._locator = FirstSkipLocator() if locate_overflow and strategy is None else None
         self._later: NextStepsLocator | None = None  # a non-finite loss's origin, this fit
         self._fp32 = Fp32Modules(self.model, self.device.type)  # remedies of the running fit
-        self._watch = (
-            None
-            if watch_numerics is None or watch_numerics is False
-            else NumericsWatch(self.model, watch_numerics)
-        )
+        every = NumericsWatch.interval(watch_numerics)
+        self._watch = None if every is None else NumericsWatch(self.model, every)
         self._math = contextlib.ExitStack()  # the precision's fp32-math (and fp8 layers) scope
         self._follower = SessionFollower(self)  # the session's switches made while a fit runs
         # The batches the last fit read and did not train (the one read when it stopped; for a
