@@ -266,7 +266,7 @@ class LoopTelemetry:
             lr=run.lr,
             mode=observed if observed is not None else UNSEEN,
         )
-        self.recorder.record(**record.row())
+        self.recorder.add_row(record.row())
         if run.numerics is not None:
             run.numerics.after_step(self.steps)
         run.next_window()

@@ -405,7 +405,7 @@ class AmpStep:
             grad_norm=grad_norm,
             mode=self.precision.mode.value,
         )
-        self.recorder.record(**record.row())
+        self.recorder.add_row(record.row())
 
     def discard_window(self) -> None:
         """Drop the micro-batches of an unfinished accumulation window (their gradients too, and what

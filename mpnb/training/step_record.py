@@ -4,9 +4,9 @@
 :class:`~mpnb.training.amp_step.AmpStep` and for the integrations' loops alike. It owns the step
 clock (and the forward pass's), the memory sample, the micro-batches' losses (summed in fp32 and
 divided once, at the step) and their examples, and a pause's exclusion from the step's time.
-:meth:`StepAccount.close` turns what the open step gathered into a :class:`StepRecord`, which
-the :class:`~mpnb.training.telemetry.Recorder` takes as it is: tensors stay on the device until
-its flush reads every pending value in one copy. A new column is one field of the record and
+:meth:`StepAccount.close` turns what the open step gathered into a :class:`StepRecord`, whose
+row the :class:`~mpnb.training.telemetry.Recorder` keeps as it is: tensors stay on the device
+until its flush reads every pending value in one copy. A new column is one field of the record and
 one entry of :meth:`StepRecord.row`.
 
 Example:
@@ -77,6 +77,7 @@ class StepRecord:
         """The record as the recorder's row: History's columns, and ``samples`` (from which the
         flush derives ``samples_per_s``)."""
         used, peak, reserved = self.memory
+        step_time, forward_time = self.step_time, self.forward_time
         return {
             "step": self.step,
             "epoch": self.epoch,
@@ -85,8 +86,15 @@ class StepRecord:
             "loss_scale": self.loss_scale,
             "skipped": self.skipped,
             "lr": self.lr,
-            "step_time": _as_time(self.step_time),
-            "forward_time": math.nan if self.forward_time is None else _as_time(self.forward_time),
+            # one part as it is, several as a list (the recorder sums them): inline, as it runs a step
+            "step_time": step_time[0] if len(step_time) == 1 else list(step_time),
+            "forward_time": (
+                math.nan
+                if forward_time is None
+                else forward_time[0]
+                if len(forward_time) == 1
+                else list(forward_time)
+            ),
             "samples": self.samples,
             "memory_used": used,
             "memory_peak": peak,
@@ -104,11 +112,6 @@ def flush_every_for(on_nonfinite: str, flush_every: int) -> int:
     (64, 1)
     """
     return 1 if on_nonfinite == "stop" else flush_every
-
-
-def _as_time(duration: Duration) -> float | DeviceInterval | list[float | DeviceInterval]:
-    """A duration as the recorder reads step times: one part as it is, several as a list (summed there)."""
-    return duration[0] if len(duration) == 1 else list(duration)
 
 
 class StepAccount:
@@ -214,7 +217,8 @@ class StepAccount:
     ) -> StepRecord:
         """The step ends: its record, from what was gathered and the clocks; the next step opens."""
         step_time = (*self._step_parts, self.clock.lap())
-        loss = self.loss
+        # the usual step, one micro-batch's loss as given, read without the property's call
+        loss = self._plain if self._plain_count == 1 and self._summed is None else self.loss
         record = StepRecord(
             step=step,
             epoch=epoch,

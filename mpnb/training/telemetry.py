@@ -152,6 +152,11 @@ class Recorder:
         with ``samples`` (the step's example count) the row's ``samples_per_s`` is derived from it.
         Never reads a tensor; flushes when ``flush_every`` rows are pending or a sink is due.
         """
+        self.add_row(row)
+
+    def add_row(self, row: dict[str, Any]) -> None:
+        """:meth:`record` for a row already made, kept as it is (no copy): a
+        :meth:`StepRecord.row() <mpnb.training.step_record.StepRecord.row>`, each step."""
         self._pending.append(row)
         if len(self._pending) >= self.flush_every or self._sink_due():
             self.flush()

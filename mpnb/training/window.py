@@ -47,8 +47,9 @@ class WindowPhase(enum.Enum):
     RESCALED = "rescaled"
 
 
-#: The phases in which a window takes no new micro-batch (each refusal says why).
-_NO_MORE = frozenset((WindowPhase.FORWARD, WindowPhase.BACKWARD, WindowPhase.RESCALED))
+#: The phases in which a window takes a new micro-batch (each other phase's refusal says why).
+#: Tested by identity, not set membership: an Enum member's hash is a Python call, twice a step.
+_EMPTY, _ACCUMULATING = WindowPhase.EMPTY, WindowPhase.ACCUMULATING
 
 
 class Window:
@@ -84,13 +85,14 @@ class Window:
             RuntimeError: another forward of this window is running, or the window cannot take
                 another micro-batch (see :meth:`start_backward`).
         """
-        if self.phase in _NO_MORE:  # one test on the way of every micro-batch
-            if self.phase is WindowPhase.FORWARD:
+        phase = self.phase
+        if phase is not _EMPTY and phase is not _ACCUMULATING:  # on the way of every micro-batch
+            if phase is WindowPhase.FORWARD:
                 raise RuntimeError(
                     "AmpStep.train_step() called from inside the forward of another train_step()"
                 )
             self._refuse_more()
-        self._before_forward, self.phase = self.phase, WindowPhase.FORWARD
+        self._before_forward, self.phase = phase, WindowPhase.FORWARD
 
     def end_forward(self) -> None:
         """The forward returned or raised: the window is where it was before it."""
@@ -104,7 +106,8 @@ class Window:
                 for a step that has not happened: adding gradients to either would train on a
                 sum nobody asked for. Nothing changes.
         """
-        if self.phase in _NO_MORE:
+        phase = self.phase
+        if phase is not _EMPTY and phase is not _ACCUMULATING:
             self._refuse_more()
         self.phase = WindowPhase.BACKWARD
 
