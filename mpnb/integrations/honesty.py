@@ -27,6 +27,12 @@ def precision_mismatch(asked: str | None, observed: str | None, framework: str) 
     """Say so when the precision observed differs from the one the framework was asked for."""
     if asked is None or observed is None or asked == observed:
         return None
+    if asked == "fp8" and observed in ("bf16", "fp32", "tf32"):  # with a float8 layer it reads fp8
+        return (
+            f"{framework} was asked for fp8 but trains in {observed}: no layer of the model is "
+            "torchao's Float8Linear (convert_to_float8_training converts only Linear layers its "
+            "module_filter_fn accepts, of sizes divisible by 16, before training starts)"
+        )
     return (
         f"{framework} was asked for {asked} but trains in {observed} "
         "(read from autocast and the weights during the forward pass)"

@@ -25,6 +25,12 @@ becomes ``"bf16-mixed"`` ("AMP with fp16 is not supported on CPU"). The Trainer 
 of what was asked, so pass it to the callback (``MpnbCallback(precision="16-mixed")``) to have
 the difference said; by default the callback checks against the Trainer's final setting.
 
+fp8, as Lightning documents it with torchao: ``precision="bf16-mixed"`` and the model's Linear
+layers converted in ``configure_model`` (``convert_to_float8_training``). The rows then say
+``"fp8"`` (read from the model's layers when training starts). Lightning has no fp8 setting to
+check against: ``MpnbCallback(precision="fp8")`` says so when no layer was converted (the run
+then trains in bf16).
+
 Stop on the dashboard sets ``trainer.should_stop``: Lightning ends after the current step.
 
 Example:
@@ -69,6 +75,9 @@ _SETTINGS = {
     "32": "fp32",
     "64": "fp64",
 }
+#: What a callback may be told was asked besides Lightning's settings: fp8 is bf16-mixed with
+#: layers converted to torchao's float8 training in ``configure_model``.
+_ASKED_ONLY = {"fp8": "fp8"}
 
 
 def precision(mode: str | Mode | None = None) -> str:
@@ -96,16 +105,18 @@ def precision(mode: str | Mode | None = None) -> str:
 
 
 def asked_precision(setting: str | int | None) -> str | None:
-    """The precision a Lightning setting asks for (None for settings mpnb has no name for).
+    """The precision a Lightning setting asks for (None for settings mpnb has no name for), or
+    ``"fp8"`` (bf16-mixed with float8 layers converted in ``configure_model``).
 
     Raises:
         InvalidChoiceError: a setting Lightning does not have, naming those it has.
     """
     if setting is None:
         return None
-    if str(setting) not in _SETTINGS:
-        raise InvalidChoiceError("Lightning precision", setting, list(_SETTINGS))
-    return _SETTINGS[str(setting)]
+    known = {**_SETTINGS, **_ASKED_ONLY}
+    if str(setting) not in known:
+        raise InvalidChoiceError("Lightning precision", setting, list(known))
+    return known[str(setting)]
 
 
 class MpnbCallback(Callback, WithTelemetry):
@@ -113,7 +124,8 @@ class MpnbCallback(Callback, WithTelemetry):
 
     Args:
         dashboard: ``"auto"``, ``"live"``, ``"text"``, a Sink, or None.
-        precision: what you passed to the Trainer, if Lightning may have changed it (see above).
+        precision: what you passed to the Trainer, if Lightning may have changed it (see above);
+            ``"fp8"`` when ``configure_model`` converts layers to torchao's float8 training.
         on_nonfinite, flush_every, watch_numerics, locate_overflow: as
             :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`.
 

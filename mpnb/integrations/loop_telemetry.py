@@ -437,6 +437,10 @@ class _Run:
         self.model = model
         # Accelerate's fp8 (torchao recipe) or the user converted the model before training
         self.float8 = any(is_float8(module) for module in model.modules())
+        if self.float8 and asked == "bf16":
+            # torchao's float8 training under bf16 autocast is how fp8 is asked where the framework
+            # has no fp8 setting (Lightning's configure_model): the conversion is the request
+            self.asked = "fp8"
         self.fp32 = Fp32Modules(model, device.type)  # remedies for this run
         self.numerics: NumericsWatch | None = None
         self.locator: NextStepsLocator | None = None

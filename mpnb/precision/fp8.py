@@ -14,6 +14,13 @@ module object back on :meth:`~Fp8Layers.restore` (its hooks and attributes with 
 exit of its ``with`` block: the ``state_dict`` keys and values never change, so a checkpoint
 saved in fp8 loads into the plain model and back.
 
+With FSDP2 (``Trainer(strategy="fsdp")``) the layers are converted before the model is sharded,
+with torchao's float8 all-gather for the tensorwise recipe (``all_gather=True``): each float8
+weight is wrapped in torchao's ``WeightWithDynamicFloat8CastTensor`` (a new ``Parameter`` over the
+same storage), which FSDP gathers in float8; :func:`precompute_fsdp_scales` refreshes their
+scales in one all-reduce after each optimizer step. Sharding replaces every parameter for good,
+so a sharded model keeps its float8 layers: :meth:`Fp8Layers.restore` is for models not sharded.
+
 Where fp8 is real: CUDA GPUs of compute capability 8.9+ (``torch._scaled_mm``). On a CPU
 torchao emulates the fp8 casts and multiplies in fp32: numerics only, no speed-up (emulation
 is slower than fp32). Elsewhere the mode is refused with the reason.
@@ -35,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -134,19 +142,33 @@ def check_fp8(device: str | torch.device | None = None) -> str:
     return how
 
 
-def float8_config(recipe: str, emulate: bool) -> Any:
-    """torchao's ``Float8LinearConfig`` for ``recipe``; ``emulate`` where no fp8 units exist."""
+def float8_config(recipe: str, emulate: bool, all_gather: bool = False) -> Any:
+    """torchao's ``Float8LinearConfig`` for ``recipe``; ``emulate`` where no fp8 units exist;
+    ``all_gather``: FSDP2 gathers the float8 layers' weights in float8 (tensorwise only)."""
     float8 = import_float8()
     config = float8.Float8LinearConfig.from_recipe_name(check_recipe(recipe))
+    if all_gather:  # through __init__, so torchao's own checks of the combination run
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     # a frozen dataclass (torch.compile needs it frozen); torchao sets its own fields this way too
     object.__setattr__(config, "emulate", emulate)
     return config
 
 
+def precompute_fsdp_scales(model: nn.Module) -> None:
+    """torchao's ``precompute_float8_dynamic_scale_for_fsdp``: the scales of ``model``'s
+    float8-all-gathered weights (sharded by FSDP2) from their current values, in one all-reduce,
+    for the next all-gathers. A collective: every rank calls it at the same point (after each
+    optimizer step, and after weights change otherwise: a checkpoint loaded). Does nothing for
+    a model without such weights."""
+    import_float8().precompute_float8_dynamic_scale_for_fsdp(model)
+
+
 def is_float8(module: nn.Module) -> bool:
-    """Whether ``module`` is one of torchao's float8 training layers (without importing torchao)."""
-    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith(
-        "torchao."
+    """Whether ``module`` is one of torchao's float8 training layers (without importing torchao);
+    FSDP2's sharded ``FSDPFloat8Linear`` (a subclass it makes) is one too."""
+    return any(
+        cls.__name__ == "Float8Linear" and cls.__module__.startswith("torchao.")
+        for cls in type(module).__mro__
     )
 
 
@@ -199,6 +221,10 @@ class Fp8Layers:
         keep: names of Linear layers (or of modules containing them) to keep in high precision,
             besides the first and last Linear layers.
         device: where the model trains (default: the session device): decides real or emulated.
+        all_gather: the model is to be sharded by FSDP2 after conversion: its float8 weights are
+            wrapped for torchao's float8 all-gather (tensorwise recipe only; the rowwise ones
+            gather in high precision). The wrapped weights are new ``Parameter`` objects over
+            the same storage: point an optimizer at them (FSDP's sharding replaces them anyway).
 
     Attributes:
         converted: the names of the layers converted (or to be converted), in model order.
@@ -227,6 +253,7 @@ class Fp8Layers:
         recipe: str = "tensorwise",
         keep: Iterable[str] = (),
         device: str | torch.device | None = None,
+        all_gather: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise MpnbError(f"fp8 converts a torch.nn.Module's layers, got {type(model).__name__}")
@@ -234,7 +261,8 @@ class Fp8Layers:
             keep = [keep]
         self.model, self.recipe, self.keep = model, check_recipe(recipe), tuple(keep)
         self.emulated = check_fp8(device) == "emulated"
-        self.config = float8_config(self.recipe, self.emulated)
+        self.all_gather = all_gather and self.recipe == "tensorwise"
+        self.config = float8_config(self.recipe, self.emulated, self.all_gather)
         names = {name for name, _ in model.named_modules()}
         unknown = [name for name in self.keep if name not in names]
         if unknown:
@@ -275,6 +303,8 @@ class Fp8Layers:
         if self._swapped:
             return self
         self.check_converts()
+        if not self.converted:  # all float8 already (a sharded model converted before sharding)
+            return self
         float8 = import_float8()
         wanted = set(self.converted)
         before = dict(self.model.named_modules())
@@ -293,7 +323,9 @@ class Fp8Layers:
         return self
 
     def restore(self) -> None:
-        """Put every original layer object back where it was (parameters were shared all along)."""
+        """Put every original layer object back where it was (parameters were shared all along).
+        Not for a model FSDP has sharded since: its layers hold new (sharded) parameters that
+        the original objects lack; a sharded model keeps its float8 layers."""
         swapped, self._swapped = self._swapped, []
         for parent, attribute, original in reversed(swapped):
             setattr(parent, attribute, original)
@@ -343,9 +375,17 @@ def _eligible(
             kept[name] = f"{module.in_features}x{module.out_features} is not divisible by 16"
         elif isinstance(parents.get(name), nn.MultiheadAttention):
             kept[name] = "its MultiheadAttention uses the weight directly"
+        elif _sharded(module.weight):
+            kept[name] = "sharded already (fp8 converts a layer before FSDP shards it)"
         else:
             converted.append(name)
     return kept, converted, already
+
+
+def _sharded(weight: torch.Tensor) -> bool:
+    """A DTensor (FSDP's or tensor parallelism's), told without importing torch.distributed.tensor
+    (over a second)."""
+    return any(cls.__name__ == "DTensor" for cls in type(weight).__mro__)
 
 
 def fp8_layers(

@@ -24,6 +24,17 @@ maximum of every rank's flag (torch's DTensor handles that op so): all ranks ski
 together, as with DDP. The policy is fixed when the Trainer is built; a later ``%amp`` switch
 changes autocast and the scaler, not the parameter dtype.
 
+Mode fp8 with ``strategy="fsdp"`` follows torchao's FSDP2 recipe (torchtitan's): the eligible
+Linear layers are converted to torchao's float8 training first (the session's recipe and kept
+layers, as one process does), then sharded; with the tensorwise recipe their weights are
+all-gathered in float8 (1 byte an element) and their scales refreshed after each optimizer step
+(torchao's ``precompute_float8_dynamic_scale_for_fsdp``, one all-reduce, run as an optimizer
+step hook; and at each fit's start, as weights may have been loaded since). Sharding replaces
+every parameter, so the conversion lasts as long as the model: the float8 layers are not put
+back after a fit as they are in one process (the state dict keeps its keys and plain values, so
+the full weights load into the plain model). A switch into or out of fp8 while such a model
+trains is refused.
+
 Stopping (Stop, ``on_nonfinite="stop"``, an interrupt) is agreed across ranks: see :func:`agreed_stop`.
 
 The process group must exist: run the training through :func:`mpnb.distributed.launch` (or
@@ -52,13 +63,19 @@ import torch.distributed as dist
 from torch import nn
 
 from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.precision.fp8 import Fp8Layers, precompute_fsdp_scales
 from mpnb.precision.modes import Mode
+from mpnb.precision.policy import session
 
 __all__: list[str] = []
 
 #: What ``Trainer(strategy=...)`` accepts besides None (one process).
 STRATEGIES = ("ddp", "fsdp")
-_LOW_DTYPES = {Mode.BF16: torch.bfloat16, Mode.FP16: torch.float16}
+# fp8: the layers outside float8 run under bf16 autocast, so their weights are gathered in bf16
+# (half the traffic, the dtype autocast would cast them to anyway), as torchtitan's float8
+# training does (param_dtype bf16, reduce fp32). The float8 layers' weights are gathered in
+# float8 whatever the policy says; param_dtype is then only the dtype their output reports.
+_LOW_DTYPES = {Mode.BF16: torch.bfloat16, Mode.FP16: torch.float16, Mode.FP8: torch.bfloat16}
 
 
 def check_strategy(strategy: str | None) -> None:
@@ -99,29 +116,45 @@ def wrap_model(
     mode: Mode = Mode.FP32,
 ) -> nn.Module:
     """``model`` (already on ``device``) as the strategy trains it; for ``"fsdp"``, sharded in
-    place with ``mode``'s policy and ``optimizer`` pointed at the sharded parameters."""
-    if strategy == "fsdp" and mode is Mode.FP8:  # torchao's fp8 all-gather with FSDP2: not here
-        raise MpnbError(
-            "mode fp8 with strategy='fsdp' is not supported: use strategy='ddp' or one process"
-        )
+    place with ``mode``'s policy and ``optimizer`` pointed at the sharded parameters (mode fp8:
+    its float8 layers converted first, for good)."""
     check_strategy(strategy)
     if strategy is None:
         return model
     if strategy == "fsdp":
-        return _shard(model, optimizer, mode)
+        return _shard(model, optimizer, mode, device)
     if device.type != "cuda":  # CPU (and other devices): DDP takes no device ids
         return nn.parallel.DistributedDataParallel(model)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return nn.parallel.DistributedDataParallel(model, device_ids=[index])
 
 
+def check_switch(strategy: str | None, mode: Mode, new_mode: Mode) -> None:
+    """Refuse a switch into or out of fp8 for a sharded model: its float8 layers were converted
+    before sharding and stay (see the module's notes)."""
+    if strategy == "fsdp" and mode is not new_mode and Mode.FP8 in (mode, new_mode):
+        raise MpnbError(
+            f"strategy='fsdp' cannot switch {mode.value} -> {new_mode.value}: fp8's float8 layers are "
+            "converted before the model is sharded and stay; build a Trainer in the mode wanted"
+        )
+
+
+def refresh_fp8_scales(model: nn.Module, strategy: str | None, mode: Mode) -> None:
+    """Fp8 with FSDP: the float8 weights' all-gather scales from the weights as they are now (a
+    checkpoint may have been loaded since the last step). Every rank calls it as a fit starts."""
+    if strategy == "fsdp" and mode is Mode.FP8:
+        precompute_fsdp_scales(model)
+
+
 def mixed_precision_policy(mode: Mode) -> Any:
     """FSDP2's policy for ``mode``: bf16 / fp16 parameters for compute with fp32 gradient
-    reduction; no casting in fp32 / tf32 / off.
+    reduction (fp8: bf16 for the layers outside float8); no casting in fp32 / tf32 / off.
 
     >>> policy = mixed_precision_policy(Mode.BF16)
     >>> policy.param_dtype, policy.reduce_dtype
     (torch.bfloat16, torch.float32)
+    >>> mixed_precision_policy(Mode.FP8).param_dtype
+    torch.bfloat16
     >>> mixed_precision_policy(Mode.TF32).param_dtype is None
     True
     """
@@ -163,7 +196,9 @@ def _parameter_uses(module: nn.Module) -> collections.Counter[int]:
     )
 
 
-def _shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: Mode) -> nn.Module:
+def _shard(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: Mode, device: torch.device
+) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     names = {id(param): name for name, param in model.named_parameters()}
@@ -181,6 +216,11 @@ def _shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: Mode
                 f"strategy='fsdp': {foreign} of the optimizer's parameters are not the model's; build the optimizer "
                 "on model.parameters()"
             )
+    layers = None
+    if mode is Mode.FP8:  # before sharding: torchao's all-gather wraps the unsharded weights
+        layers = Fp8Layers(
+            model, recipe=session.fp8_recipe, keep=session.fp8_keep, device=device, all_gather=True
+        ).convert()
     policy = mixed_precision_policy(mode)
     for block in model_blocks(model):
         fully_shard(block, mp_policy=policy)
@@ -189,6 +229,11 @@ def _shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, mode: Mode
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [sharded[names[id(param)]] for param in group["params"]]
+        if layers is not None and layers.all_gather:
+            # torchao's recipe: the float8 weights' scales for the next all-gather, computed from
+            # the updated weights in one all-reduce instead of one per layer (every rank steps
+            # together: a skipped step calls no optimizer on any rank)
+            optimizer.register_step_post_hook(lambda *_: precompute_fsdp_scales(model))
     return model
 
 

@@ -51,7 +51,14 @@ from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
 from mpnb.training.numerics_origin import FirstSkipLocator, NextStepsLocator
 from mpnb.training.numerics_watch import NumericsLog, NumericsWatch
-from mpnb.training.parallel import agreed_stop, check_strategy, rank_share, wrap_model
+from mpnb.training.parallel import (
+    agreed_stop,
+    check_strategy,
+    check_switch,
+    rank_share,
+    refresh_fp8_scales,
+    wrap_model,
+)
 from mpnb.training.session_follow import SessionFollower
 from mpnb.training.sharded_checkpoint import load_sharded, save_sharded
 from mpnb.training.step_precision import TrainingPrecision
@@ -262,7 +269,12 @@ class Trainer:
 
     def use_precision(self, precision: TrainingPrecision) -> None:
         """Train in ``precision`` from the next step: its autocast and scaler, and its fp32-math
-        scope in place of the running one (a fit's precision, switched between steps)."""
+        scope in place of the running one (a fit's precision, switched between steps).
+
+        Raises:
+            MpnbError: a switch into or out of fp8 with ``strategy="fsdp"``; nothing changes.
+        """
+        check_switch(self.strategy, self.mode, precision.mode)
         self._math.close()
         self.amp.set_precision(precision)
         self._math.enter_context(precision.math_scope())
@@ -389,6 +401,7 @@ class Trainer:
             with self._math, StopRequest() as stop:
                 self._math.enter_context(self.amp.precision.math_scope())
                 self._math.enter_context(self.amp.precision.model_scope(self.model))  # fp8 layers
+                refresh_fp8_scales(self.model, self.strategy, self.mode)
                 self.amp.restart_clock()  # the first step's time counts from here, not from the fit's setup
                 finished = self._run(data, stop, max_steps)
         except BaseException as error:

@@ -210,6 +210,7 @@ def test_fsdp_refuses_an_optimizer_it_cannot_point_at_the_shards():
     [
         (Mode.BF16, torch.bfloat16, torch.float32),
         (Mode.FP16, torch.float16, torch.float32),
+        (Mode.FP8, torch.bfloat16, torch.float32),  # outside the float8 layers (gathered in fp8)
         (Mode.FP32, None, None),
     ],
 )

@@ -415,3 +415,66 @@ def test_validation_inside_an_accumulation_window_keeps_the_windows_own_time_and
             history.step_time
         )  # 4 batches of 50 ms; each validation slept 0.3 s
         assert rate == pytest.approx(32 / step_time)
+
+
+class Float8Classifier(L.LightningModule):
+    """Lightning's torchao pattern: the Linear layers converted to float8 training in
+    ``configure_model`` (emulated on a CPU), the first and last kept, as torchao's examples do."""
+
+    def __init__(self, widths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+        self.ran: set[str] = set()
+
+    def configure_model(self) -> None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        last = str(len(self.net) - 1)
+        convert_to_float8_training(
+            self.net,
+            config=Float8LinearConfig(emulate=True),
+            module_filter_fn=lambda module, name: (
+                name not in ("0", last)
+                and module.in_features % 16 == 0
+                and module.out_features % 16 == 0
+            ),
+        )
+        for module in self.net:
+            module.register_forward_pre_hook(lambda m, args: self.ran.add(type(m).__name__))
+
+    def training_step(self, batch, batch_index):
+        inputs, targets = batch
+        return nn.functional.cross_entropy(self.net(inputs).float(), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "widths, asked, mode, notice",
+    [
+        ((32, 64, 64, 16), None, "fp8", None),  # bf16-mixed with float8 layers is fp8
+        ((32, 64, 64, 16), "fp8", "fp8", None),
+        ((32, 64, 16), "fp8", "bf16", "asked for fp8 but trains in bf16: no layer of the model"),
+    ],
+)
+def test_float8_layers_converted_in_configure_model_are_read_as_fp8(widths, asked, mode, notice):
+    pytest.importorskip("torchao.float8", reason="fp8 needs torchao (mpnb[fp8])")
+    callback = MpnbCallback(dashboard=None, precision=asked)
+    module = Float8Classifier(widths)
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(24, 32, generator=generator), torch.randint(0, 16, (24,), generator=generator)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = quiet_trainer(callback, precision="bf16-mixed", max_steps=3)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
+    assert callback.history.mode == [mode] * 3
+    assert ("Float8Linear" in module.ran) == (mode == "fp8")
+    if notice is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and notice in said[0]
+        assert [e["kind"] for e in callback.history.events][-1] == "precision_mismatch"

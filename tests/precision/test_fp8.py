@@ -506,13 +506,3 @@ def test_accelerate_fp8_is_read_from_the_layers_that_run(widths, layers, mode, n
     assert f"MODES: {[mode, mode]}" in result.stdout
     notices = result.stdout.split("NOTICES:")[1]
     assert (notice in notices) if notice else notices.strip() == "[]", result.stdout
-
-
-def test_fsdp_in_fp8_is_refused_with_what_to_use():
-    from mpnb.precision.modes import Mode
-    from mpnb.training.parallel import wrap_model
-
-    model = mlp()
-    with pytest.raises(MpnbError, match="mode fp8 with strategy='fsdp' is not supported"):
-        wrap_model(model, "fsdp", torch.device("cpu"), None, Mode.FP8)
-    assert all(type(m) in (nn.Sequential, nn.Linear, nn.ReLU) for m in model.modules())
