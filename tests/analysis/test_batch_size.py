@@ -190,10 +190,16 @@ def _direct_peak():
 def test_the_seeds_cnn_answer_agrees_with_a_direct_measurement_in_fresh_processes():
     """The direct measurement: the hand-written recipe in a fresh process per point, the peak
     resident set over its baseline at two batch sizes, the line followed to the budget."""
-    budget = parse_bytes("320 MiB")
-    report = mpnb.max_batch_size(seeds_cnn_run, ["fp32", "bf16"], memory_budget=budget)
+    # A budget where the answers are about 31 (fp32) and 40 (bf16): bf16 is emulated on CPUs
+    # without bf16 units, so each size costs seconds a step. The answer is checked by its account
+    # (trial_seconds=8 leaves the real step of bf16 out, as a busy machine would anyway), and the
+    # direct line runs through batches 12 and 24.
+    budget = parse_bytes("200 MiB")
+    report = mpnb.max_batch_size(
+        seeds_cnn_run, ["fp32", "bf16"], memory_budget=budget, trial_seconds=8
+    )
     direct = {
-        mode: _direct_peak().direct_max_batch(mode, budget, (24, 48)) for mode in ("fp32", "bf16")
+        mode: _direct_peak().direct_max_batch(mode, budget, (12, 24)) for mode in ("fp32", "bf16")
     }
     for mode, size in direct.items():
         assert report.result(mode).batch_size == pytest.approx(size, rel=0.1), (str(report), direct)
