@@ -65,6 +65,16 @@ EMULATED = "emulated: numerics only, no speed-up"
 #: e4m3's largest finite value and smallest subnormal: what saturates and what flushes to zero.
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 E4M3_SMALLEST = 2.0**-9
+#: The same for e5m2, the format of the gradients (torchao's ``grad_output`` cast).
+E5M2_MAX = float(torch.finfo(torch.float8_e5m2).max)
+E5M2_SMALLEST = 2.0**-16
+#: Per role: (largest, smallest subnormal, half the step below the largest: a value up to the
+#: largest plus this rounds down to it, beyond it the cast clips).
+_FORMATS = {
+    "input": (E4M3_MAX, E4M3_SMALLEST, 16.0),
+    "weight": (E4M3_MAX, E4M3_SMALLEST, 16.0),
+    "grad_output": (E5M2_MAX, E5M2_SMALLEST, 4096.0),
+}
 
 
 def import_float8() -> ModuleType:
@@ -173,11 +183,12 @@ def is_float8(module: nn.Module) -> bool:
 
 
 def fp8_cast_measures(module: nn.Module, tensor: torch.Tensor, role: str) -> list[torch.Tensor]:
-    """What casting ``tensor`` (a float8 layer's ``"input"`` or ``"weight"``) to e4m3 does, as
-    the layer's recipe scales it: its largest magnitude (amax, from which the scale is made),
-    the share of its values that saturate (beyond 448 once scaled) and the share of its nonzero
-    values that flush to zero (below half e4m3's smallest subnormal once scaled). Three 0-d
-    tensors on the tensor's device; nothing is read to the host.
+    """What casting ``tensor`` (a float8 layer's ``"input"`` or ``"weight"`` to e4m3, or its
+    ``"grad_output"`` to e5m2) does, as the layer's recipe scales it: its largest magnitude
+    (amax, from which the scale is made), the share of its values that saturate (beyond the
+    format's largest value once scaled) and the share of its nonzero values that flush to zero
+    (below half the format's smallest subnormal once scaled). Three 0-d tensors on the tensor's
+    device; nothing is read to the host.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
@@ -196,14 +207,15 @@ def fp8_cast_measures(module: nn.Module, tensor: torch.Tensor, role: str) -> lis
         amax = magnitude.amax(dim=-1, keepdim=True)
     else:
         amax = magnitude.amax()
-    scale = E4M3_MAX / amax.clamp(min=1e-12)  # torchao's amax_to_scale
+    largest, smallest, rounds_down = _FORMATS[role]
+    scale = largest / amax.clamp(min=1e-12)  # torchao's amax_to_scale
     if getattr(config, "round_scales_to_power_of_2", False):
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scaled = magnitude * scale
     nonzero = (magnitude > 0).float()
-    # up to 464 rounds to 448 anyway (e4m3's step there is 32): beyond it the cast clips
-    saturated = (scaled > E4M3_MAX + 16).float().mean()
-    flushed = ((scaled < E4M3_SMALLEST / 2).float() * nonzero).sum() / nonzero.sum().clamp(min=1)
+    # e4m3: up to 464 rounds to 448 anyway (its step there is 32); beyond it the cast clips
+    saturated = (scaled > largest + rounds_down).float().mean()
+    flushed = ((scaled < smallest / 2).float() * nonzero).sum() / nonzero.sum().clamp(min=1)
     return [amax.amax(), saturated, flushed]
 
 

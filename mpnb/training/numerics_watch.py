@@ -45,7 +45,8 @@ __all__ = ["NumericsLog"]
 FP16_TINY = float(torch.finfo(torch.float16).tiny)
 #: The measures kept per module and sampled step, in the order of a stacked row. The fp8 ones
 #: (mode fp8's float8 layers only, NaN elsewhere): the input's amax, from which torchao makes its
-#: scale, and the shares of input and weight values that saturate or flush to zero in e4m3.
+#: scale, the shares of input and weight values that saturate or flush to zero in e4m3, and the
+#: share of the output's gradient values that flush to zero in e5m2.
 MEASURES = (
     "activation_max",
     "nonfinite",
@@ -54,6 +55,7 @@ MEASURES = (
     "fp8_amax",
     "fp8_saturated",
     "fp8_flushed",
+    "fp8_grad_flushed",
 )
 _NAN = float("nan")
 #: The sampling interval of ``watch_numerics=True``: its cost was at most 1% of a step on the
@@ -71,8 +73,8 @@ class NumericsLog:
         steps: the sampled optimizer steps.
         modules: the watched modules' names.
         activation_max, nonfinite, underflow_share, gradient_max: module name -> values.
-        fp8_amax, fp8_saturated, fp8_flushed: the same for mode fp8's float8 layers (see
-            :data:`MEASURES`).
+        fp8_amax, fp8_saturated, fp8_flushed, fp8_grad_flushed: the same for mode fp8's float8
+            layers (see :data:`MEASURES`).
         limit: the largest finite value of the dtype the watch compares with.
 
     Example:
@@ -93,6 +95,7 @@ class NumericsLog:
     fp8_amax: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     fp8_saturated: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     fp8_flushed: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    fp8_grad_flushed: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def add(self, step: int, rows: list[list[float]]) -> None:
         """Append one sampled step: a row of :data:`MEASURES` per module, in module order (the
@@ -135,7 +138,11 @@ class NumericsLog:
             "largest |gradient|",
             "fp16-underflow share",
             "non-finite",
-            *(("fp8 input amax", "fp8 saturated", "fp8 flushed") if self.fp8_modules else ()),
+            *(
+                ("fp8 input amax", "fp8 saturated", "fp8 flushed", "fp8 gradient flushed")
+                if self.fp8_modules
+                else ()
+            ),
         )
         return text_table(headers, rows)
 
@@ -146,11 +153,12 @@ class NumericsLog:
 
     def _fp8_cells(self, name: str) -> list[str]:
         if name not in self.fp8_modules:
-            return ["-", "-", "-"]
+            return ["-", "-", "-", "-"]
         return [
             f"{_worst(self.fp8_amax[name]):.2g}",
             f"{_worst(self.fp8_saturated[name]):.2%}",
             f"{_worst(self.fp8_flushed[name]):.2%}",
+            f"{_worst(self.fp8_grad_flushed.get(name, [])):.2%}",
         ]
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -186,6 +194,7 @@ class NumericsWatch(Sink):
         self.log = NumericsLog(leaf_names(model))
         self._probe = ModuleProbe(model, self.log.modules, self._measure, self._gradient)
         self._rows: dict[str, list[torch.Tensor]] = {}
+        self._fp8_modules: dict[str, nn.Module] = {}  # the sampled step's float8 layers, by name
         self._dense_until = 0  # sample every step up to this one: a flush showed trouble
         self._rows_seen = 0  # the history's rows looked at for trouble
         self._scale: torch.Tensor | float = 1.0
@@ -222,6 +231,7 @@ class NumericsWatch(Sink):
             return
         self._scale = scale
         self._rows = {}
+        self._fp8_modules = {}
         self._probe.attach()  # by name: mode fp8 puts torchao's layers in their place
 
     def after_step(self, step: int) -> None:
@@ -268,11 +278,19 @@ class NumericsWatch(Sink):
             torch.zeros((), device=out.device),
             *_fp8_measures(module, inputs, out.device),
         ]
+        if is_float8(module):  # the gradient's e5m2 cast, measured when it comes
+            self._fp8_modules[name] = module
 
     def _gradient(self, name: str, grad: torch.Tensor) -> None:
-        """The gradient of that output: its largest magnitude, unscaled."""
+        """The gradient of that output: its largest magnitude, unscaled; for a float8 layer, the
+        share of its values that flush to zero in e5m2 (a share no loss scale changes: the cast
+        scales by the gradient's own amax)."""
         largest = grad.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax()
-        self._rows[name][3] = largest / self._scale
+        row = self._rows[name]
+        row[3] = largest / self._scale
+        module = self._fp8_modules.get(name)
+        if module is not None:
+            row[7] = fp8_cast_measures(module, grad, "grad_output")[2]
 
     def _row(self, name: str, device: torch.device) -> torch.Tensor:
         values = self._rows.get(name)
@@ -286,7 +304,7 @@ def _fp8_measures(module: nn.Module, inputs: Any, device: torch.device) -> list[
     or flush in e4m3 (:func:`~mpnb.precision.fp8.fp8_cast_measures`); NaN for other modules."""
     first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
     if not is_float8(module) or first is None:
-        return [torch.full((), _NAN, device=device)] * 3
+        return [torch.full((), _NAN, device=device)] * 4
     amax, saturated, flushed = fp8_cast_measures(module, first, "input")
     _, weight_saturated, weight_flushed = fp8_cast_measures(module, module.weight, "weight")
     share = first.numel() / (first.numel() + module.weight.numel())
@@ -294,4 +312,5 @@ def _fp8_measures(module: nn.Module, inputs: Any, device: torch.device) -> list[
         amax,
         saturated * share + weight_saturated * (1 - share),
         flushed * share + weight_flushed * (1 - share),
+        torch.full((), _NAN, device=device),  # the gradient's, set by its hook if it runs
     ]

@@ -422,6 +422,32 @@ def test_the_numerics_watch_names_the_fp8_layer_whose_values_flush():
     assert "fp8 flushed" in str(log).splitlines()[0]
 
 
+def test_the_numerics_watch_names_the_fp8_layer_whose_gradients_flush_in_e5m2():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4))
+    with torch.no_grad():  # layer 2's output gradient: one feature 1e12 times the other three
+        model[3].weight.copy_(torch.eye(4, 32))
+        model[3].weight[0, 0] = 1e12
+    x = torch.randn(32, 16)
+    data = [(x[i : i + 16], torch.randn(16, 4)) for i in range(0, 32, 16)]
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), 0.0),
+        nn.functional.mse_loss,
+        mode="fp8",
+        device="cpu",
+        dashboard=None,
+        watch_numerics=1,
+    )
+    log = trainer.fit(data).mode and trainer.numerics
+    assert log.fp8_modules == ["1", "2"]
+    # e5m2 spans about 7e9 below its amax-made scale: 1e-12 of the amax flushes, 3 of 4 nonzero
+    assert log.fp8_grad_flushed["2"] == [pytest.approx(0.75, abs=0.01)] * 2
+    assert max(log.fp8_grad_flushed["1"]) < 0.01  # layer 2's weights mix the feature into all
+    assert math.isnan(log.fp8_grad_flushed["0"][0])  # kept in high precision: not measured
+    assert "fp8 gradient flushed" in str(log).splitlines()[0]
+
+
 def test_a_hand_loop_with_ampstep_and_fp8_layers():
     model = mlp()
     amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="fp8", device="cpu")
