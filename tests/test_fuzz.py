@@ -115,6 +115,10 @@ def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(
 
 
 _ALL_VALID = set(VALID_WORDS) | {
+    "fp8",  # a mode, in any case, as the others
+    "tensorwise",  # fp8's recipes
+    "rowwise",
+    "rowwise_with_gw_hp",
     "float16",
     "float32",
     "float",
