@@ -24,6 +24,7 @@ from mpnb.precision.backends.cpu import CpuBackend
 from mpnb.precision.backends.cuda import CudaBackend
 from mpnb.precision.backends.hpu import HpuBackend
 from mpnb.precision.policy import session
+from mpnb.training.numerics_watch import NumericsLog
 from tests.conftest import policy_state, run, usage_error
 
 float8 = pytest.importorskip("torchao.float8", reason="mode fp8 needs torchao (mpnb[fp8])")
@@ -394,17 +395,17 @@ def test_session_fp8_is_reset_with_the_session():
     assert session.fp8_keep == ()
 
 
-def test_the_numerics_watch_names_the_fp8_layer_whose_values_flush():
+def four_layer_mlp() -> nn.Sequential:
+    """Layers 1 and 2 are eligible for fp8 (the first and last stay in high precision)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4))
-    with (
-        torch.no_grad()
-    ):  # layer 1's input: one feature 1e7 times the rest, an outlier fp8 cannot span
-        model[0].weight.copy_(torch.eye(32, 16))
-        model[0].weight[0, 0] = 1e7
-        model[0].bias.zero_()
-    x = torch.randn(64, 16)
-    data = [(x[i : i + 16], torch.randn(16, 4)) for i in range(0, 64, 16)]
+    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4))
+
+
+def watched_fp8_fit(model: nn.Module, batches: int, every: int) -> NumericsLog:
+    """``batches`` batches of 16 through ``model`` in fp8 (lr 0: the weights stay as planted),
+    the numerics watched every ``every`` steps; the watch's log."""
+    x = torch.randn(16 * batches, 16)
+    data = [(x[i : i + 16], torch.randn(16, 4)) for i in range(0, 16 * batches, 16)]
     trainer = mpnb.Trainer(
         model,
         torch.optim.SGD(model.parameters(), 0.0),
@@ -412,9 +413,21 @@ def test_the_numerics_watch_names_the_fp8_layer_whose_values_flush():
         mode="fp8",
         device="cpu",
         dashboard=None,
-        watch_numerics=2,
+        watch_numerics=every,
     )
-    log = trainer.fit(data).mode and trainer.numerics
+    trainer.fit(data)
+    return trainer.numerics
+
+
+def test_the_numerics_watch_names_the_fp8_layer_whose_values_flush():
+    model = four_layer_mlp()
+    with (
+        torch.no_grad()
+    ):  # layer 1's input: one feature 1e7 times the rest, an outlier fp8 cannot span
+        model[0].weight.copy_(torch.eye(32, 16))
+        model[0].weight[0, 0] = 1e7
+        model[0].bias.zero_()
+    log = watched_fp8_fit(model, batches=4, every=2)
     assert log.steps == [2, 4] and log.fp8_modules == ["1", "2"]
     assert log.fp8_amax["1"][0] > 1e6 and log.fp8_flushed["1"][0] > 0.25  # input: 15 of 16
     assert log.fp8_flushed["2"][0] < 0.01 and log.fp8_saturated["1"] == [0.0, 0.0]
@@ -423,23 +436,11 @@ def test_the_numerics_watch_names_the_fp8_layer_whose_values_flush():
 
 
 def test_the_numerics_watch_names_the_fp8_layer_whose_gradients_flush_in_e5m2():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4))
+    model = four_layer_mlp()
     with torch.no_grad():  # layer 2's output gradient: one feature 1e12 times the other three
         model[3].weight.copy_(torch.eye(4, 32))
         model[3].weight[0, 0] = 1e12
-    x = torch.randn(32, 16)
-    data = [(x[i : i + 16], torch.randn(16, 4)) for i in range(0, 32, 16)]
-    trainer = mpnb.Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), 0.0),
-        nn.functional.mse_loss,
-        mode="fp8",
-        device="cpu",
-        dashboard=None,
-        watch_numerics=1,
-    )
-    log = trainer.fit(data).mode and trainer.numerics
+    log = watched_fp8_fit(model, batches=2, every=1)
     assert log.fp8_modules == ["1", "2"]
     # e5m2 spans about 7e9 below its amax-made scale: 1e-12 of the amax flushes, 3 of 4 nonzero
     assert log.fp8_grad_flushed["2"] == [pytest.approx(0.75, abs=0.01)] * 2
