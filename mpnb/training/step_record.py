@@ -217,8 +217,7 @@ class StepAccount:
     ) -> StepRecord:
         """The step ends: its record, from what was gathered and the clocks; the next step opens."""
         step_time = (*self._step_parts, self.clock.lap())
-        # the usual step, one micro-batch's loss as given, read without the property's call
-        loss = self._plain if self._plain_count == 1 and self._summed is None else self.loss
+        loss = self.loss
         record = StepRecord(
             step=step,
             epoch=epoch,
