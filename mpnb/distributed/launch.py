@@ -359,7 +359,7 @@ def _run_worker(
     _end_with_parent()
     stacks_on_crash(logs, os.environ["RANK"])
     if timeout is not None:
-        end_after(timeout, logs, os.environ["RANK"])
+        end_after(timeout, logs, os.environ["RANK"], int(os.environ["LOCAL_WORLD_SIZE"]))
     # as torchrun does: the workers share the cores, not oversubscribe them
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))

@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from mpnb.errors import MpnbError
@@ -148,13 +149,25 @@ def stacks_on_crash(folder: str, rank: int | str) -> None:
     faulthandler.enable(open(_stack_file(folder, rank, ".crash"), "w"), all_threads=True)
 
 
-def end_after(seconds: float, folder: str, rank: int | str) -> None:
+#: How long a rank that timed out waits for the other ranks on its machine to leave their stacks.
+PEERS_GRACE_S = 5.0
+
+
+def end_after(seconds: float, folder: str, rank: int | str, local_ranks: int = 1) -> None:
     """End this worker (exit code :data:`TIMED_OUT`) once ``seconds`` have passed, leaving the
-    stacks of its threads in ``folder``."""
+    stacks of its threads in ``folder``.
+
+    The workers of one machine start one after another, so their timers end moments apart, and the
+    launcher ends every worker as soon as one exits. The first to time out therefore waits (at most
+    :data:`PEERS_GRACE_S`) until each of the ``local_ranks`` ranks has left its stacks: a rank that
+    hangs is named even when a rank waiting for it timed out first."""
 
     def end() -> None:
         with open(_stack_file(folder, rank, ".stack"), "w") as file:
             faulthandler.dump_traceback(file)
+        deadline = time.monotonic() + PEERS_GRACE_S
+        while len(_stacks(folder)) < local_ranks and time.monotonic() < deadline:
+            time.sleep(0.02)
         os._exit(TIMED_OUT)
 
     timer = threading.Timer(seconds, end)

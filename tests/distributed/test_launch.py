@@ -102,6 +102,31 @@ def test_a_hung_rank_ends_at_the_timeout_with_a_clear_error():
     assert no_workers_left()
 
 
+def _time_out_after(seconds: float, folder: str, rank: int) -> None:
+    from mpnb.distributed.launch_failure import end_after
+
+    end_after(seconds, folder, rank, local_ranks=2)
+    time.sleep(600)
+
+
+def test_ranks_whose_timers_started_apart_all_leave_their_stacks(tmp_path):
+    """Workers start one after another, so their timers end apart; the launcher ends the others as
+    soon as the first one exits. Each rank still running at the timeout must have left its stack."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    first = fork.Process(target=_time_out_after, args=(0.5, str(tmp_path), 0))
+    second = fork.Process(target=_time_out_after, args=(1.0, str(tmp_path), 1))
+    first.start(), second.start()
+    first.join(30)
+    second.kill()  # as torch's elastic agent does once a worker has exited
+    second.join(30)
+    assert first.exitcode == 124
+    stacks = {path.name: path.read_text() for path in tmp_path.glob("rank-*.stack")}
+    assert sorted(stacks) == ["rank-0.stack", "rank-1.stack"]
+    assert all("_time_out_after" in stack for stack in stacks.values())
+
+
 @pytest.mark.parametrize(
     ("options", "error", "named"),
     [
