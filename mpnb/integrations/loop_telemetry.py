@@ -115,6 +115,7 @@ class LoopTelemetry:
         self.framework, self.dashboard = framework, dashboard
         self.history = History()
         self.control = FitControl()
+        self.control.subject = self  # the dashboard's remedy and heatmaps read and steer it
         self.health = HealthWatch(on_nonfinite)
         self.recorder = Recorder(
             self.history,

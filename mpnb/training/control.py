@@ -113,8 +113,10 @@ class FitControl:
         pollers: called at every checkpoint, and repeatedly while paused.
         state: a :class:`FitState`; views show it.
         on_state: called with the new state after each change of :attr:`state`.
-        subject: what the control steers (its :class:`~mpnb.Trainer`), for views that show
-            more of it than its telemetry; None for a bare control.
+        subject: what the control steers (a :class:`~mpnb.Trainer`, or the
+            :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry` of a framework's loop), for
+            views that show more of it than its telemetry (its numerics, an overflow's remedy);
+            None for a bare control.
 
     Example (what a training loop and a Pause / Stop button do with it):
         >>> control = FitControl()

@@ -34,9 +34,10 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
     """Sinks for ``kind`` (see :func:`~mpnb.ui.environment.display_kind`); a live dashboard is displayed now.
 
     With a ``control``, the live dashboard has Stop and Pause / Resume buttons above the plot (and,
-    for a Trainer's, the remedy for a named overflow, a memory-by-category view and, when it
-    watches numerics, their live heatmaps below: :mod:`mpnb.ui.widgets.remedy_view`,
-    :mod:`mpnb.ui.widgets.memory_view`, :mod:`mpnb.ui.widgets.numerics_view`), and
+    when the control steers a Trainer or a framework's telemetry, the remedy for a named overflow
+    and, when it watches numerics, their live heatmaps below, with a memory-by-category view for
+    a Trainer: :mod:`mpnb.ui.widgets.remedy_view`, :mod:`mpnb.ui.widgets.numerics_view`,
+    :mod:`mpnb.ui.widgets.memory_view`), and
     the fit is abandoned if the cell running now raises and leaves it open (see :mod:`mpnb.ui.cell_end`).
     """
     from mpnb.ui.cell_end import end_with_its_cell
@@ -60,17 +61,22 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
 
     buttons = FitButtons(control)
     shown, sinks = [buttons.widget, dashboard.figure], [dashboard, buttons]
-    if control.subject is not None:  # a Trainer: its step counted, its overflow remedied
-        from mpnb.ui.widgets.memory_view import MemoryView
+    subject = control.subject
+    if subject is not None:  # a Trainer or a framework's telemetry: a named overflow remedied
+        from mpnb.training.trainer import Trainer
         from mpnb.ui.widgets.remedy_view import RemedyView
 
-        remedy = RemedyView(control.subject)
-        shown += [remedy.widget, MemoryView(control.subject).widget]
+        remedy = RemedyView(subject)
+        shown.append(remedy.widget)
         sinks.append(remedy)
-        if control.subject.numerics is not None:  # it watches numerics: their heatmaps, live
+        if isinstance(subject, Trainer):  # mpnb drives the steps: one can be counted by category
+            from mpnb.ui.widgets.memory_view import MemoryView
+
+            shown.append(MemoryView(subject).widget)
+        if subject.numerics is not None:  # it watches numerics: their heatmaps, live
             from mpnb.ui.widgets.numerics_view import NumericsView
 
-            numerics = NumericsView(control.subject)
+            numerics = NumericsView(subject)
             shown.append(numerics.widget)
             sinks.append(numerics)
     display(VBox(shown))

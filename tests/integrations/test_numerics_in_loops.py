@@ -15,16 +15,23 @@ from tests.training.test_numerics_origin import LogOfNegatives, gpt2_batches, ov
 PLANTED = "GPT2LMHeadModel.transformer.h.1.mlp.c_proj"
 
 
-def fp16_loop(batches, *, remedy: bool, model=None, optimizer=None, scaler=None, **options):
+def fp16_loop(
+    batches, *, remedy: bool, model=None, optimizer=None, scaler=None, started=None, **options
+):
     """A hand-written fp16 loop (GradScaler, autocast on the CPU) recorded by mpnb, as
     ``mpnb.integrations.accelerate.watch`` records an Accelerate loop; by default on the GPT-2
-    whose MLP projection overflows, at a scale of 1. ``remedy``: keep the named module in fp32."""
+    whose MLP projection overflows, at a scale of 1. ``remedy``: keep the named module in fp32.
+    ``started``: called with the recorder before the first batch; ``options``: the recorder's
+    (no dashboard unless asked)."""
     model = model or overflowing_gpt2()
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = scaler or torch.amp.GradScaler("cpu", init_scale=1.0)
+    options = {"dashboard": None} | options
     recorder = LoopRecorder.start(
-        "my loop", model, optimizer, scaler=scaler, device="cpu", dashboard=None, **options
+        "my loop", model, optimizer, scaler=scaler, device="cpu", **options
     )
+    if started is not None:
+        started(recorder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for batch in batches:
@@ -161,3 +168,32 @@ def test_a_non_finite_bf16_loss_is_followed_to_where_the_next_step_makes_it():
         "nan",
     )
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_a_loops_live_dashboard_offers_the_remedy_and_draws_the_heatmaps(capsys):
+    """Inside a loop mpnb does not drive, the live dashboard has the Trainer's numerics views:
+    the heatmaps with the origin marked, and the remedy's button, whose click (delivered at a
+    step's checkpoint, as a notebook delivers it) stops the skips from the next step."""
+    from mpnb.ui.widgets.numerics_view import NumericsView
+    from mpnb.ui.widgets.remedy_view import RemedyView
+
+    views, clicks = [], []
+
+    def click_when_offered(recorder):
+        (remedy,) = [view for view in views if isinstance(view, RemedyView)]
+        if remedy.module is not None and not remedy.button.disabled:
+            remedy.button.click()
+            clicks.append(recorder.telemetry.steps)
+
+    def started(recorder):  # a poller runs at each checkpoint, as a delivered click does
+        views.extend(recorder.telemetry.recorder.sinks)
+        recorder.control.pollers.append(lambda: click_when_offered(recorder))
+
+    _, _, history = fp16_loop(gpt2_batches(5), remedy=False, started=started, dashboard="live",
+                              flush_every=1, watch_numerics=1)  # fmt: skip
+    capsys.readouterr()  # outside a notebook, display() prints the widgets' text
+    assert clicks == [2]
+    assert history.skipped == [True, True, False, False, False]
+    (heatmaps,) = [view for view in views if isinstance(view, NumericsView)]
+    marked = next(t for t in heatmaps.figure.data if t.name == "origin of the overflow")
+    assert (marked.y[0], marked.x[0]) == ("transformer.h.1.mlp.c_proj", 2)

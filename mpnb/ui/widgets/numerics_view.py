@@ -1,6 +1,7 @@
 """The dashboard's numerics view: the numerics watch's heatmaps, redrawn live as the fit runs.
 
-Under a Trainer's live dashboard when it watches numerics (``Trainer(watch_numerics=k)``): at
+Under the live dashboard of a Trainer (or of a framework's loop) that watches numerics
+(``Trainer(watch_numerics=k)``, ``MpnbCallback(watch_numerics=k)``): at
 each telemetry flush the sampled steps read so far are drawn, a row a module (headroom to the
 dtype's limit, fp16-underflow share; :mod:`mpnb.ui.plots.numerics_figure`), and when an
 overflow's origin is named (:mod:`mpnb.training.numerics_origin`) a cross marks its module at

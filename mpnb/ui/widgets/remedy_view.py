@@ -1,10 +1,11 @@
 """The dashboard's remedy: when a skipped step's origin is named, a button that runs that
 module in float32 from the next step.
 
-The button appears under a Trainer's live dashboard at the first ``"origin"`` event of its
-history (:mod:`mpnb.training.numerics_origin`) and calls :meth:`mpnb.Trainer.keep_in_fp32`.
-A click while the fit runs is delivered between two optimizer steps, like Stop and Pause; the
-module is put back when the fit ends.
+The button appears under the live dashboard of a Trainer, or of a framework's loop
+(transformers, Lightning, Accelerate), at the first ``"origin"`` event of its history
+(:mod:`mpnb.training.numerics_origin`) and calls its ``keep_in_fp32``
+(:meth:`mpnb.Trainer.keep_in_fp32`). A click while the fit runs is delivered between two
+optimizer steps, like Stop and Pause; the module is put back when the fit ends.
 
 Example:
     >>> import mpnb.examples as ex
@@ -37,7 +38,8 @@ __all__: list[str] = []
 
 
 class RemedyView(Sink):
-    """A button offering the remedy for the last named origin of ``trainer``'s history.
+    """A button offering the remedy for the last named origin of ``trainer``'s history
+    (``trainer``: a Trainer, or a framework loop's telemetry).
 
     Attributes:
         widget: what to display (hidden until an origin is named).
