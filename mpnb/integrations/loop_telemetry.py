@@ -290,7 +290,10 @@ class LoopTelemetry:
             scaling = fp16_without_scaling(observed, run.scaler, self.framework)
             self.notices.say("fp16_without_scaling", scaling, self.steps)
         # delivers the dashboard's requests (a Stop), waits while paused
-        if self.control.checkpoint().paused_s:
+        checkpoint = self.control.checkpoint()
+        if "reset" in checkpoint.changed:  # every switch put back, the remedies too
+            run.fp32.undo_for_reset(self.history, self.steps)
+        if checkpoint.paused_s:
             run.account.restart_clock()  # the pause is no step's work: the next step's time starts at its first batch
         return self.stop_requested
 

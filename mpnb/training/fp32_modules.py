@@ -7,7 +7,9 @@ its floating inputs are cast up, so its ops compute in float32 and its output le
 
 The change is to the module object's ``forward`` (an attribute set on the instance, the class
 untouched) and is undone exactly: :meth:`Fp32Modules.release` deletes it again, or puts back an
-instance ``forward`` the module had. Hooks, parameters and the state dict are not touched.
+instance ``forward`` the module had. Hooks, parameters and the state dict are not touched. A
+fit puts its kept modules back when it ends, and from the next step when the session is reset
+(:meth:`Fp32Modules.undo_for_reset`), as every other switch is.
 
 Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -26,13 +28,16 @@ from __future__ import annotations
 
 import difflib
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
 from mpnb.errors import MpnbError
+
+if TYPE_CHECKING:
+    from mpnb.training.history import History
 
 __all__: list[str] = []
 
@@ -86,6 +91,18 @@ class Fp32Modules:
                 del module.forward
             else:
                 module.forward = before
+
+    def undo_for_reset(self, history: History, step: int) -> None:
+        """The session was reset (every switch put back): each kept module runs under autocast
+        again from its next call, noted on ``history`` as a switch at ``step``."""
+        for name in self.names:
+            self.release(name)
+            history.note(
+                f"{name} runs under autocast again (the session was reset)",
+                kind="switch",
+                step=step,
+                module=name,
+            )
 
     def _resolve(self, name: str) -> str:
         names = [found for found, _ in self.model.named_modules() if found]

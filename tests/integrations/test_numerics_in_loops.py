@@ -71,6 +71,23 @@ def test_the_remedy_stops_the_skips_from_the_next_step_and_is_taken_back_at_the_
     assert "forward" not in vars(model.transformer.h[1].mlp.c_proj)  # put back
 
 
+def test_a_session_reset_undoes_the_remedy_in_a_loop_of_ones_own():
+    from mpnb.precision.policy import session
+
+    def reset_after_step_three(recorder):
+        recorder.control.pollers.append(
+            lambda: session.reset() if recorder.telemetry.steps == 3 else None
+        )
+
+    model, _, history = fp16_loop(
+        gpt2_batches(5), remedy=True, started=reset_after_step_three, flush_every=1
+    )
+    assert history.skipped == [True, True, False, True, True]
+    undone = [e for e in history.events if e["kind"] == "switch"][-1]
+    assert undone["step"] == 3 and "runs under autocast again" in undone["message"]
+    assert "forward" not in vars(model.transformer.h[1].mlp.c_proj)
+
+
 def test_without_locating_no_origin_is_noted_and_the_watch_samples_densely_after_a_skip():
     _, recorder, history = fp16_loop(
         gpt2_batches(4), remedy=False, flush_every=1, locate_overflow=False, watch_numerics=2

@@ -156,6 +156,33 @@ def test_the_named_module_kept_in_fp32_stops_the_skips_from_the_next_step_of_the
         assert trainer.fit(gpt2_batches(1)).skipped[-1]
 
 
+def test_a_session_reset_mid_fit_undoes_the_remedy_from_the_next_step():
+    """A reset of the session (``%unload_ext mpnb`` and the switches' reset) puts every switch
+    back, the remedy included: the module runs in fp16 again, and the step after skips again."""
+    from mpnb.precision.policy import session
+
+    trainer = gpt2_trainer()
+
+    def remedy_then_reset():  # between steps, as clicks are delivered
+        origins = [e for e in trainer.history.events if e["kind"] == "origin"]
+        if origins and trainer.amp.steps == 1:
+            trainer.keep_in_fp32(origins[0]["module"])
+        if trainer.amp.steps == 3:
+            session.reset()
+
+    trainer.control.pollers.append(remedy_then_reset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        history = trainer.fit(gpt2_batches(5))
+    assert history.skipped == [True, False, False, True, True]
+    undone = [e for e in history.events if e["kind"] == "switch"][-1]
+    assert undone["step"] == 3 and undone["message"] == (
+        "transformer.h.1.mlp.c_proj runs under autocast again (the session was reset)"
+    )
+    assert not trainer._fp32.names
+    assert "forward" not in vars(trainer.model.transformer.h[1].mlp.c_proj)
+
+
 def test_a_module_name_that_is_not_there_is_refused_with_the_closest_names():
     trainer = gpt2_trainer()
     with pytest.raises(
