@@ -43,8 +43,6 @@ class SessionFollower:
         if not changed:
             return
         trainer = self.trainer
-        if "reset" in changed:  # a remedy is a switch too: put back with the others
-            trainer._fp32.undo_for_reset(trainer.history, trainer.amp.steps)
         followed, self.followed = self.followed, session_wishes()
         changed = tuple(
             what for what, old, new in zip(WISHES, followed, self.followed) if old != new

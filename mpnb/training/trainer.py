@@ -495,6 +495,8 @@ class Trainer:
                     checkpoint = self.control.checkpoint(interrupted)
                     if checkpoint.changed:
                         self._follower.follow(checkpoint.changed)
+                    if "reset" in checkpoint.changed:  # every switch put back, the remedies too
+                        self._fp32.undo_for_reset(self.history, self.amp.steps)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
                     wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
