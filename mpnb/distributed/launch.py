@@ -403,10 +403,17 @@ def _run_worker(
             raise RuntimeError(
                 f"the function ended its rank with {named} instead of returning"
             ) from stopped
+    # Result and garbage first, the process group last. Once the group is out of torch's registry,
+    # a garbage collection (pickling allocates) that frees the last DDP reducer also destroys the
+    # gloo group, which joins gloo's threads with the GIL held; a thread still releasing a finished
+    # collective's Python state (saved-tensor hooks) waits for the GIL: the rank hung there.
+    returned = cloudpickle.dumps((result, [history.to_dict() for history in histories]))
+    del result
+    gc.collect()
     # Only on success: a rank that raised keeps its connections until its error file is written
     # and it exits, so its peers fail after it and the launch names it, not them.
     dist.destroy_process_group()
-    return cloudpickle.dumps((result, [history.to_dict() for history in histories]))
+    return returned
 
 
 #: The variables that name the interface gloo's and NCCL's connections between ranks listen on.
