@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from packaging.requirements import Requirement
+from torch.utils import cpp_extension
 
 tomllib = pytest.importorskip(
     "tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib"
@@ -75,6 +76,10 @@ def _venv_python(venv: pathlib.Path) -> pathlib.Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
+def _files_and_times(folder: pathlib.Path) -> dict[str, int]:
+    return {str(path): path.stat().st_mtime_ns for path in folder.rglob("*") if path.is_file()}
+
+
 def test_binder_setup_in_a_fresh_venv_runs_the_quickstart(tmp_path):
     """What Binder does, with torch already installed: requirements, postBuild, then the quickstart."""
     repo = tmp_path / "repo"
@@ -97,6 +102,12 @@ def test_binder_setup_in_a_fresh_venv_runs_the_quickstart(tmp_path):
         "PIP_RETRIES": "0",
     }
     env.pop("PYTHONPATH", None)
+    # Binder's image starts with no build of the list kernels; and this venv's torch lives at
+    # another path, so a build into the suite's own extension folder would make the suite's next
+    # process that lists an op rebuild them (a minute's wait, under a lock, mid-test).
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch-extensions")
+    shared_builds = pathlib.Path(cpp_extension.get_default_build_root())
+    builds_before = _files_and_times(shared_builds)
 
     def step(*command: str) -> None:
         result = subprocess.run(
@@ -131,6 +142,8 @@ def test_binder_setup_in_a_fresh_venv_runs_the_quickstart(tmp_path):
         str(executed),
         "notebooks/01_quickstart.ipynb",
     )
+    assert _files_and_times(shared_builds) == builds_before, "the suite's kernel builds changed"
+    assert list((tmp_path / "torch-extensions").rglob("*.so")), "postBuild built no kernels"
     cells = json.loads(executed.read_text())["cells"]
     errors = [
         o for cell in cells for o in cell.get("outputs", []) if o.get("output_type") == "error"
