@@ -101,9 +101,11 @@ def tracked_peak(
                     step(model, optimizer)
                 copies.append(sum(found.values()))
                 tracker.reset_mod_stats()  # the tracker refuses a module's second forward otherwise
-        # torchao's fp8 layers are built on the meta device before taking the model's weights
-        peaks = tracker.get_tracker_snapshot("peak")
-        (peak,) = [v for d, v in peaks.items() if torch.device(d).type != "meta"] or ({},)
+        # The model's device only: on a GPU the optimizer keeps small state on the CPU (Adam's
+        # step counts), and torchao's fp8 layers are built on the meta device first.
+        device = next((parameter.device for parameter in model.parameters()), None)
+        peaks = {torch.device(d): v for d, v in tracker.get_tracker_snapshot("peak").items()}
+        peak = peaks.get(device) or next((v for d, v in peaks.items() if d.type != "meta"), {})
     counted: dict[str, int] = {}
     for kind, size in peak.items():
         if isinstance(kind, _MemRefType):  # the other key is the total
