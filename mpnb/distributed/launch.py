@@ -216,7 +216,7 @@ def launch(
         max_restarts=0,
         monitor_interval=0.1,
         start_method=method,
-        shutdown_timeout=SHUTDOWN_S,
+        **shutdown_timeout(LaunchConfig, SHUTDOWN_S),
     )
     payload = cloudpickle.dumps((fn, args))
     channel_secret = new_secret()
@@ -314,6 +314,24 @@ def _accelerator_type() -> str:
 def _accelerator_used() -> bool:
     """Whether this process has started CUDA (a forked child could not use it)."""
     return torch.cuda.is_initialized()
+
+
+def shutdown_timeout(config_class: type, seconds: int) -> dict[str, int]:
+    """``{"shutdown_timeout": seconds}`` where torch's ``LaunchConfig`` takes that field, else
+    nothing: older torch releases (2.11 among them) lack it and wait their own fixed time.
+
+    Example:
+        >>> from torch.distributed.launcher.api import LaunchConfig
+        >>> shutdown_timeout(LaunchConfig, 5)
+        {'shutdown_timeout': 5}
+        >>> @dataclasses.dataclass
+        ... class OlderLaunchConfig:
+        ...     nproc_per_node: int = 1
+        >>> shutdown_timeout(OlderLaunchConfig, 5)
+        {}
+    """
+    names = {field.name for field in dataclasses.fields(config_class)}
+    return {"shutdown_timeout": seconds} if "shutdown_timeout" in names else {}
 
 
 #: The loggers of torch's launcher that report a failed worker (mpnb's LaunchError says it instead).
