@@ -311,7 +311,7 @@ class _Search:
     def _counted(self, size: int) -> MemoryAccount:
         """The memory account of a batch of ``size`` (counted once per size)."""
         if size not in self._accounts:
-            self._accounts[size] = account_step(self.counted, with_batch_size(self.sample, size))
+            self._accounts[size] = account_step(self.counted, self.sample, samples=size)
         return self._accounts[size]
 
     def _account(self, size: int) -> Trial:

@@ -30,7 +30,7 @@ import torch
 
 from mpnb import views
 from mpnb._render import html_table, text_table
-from mpnb.analysis._torch_memory import cpu_allocator_peak, storage_bytes, tracked_peak
+from mpnb.analysis._torch_memory import cpu_allocator_peak, fake_mode, storage_bytes, tracked_peak
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, format_bytes
@@ -252,27 +252,28 @@ def memory(
     return MemoryReport(accounts, skipped)
 
 
-def account_step(trainer: Any, batch: Any) -> MemoryAccount:
+def account_step(trainer: Any, batch: Any, samples: int | None = None) -> MemoryAccount:
     """Count ``trainer``'s training step on ``batch`` by category (see the module's docstring).
 
     On a shape-only copy, so ``trainer`` is left as it was; a model whose forward needs real
     values is counted on the real step, which trains ``trainer`` (a warm-up step and the step).
+    ``samples``: count a batch of that many samples instead, grown from ``batch``'s own inside
+    the shape-only copy (:func:`~mpnb.training.batches.with_batch_size`), so that a size beyond
+    memory allocates nothing.
     """
     batch = to_device(batch, trainer.device)
-    steps = [_step(trainer, part) for part in _with_warm_up(batch)]
+    size = (samples_in(batch) or 0) if samples is None else samples
+    steps = [_step(trainer, batch, WARM_UP_SAMPLES), _step(trainer, batch, samples)]
     model, optimizer = trainer.model, trainer.optimizer
     try:
         counted, shape_only = tracked_peak(model, optimizer, steps, fake=True), True
     except Exception:  # a forward that reads values (.item(), a data-dependent branch)
         counted, shape_only = tracked_peak(model, optimizer, steps, fake=False), False
     counted.pop("total")
-    counted["batch"] = _batch_bytes(batch)
+    with fake_mode():
+        counted["batch"] = _batch_bytes(batch if samples is None else with_batch_size(batch, size))
     return MemoryAccount(
-        trainer.amp.precision.mode.value,
-        samples_in(batch) or 0,
-        str(trainer.device),
-        counted,
-        shape_only,
+        trainer.amp.precision.mode.value, size, str(trainer.device), counted, shape_only
     )
 
 
@@ -312,14 +313,16 @@ def _over(peak: int | None, before: int | None, resident: int) -> int | None:
     return None if peak is None or before is None else resident + peak - before
 
 
-def _step(trainer: Any, batch: Any) -> Any:
+def _step(trainer: Any, batch: Any, samples: int | None = None) -> Any:
     """The training step the account runs: the trainer's forward under its autocast, backward,
-    the optimizer's step (the loss scaler changes no memory worth counting)."""
+    the optimizer's step (the loss scaler changes no memory worth counting). ``samples``: the
+    batch grown (or cut) to that many samples when the step runs, inside the account's mode."""
     precision = trainer.amp.precision
 
     def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        sized = batch if samples is None else with_batch_size(batch, samples)
         with precision.model_scope(model), precision.autocast.context():  # fp8: its layers
-            loss = batch_loss(model, batch, trainer.loss_fn, trainer.step_fn)
+            loss = batch_loss(model, sized, trainer.loss_fn, trainer.step_fn)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

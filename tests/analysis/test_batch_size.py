@@ -6,6 +6,7 @@ import importlib.util
 import math
 import pathlib
 
+import psutil
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -121,6 +122,19 @@ def test_a_step_too_slow_to_try_leaves_the_accounts_answer_and_says_so():
     )
     assert result.peak <= budget < min(t.peak for t in result.trials if not t.fits)
     assert "the account: a real step of" in str(report)
+
+
+def test_the_accounts_of_sizes_beyond_memory_allocate_no_batch():
+    """The accounts that look for the budget's edge count shapes: a batch far larger than the
+    machine's memory (here the accounts reach petabytes) is never built for real."""
+    budget = 4 * 2**50  # 4 PiB
+    report = mpnb.max_batch_size(
+        make_run, ["fp32"], memory_budget=budget, limit=2**50, trial_seconds=0
+    )
+    result = report.result("fp32")
+    assert result.limited_by == "budget" and not result.checked
+    assert result.account.categories["batch"] > psutil.virtual_memory().total
+    assert result.peak <= budget
 
 
 def test_a_mode_the_device_cannot_run_is_listed_and_bad_input_runs_nothing():
