@@ -1,5 +1,5 @@
 """Real fp8 on a GPU with fp8 tensor cores: torchao's layers run torch._scaled_mm, and a
-transformer block of d_model 4096 trains faster in fp8 than in bf16.
+Trainer's fp8 step on a transformer block of d_model 4096 costs what torchao's own costs.
 
 Skipped without a CUDA GPU of compute capability 8.9+ (Ada, Hopper, Blackwell): elsewhere fp8
 is emulated (tests/precision/test_fp8.py checks its numerics on a CPU).
@@ -44,6 +44,7 @@ class Block(nn.Module):
 
 
 def _median_step(mode: str) -> float:
+    """The median step of a Trainer fit in ``mode``, after a warm-up fit."""
     torch.manual_seed(0)
     model = Block().cuda()
     trainer = mpnb.Trainer(
@@ -54,11 +55,40 @@ def _median_step(mode: str) -> float:
         device="cuda",
         dashboard=None,
     )
-    x = torch.randn(TOKENS, D_MODEL, device="cuda")
-    data = [(x, torch.randn(TOKENS, D_MODEL, device="cuda"))] * 8
+    data = _batches()
     trainer.fit(data[:3])  # warm-up
     trainer.fit(data)
     return statistics.median(trainer.history.step_time[-len(data) :])
+
+
+def _median_step_by_hand() -> float:
+    """The same fp8 steps written with torchao alone: its converter on the block's two large
+    layers, bf16 autocast, SGD; each step timed by CUDA events."""
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = Block().cuda()
+    convert_to_float8_training(model, module_filter_fn=lambda _m, name: name in ("up", "down"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    times = []
+    for index, (x, y) in enumerate(_batches() * 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        end.record()
+        torch.cuda.synchronize()
+        if index >= 3:  # warm-up, as the Trainer's
+            times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x = torch.randn(TOKENS, D_MODEL, device="cuda")
+    return [(x, torch.randn(TOKENS, D_MODEL, device="cuda"))] * 8
 
 
 def test_real_fp8_layers_run_scaled_mm():
@@ -75,7 +105,14 @@ def test_real_fp8_layers_run_scaled_mm():
     assert type(model.up) is nn.Linear
 
 
-def test_fp8_steps_are_faster_than_bf16_on_a_large_block():
-    bf16, fp8 = _median_step("bf16"), _median_step("fp8")
-    print(f"d_model {D_MODEL}: bf16 {bf16 * 1e3:.2f} ms, fp8 {fp8 * 1e3:.2f} ms, {bf16 / fp8:.2f}x")
-    assert fp8 < bf16
+def test_a_trainer_fp8_step_costs_what_torchaos_own_fp8_step_costs():
+    """mpnb adds nothing to torchao's float8 layers. Whether they beat bf16 depends on the
+    width and on torch.compile (eager casts cost more than they save up to width 8192 on an
+    H100): benchmarks/fp8_speed.py measures that, and the docs report it."""
+    trainer, by_hand = _median_step("fp8"), _median_step_by_hand()
+    bf16 = _median_step("bf16")
+    print(
+        f"d_model {D_MODEL}: bf16 {bf16 * 1e3:.2f} ms, fp8 Trainer {trainer * 1e3:.2f} ms, "
+        f"fp8 torchao by hand {by_hand * 1e3:.2f} ms"
+    )
+    assert trainer < 1.1 * by_hand
