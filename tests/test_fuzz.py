@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 from mpnb.oplists.lists import PRESETS, aten_overloads
+from mpnb.precision.modes import _MODE_ALIASES as MODE_ALIASES
 from tests.conftest import policy_state
 
 VALID_WORDS = [
@@ -114,28 +115,37 @@ def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(
         capsys.readouterr()
 
 
-_ALL_VALID = set(VALID_WORDS) | {
-    "fp8",  # a mode, in any case, as the others
-    "tensorwise",  # fp8's recipes
-    "rowwise",
-    "rowwise_with_gw_hp",
-    "float16",
-    "float32",
-    "float",
-    "cuda",
-    "hpu",
-    "auto",
-    "live",
-    "text",
-}
-garbage = junk.filter(
-    lambda w: (
-        w.lower() not in _ALL_VALID
-        and not w.lower().startswith(("cuda", "hpu", "cpu"))
-        and not aten_overloads(w.lower())  # op names match in any case
-        and w.lower() not in PRESETS
-    )
+_ALL_VALID = (
+    set(VALID_WORDS)
+    | set(MODE_ALIASES)
+    | {
+        "tensorwise",  # fp8's recipes
+        "rowwise",
+        "rowwise_with_gw_hp",
+        "cuda",
+        "hpu",
+        "auto",
+        "live",
+        "text",
+    }
 )
+
+
+def is_garbage(word: str) -> bool:
+    """Whether no magic option takes ``word``, in any case."""
+    return (
+        word.lower() not in _ALL_VALID
+        and not word.lower().startswith(("cuda", "hpu", "cpu"))
+        and not aten_overloads(word.lower())  # op names match in any case
+        and word.lower() not in PRESETS
+    )
+
+
+def test_no_mode_name_or_alias_counts_as_garbage():
+    assert [name for name in MODE_ALIASES if is_garbage(name.upper())] == []
+
+
+garbage = junk.filter(is_garbage)
 
 
 @pytest.mark.parametrize(
