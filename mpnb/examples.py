@@ -16,6 +16,9 @@ Example:
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,16 +42,39 @@ TEST_FRACTION = 0.2
 def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
     """All 1,797 digits as ``(images, labels)``: float32 ``N x 1 x 8 x 8`` in [0, 1], int64 labels.
 
+    Read from the data file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``, one row
+    of 64 pixel values and the label per digit) without importing scikit-learn, whose import
+    takes seconds in every new process (a kernel, ``mpnb train``); where that file is not
+    found, through ``sklearn.datasets.load_digits``.
+
     Example:
         >>> images, labels = load_digits()
         >>> tuple(images.shape), labels.dtype, float(images.max())
         ((1797, 1, 8, 8), torch.int64, 1.0)
     """
-    from sklearn.datasets import load_digits as sklearn_digits
+    path = _digits_file()
+    if path is None:
+        from sklearn.datasets import load_digits as sklearn_digits
 
-    bunch = sklearn_digits()
-    images = torch.from_numpy(bunch.images).float().div_(16.0).unsqueeze(1)
-    return images, torch.from_numpy(bunch.target).long()
+        bunch = sklearn_digits()
+        pixels, labels = bunch.images.reshape(-1, 64), bunch.target
+    else:
+        import numpy as np
+
+        with gzip.open(path, "rt") as file:
+            rows = np.loadtxt(file, delimiter=",")
+        pixels, labels = rows[:, :-1], rows[:, -1].astype(np.int64)
+    images = torch.from_numpy(pixels).float().div_(16.0).view(-1, 1, 8, 8)
+    return images, torch.from_numpy(labels).long()
+
+
+def _digits_file() -> pathlib.Path | None:
+    """scikit-learn's digits file, found without importing scikit-learn (None: not there)."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or spec.origin is None:
+        return None
+    path = pathlib.Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    return path if path.is_file() else None
 
 
 class Batches:

@@ -44,6 +44,24 @@ def test_import_mpnb_stays_light():
     assert result.stdout.strip() == "[]", result.stderr
 
 
+def test_the_example_digits_load_without_importing_sklearn_and_equal_its_loaders():
+    """A new process (a kernel, ``mpnb train``) reads the digits without paying scikit-learn's
+    import; the tensors are exactly what ``sklearn.datasets.load_digits`` gives."""
+    code = (
+        "import sys, torch, mpnb.examples as ex\n"
+        "images, labels = ex.load_digits()\n"
+        "imported = 'sklearn' in sys.modules\n"
+        "from sklearn.datasets import load_digits\n"
+        "bunch = load_digits()\n"
+        "same = torch.equal(images, torch.from_numpy(bunch.images).float().div(16).unsqueeze(1))\n"
+        "print(imported, same, torch.equal(labels, torch.from_numpy(bunch.target).long()))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.strip() == "False True True", result.stderr
+
+
 def test_train_prints_progress_and_summary_and_writes_history_and_dashboard(tmp_path):
     result = mpnb(
         "train",
