@@ -77,16 +77,56 @@ def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 90) -> N
     raise TimeoutError(f"{url} did not answer in {timeout} s")
 
 
-@pytest.fixture
-def jupyter_env(tmp_path):
-    """Jupyter's config, data and runtime dirs inside a throwaway directory."""
+def jupyter_environment(root: pathlib.Path) -> dict[str, str]:
+    """This process's environment with Jupyter's config, data and runtime dirs inside ``root``."""
     env = dict(os.environ)
     for name in ("CONFIG", "DATA", "RUNTIME"):
-        path = tmp_path / f"jupyter-{name.lower()}"
+        path = root / f"jupyter-{name.lower()}"
         path.mkdir()
         env[f"JUPYTER_{name}_DIR"] = str(path)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
+
+
+@pytest.fixture
+def jupyter_env(tmp_path):
+    """Jupyter's config, data and runtime dirs inside a throwaway directory."""
+    return jupyter_environment(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def jupyter_server(tmp_path_factory):
+    """The module's Jupyter servers, one per app (``"lab"``, ``"notebook"``), each started on a
+    free loopback port when a test first asks for it: ``jupyter_server(app)`` gives the folder
+    it serves and its port. Each test writes its notebook into that folder and closes its
+    sessions when it ends (:func:`close_sessions`). Notebook 7 gets a server of its own: after a
+    JupyterLab page, Notebook 7's pages on the same server raise errors about Lab's commands."""
+    started: dict[str, tuple[pathlib.Path, int, subprocess.Popen, object]] = {}
+
+    def server(app: str) -> tuple[pathlib.Path, int]:
+        if app not in started:
+            root = tmp_path_factory.mktemp(f"jupyter-{app}")
+            work = root / "work"
+            work.mkdir()
+            process, log, port = start_jupyter(app, work, jupyter_environment(root), root)
+            started[app] = (work, port, process, log)
+        return started[app][:2]
+
+    try:
+        yield server
+    finally:
+        for _, _, process, log in started.values():
+            stop(process, log)
+
+
+def close_sessions(port: int) -> None:
+    """End every notebook session of the server at ``port`` (their kernels with them)."""
+    base = f"http://127.0.0.1:{port}/api/sessions"
+    with urllib.request.urlopen(base, timeout=10) as answer:
+        sessions = json.load(answer)
+    for session in sessions:
+        request = urllib.request.Request(f"{base}/{session['id']}", method="DELETE")
+        urllib.request.urlopen(request, timeout=30).close()
 
 
 def serve(command: list[str], cwd: pathlib.Path, env: dict, url: str, log: pathlib.Path):
@@ -110,16 +150,26 @@ def stop(process: subprocess.Popen, handle) -> None:
     handle.close()
 
 
-@pytest.fixture
-def browser():
+@pytest.fixture(scope="module")
+def chromium():
+    """One headless Chromium for the module (each test gets its own context of it)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(
+        launched = playwright.chromium.launch(
             executable_path=shutil.which("chromium"), args=CHROMIUM_FLAGS
         )
-        yield chromium
-        chromium.close()
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def browser(chromium):
+    """The module's Chromium; every page a test opens (each in a context of its own) is closed
+    when the test ends."""
+    yield chromium
+    for context in chromium.contexts:
+        context.close()
 
 
 def console_errors(page) -> list[str]:
@@ -216,9 +266,10 @@ def run_all_cells(page, port: int, path: str) -> None:
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
 
 
+#: Each frontend's app and where it opens a notebook of the served folder.
 FRONTENDS = {
-    "jupyterlab": ("lab", "/lab/workspaces/mpnb-test/tree/live.ipynb?reset"),
-    "notebook7": ("notebook", "/notebooks/live.ipynb"),
+    "jupyterlab": ("lab", "/lab/workspaces/mpnb-test/tree/{name}.ipynb?reset"),
+    "notebook7": ("notebook", "/notebooks/{name}.ipynb"),
 }
 # Notebook 7.6 throws this from its own notebook_core bundle on opening any notebook here, a plain
 # "1+1" notebook with nothing of mpnb loaded included: not ours to fix, so not counted against us.
@@ -226,11 +277,11 @@ KNOWN_FRONTEND_ERRORS = {"notebook7": ("Cannot read properties of undefined (rea
 
 
 @pytest.mark.parametrize("frontend", list(FRONTENDS))
-def test_panel_and_live_dashboard_control_a_running_fit(tmp_path, jupyter_env, browser, frontend):
+def test_panel_and_live_dashboard_control_a_running_fit(jupyter_server, browser, frontend):
     ARTIFACTS.mkdir(exist_ok=True)
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "live.ipynb").write_text(
+    app, path = FRONTENDS[frontend]
+    work, port = jupyter_server(app)
+    (work / f"live-{frontend}.ipynb").write_text(
         notebook(
             [
                 "%load_ext mpnb\nimport mpnb, mpnb.examples as ex\npanel = mpnb.panel()",
@@ -240,12 +291,10 @@ def test_panel_and_live_dashboard_control_a_running_fit(tmp_path, jupyter_env, b
             ]
         )
     )
-    app, path = FRONTENDS[frontend]
-    process, log, port = start_jupyter(app, work, jupyter_env, tmp_path)
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         errors = console_errors(page)
-        run_all_cells(page, port, path)
+        run_all_cells(page, port, path.format(name=f"live-{frontend}"))
         page.wait_for_selector(".widget-toggle-buttons", timeout=90_000)
         page.wait_for_selector(".js-plotly-plot", timeout=90_000)
         page.wait_for_function(
@@ -270,22 +319,20 @@ def test_panel_and_live_dashboard_control_a_running_fit(tmp_path, jupyter_env, b
         known = KNOWN_FRONTEND_ERRORS.get(frontend, ())
         assert not [e for e in errors if not e.startswith(known)], errors
     finally:
-        stop(process, log)
+        close_sessions(port)
 
 
 def test_the_quickstart_notebook_runs_in_jupyterlab_with_panel_and_growing_dashboard(
-    tmp_path, jupyter_env, browser
+    jupyter_server, browser
 ):
     ARTIFACTS.mkdir(exist_ok=True)
-    work = tmp_path / "work"
-    work.mkdir()
+    work, port = jupyter_server("lab")
     lesson = (ROOT / "notebooks" / "01_quickstart.ipynb").read_text()
     # The lesson's fit (8 epochs, 184 steps) ends in about two seconds; a browser slowed by a busy
     # machine draws the plot only after that, and could not show that it grew while training ran.
     # Eight times the epochs leaves it time to, without changing what the lesson does.
     assert lesson.count("epochs=8") == 1
     (work / "quickstart.ipynb").write_text(lesson.replace("epochs=8", "epochs=64"))
-    process, log, port = start_jupyter("lab", work, jupyter_env, tmp_path)
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         errors = console_errors(page)
@@ -313,7 +360,7 @@ def test_the_quickstart_notebook_runs_in_jupyterlab_with_panel_and_growing_dashb
         ).count()
         assert not errors, errors
     finally:
-        stop(process, log)
+        close_sessions(port)
 
 
 def test_voila_serves_the_precision_lab_and_run_produces_the_table(tmp_path, jupyter_env, browser):
