@@ -76,8 +76,11 @@ def test_a_module_set_up_and_a_marked_group_each_stay_on_one_worker(tmp_path):
     ]:
         (tmp_path / name).write_text(textwrap.dedent(text))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "OMP_NUM"))}
+    # Only xdist: the other installed plugins (nbval, with the Jupyter stack it imports) have no
+    # part in how the tests are shared out, and would cost each process seconds.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "xdist"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
