@@ -4,8 +4,9 @@ Mode fp8 runs a model's large Linear layers through torchao's float8 training (`
 on a GPU of compute capability 8.9+) and the rest under bf16 autocast, so the gain is the share
 of the step spent in those layers' matmuls, less the cost of the casts to float8 (eager: no
 ``torch.compile`` fuses them). Narrow layers gain nothing or lose; wide ones gain. Each width
-times bf16 and each fp8 recipe in paired rounds (:mod:`paired_rounds`: bf16 first in even
-rounds, fp8 first in odd ones), one ``fit`` of ``--block`` steps a round.
+times bf16 and each fp8 recipe, each written by hand with torchao and through the Trainer (and
+with ``--compiled`` the hand loops under ``torch.compile``), in rounds that take every runner in
+turn (:func:`paired_rounds.round_robin`), ``--block`` steps (one ``fit``) a round.
 
 On a CPU fp8 is emulated (numerics only): the script still runs, on a small width, and the JSON
 says "emulated".
@@ -20,7 +21,7 @@ import statistics
 
 import torch
 from on_device import add_device_argument, device_label, results_name, settled_clock
-from paired_rounds import fastest_ratio, median_ratio
+from paired_rounds import fastest_ratio, median_ratio, round_robin
 from results_file import write_results
 from torch import nn
 
@@ -106,19 +107,6 @@ def hand_timer(
         return (settled_clock(device) - start) / len(batches)
 
     return timed
-
-
-def round_robin(timers: dict, rounds: int) -> dict[str, list[float]]:
-    """Each timer once a round, the order turned by one each round so that drift favours none;
-    round 0 only warms up (and compiles)."""
-    names, times = list(timers), {name: [] for name in timers}
-    for round_index in range(rounds + 1):
-        turn = round_index % len(names)
-        for name in names[turn:] + names[:turn]:
-            seconds = timers[name](round_index)
-            if round_index:
-                times[name].append(seconds)
-    return times
 
 
 def measure(

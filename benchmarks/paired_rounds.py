@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 
-__all__ = ["fastest_ratio", "median_ratio", "paired_rounds"]
+__all__ = ["fastest_ratio", "median_ratio", "paired_rounds", "round_robin"]
 
 
 def paired_rounds(
@@ -28,16 +28,27 @@ def paired_rounds(
 ) -> tuple[list[float], list[float]]:
     """Call each with the round's index (1 to ``rounds``, after a warm-up round 0) and keep the
     seconds they return: baseline first in even rounds, candidate first in odd ones."""
-    baseline_times, candidate_times = [], []
+    times = round_robin({"baseline": baseline, "candidate": candidate}, rounds)
+    return times["baseline"], times["candidate"]
+
+
+def round_robin(timers: dict[str, Callable[[int], float]], rounds: int) -> dict[str, list[float]]:
+    """:func:`paired_rounds` for any number of timers: each once a round, the order turned by one
+    each round so that drift favours none; round 0 only warms up (and compiles).
+
+    >>> order = []
+    >>> timers = {name: (lambda n: lambda i: order.append(f"{n}{i}") or 1.0)(name) for name in "abc"}
+    >>> round_robin(timers, rounds=2)["c"], order
+    ([1.0, 1.0], ['a0', 'b0', 'c0', 'b1', 'c1', 'a1', 'c2', 'a2', 'b2'])
+    """
+    names, times = list(timers), {name: [] for name in timers}
     for round_index in range(rounds + 1):
-        if round_index % 2:
-            candidate_time, baseline_time = candidate(round_index), baseline(round_index)
-        else:
-            baseline_time, candidate_time = baseline(round_index), candidate(round_index)
-        if round_index:
-            baseline_times.append(baseline_time)
-            candidate_times.append(candidate_time)
-    return baseline_times, candidate_times
+        turn = round_index % len(names)
+        for name in names[turn:] + names[:turn]:
+            seconds = timers[name](round_index)
+            if round_index:
+                times[name].append(seconds)
+    return times
 
 
 def median_ratio(baseline: Sequence[float], candidate: Sequence[float]) -> float:
