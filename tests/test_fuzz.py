@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 from mpnb.oplists.lists import PRESETS, aten_overloads
+from mpnb.precision.fp8 import RECIPES
 from mpnb.precision.modes import _MODE_ALIASES as MODE_ALIASES
 from tests.conftest import policy_state
 
@@ -118,10 +119,8 @@ def test_any_argument_string_works_or_is_a_usage_error_that_changes_nothing(
 _ALL_VALID = (
     set(VALID_WORDS)
     | set(MODE_ALIASES)
+    | set(RECIPES)  # fp8's
     | {
-        "tensorwise",  # fp8's recipes
-        "rowwise",
-        "rowwise_with_gw_hp",
         "cuda",
         "hpu",
         "auto",
