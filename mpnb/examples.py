@@ -22,6 +22,7 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -59,8 +60,6 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
         bunch = sklearn_digits()
         pixels, labels = bunch.images.reshape(-1, 64), bunch.target
     else:
-        import numpy as np
-
         with gzip.open(path, "rt") as file:
             rows = np.loadtxt(file, delimiter=",")
         pixels, labels = rows[:, :-1], rows[:, -1].astype(np.int64)

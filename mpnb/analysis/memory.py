@@ -270,8 +270,11 @@ def account_step(trainer: Any, batch: Any, samples: int | None = None) -> Memory
     except Exception:  # a forward that reads values (.item(), a data-dependent branch)
         counted, shape_only = tracked_peak(model, optimizer, steps, fake=False), False
     counted.pop("total")
-    with fake_mode():
-        counted["batch"] = _batch_bytes(batch if samples is None else with_batch_size(batch, size))
+    if samples is None:
+        counted["batch"] = _batch_bytes(batch)
+    else:
+        with fake_mode():  # the grown batch's bytes, from its shapes
+            counted["batch"] = _batch_bytes(with_batch_size(batch, samples))
     return MemoryAccount(
         trainer.amp.precision.mode.value, size, str(trainer.device), counted, shape_only
     )
