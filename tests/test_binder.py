@@ -126,7 +126,16 @@ def test_binder_setup_in_a_fresh_venv_runs_the_quickstart(tmp_path):
     torch_files = importlib.metadata.distribution("torch")
     for top in {path.parts[0] for path in torch_files.files} - {".."}:  # ..: its scripts
         (pathlib.Path(site) / top).symlink_to(torch_files.locate_file(top))
-    step(str(python), "-m", "pip", "install", "--quiet", "--no-compile", "-r", "binder/requirements.txt")
+    step(
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-compile",
+        "-r",
+        "binder/requirements.txt",
+    )
     step("bash", "binder/postBuild")
     executed = tmp_path / "quickstart.ipynb"
     step(
