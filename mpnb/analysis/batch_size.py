@@ -4,9 +4,9 @@
 counts a step's tensors on a shape-only copy of the model at any batch size in a fraction of a
 second, and the same run gives the same answer. What the account cannot see (kernels' own
 buffers) is measured on one or two real steps at small batches and added, growing with the
-batch. The largest size whose account fits the budget is then tried once for real: on CUDA and
-HPU running out of memory is the judge, and a size that does not fit is bisected with real
-steps. A real step that would take longer than ``trial_seconds`` (bf16 at a large batch on a
+batch (a step over the budget counts too: it was measured). The largest size whose account fits
+the budget is then tried once for real: on CUDA and HPU running out of memory is the judge, and
+a size that does not fit is bisected with real steps. A real step that would take longer than ``trial_seconds`` (bf16 at a large batch on a
 CPU without bf16 units) is not run, and the report says the answer is the account's.
 
 The batch of each trial is the run's first batch, grown along its first dimension (any batch a
@@ -270,12 +270,15 @@ class _Search:
         # a second real step draws the line of what the account misses: twice the first, or,
         # when that would take longer than trial_seconds, half as large again
         second_size = min(2 * start if self._affordable(2 * start) else start + start // 2, limit)
+        ceiling = limit  # the largest size the answer may be
         if second_size > start:
             second = self.step(second_size)
-            if not second.fits:
+            if second.out_of_memory:  # nothing was measured: only real steps can narrow it down
                 return self._bisect(start, second_size)
+            if not second.fits:  # over the budget, but measured: it draws the line too
+                ceiling = second_size - 1
         self._learn_extra()
-        size = self._predicted(limit)
+        size = self._predicted(ceiling)
         reason = "limit" if size >= limit else "budget"
         if size in self._stepped_fits() or not self._affordable(size):
             return self._answer(size, reason)
@@ -327,10 +330,11 @@ class _Search:
 
     def _learn_extra(self) -> None:
         """The bytes the real steps used beyond their accounts, as a line in the batch size
-        (through the origin when only one step ran), never below zero."""
+        (through the origin when only one step ran), never below zero. A step over the budget
+        counts as well as one within it: only a step that ran out of memory measured nothing."""
         points = []
         for trial in self.trials:
-            if trial.kind == "step" and trial.fits:
+            if trial.kind == "step" and math.isfinite(trial.peak):
                 counted = self._counted(trial.batch_size)
                 points.append((trial.batch_size, trial.peak - counted.tracked))
         if len(points) >= 2:

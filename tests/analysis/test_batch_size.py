@@ -64,6 +64,24 @@ def test_the_answer_fits_the_budget_and_the_next_size_looked_at_does_not():
     assert "<table>" in report._repr_html_()
 
 
+def test_a_second_step_over_the_budget_draws_the_line_and_one_more_real_step_confirms_it():
+    # The example MLP peaks near 1.06 MiB at batch 64 and 1.15 MiB at 128: the second real step
+    # runs, is measured, and is over this budget. Its measure places the answer in between,
+    # where one real step confirms it, instead of a bisection of real steps.
+    budget = parse_bytes("1.1 MiB")
+    report = mpnb.max_batch_size(
+        make_run, ["fp32"], memory_budget=budget, start=64, trial_seconds=600
+    )
+    result = report.result("fp32")
+    steps = [t for t in result.trials if t.kind == "step"]
+    assert [t.batch_size for t in steps[:2]] == [64, 128] and not steps[1].fits, str(report)
+    assert not steps[1].out_of_memory and steps[1].peak > budget
+    assert len(steps) == 3 and steps[2].batch_size == result.batch_size and steps[2].fits
+    assert 64 < result.batch_size < 128 and result.checked and result.limited_by == "budget"
+    looked_over = [t.batch_size for t in result.trials if t.kind == "account" and not t.fits]
+    assert min(looked_over) - result.batch_size <= max(1, result.batch_size // 32)
+
+
 def test_the_same_run_gives_the_same_answer():
     first, second = (
         mpnb.max_batch_size(make_run, ["bf16"], memory_budget="16 MiB", start=64).result("bf16")
