@@ -4,7 +4,7 @@ measurement, in under 90 s.
 The seeds' CNN (conv 1->420, pool, conv 420->1000, pool, linear 49000->10 on 28x28 images, Adam)
 and a budget (1 GiB). ``--runs`` runs of ``mpnb.max_batch_size`` for fp32 and bf16, each timed;
 then the direct measurement of ``direct_peak.py``: the hand-written recipe in a fresh process
-per point, peak resident set over the baseline at two batch sizes, the line followed to the
+per mode, peak resident set over the baseline at two batch sizes, the line followed to the
 budget. Prints each run's sizes, bf16/fp32 ratio and seconds, the spread of the ratios across
 runs, and each run's ratio over the direct one. Writes benchmarks/results/batch_size_answer.json.
 
@@ -67,7 +67,7 @@ def main() -> None:
     ratios = [run["ratio"] for run in runs]
     spread = max(ratios) / min(ratios) - 1
     print(
-        f"direct (fresh processes, batches {small} and {large}): "
+        f"direct (a fresh process per mode, batches {small} and {large}): "
         f"fp32 {direct['fp32']:.0f}, bf16 {direct['bf16']:.0f}, bf16/fp32 {direct_ratio:.3f}"
     )
     print(

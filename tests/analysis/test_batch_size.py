@@ -220,7 +220,7 @@ def _direct_peak():
 
 
 def test_the_seeds_cnn_answer_agrees_with_a_direct_measurement_in_fresh_processes():
-    """The direct measurement: the hand-written recipe in a fresh process per point, the peak
+    """The direct measurement: the hand-written recipe in a fresh process per mode, the peak
     resident set over its baseline at two batch sizes, the line followed to the budget."""
     # A budget where the answers are about 31 (fp32) and 40 (bf16): bf16 is emulated on CPUs
     # without bf16 units, so each size costs seconds a step. The answer is checked by its account
