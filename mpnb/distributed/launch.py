@@ -62,7 +62,7 @@ from mpnb.distributed.launch_failure import LaunchError, end_after, launch_error
 from mpnb.distributed.rank_output import rank_lines
 from mpnb.distributed.rank_rows import RanksView
 from mpnb.distributed.signing import SECRET_ENV, new_secret, shared_secret
-from mpnb.distributed.supervise import Supervisor
+from mpnb.distributed.supervise import Supervisor, torch_handled_signals
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.training.capture import collect_histories, stream_fits
 from mpnb.training.control import FitControl
@@ -216,7 +216,9 @@ def launch(
         max_restarts=0,
         monitor_interval=0.1,
         start_method=method,
-        **shutdown_timeout(LaunchConfig, SHUTDOWN_S),
+        **fields_it_takes(
+            LaunchConfig, shutdown_timeout=SHUTDOWN_S, signals_to_handle=torch_handled_signals()
+        ),
     )
     payload = cloudpickle.dumps((fn, args))
     channel_secret = new_secret()
@@ -244,6 +246,8 @@ def launch(
                     )
                 )
         except ChildFailedError as failure:
+            if supervisor.interrupted.is_set():  # the workers were ended for the interrupt
+                raise KeyboardInterrupt("launch interrupted: every worker was ended") from None
             raise launch_error(failure.failures, timeout, logs, node_rank * nproc) from None
         # torch's launcher read an error file half-written
         except (
@@ -316,22 +320,24 @@ def _accelerator_used() -> bool:
     return torch.cuda.is_initialized()
 
 
-def shutdown_timeout(config_class: type, seconds: int) -> dict[str, int]:
-    """``{"shutdown_timeout": seconds}`` where torch's ``LaunchConfig`` takes that field, else
-    nothing: older torch releases (2.11 among them) lack it and wait their own fixed time.
+def fields_it_takes(config_class: type, **options: Any) -> dict[str, Any]:
+    """The ``options`` that torch's ``LaunchConfig`` has fields for, the rest left out: older
+    torch releases (2.11 among them) lack ``shutdown_timeout`` (they wait their own fixed time)
+    and ``signals_to_handle`` (they read the environment variable that
+    :func:`~mpnb.distributed.supervise.interrupts_noted` sets).
 
     Example:
         >>> from torch.distributed.launcher.api import LaunchConfig
-        >>> shutdown_timeout(LaunchConfig, 5)
+        >>> fields_it_takes(LaunchConfig, shutdown_timeout=5)
         {'shutdown_timeout': 5}
         >>> @dataclasses.dataclass
         ... class OlderLaunchConfig:
         ...     nproc_per_node: int = 1
-        >>> shutdown_timeout(OlderLaunchConfig, 5)
+        >>> fields_it_takes(OlderLaunchConfig, shutdown_timeout=5)
         {}
     """
     names = {field.name for field in dataclasses.fields(config_class)}
-    return {"shutdown_timeout": seconds} if "shutdown_timeout" in names else {}
+    return {name: value for name, value in options.items() if name in names}
 
 
 #: The loggers of torch's launcher that report a failed worker (mpnb's LaunchError says it instead).

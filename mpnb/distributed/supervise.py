@@ -6,6 +6,13 @@ helper thread drains the rows the workers stream (:mod:`mpnb.distributed.channel
 :class:`~mpnb.distributed.rank_rows.RankRows`, shows it (a :class:`RanksView`), and passes a
 ``control.stop()`` on to the workers, whose fits then stop after the same step.
 
+An interrupt (Ctrl-C, a kernel interrupt) is noted before it is raised (:func:`interrupts_noted`),
+and the helper thread ends the workers when it sees the note. torch raises its
+``SignalException`` from the signal handler, and a signal that lands while a worker is being
+forked runs that handler inside Python's at-fork callbacks, which print and drop what they
+raise: the interrupt was lost and the launch ran on to its timeout. The signal handlers torch
+installs for a launch are put back as they were when it ends.
+
 Example:
     >>> import time
     >>> from mpnb.distributed.signing import new_secret
@@ -16,9 +23,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
@@ -34,6 +43,68 @@ __all__: list[str] = []
 POLL_S = 0.1
 #: Seconds left-over workers get between SIGTERM and SIGKILL.
 END_GRACE_S = 2.0
+#: Where torch's launcher reads the signals it turns into ``SignalException``, and its default.
+TORCH_SIGNALS_ENV, TORCH_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def torch_handled_signals() -> str:
+    """The signals torch's launcher is to handle during a launch: its own list (or the one set in
+    the environment) without SIGINT, which :func:`interrupts_noted` handles.
+
+    Example:
+        >>> torch_handled_signals()
+        'SIGTERM,SIGHUP,SIGQUIT'
+    """
+    names = os.environ.get(TORCH_SIGNALS_ENV) or TORCH_SIGNALS
+    return ",".join(name.strip() for name in names.split(",") if name.strip() != "SIGINT")
+
+
+@contextlib.contextmanager
+def interrupts_noted() -> Iterator[threading.Event]:
+    """For a launch: SIGINT handled by mpnb (noted in the event yielded, then raised as torch's
+    launcher raises it), and every signal handler torch's launcher installs put back after.
+
+    Off the main thread nothing is installed (torch installs nothing there either).
+
+    Example:
+        >>> with interrupts_noted() as noted:
+        ...     try:
+        ...         signal.raise_signal(signal.SIGINT)
+        ...     except Exception as raised:
+        ...         print(type(raised).__name__, noted.is_set())
+        SignalException True
+        >>> signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        True
+    """
+    noted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    wanted = os.environ.get(TORCH_SIGNALS_ENV)
+    names = [name.strip() for name in (wanted or TORCH_SIGNALS).split(",")]
+    numbers = {name: getattr(signal, name) for name in names if hasattr(signal, name)}
+    previous = {name: signal.getsignal(number) for name, number in numbers.items()}
+
+    def on_interrupt(number: int, frame: object) -> None:
+        noted.set()
+        raised = signal.Signals(number)
+        raise SignalException(f"Process {os.getpid()} got signal: {raised}", sigval=raised)
+
+    os.environ[TORCH_SIGNALS_ENV] = torch_handled_signals()
+    if "SIGINT" in numbers:
+        signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield noted
+    finally:
+        if wanted is None:
+            os.environ.pop(TORCH_SIGNALS_ENV, None)
+        else:
+            os.environ[TORCH_SIGNALS_ENV] = wanted
+        for name, handler in previous.items():
+            if handler is not None:  # None: not set from Python, nothing to put back
+                signal.signal(numbers[name], handler)
 
 
 class Supervisor:
@@ -51,33 +122,39 @@ class Supervisor:
         self.view = view
         self.control = control or FitControl()
         self.rows = RankRows()
+        #: Set when the launch was interrupted (see :func:`interrupts_noted`).
+        self.interrupted = threading.Event()
 
     def run(self, start: Callable[[], Any]) -> Any:
         """``start()``'s return value (or its exception), watched meanwhile; no worker outlives it."""
         before = {child.pid for child in psutil.Process().children(recursive=True)}
         done = threading.Event()
-        watcher = threading.Thread(
-            target=self._watch, args=(done,), name="mpnb-launch-watch", daemon=True
-        )
-        self.control.begin()
-        watcher.start()
-        try:
-            return start()
-        finally:
-            done.set()
-            watcher.join()
-            _end_workers(
-                before
-            )  # none should be left; one that is (torch's launcher failed) goes now
-            self.control.end()
-            self._take_rows()
-            self._show("close")
+        with interrupts_noted() as self.interrupted:
+            watcher = threading.Thread(
+                target=self._watch, args=(done, before), name="mpnb-launch-watch", daemon=True
+            )
+            self.control.begin()
+            watcher.start()
+            try:
+                return start()
+            finally:
+                done.set()
+                watcher.join()
+                # none should be left; one that is (torch's launcher failed) goes now
+                _end_workers(before)
+                self.control.end()
+                self._take_rows()
+                self._show("close")
 
-    def _watch(self, done: threading.Event) -> None:
+    def _watch(self, done: threading.Event, before: set[int]) -> None:
         while not done.wait(POLL_S):
             self._take_rows()
             if self.control.stop_requested:
                 self._ask_stop()  # at every look: another process could delete the key
+            if self.interrupted.is_set():
+                # whether or not torch's launcher got the exception; at every look, as a worker
+                # could still be starting. Not waited for here: torch's launcher collects them.
+                _terminate(_started_since(before))
 
     def _take_rows(self) -> None:
         """Drain the channel into :attr:`rows` (the watcher's, and once more after it has joined).
@@ -125,16 +202,10 @@ class Supervisor:
 
 def _end_workers(before: set[int]) -> None:
     """End the processes this one started since ``before`` was taken (the workers), SIGTERM then SIGKILL."""
-    started = [
-        child for child in psutil.Process().children(recursive=True) if child.pid not in before
-    ]
+    started = _started_since(before)
     if not started:
         return
-    for child in started:
-        try:
-            child.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
+    _terminate(started)
     _, alive = psutil.wait_procs(started, timeout=END_GRACE_S)
     for child in alive:
         try:
@@ -142,3 +213,15 @@ def _end_workers(before: set[int]) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=END_GRACE_S)
+
+
+def _started_since(before: set[int]) -> list[psutil.Process]:
+    return [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+
+
+def _terminate(processes: list[psutil.Process]) -> None:
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass

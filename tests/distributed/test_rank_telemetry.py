@@ -4,7 +4,10 @@ interrupt there stops every rank after the same step (2 gloo processes)."""
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -106,6 +109,50 @@ def test_an_interrupt_ends_every_worker_at_once_and_leaves_none_behind():
     assert time.monotonic() - started < 20
     time.sleep(0.5)
     assert {child.pid for child in psutil.Process().children(recursive=True)} - before == set()
+
+
+#: The signals torch's launcher installs handlers for while workers run.
+HANDLED_BY_TORCH = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+#: A launching process whose interrupt arrives while it forks a worker: the signal's handler then
+#: runs inside Python's at-fork callback, which prints and drops whatever the handler raises.
+INTERRUPTED_WHILE_FORKING = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from mpnb.distributed import launch
+from tests.distributed.test_rank_telemetry import sleep_forever
+
+armed = [True]
+
+def interrupt_once():
+    if armed:
+        armed.clear()
+        os.kill(os.getpid(), signal.SIGINT)
+
+os.register_at_fork(after_in_parent=interrupt_once)
+started = time.monotonic()
+try:
+    launch(sleep_forever, nproc=2, dashboard=None, timeout=40)
+except KeyboardInterrupt as interrupted:
+    print("interrupted after", round(time.monotonic() - started), "s:", interrupted)
+"""
+
+
+def test_an_interrupt_that_lands_while_a_worker_is_forked_still_ends_the_launch():
+    script = INTERRUPTED_WHILE_FORKING.format(root=str(pathlib.Path(__file__).parents[2]))
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = result.stdout.strip().splitlines()[-1]
+    assert said.endswith("s: launch interrupted: every worker was ended"), result.stdout
+    assert int(said.split()[2]) < 20, said
+
+
+def test_a_launch_puts_back_the_signal_handlers_it_found():
+    found = {number: signal.getsignal(number) for number in HANDLED_BY_TORCH}
+    launch(print, "ran", nproc=2, dashboard=None, timeout=60)
+    assert {number: signal.getsignal(number) for number in HANDLED_BY_TORCH} == found
 
 
 def test_text_progress_names_every_rank_and_the_straggler(capsys):
