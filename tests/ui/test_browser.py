@@ -7,6 +7,7 @@ and Playwright (the ``test`` extra); skipped without them, except in CI, where t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -36,9 +37,7 @@ def _missing() -> str | None:
     if shutil.which("chromium") is None:
         return "needs Debian's chromium (apt-get install chromium)"
     for module in ("playwright", "jupyterlab", "notebook", "voila"):
-        try:
-            __import__(module)
-        except ImportError:
+        if importlib.util.find_spec(module) is None:  # found, not imported: collection stays quick
             return f"needs {module} (pip install '.[test]')"
     return None
 
