@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import math
 import pathlib
@@ -88,6 +89,32 @@ def test_the_same_run_gives_the_same_answer():
         for _ in range(2)
     )
     assert first.batch_size == second.batch_size and first.account == second.account
+
+
+def test_the_searchs_collections_leave_out_the_objects_it_found_and_unfreeze_them_after():
+    """A full garbage collection walks every object of the process (~0.2 s with torch loaded);
+    the search collects twice a real step, so what existed before it is frozen meanwhile."""
+    frozen_while_running = []
+
+    def watched_run(mode):
+        frozen_while_running.append(gc.get_freeze_count())
+        return make_run(mode)
+
+    assert gc.get_freeze_count() == 0
+    mpnb.max_batch_size(watched_run, ["fp32"], memory_budget="16 MiB", start=64, limit=128)
+    assert frozen_while_running and min(frozen_while_running) > 0
+    assert gc.get_freeze_count() == 0  # as found
+
+
+def test_a_process_that_froze_objects_of_its_own_keeps_them_frozen():
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        mpnb.max_batch_size(make_run, ["fp32"], memory_budget="16 MiB", start=64, limit=128)
+        # still frozen (an unfreeze empties the count); frozen objects freed meanwhile leave it
+        assert mine // 2 < gc.get_freeze_count() <= mine
+    finally:
+        gc.unfreeze()
 
 
 class Hungry(torch.nn.Module):
