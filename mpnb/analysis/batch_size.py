@@ -6,8 +6,9 @@ second, and the same run gives the same answer. What the account cannot see (ker
 buffers) is measured on one or two real steps at small batches and added, growing with the
 batch (a step over the budget counts too: it was measured). The largest size whose account fits
 the budget is then tried once for real: on CUDA and HPU running out of memory is the judge, and
-a size that does not fit is bisected with real steps. A real step that would take longer than ``trial_seconds`` (bf16 at a large batch on a
-CPU without bf16 units) is not run, and the report says the answer is the account's.
+a size that does not fit is bisected with real steps. A real step that would take longer than
+``trial_seconds`` (bf16 at a large batch on a CPU without bf16 units) is not run, and the
+report says the answer is the account's.
 
 The batch of each trial is the run's first batch, grown along its first dimension (any batch a
 :class:`~mpnb.Trainer` accepts: tensors, tuples, dicts, dataclasses, nested). On a CPU the

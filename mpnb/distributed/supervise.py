@@ -55,8 +55,14 @@ def torch_handled_signals() -> str:
         >>> torch_handled_signals()
         'SIGTERM,SIGHUP,SIGQUIT'
     """
-    names = os.environ.get(TORCH_SIGNALS_ENV) or TORCH_SIGNALS
-    return ",".join(name.strip() for name in names.split(",") if name.strip() != "SIGINT")
+    return ",".join(name for name in _signal_names() if name != "SIGINT")
+
+
+def _signal_names() -> list[str]:
+    """The signal names torch's launcher would handle: the environment's list, or its default."""
+    return [
+        name.strip() for name in (os.environ.get(TORCH_SIGNALS_ENV) or TORCH_SIGNALS).split(",")
+    ]
 
 
 @contextlib.contextmanager
@@ -83,8 +89,7 @@ def interrupts_noted() -> Iterator[threading.Event]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     wanted = os.environ.get(TORCH_SIGNALS_ENV)
-    names = [name.strip() for name in (wanted or TORCH_SIGNALS).split(",")]
-    numbers = {name: getattr(signal, name) for name in names if hasattr(signal, name)}
+    numbers = {name: getattr(signal, name) for name in _signal_names() if hasattr(signal, name)}
     previous = {name: signal.getsignal(number) for name, number in numbers.items()}
 
     def on_interrupt(number: int, frame: object) -> None:
