@@ -124,7 +124,7 @@ class LauncherChannel:
             raise Refused(
                 f"rank {message.rank} sent batch {message.seq} of fit {message.fit} again (a replay)"
             )
-        # taken off the queue by someone else: the view misses those rows
+        # taken off the queue by someone else: the view misses those rows until the launch ends
         if message.seq > expected:
             self._refuse(
                 f"{message.seq - expected} batch(es) of rank {message.rank}'s rows never arrived"
@@ -136,7 +136,7 @@ class LauncherChannel:
             warn_user(
                 f"the launch dropped a message on its telemetry channel: {reason}. Another process on this "
                 "machine may be writing to it; what it sent was not applied (the results and histories "
-                "the launch returns do not travel this way)."
+                "the launch returns do not travel this way, and the view ends showing those)."
             )
         self.refused[reason] += 1
 

@@ -240,10 +240,15 @@ def launch(
                 _agent_logs_quiet(),
                 rendezvous_for(run_id, rendezvous_secret or new_secret(), local),
             ):
-                returned = supervisor.run(
-                    lambda: elastic_launch(config, _worker)(
-                        payload, backend, device_type, timeout, logs, link
-                    )
+                by_rank = supervisor.run(
+                    lambda: _unpacked(
+                        elastic_launch(config, _worker)(
+                            payload, backend, device_type, timeout, logs, link
+                        )
+                    ),
+                    exact_rows=lambda by_rank: {
+                        rank: histories for rank, (_, histories) in by_rank.items()
+                    },
                 )
         except ChildFailedError as failure:
             if supervisor.interrupted.is_set():  # the workers were ended for the interrupt
@@ -263,14 +268,20 @@ def launch(
         # mpnb's signed rendezvous refused a state (see rendezvous.py)
         except RendezvousStateError as refused:
             raise MpnbError(f"the launch could not meet its other nodes: {refused}") from None
-    ranks = sorted(returned)
-    unpacked = [cloudpickle.loads(returned[rank]) for rank in ranks]
     return Launched(
-        results=[result for result, _ in unpacked],
-        histories=[
-            [History.from_dict(history) for history in histories] for _, histories in unpacked
-        ],
+        results=[result for result, _ in by_rank.values()],
+        histories=[histories for _, histories in by_rank.values()],
     )
+
+
+def _unpacked(returned: dict[int, bytes]) -> dict[int, tuple[Any, list[History]]]:
+    """What each rank's worker sent back (its result, its histories), in rank order.
+    (torch's launcher carried it through a pipe from the worker this process started.)"""
+    by_rank = {}
+    for rank in sorted(returned):
+        result, histories = cloudpickle.loads(returned[rank])
+        by_rank[rank] = (result, [History.from_dict(history) for history in histories])
+    return by_rank
 
 
 def _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint) -> None:

@@ -49,6 +49,28 @@ class RankRows:
         histories[index].extend(columns)
         self._newest[rank] = index
 
+    def settle(self, exact: Mapping[int, Sequence[History]]) -> None:
+        """Replace each given rank's histories with ``exact`` (what the rank returned once it
+        ended): rows the stream lost are then in, and nothing another process slipped in stays.
+
+        Example:
+            >>> rows = RankRows()
+            >>> rows.add(0, 0, {"step": [2], "loss": [0.7]})  # step 1's rows were lost
+            >>> whole = History()
+            >>> whole.extend({"step": [1, 2], "loss": [0.9, 0.7]})
+            >>> rows.settle({0: [whole]})
+            >>> rows.latest()[0].step
+            [1, 2]
+        """
+        for rank, histories in exact.items():
+            if not histories:  # no trainer fitted there
+                self.histories.pop(rank, None)
+                self._newest.pop(rank, None)
+                continue
+            self.histories[rank] = list(histories)
+            newest = self._newest.get(rank, len(histories) - 1)
+            self._newest[rank] = newest if newest < len(histories) else len(histories) - 1
+
     @property
     def ranks(self) -> list[int]:
         return sorted(self.histories)
@@ -114,7 +136,8 @@ class RanksView:
         """New rows arrived."""
 
     def close(self, rows: RankRows) -> None:
-        """The launch ended; ``rows`` holds what streamed in (``Launched.histories`` is complete)."""
+        """The launch ended. ``rows`` holds what each rank returned (the histories of
+        ``Launched.histories``, whole) where the launch succeeded, else what streamed in."""
 
 
 def _own_time(history: History) -> list[float]:

@@ -27,7 +27,7 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -36,6 +36,7 @@ from mpnb.distributed.channel import LauncherChannel
 from mpnb.distributed.rank_rows import RankRows, RanksView
 from mpnb.errors import warn_user
 from mpnb.training.control import FitControl
+from mpnb.training.history import History
 
 __all__: list[str] = []
 
@@ -130,10 +131,20 @@ class Supervisor:
         #: Set when the launch was interrupted (see :func:`interrupts_noted`).
         self.interrupted = threading.Event()
 
-    def run(self, start: Callable[[], Any]) -> Any:
-        """``start()``'s return value (or its exception), watched meanwhile; no worker outlives it."""
+    def run(
+        self,
+        start: Callable[[], Any],
+        exact_rows: Callable[[Any], Mapping[int, Sequence[History]]] | None = None,
+    ) -> Any:
+        """``start()``'s return value (or its exception), watched meanwhile; no worker outlives it.
+
+        ``exact_rows``, given what ``start()`` returned, says each rank's histories as the rank
+        returned them: the view's last look (``close``) shows those, whole, rather than what
+        streamed in (another process on the machine can take rows off the channel's queue).
+        """
         before = {child.pid for child in psutil.Process().children(recursive=True)}
         done = threading.Event()
+        returned, finished = None, False
         with interrupts_noted() as self.interrupted:
             watcher = threading.Thread(
                 target=self._watch, args=(done, before), name="mpnb-launch-watch", daemon=True
@@ -141,7 +152,9 @@ class Supervisor:
             self.control.begin()
             watcher.start()
             try:
-                return start()
+                returned = start()
+                finished = True
+                return returned
             finally:
                 done.set()
                 watcher.join()
@@ -149,6 +162,8 @@ class Supervisor:
                 _end_workers(before)
                 self.control.end()
                 self._take_rows()
+                if finished and exact_rows is not None:
+                    self.rows.settle(exact_rows(returned))
                 self._show("close")
 
     def _watch(self, done: threading.Event, before: set[int]) -> None:

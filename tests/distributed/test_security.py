@@ -22,7 +22,9 @@ from mpnb.distributed import RankRows, RanksView, launch
 from mpnb.distributed.channel import LauncherChannel, WorkerChannel
 from mpnb.distributed.rows_message import MAX_MESSAGE_BYTES, Refused, RowsMessage, decode, encode
 from mpnb.distributed.signing import Signer, new_secret
+from mpnb.distributed.supervise import Supervisor
 from mpnb.errors import MpnbError
+from mpnb.training.history import History
 
 from .attacker import Payload
 from .test_ddp import batches, build_trainer
@@ -34,11 +36,14 @@ NOBODY = 65534
 
 
 class Final(RanksView):
+    """Keeps each rank's streamed losses at the last update, and the rows of the last look."""
+
     def __init__(self) -> None:
+        self.streamed: dict[int, list[float]] = {}
         self.final: RankRows | None = None
 
     def update(self, rows: RankRows) -> None:
-        pass
+        self.streamed = {rank: list(history.loss) for rank, history in rows.latest().items()}
 
     def close(self, rows: RankRows) -> None:
         self.final = rows
@@ -143,9 +148,11 @@ def test_a_local_attacker_runs_no_code_forges_no_rows_and_stops_nothing():
         (steps, False),
         (steps, False),
     ]  # every rank ran every step, none was stopped
+    for rank, streamed in view.streamed.items():  # the attacker may have taken some rows
+        assert only_real_rows(streamed, launched.histories[rank][0].loss)
     assert view.final.ranks == [0, 1]
-    for rank in (0, 1):
-        assert only_real_rows(view.final.histories[rank][0].loss, launched.histories[rank][0].loss)
+    for rank in (0, 1):  # the last look holds every row the rank returned, the stolen ones too
+        assert view.final.histories[rank][0].loss == launched.histories[rank][0].loss
     assert seen and all(ip == "127.0.0.1" for _, ip, _ in seen), (
         f"listening beyond loopback: {sorted(seen)}"
     )
@@ -312,6 +319,27 @@ def test_refused_and_replayed_messages_are_dropped_counted_and_said_once(channel
     assert [rows["loss"] for _, _, rows in arrived] == [[0.5]]
     assert sum(launcher.refused.values()) == 1 + len(hostile_messages(secret))
     assert len(said) == 1
+
+
+def test_the_views_last_look_holds_the_rows_another_process_took_off_the_queue(channel):
+    launcher, worker, _ = channel
+    worker.send(0, {"step": [1], "loss": [0.9]})
+    thief = dist.TCPStore("127.0.0.1", launcher.address[1], is_master=False)
+    assert thief.queue_pop(
+        "mpnb/rows", block=False
+    )  # step 1's rows, gone before the launcher looks
+    whole = History()
+    whole.extend({"step": [1, 2], "loss": [0.9, 0.7]})
+
+    def ranks_train() -> dict[int, list[History]]:
+        worker.send(0, {"step": [2], "loss": [0.7]})
+        return {2: [whole]}  # what rank 2 returned when it ended
+
+    view = Final()
+    with pytest.warns(RuntimeWarning, match="1 batch\\(es\\) of rank 2's rows never arrived"):
+        Supervisor(launcher, view).run(ranks_train, exact_rows=lambda returned: returned)
+    assert view.streamed == {2: [0.7]}
+    assert view.final.ranks == [2] and view.final.latest()[2].loss == [0.9, 0.7]
 
 
 def test_a_stop_key_written_without_the_secret_is_ignored(channel):
