@@ -216,6 +216,8 @@ def launch(
         max_restarts=0,
         monitor_interval=0.1,
         start_method=method,
+        # each launch sets its own below; torch's default makes a folder in /tmp that stays
+        logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
         **fields_it_takes(
             LaunchConfig, shutdown_timeout=SHUTDOWN_S, signals_to_handle=torch_handled_signals()
         ),
@@ -238,6 +240,7 @@ def launch(
         try:
             with (
                 _agent_logs_quiet(),
+                _temporary_files_in(logs),
                 rendezvous_for(run_id, rendezvous_secret or new_secret(), local),
             ):
                 by_rank = supervisor.run(
@@ -282,6 +285,29 @@ def _unpacked(returned: dict[int, bytes]) -> dict[int, tuple[Any, list[History]]
         result, histories = cloudpickle.loads(returned[rank])
         by_rank[rank] = (result, [History.from_dict(history) for history in histories])
     return by_rank
+
+
+@contextlib.contextmanager
+def _temporary_files_in(folder: str) -> Iterator[None]:
+    """Python's temporary files (``tempfile``'s default folder) go to ``folder`` while the block runs.
+
+    torch's launcher names a file ``pytorch-errorfile-*.pickle`` for each worker in the temporary
+    folder, removes it, and, if the worker fails, unpickles whatever is at that path. In a shared
+    /tmp another user can put a pickle there first, and it runs in this process. A launch's own
+    folder (mode 0700) is out of their reach, and goes with what torch left in it. (Other threads
+    of this process also make their temporary files there until the launch ends.)
+
+    Example:
+        >>> with tempfile.TemporaryDirectory() as private, _temporary_files_in(private):
+        ...     tempfile.gettempdir() == private
+        True
+    """
+    saved = tempfile.tempdir
+    tempfile.tempdir = folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
 
 
 def _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint) -> None:

@@ -3,9 +3,11 @@ forges no rows, stops nothing; nothing listens beyond loopback (2 gloo processes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 
-from mpnb.distributed import RankRows, RanksView, launch
+from mpnb.distributed import LaunchError, RankRows, RanksView, launch
 from mpnb.distributed.channel import LauncherChannel, WorkerChannel
 from mpnb.distributed.rows_message import MAX_MESSAGE_BYTES, Refused, RowsMessage, decode, encode
 from mpnb.distributed.signing import Signer, new_secret
@@ -30,6 +32,7 @@ from .attacker import Payload
 from .test_ddp import batches, build_trainer
 
 ATTACKER = os.path.join(os.path.dirname(__file__), "attacker.py")
+ERROR_FILE_ATTACKER = os.path.join(os.path.dirname(__file__), "error_file_attacker.py")
 NODE = os.path.join(os.path.dirname(__file__), "launch_node.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOBODY = 65534
@@ -83,13 +86,14 @@ def attacker_user() -> int | None:
 
 
 class Attacker:
-    """tests/distributed/attacker.py in its own process, with a folder it can write to."""
+    """An attacker script (tests/distributed/attacker.py unless told) in its own process, with a
+    folder it can write to."""
 
-    def __init__(self, *options: str) -> None:
+    def __init__(self, *options: str, script: str = ATTACKER) -> None:
         self.folder = tempfile.mkdtemp(prefix="mpnb-attacker-")
         os.chmod(self.folder, 0o777)
         self.marker = os.path.join(self.folder, "marker")
-        command = [sys.executable, ATTACKER, self.folder, self.marker, *options]
+        command = [sys.executable, script, self.folder, self.marker, *options]
         self.process = subprocess.Popen(command, user=attacker_user())
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(self.folder, "ready")):
@@ -102,7 +106,9 @@ class Attacker:
         open(os.path.join(self.folder, "stop"), "w").close()
         assert self.process.wait(timeout=60) == 0
         with open(os.path.join(self.folder, "report.json")) as file:
-            return json.load(file)
+            report = json.load(file)
+        shutil.rmtree(self.folder)
+        return report
 
 
 class Listeners:
@@ -164,6 +170,35 @@ def test_a_local_attacker_runs_no_code_forges_no_rows_and_stops_nothing():
         report
     )  # and the attacker reached it
     assert report["pushed"] > 0 and report["stops"] > 0
+
+
+def dies_without_a_word() -> None:
+    time.sleep(1)  # the attacker has had its chance by now
+    os._exit(3)  # no traceback written: torch's launcher reads whatever is at the error file's path
+
+
+def torch_launch_files() -> set[str]:
+    return {
+        name
+        for name in os.listdir(tempfile.gettempdir())
+        if name.startswith(("torchelastic_", "pytorch-errorfile-"))
+    }
+
+
+def test_a_pickle_planted_where_torch_reads_a_failed_workers_error_never_runs():
+    before = torch_launch_files()
+    attacker = Attacker(tempfile.gettempdir(), script=ERROR_FILE_ATTACKER)
+    try:
+        with pytest.raises(LaunchError, match="exit code 3"):
+            launch(dies_without_a_word, nproc=2, dashboard=None, timeout=120)
+    finally:
+        marker_made = os.path.exists(attacker.marker)
+        report = attacker.finish()
+        for planted in report["planted"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(planted)
+    assert not marker_made, f"the attacker's pickle ran; it planted {report['planted']}"
+    assert torch_launch_files() == before  # and the launch left nothing in the shared folder
 
 
 def free_port() -> int:
