@@ -356,12 +356,21 @@ class _Search:
     def _learn_extra(self) -> None:
         """The bytes the real steps used beyond their accounts, as a line in the batch size
         (through the origin when only one step ran), never below zero. A step over the budget
-        counts as well as one within it: only a step that ran out of memory measured nothing."""
-        points = []
+        counts as well as one within it: only a step that ran out of memory measured nothing.
+
+        The line is drawn through steps whose account grows with the batch at their size. On a
+        small batch the account can peak where nothing grows with it (the optimizer's update);
+        the real step's peak may then be elsewhere (the backward pass, with its kernels'
+        buffers), and what it shows beyond the account is not the extra of the batch. Where no
+        step is such, the largest gives the line through the origin."""
+        points, growing = [], []
         for trial in self.trials:
             if trial.kind == "step" and math.isfinite(trial.peak):
                 counted = self._counted(trial.batch_size)
                 points.append((trial.batch_size, trial.peak - counted.tracked))
+                if self._account_grows_at(trial.batch_size):
+                    growing.append(points[-1])
+        points = growing or points[-1:]
         if len(points) >= 2:
             (small, extra_small), (large, extra_large) = points[-2], points[-1]
             slope = max(0.0, (extra_large - extra_small) / (large - small))
@@ -370,6 +379,11 @@ class _Search:
             size, extra = points[-1]
             slope, offset = max(0.0, extra / size), 0.0
         self.extra_at = lambda size: offset + slope * size
+
+    def _account_grows_at(self, size: int) -> bool:
+        """Whether the account's peak at ``size`` is above its peak at three quarters of it."""
+        smaller = size * 3 // 4
+        return smaller >= 1 and self._counted(size).tracked > self._counted(smaller).tracked
 
     def _predicted(self, limit: int) -> int:
         """The largest size up to ``limit`` whose account (with the extra) fits the budget.
