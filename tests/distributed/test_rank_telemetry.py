@@ -94,15 +94,28 @@ def sleep_forever() -> None:
         time.sleep(0.1)
 
 
-def interrupt_soon(after: float) -> threading.Timer:
-    timer = threading.Timer(after, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    return timer
+def interrupt_once_workers_run(before: set[int], workers: int) -> threading.Thread:
+    """Send this process SIGINT once ``workers`` new child processes exist (and have had half a
+    second to start running): a fixed delay may land before a busy machine has started any."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            children = {child.pid for child in psutil.Process().children(recursive=True)}
+            if len(children - before) >= workers:
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
 
 
 def test_an_interrupt_ends_every_worker_at_once_and_leaves_none_behind():
     before = {child.pid for child in psutil.Process().children(recursive=True)}
-    interrupt_soon(2.0)
+    interrupt_once_workers_run(before, workers=2)
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt, match="every worker was ended"):
         launch(sleep_forever, nproc=2, dashboard=None, timeout=120)
