@@ -123,6 +123,22 @@ def test_live_dashboard_updates_reach_the_frontend_while_the_cell_runs(kernel):
     assert execute(client, "print(len(history), history.skipped_steps)")[1].strip() == "276 []"
 
 
+def test_a_fits_dashboard_sends_plotlys_bundle_to_the_page_once(kernel):
+    """Each plotly FigureWidget carries plotly.js (about 5 MB) in its state: a figure nobody has
+    asked for yet (the memory-by-category bars) is made when first drawn."""
+    _, client = kernel
+    execute(
+        client,
+        "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('fp32', 'cpu', widths=(4, 8))",
+    )
+    reply, messages = execute_collecting(client, "_ = trainer.fit(train, max_steps=2)")
+    assert reply["status"] == "ok", reply
+    opened = [m for _, m in messages if m["msg_type"] == "comm_open"]
+    bundles = [m for m in opened if "_esm" in m["content"]["data"].get("state", {})]
+    assert len(bundles) == 1, [m["content"]["data"]["state"].get("_model_name") for m in bundles]
+    assert sum(wire_size(m) for m in opened) < 1.5 * wire_size(bundles[0])
+
+
 def test_kernel_interrupt_during_fit_keeps_history_and_fit_continues(kernel):
     manager, client = kernel
     # one step first: the dashboard's libraries are imported before the interrupt's timer starts (their

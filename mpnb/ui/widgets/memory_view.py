@@ -11,8 +11,8 @@ Example:
     >>> trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
     >>> view = MemoryView(trainer)
     >>> view.button.click()
-    >>> view.note.value
-    'train a step first: the view counts the batch trained last'
+    >>> view.note.value, view.figure
+    ('train a step first: the view counts the batch trained last', None)
     >>> _ = trainer.fit(train, max_steps=1)
     >>> view.button.click()
     >>> [trace.name for trace in view.figure.data][:3]
@@ -47,9 +47,9 @@ class MemoryView:
             tooltip="count a step on the last batch: parameters, gradients, activations...",
         )
         self.note = widgets.Label("")
-        self.figure = go.FigureWidget()
-        self.figure.layout.height = 10  # empty until the first count
-        self.widget = widgets.VBox([widgets.HBox([self.button, self.note]), self.figure])
+        # made at the first count: each FigureWidget sends plotly.js (about 5 MB) to the page
+        self.figure: go.FigureWidget | None = None
+        self.widget = widgets.VBox([widgets.HBox([self.button, self.note])])
         self.button.on_click(lambda _: self.show())
 
     def show(self) -> None:
@@ -60,6 +60,9 @@ class MemoryView:
             return
         account = account_step(self.trainer, batch)
         drawn = memory_figure(MemoryReport([account], {}))
+        if self.figure is None:
+            self.figure = go.FigureWidget()
+            self.widget.children = (*self.widget.children, self.figure)
         with self.figure.batch_update():
             self.figure.data = []
             self.figure.add_traces(list(drawn.data))
