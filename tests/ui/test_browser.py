@@ -302,7 +302,9 @@ def test_panel_and_live_dashboard_control_a_running_fit(jupyter_server, browser,
             timeout=60_000,
         )
         first = drawn_until(page)
-        page.wait_for_timeout(2500)
+        deadline = time.monotonic() + 30
+        while drawn_until(page) <= first and time.monotonic() < deadline:
+            page.wait_for_timeout(150)
         grown = drawn_until(page)
         assert grown > first >= 0, (first, grown)  # the dashboard grows while the cell runs
         page.screenshot(path=str(ARTIFACTS / f"{frontend}-running-fit.png"))
