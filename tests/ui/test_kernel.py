@@ -94,6 +94,18 @@ def execute_collecting(
     return reply["content"], messages
 
 
+def fit_collecting(client, trainer_arguments: str, fit: str) -> list[tuple[float, dict]]:
+    """Make an example trainer in the kernel (``example_trainer(trainer_arguments)``), run the cell
+    ``fit``, and return every iopub message of it with its arrival time."""
+    execute(
+        client,
+        f"import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer({trainer_arguments})",
+    )
+    reply, messages = execute_collecting(client, fit)
+    assert reply["status"] == "ok", reply
+    return messages
+
+
 def wire_size(message: dict) -> int:
     return len(json.dumps(message["content"])) + sum(
         len(memoryview(b).tobytes()) for b in message.get("buffers") or []
@@ -102,12 +114,9 @@ def wire_size(message: dict) -> int:
 
 def test_live_dashboard_updates_reach_the_frontend_while_the_cell_runs(kernel):
     _, client = kernel
-    execute(
-        client,
-        "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('bf16', 'cpu', widths=(8, 16))",
+    messages = fit_collecting(
+        client, "'bf16', 'cpu', widths=(8, 16)", "history = trainer.fit(train, epochs=12)"
     )
-    reply, messages = execute_collecting(client, "history = trainer.fit(train, epochs=12)")
-    assert reply["status"] == "ok", reply
     views = [m for _, m in messages if m["msg_type"] == "display_data"]
     assert any("application/vnd.jupyter.widget-view+json" in m["content"]["data"] for m in views)
     updates = [(t, m) for t, m in messages if m["msg_type"] == "comm_msg" and m.get("buffers")]
@@ -127,12 +136,9 @@ def test_a_fits_dashboard_sends_plotlys_bundle_to_the_page_once(kernel):
     """Each plotly FigureWidget carries plotly.js (about 5 MB) in its state: a figure nobody has
     asked for yet (the memory-by-category bars) is made when first drawn."""
     _, client = kernel
-    execute(
-        client,
-        "import mpnb.examples as ex\ntrainer, train, test = ex.example_trainer('fp32', 'cpu', widths=(4, 8))",
+    messages = fit_collecting(
+        client, "'fp32', 'cpu', widths=(4, 8)", "_ = trainer.fit(train, max_steps=2)"
     )
-    reply, messages = execute_collecting(client, "_ = trainer.fit(train, max_steps=2)")
-    assert reply["status"] == "ok", reply
     opened = [m for _, m in messages if m["msg_type"] == "comm_open"]
     bundles = [m for m in opened if "_esm" in m["content"]["data"].get("state", {})]
     assert len(bundles) == 1, [m["content"]["data"]["state"].get("_model_name") for m in bundles]
