@@ -190,6 +190,7 @@ def launch(
     ):
         raise InvalidChoiceError("dashboard", dashboard, [*DASHBOARDS, "None", "a RanksView"])
     device_type = _accelerator_type()
+    _check_a_device_each(device_type, nproc, _device_count(device_type))
     backend = backend or default_backend(device_type)
     if backend not in dist.Backend.backend_list:
         raise InvalidChoiceError("backend", backend, dist.Backend.backend_list)
@@ -350,6 +351,29 @@ def _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint) -> No
 def _accelerator_type() -> str:
     accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     return accelerator.type if accelerator is not None else "cpu"
+
+
+def _device_count(device_type: str) -> int:
+    return torch.accelerator.device_count() if device_type != "cpu" else 0
+
+
+def _check_a_device_each(device_type: str, nproc: int, devices: int) -> None:
+    """Refuse more CUDA workers than GPUs: each worker takes the GPU of its local rank, and
+    NCCL will not put two ranks on one GPU. CPU workers share the cores.
+
+    >>> _check_a_device_each("cuda", 2, devices=1)
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.MpnbError: nproc=2 puts a worker on each of 2 cuda devices, and this machine has 1: use nproc=1 or fewer, or run CPU workers by hiding the GPUs (CUDA_VISIBLE_DEVICES='' before Python starts)
+    >>> _check_a_device_each("cuda", 2, devices=2), _check_a_device_each("cpu", 8, devices=0)
+    (None, None)
+    """
+    if device_type == "cuda" and nproc > devices:
+        raise MpnbError(
+            f"nproc={nproc} puts a worker on each of {nproc} {device_type} devices, and this "
+            f"machine has {devices}: use nproc={devices} or fewer, or run CPU workers by hiding "
+            "the GPUs (CUDA_VISIBLE_DEVICES='' before Python starts)"
+        )
 
 
 def _accelerator_used() -> bool:

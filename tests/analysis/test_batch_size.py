@@ -100,7 +100,8 @@ def test_the_searchs_collections_leave_out_the_objects_it_found_and_unfreeze_the
         frozen_while_running.append(gc.get_freeze_count())
         return make_run(mode)
 
-    assert gc.get_freeze_count() == 0
+    # On a GPU machine (torch 2.11) an earlier test in the same worker left 375 objects frozen.
+    gc.unfreeze()
     mpnb.max_batch_size(watched_run, ["fp32"], memory_budget="16 MiB", start=64, limit=128)
     assert frozen_while_running and min(frozen_while_running) > 0
     assert gc.get_freeze_count() == 0  # as found

@@ -27,6 +27,7 @@ from mpnb.distributed.signing import Signer, new_secret
 from mpnb.distributed.supervise import Supervisor
 from mpnb.errors import MpnbError
 from mpnb.training.history import History
+from tests.child_process import child_environment
 
 from .attacker import Payload
 from .test_ddp import batches, build_trainer
@@ -211,7 +212,7 @@ def test_two_nodes_drop_rows_that_lack_the_secret(tmp_path):
     """Two launch calls on this machine form one two-node launch (a loopback endpoint); the
     attacker pushes unsigned rows and stop keys into every store it finds."""
     steps, endpoint = 30, f"127.0.0.1:{free_port()}"
-    environment = {**os.environ, "MPNB_LAUNCH_SECRET": new_secret().hex(), "PYTHONPATH": ROOT}
+    environment = child_environment(MPNB_LAUNCH_SECRET=new_secret().hex())
     attacker = Attacker("--rows-only")
     try:
         nodes = [
@@ -249,7 +250,7 @@ def test_a_node_given_another_secret_is_refused_at_the_rendezvous(tmp_path):
     nodes = [
         subprocess.Popen(
             [sys.executable, NODE, str(rank), endpoint, "1", str(tmp_path / f"node{rank}.json")],
-            env={**os.environ, "MPNB_LAUNCH_SECRET": new_secret().hex(), "PYTHONPATH": ROOT},
+            env=child_environment(MPNB_LAUNCH_SECRET=new_secret().hex()),
             cwd=ROOT,
         )
         for rank in (0, 1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from mpnb.precision.backends.cuda import CudaBackend
 from mpnb.precision.backends.hpu import HpuBackend
 from mpnb.precision.policy import session
 from mpnb.training.numerics_watch import NumericsLog
+from tests.child_process import child_environment
 from tests.conftest import policy_state, run, usage_error
 
 float8 = pytest.importorskip("torchao.float8", reason="mode fp8 needs torchao (mpnb[fp8])")
@@ -283,7 +283,7 @@ def test_the_magic_converts_a_named_model_until_the_mode_changes(ip, capsys):
         ip,
         "net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))",
     )
-    run(ip, "%amp fp8 --model net --recipe rowwise")
+    run(ip, "%amp fp8 --model net --recipe rowwise --device cpu")
     printed = capsys.readouterr().out
     assert (
         "net: fp8 (rowwise, emulated: numerics only, no speed-up): 1 of 3 Linear layers" in printed
@@ -366,7 +366,7 @@ def test_without_torchao_the_mode_says_how_to_install_it_and_changes_nothing():
         text=True,
         timeout=300,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=child_environment(),
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -464,12 +464,17 @@ def test_a_hand_loop_with_ampstep_and_fp8_layers():
 
 def test_mpnb_train_in_fp8_on_the_example_mlp(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "mpnb", "train", "--mode", "fp8", "--model", "mlp", "--steps", "2"],
+        [
+            sys.executable,
+            "-m",
+            "mpnb",
+            *"train --mode fp8 --model mlp --steps 2 --device cpu".split(),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=child_environment(),
     )
     assert result.returncode == 0, result.stderr
     assert "fp8 is emulated here (numerics only, no speed-up)" in result.stdout
@@ -526,7 +531,7 @@ def test_accelerate_fp8_is_read_from_the_layers_that_run(widths, layers, mode, n
         text=True,
         timeout=300,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=child_environment(),
     )
     assert result.returncode == 0, result.stderr
     assert f"LAYERS: {layers}" in result.stdout

@@ -20,6 +20,8 @@ import urllib.request
 
 import pytest
 
+from tests.child_process import child_environment
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM_FLAGS = [
@@ -78,12 +80,11 @@ def wait_for_http(url: str, process: subprocess.Popen, timeout: float = 90) -> N
 
 def jupyter_environment(root: pathlib.Path) -> dict[str, str]:
     """This process's environment with Jupyter's config, data and runtime dirs inside ``root``."""
-    env = dict(os.environ)
+    env = child_environment()
     for name in ("CONFIG", "DATA", "RUNTIME"):
         path = root / f"jupyter-{name.lower()}"
         path.mkdir()
         env[f"JUPYTER_{name}_DIR"] = str(path)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
 
