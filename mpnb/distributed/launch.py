@@ -124,6 +124,18 @@ def default_backend(device_type: str) -> str:
     return {"cuda": "nccl", "hpu": "hccl"}.get(device_type, "gloo")
 
 
+def default_start_method(device_type: str) -> str:
+    """How workers start: forked on CPU (functions from notebook cells need no import there),
+    spawned on an accelerator, as torchrun's start fresh. A forked worker cannot use CUDA once
+    the launching process has asked the CUDA runtime anything: ``torch.cuda.is_available()`` is
+    enough, and mpnb's device detection calls it.
+
+    >>> default_start_method("cpu"), default_start_method("cuda")
+    ('fork', 'spawn')
+    """
+    return "fork" if device_type == "cpu" else "spawn"
+
+
 def launch(
     fn: Callable[..., Any],
     *args: Any,
@@ -146,7 +158,8 @@ def launch(
         backend: the process-group backend; default from the device (:func:`default_backend`).
         timeout: seconds a worker may run (None: no limit); also the process group's timeout.
         nnodes, node_rank, rdzv_endpoint: several machines (see the module's notes).
-        start_method: ``"fork"`` (default, unless this process has used CUDA), ``"spawn"`` or ``"forkserver"``.
+        start_method: ``"fork"``, ``"spawn"`` or ``"forkserver"``; default ``"fork"`` on CPU
+            and ``"spawn"`` on an accelerator (see ``default_start_method``).
         dashboard: how every rank's ``mpnb.Trainer`` telemetry is shown while they train:
             ``"auto"`` (a live per-rank plot in a notebook, a text line elsewhere), ``"live"``,
             ``"text"``, a :class:`~mpnb.distributed.rank_rows.RanksView`, or None (no
@@ -174,13 +187,12 @@ def launch(
         ...
         mpnb.errors.InvalidChoiceError: unknown dashboard 'plot'; valid: auto, live, text, None, a RanksView
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousStateError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    from mpnb.distributed.rendezvous import BACKEND_NAME, rendezvous_for
+    from mpnb.distributed.rendezvous import rendezvous_for
 
     _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint)
     if (
@@ -194,7 +206,7 @@ def launch(
     backend = backend or default_backend(device_type)
     if backend not in dist.Backend.backend_list:
         raise InvalidChoiceError("backend", backend, dist.Backend.backend_list)
-    method = start_method or ("spawn" if _accelerator_used() else "fork")
+    method = start_method or default_start_method(device_type)
     if method not in START_METHODS:
         raise InvalidChoiceError("start_method", method, START_METHODS)
     rendezvous_secret = shared_secret(secret)
@@ -205,24 +217,6 @@ def launch(
         )
     local = nnodes == 1
     run_id = f"mpnb-{uuid.uuid4().hex[:8]}" if local else "mpnb"
-    config = LaunchConfig(
-        min_nodes=nnodes,
-        max_nodes=nnodes,
-        nproc_per_node=nproc,
-        rdzv_backend=BACKEND_NAME,
-        rdzv_endpoint=rdzv_endpoint or "localhost:0",
-        rdzv_configs={"rank": node_rank},
-        run_id=run_id,
-        local_addr="127.0.0.1" if local else None,
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method=method,
-        # each launch sets its own below; torch's default makes a folder in /tmp that stays
-        logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
-        **fields_it_takes(
-            LaunchConfig, shutdown_timeout=SHUTDOWN_S, signals_to_handle=torch_handled_signals()
-        ),
-    )
     payload = cloudpickle.dumps((fn, args))
     channel_secret = new_secret()
     channel = LauncherChannel(
@@ -236,7 +230,10 @@ def launch(
     supervisor = Supervisor(channel, view, control)
     # error files and stacks, removed after
     with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:
-        config.logs_specs = DefaultLogsSpecs(log_dir=logs)
+        config = _launch_config(
+            nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+            run_id=run_id, start_method=method, logs=logs,
+        )  # fmt: skip
         gc.collect()  # this process's garbage finalized here, where it was made, not in a forked worker (see _worker)
         try:
             with (
@@ -275,6 +272,43 @@ def launch(
     return Launched(
         results=[result for result, _ in by_rank.values()],
         histories=[histories for _, histories in by_rank.values()],
+    )
+
+
+def _launch_config(
+    *,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    run_id: str,
+    start_method: str,
+    logs: str,
+) -> Any:
+    """torch's LaunchConfig for one launch, whose workers' logs and error files go to ``logs``
+    (torch's default would make a folder in /tmp that stays)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from mpnb.distributed.rendezvous import BACKEND_NAME
+
+    local = nnodes == 1
+    return LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        rdzv_backend=BACKEND_NAME,
+        rdzv_endpoint=rdzv_endpoint or "localhost:0",
+        rdzv_configs={"rank": node_rank},
+        run_id=run_id,
+        local_addr="127.0.0.1" if local else None,
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
+        **fields_it_takes(
+            LaunchConfig, shutdown_timeout=SHUTDOWN_S, signals_to_handle=torch_handled_signals()
+        ),
     )
 
 
@@ -354,7 +388,9 @@ def _accelerator_type() -> str:
 
 
 def _device_count(device_type: str) -> int:
-    return torch.accelerator.device_count() if device_type != "cpu" else 0
+    # torch.cuda's count asks NVML where it can, which leaves a later fork able to use CUDA
+    # (%%distributed forks); torch.cuda.is_available() would not
+    return torch.get_device_module(device_type).device_count() if device_type != "cpu" else 0
 
 
 def _check_a_device_each(device_type: str, nproc: int, devices: int) -> None:
@@ -374,11 +410,6 @@ def _check_a_device_each(device_type: str, nproc: int, devices: int) -> None:
             f"machine has {devices}: use nproc={devices} or fewer, or run CPU workers by hiding "
             "the GPUs (CUDA_VISIBLE_DEVICES='' before Python starts)"
         )
-
-
-def _accelerator_used() -> bool:
-    """Whether this process has started CUDA (a forked child could not use it)."""
-    return torch.cuda.is_initialized()
 
 
 def fields_it_takes(config_class: type, **options: Any) -> dict[str, Any]:

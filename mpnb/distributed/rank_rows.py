@@ -68,8 +68,8 @@ class RankRows:
                 self._newest.pop(rank, None)
                 continue
             self.histories[rank] = list(histories)
-            newest = self._newest.get(rank, len(histories) - 1)
-            self._newest[rank] = newest if newest < len(histories) else len(histories) - 1
+            last = len(histories) - 1
+            self._newest[rank] = min(self._newest.get(rank, last), last)
 
     @property
     def ranks(self) -> list[int]:

@@ -11,6 +11,9 @@ halves (op lists, the dashboard, compare and max_batch_size) were run on the CPU
 from __future__ import annotations
 
 import gc
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -21,6 +24,9 @@ import mpnb
 from mpnb.distributed import launch
 from mpnb.errors import DeviceUnavailableError, MpnbError
 from mpnb.precision.policy import session
+from tests.child_process import child_environment
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -356,3 +362,33 @@ def test_launch_refuses_more_workers_than_gpus_before_starting_any():
     )
     with pytest.raises(MpnbError, match=expected):
         launch(print, nproc=count + 1, dashboard=None)
+
+
+def _train_on_the_gpu() -> tuple[str, float, str]:
+    import torch.distributed as dist
+
+    ones = torch.ones(4, device="cuda")
+    dist.all_reduce(ones)
+    trainer, train, _ = mpnb.examples.example_trainer("bf16", dashboard=None)
+    trainer.fit(train, max_steps=3)
+    return str(next(trainer.model.parameters()).device), ones.sum().item(), dist.get_backend()
+
+
+def test_a_launch_on_cuda_from_a_fresh_process_trains_its_worker_on_the_gpu():
+    """Forked (the default before), the worker failed with "Cannot re-initialize CUDA in forked
+    subprocess": the launch had asked the driver for the GPUs, which is enough."""
+    code = (
+        "from mpnb.distributed import launch\n"
+        "from tests.gpu.test_cuda_suite import _train_on_the_gpu\n"
+        "print(launch(_train_on_the_gpu, nproc=1, dashboard=None).results)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=child_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[('cuda:0', 4.0, 'nccl')]" in result.stdout
