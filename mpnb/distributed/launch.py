@@ -231,9 +231,14 @@ def launch(
     # error files and stacks, removed after
     with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:
         config = _launch_config(
-            nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-            run_id=run_id, start_method=method, logs=logs,
-        )  # fmt: skip
+            nproc=nproc,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            rdzv_endpoint=rdzv_endpoint,
+            run_id=run_id,
+            start_method=method,
+            logs=logs,
+        )
         gc.collect()  # this process's garbage finalized here, where it was made, not in a forked worker (see _worker)
         try:
             with (
