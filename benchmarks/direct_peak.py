@@ -88,22 +88,39 @@ def measure(mode: str, batch_sizes: list[int]) -> list[dict[str, float]]:
     return points
 
 
+class DirectMeasurement:
+    """The direct measurement of one mode at two batch sizes, started in a fresh process at once:
+    other work can go on meanwhile (a test runs mpnb's search beside it).
+
+    ``max_batch(budget)`` waits for it and gives the batch size at which the measured peak meets
+    ``budget``: the line through the two points.
+    """
+
+    def __init__(self, mode: str, sizes: tuple[int, int]) -> None:
+        self.sizes = sizes
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, mode, *map(str, sizes)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)},
+        )
+
+    def max_batch(self, budget: int) -> float:
+        output, _ = self.process.communicate()
+        if self.process.returncode:
+            raise subprocess.CalledProcessError(self.process.returncode, self.process.args, output)
+        lines = output.strip().splitlines()[-len(self.sizes) :]
+        (small, low), (large, high) = [
+            (point["batch"], point["resident"] + point["added"]) for point in map(json.loads, lines)
+        ]
+        per_sample = (high - low) / (large - small)
+        return small + (budget - low) / per_sample
+
+
 def direct_max_batch(mode: str, budget: int, sizes: tuple[int, int]) -> float:
     """The batch size at which the directly measured peak meets ``budget``: the line through
     the points of two batch sizes, measured in a fresh process."""
-    output = subprocess.run(
-        [sys.executable, __file__, mode, *map(str, sizes)],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)},
-    ).stdout
-    lines = output.strip().splitlines()[-len(sizes) :]
-    (small, low), (large, high) = [
-        (point["batch"], point["resident"] + point["added"]) for point in map(json.loads, lines)
-    ]
-    per_sample = (high - low) / (large - small)
-    return small + (budget - low) / per_sample
+    return DirectMeasurement(mode, sizes).max_batch(budget)
 
 
 if __name__ == "__main__":

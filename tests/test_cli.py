@@ -66,7 +66,7 @@ def test_train_prints_progress_and_summary_and_writes_history_and_dashboard(tmp_
     result = mpnb(
         "train",
         "--steps",
-        "30",
+        "12",
         "--mode",
         "fp16",
         "--device",
@@ -82,7 +82,7 @@ def test_train_prints_progress_and_summary_and_writes_history_and_dashboard(tmp_
     )  # fp16 on a CPU is announced before training, with a measured estimate
     assert (
         notice.startswith("fp16 convolutions have no fast CPU kernels: about ")
-        and "30 steps take about" in notice
+        and "12 steps take about" in notice
     )
     assert out.startswith(
         "training DigitsCNN, fp16 on cpu, 21,386 parameters\nstep 1  epoch 0  loss "
@@ -93,7 +93,7 @@ def test_train_prints_progress_and_summary_and_writes_history_and_dashboard(tmp_
     )
     assert summary, out
     history = History.load(tmp_path / "mpnb-train" / "history.csv")
-    assert len(history) == 30 and set(history.mode) == {"fp16"}
+    assert len(history) == 12 and set(history.mode) == {"fp16"}
     assert int(summary.group(3)) == len(history.skipped_steps)
     assert float(summary.group(2)) == round(history.summary()["final_loss"], 4)
     page = (tmp_path / "mpnb-train" / "dashboard.html").read_text()
