@@ -38,6 +38,33 @@ __all__: list[str] = []
 RESULT_VARIABLE = "_distributed"
 
 
+#: What torch says in a forked worker that uses CUDA after the parent asked the CUDA runtime.
+CUDA_AFTER_FORK = "Cannot re-initialize CUDA in forked subprocess"
+
+
+def _cuda_after_fork_hint(failure: str) -> str:
+    """mpnb's advice when a forked rank could not use CUDA. torch's own (use the 'spawn' start
+    method) is not open to %%distributed, whose workers need the notebook's names.
+
+    Example:
+        >>> _cuda_after_fork_hint("rank 0 failed: ValueError: bad batch")
+        ''
+        >>> print(_cuda_after_fork_hint(f"rank 0 failed: RuntimeError: {CUDA_AFTER_FORK}."))
+        <BLANKLINE>
+        mpnb: %%distributed forks this kernel so that its workers have the notebook's names, ...
+    """
+    if CUDA_AFTER_FORK not in failure:
+        return ""
+    return (
+        "\nmpnb: %%distributed forks this kernel so that its workers have the notebook's names, "
+        "and a forked worker cannot use CUDA once the kernel has asked CUDA anything "
+        "(torch.cuda.is_available() is enough, and mpnb's device detection calls it). Run the "
+        "work as a function with mpnb.distributed.launch(fn, nproc=N), which spawns its workers "
+        "on CUDA, or start the kernel with CUDA_VISIBLE_DEVICES='' to run %%distributed on CPU "
+        "workers."
+    )
+
+
 def _cell_on_rank(body: str) -> dict[str, Any] | None:
     """In a worker: run the cell in the notebook's namespace (as forked); rank 0 returns what it assigned."""
     shell = get_ipython()
@@ -100,7 +127,8 @@ class DistributedMagics(Magics):
                     start_method="fork",
                 )
             except LaunchError as failure:
-                raise RuntimeError(f"%%distributed: {failure}") from None
+                hint = _cuda_after_fork_hint(str(failure))
+                raise RuntimeError(f"%%distributed: {failure}{hint}") from None
         back = launched.results[0]
         self.shell.user_ns.update(back["names"])
         self.shell.user_ns[RESULT_VARIABLE] = launched
