@@ -11,7 +11,6 @@ halves (op lists, the dashboard, compare and max_batch_size) were run on the CPU
 from __future__ import annotations
 
 import gc
-import pathlib
 import subprocess
 import sys
 import warnings
@@ -24,9 +23,7 @@ import mpnb
 from mpnb.distributed import launch
 from mpnb.errors import DeviceUnavailableError, MpnbError
 from mpnb.precision.policy import session
-from tests.child_process import child_environment
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.child_process import ROOT, child_environment
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -138,9 +135,8 @@ def peak_of_a_fit(mode: str, steps: int = 4) -> tuple[float, float]:
 
 
 def test_each_modes_peak_memory_comes_from_the_allocator_and_bf16_activations_take_less():
-    # cuBLAS and cuBLASLt take their workspaces from the caching allocator at a handle's first
-    # matmul in each precision, and keep them. A one-step fit in each mode first puts those into
-    # the baseline of both measured fits: run cold, bf16's fit paid its workspace in its peak.
+    # A one-step fit in each mode first, so that what the libraries keep after their first
+    # matmul in each precision (cuBLAS workspaces) is in the baseline of both measured fits.
     for mode in ("fp32", "bf16"):
         peak_of_a_fit(mode, steps=1)
     fp32_peak, fp32_reserved = peak_of_a_fit("fp32")
@@ -376,7 +372,7 @@ def _train_on_the_gpu() -> tuple[str, float, str]:
 
 def test_a_launch_on_cuda_from_a_fresh_process_trains_its_worker_on_the_gpu():
     """Forked (the default before), the worker failed with "Cannot re-initialize CUDA in forked
-    subprocess": the launch had asked the driver for the GPUs, which is enough."""
+    subprocess": the launching process had already asked the CUDA runtime about its GPUs."""
     code = (
         "from mpnb.distributed import launch\n"
         "from tests.gpu.test_cuda_suite import _train_on_the_gpu\n"
