@@ -94,15 +94,26 @@ class DirectMeasurement:
 
     ``max_batch(budget)`` waits for it and gives the batch size at which the measured peak meets
     ``budget``: the line through the two points.
+
+    ``threads``: torch's intra-op threads in the measuring process; by default as many as this
+    process's torch uses, so that both measure the same kernels. oneDNN's buffers depend on it:
+    the seeds' CNN in bf16 peaked 16 MB lower on one thread than on two (a CPU with bf16 units).
     """
 
-    def __init__(self, mode: str, sizes: tuple[int, int]) -> None:
+    def __init__(self, mode: str, sizes: tuple[int, int], threads: int | None = None) -> None:
+        import torch
+
         self.sizes = sizes
+        threads = threads or torch.get_num_threads()
         self.process = subprocess.Popen(
             [sys.executable, __file__, mode, *map(str, sizes)],
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)},
+            env={
+                **os.environ,
+                "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+                "OMP_NUM_THREADS": str(threads),
+            },
         )
 
     def max_batch(self, budget: int) -> float:

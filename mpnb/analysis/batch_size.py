@@ -5,8 +5,11 @@ counts a step's tensors on a shape-only copy of the model at any batch size in a
 second, and the same run gives the same answer. What the account cannot see (kernels' own
 buffers) is measured on one or two real steps at small batches and added, growing with the
 batch (a step over the budget counts too: it was measured). The largest size whose account fits
-the budget is then tried once for real: on CUDA and HPU running out of memory is the judge, and
-a size that does not fit is bisected with real steps. A real step that would take longer than
+the budget is then tried for real: on CUDA and HPU running out of memory is the judge, and a
+size that does not fit is bisected with real steps. A size that fits draws the line again,
+through the two largest real steps, and the search climbs while that line moves the answer up
+(at most four more real steps): a buffer that does not grow with the batch looks, from small
+batches, as if it did. A real step that would take longer than
 ``trial_seconds`` (bf16 at a large batch on a CPU without bf16 units) is not run, and the
 report says the answer is the account's.
 
@@ -42,6 +45,7 @@ from mpnb.training.batches import with_batch_size
 __all__ = ["BatchSizeReport", "max_batch_size"]
 
 DEFAULT_BUDGET_SHARE = 0.5  # of the memory available when the search starts (CPU)
+_CLIMBS = 4  # real steps at most after the first two, while each fits and the line moves up
 _UNITS = {
     "": 1,
     "b": 1,
@@ -304,12 +308,22 @@ class _Search:
                 ceiling = second_size - 1
         self._learn_extra()
         size = self._predicted(ceiling)
-        reason = "limit" if size >= limit else "budget"
-        if size in self._stepped_fits() or not self._affordable(size):
-            return self._answer(size, reason)
-        if self.step(size).fits:
-            return self._answer(size, reason)
-        return self._bisect(max(self._stepped_fits()), size)
+        # The real steps judge. One that fits draws the line again, from the two largest real
+        # steps: the account can miss in either direction, and where a kernel's buffer does not
+        # grow with the batch, a line from small batches overstates it at large ones.
+        for _ in range(_CLIMBS):
+            if size in self._stepped_fits() or not self._affordable(size):
+                break
+            if not self.step(size).fits:
+                return self._bisect(max(self._stepped_fits()), size)
+            self._learn_extra()
+            higher = self._predicted(ceiling)
+            if higher - size <= max(1, size // 64):  # within the looks' own precision
+                break
+            size = higher
+        else:  # still climbing: the largest size a real step fitted
+            size = max(self._stepped_fits())
+        return self._answer(size, "limit" if size >= limit else "budget")
 
     # -- looks at one size ----------------------------------------------------------------
 
@@ -355,30 +369,29 @@ class _Search:
 
     def _learn_extra(self) -> None:
         """The bytes the real steps used beyond their accounts, as a line in the batch size
-        (through the origin when only one step ran), never below zero. A step over the budget
-        counts as well as one within it: only a step that ran out of memory measured nothing.
+        through the two largest steps (through the origin when only one step ran), never below
+        zero. A step over the budget counts as well as one within it: only a step that ran out
+        of memory measured nothing.
 
         The line is drawn through steps whose account grows with the batch at their size. On a
         small batch the account can peak where nothing grows with it (the optimizer's update);
         the real step's peak may then be elsewhere (the backward pass, with its kernels'
         buffers), and what it shows beyond the account is not the extra of the batch. Where no
         step is such, the largest gives the line through the origin."""
-        points, growing = [], []
+        points, growing = {}, {}
         for trial in self.trials:
             if trial.kind == "step" and math.isfinite(trial.peak):
-                counted = self._counted(trial.batch_size)
-                points.append((trial.batch_size, trial.peak - counted.tracked))
-                if self._account_grows_at(trial.batch_size):
-                    growing.append(points[-1])
-        points = growing or points[-1:]
-        if len(points) >= 2:
-            (small, extra_small), (large, extra_large) = points[-2], points[-1]
-            slope = max(0.0, (extra_large - extra_small) / (large - small))
-            offset = max(0.0, extra_small - slope * small)
+                size = trial.batch_size
+                points[size] = trial.peak - self._counted(size).tracked
+                if self._account_grows_at(size):
+                    growing[size] = points[size]
+        line = sorted(growing.items())[-2:] or [max(points.items())]
+        if len(line) == 2:
+            (small, extra_small), (large, extra_large) = line
+            slope = (extra_large - extra_small) / (large - small)
         else:
-            size, extra = points[-1]
-            slope, offset = max(0.0, extra / size), 0.0
-        self.extra_at = lambda size: offset + slope * size
+            (large, extra_large), slope = line[-1], line[-1][1] / line[-1][0]
+        self.extra_at = lambda size: max(0.0, extra_large + slope * (size - large))
 
     def _account_grows_at(self, size: int) -> bool:
         """Whether the account's peak at ``size`` is above its peak at three quarters of it."""
