@@ -116,6 +116,11 @@ class DirectMeasurement:
             },
         )
 
+    def stop(self) -> None:
+        """End the measuring process if it still runs (nothing happens once it has ended)."""
+        self.process.kill()
+        self.process.wait()
+
     def max_batch(self, budget: int) -> float:
         output, _ = self.process.communicate()
         if self.process.returncode:

@@ -49,7 +49,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import psutil
@@ -68,6 +68,9 @@ from mpnb.training.capture import collect_histories, stream_fits
 from mpnb.training.control import FitControl
 from mpnb.training.history import History
 from mpnb.training.telemetry import DASHBOARDS
+
+if TYPE_CHECKING:  # imported where a launch needs it: torch's launcher pulls in its elastic agent
+    from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = ["Launched", "LaunchError", "launch", "default_backend"]
 
@@ -233,6 +236,7 @@ def launch(
         config = _launch_config(
             nproc=nproc,
             nnodes=nnodes,
+            local=local,
             node_rank=node_rank,
             rdzv_endpoint=rdzv_endpoint,
             run_id=run_id,
@@ -284,20 +288,21 @@ def _launch_config(
     *,
     nproc: int,
     nnodes: int,
+    local: bool,
     node_rank: int,
     rdzv_endpoint: str | None,
     run_id: str,
     start_method: str,
     logs: str,
-) -> Any:
+) -> LaunchConfig:
     """torch's LaunchConfig for one launch, whose workers' logs and error files go to ``logs``
-    (torch's default would make a folder in /tmp that stays)."""
+    (torch's default would make a folder in /tmp that stays); ``local``: one machine only, so
+    the launcher's address is loopback."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     from mpnb.distributed.rendezvous import BACKEND_NAME
 
-    local = nnodes == 1
     return LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,

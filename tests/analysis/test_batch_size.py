@@ -318,7 +318,7 @@ def test_the_seeds_cnn_answer_agrees_with_a_direct_measurement_in_fresh_processe
         direct = {mode: measurement.max_batch(budget) for mode, measurement in measuring.items()}
     finally:
         for measurement in measuring.values():
-            measurement.process.kill()  # no-op once it has ended
+            measurement.stop()
     for mode, size in direct.items():
         assert report.result(mode).batch_size == pytest.approx(size, rel=0.1), (str(report), direct)
     assert report.ratio_to_fp32("bf16") == pytest.approx(direct["bf16"] / direct["fp32"], rel=0.1)
