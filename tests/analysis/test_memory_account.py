@@ -4,6 +4,8 @@ the same run after run, adding up, and cross-checked against torch's allocator."
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 import mpnb
 import mpnb.examples as ex
 from mpnb.analysis.memory import CATEGORIES, account_step
+from tests.child_process import child_environment
 from tests.conformance.models import gpt2_model
 
 
@@ -214,3 +217,33 @@ def test_compare_leaves_a_one_shot_iterator_uncounted_and_its_run_unchanged():
 
     comparison = mpnb.compare(one_shot, ["bf16"], steps=2, warmup=1, progress=None)
     assert comparison.result("bf16").memory is None and len(comparison.result("bf16").history) == 3
+
+
+_MEASURED_IN_A_CHILD = """
+import os, torch
+import mpnb.examples as ex
+import mpnb
+from mpnb.analysis._torch_memory import trace_marks_dropped
+
+def make_run(mode):
+    trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
+    return trainer, train
+
+mpnb.memory(make_run, ["fp32"], batch_size=8, measure=True)
+with trace_marks_dropped():
+    os.write(2, b"USDT:2026-11-27 18:00:00 1:1 Handler.cpp:52] profiler_start\\nkept\\n")
+os.write(2, b"after\\n")
+"""
+
+
+def test_a_measured_step_leaves_no_profiler_marks_on_stderr_and_nothing_else_is_lost():
+    """torch 2.13's profiler writes "USDT: ... profiler_start" (and stop) to stderr around each
+    trace; in a notebook that is red output for every step mpnb measures."""
+    child = subprocess.run(
+        [sys.executable, "-c", _MEASURED_IN_A_CHILD],
+        capture_output=True,
+        env=child_environment(),
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr.decode()
+    assert child.stderr == b"kept\nafter\n"
