@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import html
+import importlib.util
 import json
 import os
 import pathlib
@@ -110,6 +111,38 @@ def test_a_lesson_page_shows_its_code_and_its_stored_outputs(site):
     assert "%load_ext mpnb" in text
     # A checked output of the notebook (nbval compares it), as committed.
     assert "torch.bfloat16 torch.float32" in text
+    # and one it does not check, stored by notebooks/store_outputs.py: %amp's status table
+    assert "mpnb status" in text and "cpu (auto-detected)" in text
+
+
+def test_a_lessons_plotly_figure_is_drawn_with_the_sites_own_plotly(site):
+    page = (site / "lessons/10_memory/index.html").read_text()
+    assert 'class="mpnb-figure"' in page and "js/lesson-figures.js" in page
+    assert (site / "js/plotly.min.js").stat().st_size > 1_000_000
+
+
+def _store_outputs():
+    """notebooks/store_outputs.py, the script that runs the lessons and stores their outputs."""
+    path = ROOT / "notebooks" / "store_outputs.py"
+    spec = importlib.util.spec_from_file_location("store_outputs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "lesson", sorted(p.name for p in (ROOT / "notebooks").glob("[0-9]*.ipynb"))
+)
+def test_each_lessons_stored_outputs_come_from_its_current_code(lesson):
+    store_outputs = _store_outputs()
+    notebook = json.loads((ROOT / "notebooks" / lesson).read_text())
+    assert store_outputs.stored_hash(notebook) == store_outputs.code_hash(notebook), (
+        f"{lesson}'s code changed since its outputs were stored: python notebooks/store_outputs.py {lesson}"
+    )
+    code = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert sum(bool(cell["outputs"]) for cell in code) >= len(code) // 2, "too few outputs stored"
+    shown = json.dumps(notebook)
+    assert store_outputs.WIDGET_VIEW not in shown and "/site-packages/" not in shown
 
 
 def test_what_moved_out_of_the_readme_is_in_the_guide(site):
@@ -221,6 +254,9 @@ def test_the_front_page_and_a_lesson_in_a_real_browser(site, tmp_path):
             page.screenshot(
                 path=str(browser_tests.ARTIFACTS / "docs-lesson-01.png"), full_page=False
             )
+
+            page.goto(f"http://127.0.0.1:{port}/lessons/10_memory/", wait_until="networkidle")
+            page.wait_for_selector(".mpnb-figure .js-plotly-plot", timeout=30_000)  # drawn
             chromium.close()
     finally:
         browser_tests.stop(process, handle)
