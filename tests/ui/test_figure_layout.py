@@ -11,6 +11,7 @@ from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.training.history import History
 from mpnb.ui.plots.compare_report import MODE_TRACES, comparison_figure, empty_comparison_figure
 from mpnb.ui.plots.figure import empty_figure
+from mpnb.ui.plots.memory_figure import memory_figure
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -91,7 +92,7 @@ def test_step_time_lines_say_which_mode_and_which_series_they_are():
     assert [t.name for t in figure.data if t.showlegend] == ["fp32", "bf16", "fp16"]
 
 
-def _rendered(figure, script: str):
+def _rendered(figure, script: str, width: int = 1200):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -99,7 +100,7 @@ def _rendered(figure, script: str):
             executable_path=shutil.which("chromium"), args=CHROMIUM_FLAGS
         )
         try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page = browser.new_page(viewport={"width": width, "height": 900})
             page.set_content(figure.to_html(include_plotlyjs=True, full_html=True))
             page.wait_for_selector(".ytick", state="attached")
             return page.evaluate(script)
@@ -143,5 +144,35 @@ def test_in_a_browser_the_comparison_legend_covers_no_panel_title():
     )
     left, top, right, bottom = boxes["legend"]
     assert len(boxes["titles"]) == 5
+    for t_left, t_top, t_right, t_bottom in boxes["titles"]:
+        assert right <= t_left or t_right <= left or bottom <= t_top or t_bottom <= top, boxes
+
+
+def _memory_report():
+    import mpnb
+    import mpnb.examples as ex
+
+    def make_run(mode):
+        trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
+        return trainer, train
+
+    return mpnb.memory(make_run, ["fp32", "bf16", "fp16"], batch_size=64, measure=True)
+
+
+@_BROWSER
+@pytest.mark.parametrize("width", [1200, 640])  # a wide notebook, the docs' column
+def test_in_a_browser_the_memory_legend_covers_no_axis_title(width):
+    pytest.importorskip("playwright")
+    boxes = _rendered(
+        memory_figure(_memory_report()),
+        """(() => {
+            const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+            return {legend: box(document.querySelector('.legend')),
+                    titles: [...document.querySelectorAll('.xtitle, .g-gtitle')].map(box)};
+        })()""",
+        width=width,
+    )
+    left, top, right, bottom = boxes["legend"]
+    assert len(boxes["titles"]) == 2
     for t_left, t_top, t_right, t_bottom in boxes["titles"]:
         assert right <= t_left or t_right <= left or bottom <= t_top or t_bottom <= top, boxes

@@ -80,8 +80,10 @@ def memory_figure(
         xaxis_title="MiB at the step's peak",
         yaxis={"autorange": "reversed"},
         template="plotly_white",
-        height=140 + 45 * len(modes),
-        legend={"orientation": "h", "y": -0.35 if len(modes) < 3 else -0.2, "traceorder": "normal"},
+        # the legend stands right of the bars, a category a line: below them, it wrapped onto
+        # the axis title in a narrow output
+        height=max(140 + 45 * len(modes), 100 + 24 * len(figure.data)),
+        legend={"x": 1.02, "xanchor": "left", "y": 1, "yanchor": "top", "traceorder": "normal"},
         margin={"l": 60, "r": 20, "t": 50, "b": 40},
     )
     return figure
