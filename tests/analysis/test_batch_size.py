@@ -176,10 +176,9 @@ class FixedScratch(torch.nn.Module):
         return self.layers(x)
 
 
-def fixed_scratch_run(mode):
-    torch.manual_seed(0)
-    model = FixedScratch()
-    trainer = mpnb.Trainer(
+def adam_on_cpu(model, mode):
+    """A Trainer of ``model`` with Adam and cross-entropy, on the CPU, without a dashboard."""
+    return mpnb.Trainer(
         model,
         torch.optim.Adam(model.parameters()),
         torch.nn.functional.cross_entropy,
@@ -187,7 +186,11 @@ def fixed_scratch_run(mode):
         device="cpu",
         dashboard=None,
     )
-    return trainer, [(torch.randn(8, 256), torch.arange(8) % 10)]
+
+
+def fixed_scratch_run(mode):
+    torch.manual_seed(0)
+    return adam_on_cpu(FixedScratch(), mode), [(torch.randn(8, 256), torch.arange(8) % 10)]
 
 
 def test_a_real_step_that_fits_with_room_to_spare_sends_the_search_higher():
@@ -274,15 +277,7 @@ def seeds_cnn_run(mode):
     on 28x28 images, Adam), with the layout of the direct measurement's."""
     direct = _direct_peak()
     torch.manual_seed(0)
-    model = ex.DigitsCNN(direct.WIDTHS, image_size=direct.IMAGE_SIZE)
-    trainer = mpnb.Trainer(
-        model,
-        torch.optim.Adam(model.parameters()),
-        torch.nn.functional.cross_entropy,
-        mode=mode,
-        device="cpu",
-        dashboard=None,
-    )
+    trainer = adam_on_cpu(ex.DigitsCNN(direct.WIDTHS, image_size=direct.IMAGE_SIZE), mode)
     size = direct.IMAGE_SIZE
     return trainer, [(torch.randn(16, 1, size, size), torch.randint(0, 10, (16,)))]
 

@@ -131,21 +131,33 @@ def test_in_a_browser_the_loss_scale_ticks_read_as_their_values():
     assert 0.5 in [float(label) for label in labels], labels
 
 
-@_BROWSER
-def test_in_a_browser_the_comparison_legend_covers_no_panel_title():
-    pytest.importorskip("playwright")
+def _legend_and_titles(figure, titles: str, width: int = 1200):
+    """The rendered boxes (left, top, right, bottom) of the legend and of the elements the CSS
+    selector ``titles`` picks."""
     boxes = _rendered(
-        comparison_figure(_comparison()),
+        figure,
         """(() => {
             const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
             return {legend: box(document.querySelector('.legend')),
-                    titles: [...document.querySelectorAll('.annotation')].map(box)};
-        })()""",
+                    titles: [...document.querySelectorAll('TITLES')].map(box)};
+        })()""".replace("TITLES", titles),
+        width=width,
     )
-    left, top, right, bottom = boxes["legend"]
-    assert len(boxes["titles"]) == 5
-    for t_left, t_top, t_right, t_bottom in boxes["titles"]:
-        assert right <= t_left or t_right <= left or bottom <= t_top or t_bottom <= top, boxes
+    return boxes["legend"], boxes["titles"]
+
+
+def _apart(box, other) -> bool:
+    left, top, right, bottom = box
+    o_left, o_top, o_right, o_bottom = other
+    return right <= o_left or o_right <= left or bottom <= o_top or o_bottom <= top
+
+
+@_BROWSER
+def test_in_a_browser_the_comparison_legend_covers_no_panel_title():
+    pytest.importorskip("playwright")
+    legend, titles = _legend_and_titles(comparison_figure(_comparison()), ".annotation")
+    assert len(titles) == 5
+    assert all(_apart(legend, title) for title in titles), (legend, titles)
 
 
 def _memory_report():
@@ -163,16 +175,7 @@ def _memory_report():
 @pytest.mark.parametrize("width", [1200, 640])  # a wide notebook, the docs' column
 def test_in_a_browser_the_memory_legend_covers_no_axis_title(width):
     pytest.importorskip("playwright")
-    boxes = _rendered(
-        memory_figure(_memory_report()),
-        """(() => {
-            const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
-            return {legend: box(document.querySelector('.legend')),
-                    titles: [...document.querySelectorAll('.xtitle, .g-gtitle')].map(box)};
-        })()""",
-        width=width,
-    )
-    left, top, right, bottom = boxes["legend"]
-    assert len(boxes["titles"]) == 2
-    for t_left, t_top, t_right, t_bottom in boxes["titles"]:
-        assert right <= t_left or t_right <= left or bottom <= t_top or t_bottom <= top, boxes
+    figure = memory_figure(_memory_report())
+    legend, titles = _legend_and_titles(figure, ".xtitle, .g-gtitle", width)
+    assert len(titles) == 2
+    assert all(_apart(legend, title) for title in titles), (legend, titles)
