@@ -80,7 +80,7 @@ def test_a_failing_rank_fails_the_cell_with_its_traceback(client):
 def test_a_name_bound_again_comes_back_even_if_the_new_object_reuses_the_old_ones_id(client):
     execute(client, "numbers = [1]")
     reply, printed = execute(client, "%%distributed --nproc 2\ndel numbers\nnumbers = [42]")
-    assert reply["status"] == "ok" and "from rank 0: numbers" in printed
+    assert reply["status"] == "ok" and "from rank 0: numbers" in printed, printed
     assert execute(client, "print(numbers)")[1].strip() == "[42]"
 
 
