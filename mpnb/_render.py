@@ -33,7 +33,12 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """An HTML table with escaped cells."""
+    """An HTML table with escaped cells; headers that are all empty (a table of names and
+    values) leave out the header row, which would show as a blank row.
+
+    >>> html_table(["", ""], [["mode", "bf16"]])
+    "<table><tbody><tr><td style='text-align:left'>mode</td><td style='text-align:left'>bf16</td></tr></tbody></table>"
+    """
     head = "".join(f"<th style='text-align:left'>{html.escape(str(h))}</th>" for h in headers)
     body = "".join(
         "<tr>"
@@ -41,7 +46,8 @@ def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
         + "</tr>"
         for row in rows
     )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    thead = f"<thead><tr>{head}</tr></thead>" if any(str(h) for h in headers) else ""
+    return f"<table>{thead}<tbody>{body}</tbody></table>"
 
 
 def html_list(items: Sequence[str], css_class: str) -> str:

@@ -168,6 +168,11 @@ def test_status_text_and_html():
     assert repr(current) == "<mpnb.Status: mpnb status>"
 
 
+def test_the_status_table_of_names_and_values_has_no_blank_header_row():
+    shown = mpnb.status()._repr_html_()
+    assert "<table><tbody><tr><td style='text-align:left'>mode</td>" in shown and "<th" not in shown
+
+
 def test_status_outside_ipython_says_where_the_mode_applies():
     mpnb.set_mode("bf16", device="cpu")
     assert any("mpnb.autocast()" in w for w in mpnb.status().warnings)
