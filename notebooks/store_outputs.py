@@ -48,6 +48,7 @@ def code_hash(notebook: dict) -> str:
 
 
 def stored_hash(notebook: dict) -> str | None:
+    """The code hash the lesson's outputs were stored with (None: never stored)."""
     return notebook.get("metadata", {}).get("mpnb", {}).get("outputs_of")
 
 
@@ -56,7 +57,7 @@ def _placeholders(folder: str) -> list[tuple[re.Pattern[str], str]]:
         (re.compile(re.escape(sysconfig.get_paths()["purelib"])), "<site-packages>"),
         (re.compile(re.escape(sys.prefix)), "<venv>"),
         (re.compile(re.escape(folder)), "<lesson folder>"),
-        (re.compile(r"/tmp/ipykernel_\d+/\d+\.py"), "<cell>"),
+        (re.compile(re.escape(tempfile.gettempdir()) + r"/ipykernel_\d+/\d+\.py"), "<cell>"),
     ]
 
 
