@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "mpnb"
 #: The package root stands above everything: no module inside may import it.
 CORE_LAYERS = (
     ("mpnb.errors",),
-    ("mpnb._render", "mpnb._files", "mpnb.views"),
+    ("mpnb._render", "mpnb._files", "mpnb._stderr", "mpnb.views"),
     ("mpnb.oplists",),
     ("mpnb.precision",),
     ("mpnb.training",),

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from mpnb._stderr import native_stderr_without
 
 __all__: list[str] = []
 
@@ -161,12 +161,12 @@ def cpu_allocator_peak(work: Callable[[], None]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with trace_marks_dropped():
+    with native_stderr_without(_TRACE_MARK.fullmatch):
         profiler.__enter__()
     try:
         work()
     finally:
-        with trace_marks_dropped():
+        with native_stderr_without(_TRACE_MARK.fullmatch):
             profiler.__exit__(None, None, None)
     events = sorted(
         (event.start_ns(), event.nbytes())
@@ -184,32 +184,3 @@ def cpu_allocator_peak(work: Callable[[], None]) -> int:
 #: time a trace starts or stops. Its level ranks above errors, so torch's own quieting of kineto
 #: leaves it on: in a notebook, two lines of red stderr for every step mpnb measures.
 _TRACE_MARK = re.compile(rb"USDT:.*\] profiler_(start|stop)\r?\n?")
-
-
-@contextlib.contextmanager
-def trace_marks_dropped() -> Iterator[None]:
-    """Run the block with the process's stderr (file descriptor 2, where C++ code writes) caught,
-    then write back everything it caught except kineto's trace marks: nothing else is lost, only
-    held to the block's end. Meant for the profiler's start and stop, which take milliseconds.
-
-    Example:
-        >>> with trace_marks_dropped():
-        ...     _ = os.write(2, b"USDT:2026-11-27 18:00:00 1:1 Handler.cpp:52] profiler_start\\n")
-    """
-    try:
-        saved = os.dup(2)
-    except OSError:  # this process has no stderr
-        yield
-        return
-    with tempfile.TemporaryFile() as caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            lines = caught.read().splitlines(keepends=True)
-            kept = b"".join(line for line in lines if not _TRACE_MARK.fullmatch(line))
-            while kept:
-                kept = kept[os.write(2, kept) :]

@@ -16,18 +16,15 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import os
-import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mpnb._stderr import native_stderr_without
 from mpnb.oplists.keys import AUTOCAST_KEYS
 
 __all__ = ["AutocastRules", "autocast_rules"]
@@ -149,10 +146,10 @@ def torch_rule(op: torch._ops.OpOverload, device_type: str) -> str | None:
     if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), AUTOCAST_KEYS[device_type]):
         return None
     low = torch.get_autocast_dtype(device_type)
-    with torch.no_grad(), warnings.catch_warnings(), _c_stderr_silenced():
-        warnings.simplefilter(
-            "ignore"
-        )  # deprecation notes some probed ops print (torch.lu, torch.qr...)
+    # Deprecated ops (torch.lu, torch.qr...) print a one-time note, from Python and from C++
+    # straight to the process's stderr, which Jupyter shows: the probe is not a use of them.
+    with torch.no_grad(), warnings.catch_warnings(), native_stderr_without():
+        warnings.simplefilter("ignore")
         return _rule(op, device_type, torch.bfloat16 if low == torch.float32 else low)
 
 
@@ -193,24 +190,6 @@ def autocast_rules(device_type: str) -> AutocastRules:
     return AutocastRules(
         device_type, tuple(found["lower"]), tuple(found["fp32"]), tuple(found["other"]), probed=True
     )
-
-
-@contextlib.contextmanager
-def _c_stderr_silenced() -> Iterator[None]:
-    """Send file descriptor 2 to the null device for a block.
-
-    Deprecated ops (``torch.lu``, ``torch.qr``...) print a one-time C++ warning straight to
-    the process's stderr, which Jupyter shows in the notebook; the probe is not a use of them.
-    """
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _device_present(device_type: str) -> bool:

@@ -223,14 +223,15 @@ _MEASURED_IN_A_CHILD = """
 import os, torch
 import mpnb.examples as ex
 import mpnb
-from mpnb.analysis._torch_memory import trace_marks_dropped
+from mpnb._stderr import native_stderr_without
+from mpnb.analysis._torch_memory import _TRACE_MARK
 
 def make_run(mode):
     trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
     return trainer, train
 
 mpnb.memory(make_run, ["fp32"], batch_size=8, measure=True)
-with trace_marks_dropped():
+with native_stderr_without(_TRACE_MARK.fullmatch):
     os.write(2, b"USDT:2026-11-27 18:00:00 1:1 Handler.cpp:52] profiler_start\\nkept\\n")
 os.write(2, b"after\\n")
 """
