@@ -386,11 +386,12 @@ class _Search:
                 if self._account_grows_at(size):
                     growing[size] = points[size]
         line = sorted(growing.items())[-2:] or [max(points.items())]
+        large, extra_large = line[-1]
         if len(line) == 2:
-            (small, extra_small), (large, extra_large) = line
+            small, extra_small = line[0]
             slope = (extra_large - extra_small) / (large - small)
-        else:
-            (large, extra_large), slope = line[-1], line[-1][1] / line[-1][0]
+        else:  # through the origin
+            slope = extra_large / large
         self.extra_at = lambda size: max(0.0, extra_large + slope * (size - large))
 
     def _account_grows_at(self, size: int) -> bool:
