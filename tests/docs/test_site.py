@@ -121,8 +121,10 @@ def test_a_lessons_plotly_figure_is_drawn_with_the_sites_own_plotly(site):
     assert (site / "js/plotly.min.js").stat().st_size > 1_000_000
 
 
+@functools.cache
 def _store_outputs():
-    """notebooks/store_outputs.py, the script that runs the lessons and stores their outputs."""
+    """notebooks/store_outputs.py, the script that runs the lessons and stores their outputs
+    (loaded once for the twelve lessons' checks)."""
     path = ROOT / "notebooks" / "store_outputs.py"
     spec = importlib.util.spec_from_file_location("store_outputs", path)
     module = importlib.util.module_from_spec(spec)
