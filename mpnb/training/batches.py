@@ -13,10 +13,6 @@ How a batch becomes a loss (:func:`batch_loss`):
   keyword arguments, a tuple or list as positional ones, anything else as the one argument;
   the loss is ``output.loss``, ``output["loss"]``, or the output itself when it is a scalar.
 
-Where a resumed fit's batches come from (:func:`resume`): a fit that stopped keeps the
-iterator it was reading (:class:`HeldBatches`), and the next fit at the same place goes on
-with it, so no batch is loaded twice.
-
 Example:
     >>> batch = {"input_ids": torch.zeros(4, 7, dtype=torch.long), "labels": [torch.ones(4)]}
     >>> moved = to_device(batch, torch.device("cpu"))
@@ -26,12 +22,9 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -56,19 +49,6 @@ def _opened(leaf: Any) -> Any:
             if field.init
         }
     return None
-
-
-def warn_no_batches(epoch: int, one_shot: bool) -> None:
-    """Say that the data gave no batches in ``epoch`` (a used-up generator, for one): a
-    ``RuntimeWarning`` pointing at the ``fit`` call."""
-    used_up = (
-        " (a generator is used up after one pass: pass a list or a DataLoader to train more epochs)"
-    )
-    warnings.warn(
-        f"mpnb: the data gave no batches in epoch {epoch}{used_up if one_shot else ''}",
-        RuntimeWarning,
-        stacklevel=5,
-    )
 
 
 def indexed(device: torch.device) -> torch.device:
@@ -258,67 +238,3 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
-
-
-class HeldBatches(NamedTuple):
-    """Where a stopped fit left its data: ``batches`` read and not trained, then ``rest``.
-
-    ``position`` is the (epoch, batch) they start at; None for a one-shot iterator, which has
-    no other place to go on from.
-    """
-
-    data: Iterable[Any]
-    position: tuple[int, int] | None
-    batches: list[Any]
-    rest: Iterator[Any]
-
-
-class BatchReader:
-    """An epoch's batches: first those read before and not trained, then the data's own iterator.
-
-    However many times a fit stops and resumes, what it holds stays one list and one iterator
-    (no chain of chains growing by one link per resume).
-
-    Example:
-        >>> reader = BatchReader([1], iter([2, 3]))
-        >>> next(reader), reader.hold("data", (0, 1), next(reader)).batches
-        (1, [2])
-    """
-
-    def __init__(self, pending: Iterable[Any], source: Iterator[Any]) -> None:
-        self.pending = collections.deque(pending)
-        self.source = source
-
-    def __iter__(self) -> BatchReader:
-        return self
-
-    def __next__(self) -> Any:
-        return self.pending.popleft() if self.pending else next(self.source)
-
-    def hold(
-        self, data: Iterable[Any], position: tuple[int, int] | None, *read: Any
-    ) -> HeldBatches:
-        """What a stopping fit keeps: the batches it ``read`` and did not train, then everything not yet read."""
-        return HeldBatches(data, position, [*read, *self.pending], self.source)
-
-
-def resume(
-    held: HeldBatches | None, data: Iterable[Any], position: tuple[int, int], one_shot: bool
-) -> BatchReader:
-    """An epoch's batches from ``position`` (epoch, batch) on.
-
-    Where the last fit stopped at this very position on this very data, its iterator goes on
-    (after the batches it had read): nothing is read twice, so resuming a DataLoader costs no
-    reloading, and an unseeded shuffle keeps its order. Otherwise a fresh pass skips to the
-    position (a one-shot iterator simply goes on where it is).
-
-    Example:
-        >>> rest = iter([3, 4])
-        >>> list(resume(HeldBatches("data", (0, 2), [2], rest), "data", (0, 2), one_shot=False))
-        [2, 3, 4]
-        >>> list(resume(None, [0, 1, 2, 3], (0, 2), one_shot=False))
-        [2, 3]
-    """
-    if held is not None and held.data is data and held.position in (None, position):
-        return BatchReader(held.batches, held.rest)
-    return BatchReader((), iter(data) if one_shot else itertools.islice(data, position[1], None))

@@ -138,31 +138,27 @@ class FitControl:
         self.state = FitState.IDLE
         self.abandoned_because: str | None = None
         self.subject: Any = None
-        self._stop = False
-        self._paused = False
         self._changed: list[str] = []
         self._unsubscribe: Callable[[], None] | None = None
 
     def stop(self) -> None:
         """Finish the current step, then end the fit and return its history."""
-        self._stop = True
         self._set_state(FitState.STOPPING)
 
     def pause(self) -> None:
         """Hold the fit at the next step boundary until :meth:`resume` (or :meth:`stop`)."""
-        if not self._stop:
-            self._paused = True
+        if self.state is not FitState.STOPPING:
             self._set_state(FitState.PAUSED)
 
     def resume(self) -> None:
         """Let a paused fit go on."""
-        self._paused = False
         if self.state is FitState.PAUSED:
             self._set_state(FitState.RUNNING)
 
     @property
     def stop_requested(self) -> bool:
-        return self._stop
+        """Whether a stop was asked for and the fit has not ended yet."""
+        return self.state is FitState.STOPPING
 
     def abandon(self, reason: str) -> None:
         """The code that drove the fit is gone without ending it (the notebook cell that started it
@@ -177,7 +173,7 @@ class FitControl:
 
     def begin(self) -> None:
         """A fit starts: listen to the session; earlier requests are forgotten."""
-        self._stop, self._paused, self._changed = False, False, []
+        self._changed = []
         self._unsubscribe = session.subscribe(self._changed.append)
         self._set_state(FitState.RUNNING)
 
@@ -186,7 +182,6 @@ class FitControl:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        self._paused = False
         self._set_state(FitState.IDLE)
 
     def checkpoint(self, interrupted: Callable[[], bool] = lambda: False) -> Checkpoint:
@@ -196,15 +191,16 @@ class FitControl:
             interrupted: ends a pause too (the fit's Ctrl-C check).
         """
         self._poll()
-        if not (self._paused or self._changed):  # the usual step: nothing to wait for or tell
-            return _STOP if self._stop else _GO_ON
+        if not (self.state is FitState.PAUSED or self._changed):  # the usual step: nothing to tell
+            return _STOP if self.state is FitState.STOPPING else _GO_ON
         waited_from = time.perf_counter()
-        while self._paused and not self._stop and not interrupted():
+        while self.state is FitState.PAUSED and not interrupted():
             time.sleep(PAUSE_POLL_S)
             self._poll()
         changed = tuple(dict.fromkeys(self._changed))
         self._changed.clear()
-        return Checkpoint(self._stop, changed, time.perf_counter() - waited_from)
+        stop = self.state is FitState.STOPPING
+        return Checkpoint(stop, changed, time.perf_counter() - waited_from)
 
     def _poll(self) -> None:
         for poll in self.pollers:

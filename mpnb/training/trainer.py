@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,18 +25,7 @@ from mpnb.errors import MpnbError
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.modes import Mode
 from mpnb.training.amp_step import AmpStep
-from mpnb.training.batches import (
-    BatchReader,
-    HeldBatches,
-    LossFn,
-    StepFn,
-    batch_loss,
-    indexed,
-    resume,
-    samples_in,
-    to_device,
-    warn_no_batches,
-)
+from mpnb.training.batches import LossFn, StepFn, batch_loss, indexed, samples_in
 from mpnb.training.capture import FitCapture, active_capture, note_fit, streamed
 from mpnb.training.checkpoint import (
     apply_checkpoint,
@@ -46,6 +35,7 @@ from mpnb.training.checkpoint import (
     write_checkpoint,
 )
 from mpnb.training.control import FitControl, FitEnd, running_on_this_thread
+from mpnb.training.data_position import DataPosition
 from mpnb.training.fp32_modules import Fp32Modules
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
@@ -213,20 +203,17 @@ class Trainer:
             min_scale=min_scale,
             flush_every=flush_every,
         )
-        self.device = self.amp.precision.device
         self.strategy = strategy
         self.model = wrap_model(
             model.to(self.device), strategy, self.device, optimizer, self.amp.precision.mode
         )
         self.optimizer, self.loss_fn, self.step_fn = optimizer, loss_fn, step_fn
         self.dashboard = dashboard
-        self._epoch, self._batch = 0, 0  # position: next batch to train on
-        self._end_epoch: int | None = None  # set while a planned run is unfinished
+        # the next batch to train on, what a stopped fit holds, the batch trained last
+        self._data = DataPosition()
         self._ended = FitEnd.NOT_RUN
-        self._window_start = (0, 0)  # position of the current accumulation window's first batch
         self.control = FitControl()
         self.control.subject = self  # a dashboard's memory view counts this trainer's step
-        self._last_batch: Any = None  # the batch trained last, on the device
         self._locator = FirstSkipLocator() if locate_overflow and strategy is None else None
         self._later: NextStepsLocator | None = None  # a non-finite loss's origin, this fit
         self._fp32 = Fp32Modules(self.model, self.device.type)  # remedies of the running fit
@@ -234,12 +221,11 @@ class Trainer:
         self._watch = None if every is None else NumericsWatch(self.model, every)
         self._math = contextlib.ExitStack()  # the precision's fp32-math (and fp8 layers) scope
         self._follower = SessionFollower(self)  # the session's switches made while a fit runs
-        # The batches the last fit read and did not train (the one read when it stopped; for a
-        # one-shot iterator also an unfinished window after an error), and the iterator to go on with.
-        self._held: HeldBatches | None = None
-        self._window_batches: list[Any] = []  # this window's batches, kept while data is one-shot
-        self._one_shot: Iterable[Any] | None = None  # the one-shot data of the running fit
-        self._reader: BatchReader | None = None  # where the running fit reads its batches
+
+    @property
+    def device(self) -> torch.device:
+        """The device training runs on."""
+        return self.amp.precision.device
 
     @property
     def history(self) -> History:
@@ -255,17 +241,17 @@ class Trainer:
     def last_batch(self) -> Any:
         """The batch trained last, as it went to the model (on its device); None before the
         first. ``mpnb.memory`` and the dashboard's memory view count a step on it."""
-        return self._last_batch
+        return self._data.last_batch
 
     @property
     def position(self) -> tuple[int, int, int | None]:
         """Where the next ``fit`` starts: ``(epoch, batch, end)``, ``end`` being the epoch an
         unfinished plan ends before (None when the last plan was finished)."""
-        return self._epoch, self._batch, self._end_epoch
+        return self._data.position
 
     @position.setter
     def position(self, position: tuple[int, int, int | None]) -> None:
-        self._epoch, self._batch, self._end_epoch = position
+        self._data.position = position
 
     def use_precision(self, precision: TrainingPrecision) -> None:
         """Train in ``precision`` from the next step: its autocast and scaler, and its fp32-math
@@ -308,7 +294,7 @@ class Trainer:
     def resumable(self) -> bool:
         """Whether the last ``fit`` stopped before its planned end (``max_steps``, Stop, an
         interrupt): ``fit(data)`` without ``epochs`` then continues that plan."""
-        return self._end_epoch is not None
+        return self._data.end is not None
 
     @property
     def stopped(self) -> bool:
@@ -373,8 +359,7 @@ class Trainer:
         capture = active_capture()
         if capture is not None:
             max_steps = self._join(capture, data, max_steps)
-        if epochs is not None or self._end_epoch is None:
-            self._end_epoch = self._epoch + (epochs or 1)  # a partly trained epoch counts as one
+        self._data.plan(epochs)
         self._ended = FitEnd.NOT_RUN  # until this fit ends
         # a capture's budget is spent: the plan stays, for a later fit(data) to go on with
         if max_steps == 0:
@@ -389,7 +374,7 @@ class Trainer:
         self.history.meta.update(
             model=self.describe(), device=str(self.device), mode=self.mode.value
         )
-        self._batch_device = indexed(self.device)  # cuda:0, as batches already there name it
+        self._data.device = indexed(self.device)  # cuda:0, as batches already there name it
         self.amp.recorder.sinks.extend(sinks)
         self.model.train()
         self.control.begin()
@@ -414,7 +399,7 @@ class Trainer:
                 raise refused from error
             raise
         finally:
-            self._one_shot = self._reader = None
+            self._data.close()
             self._fp32.release()  # a remedy lasts the fit it was applied for
             self.control.end()
             self.amp.close()
@@ -423,29 +408,28 @@ class Trainer:
             if capture is not None:
                 capture.steps_taken += self.amp.steps - steps_before
         if finished:
-            self._end_epoch = None
+            self._data.finish()
             self._ended = FitEnd.FINISHED
         if stop.requested and not finished:
             self._ended = FitEnd.INTERRUPTED
             message = (
-                f"fit stopped after step {self.amp.steps} (epoch {self._epoch}, batch {self._batch}); "
+                f"fit stopped after step {self.amp.steps} (epoch {self._data.epoch}, batch {self._data.batch}); "
                 "trainer.history keeps every finished step; call fit(data) to continue"
             )
             self.history.note("interrupted", kind="interrupt")
             raise FitInterrupted(message, self.history)
-        if not finished:
-            self._ended = self._why_stopped()
-            if self._ended.stopped:
-                self.history.note(
-                    "stopped by another rank" if self._ended is FitEnd.PEER_STOPPED else "stopped",
-                    kind="stop",
-                )
+        if not finished and self._ended.stopped:  # _run said why it stopped
+            self.history.note(
+                "stopped by another rank" if self._ended is FitEnd.PEER_STOPPED else "stopped",
+                kind="stop",
+            )
         return self.history
 
-    def _why_stopped(self) -> FitEnd:
-        """Why a fit that returned before its plan's end did (``_run`` noted a peer's stop already)."""
-        if self._ended is FitEnd.PEER_STOPPED:
-            return self._ended
+    def _why_stopped(self, peer_stopped: bool) -> FitEnd:
+        """Why the fit stops before its plan's end, asked as it stops (while the control still
+        says it was asked to): another rank, a non-finite loss, a Stop, else ``max_steps``."""
+        if peer_stopped:
+            return FitEnd.PEER_STOPPED
         if self.amp.health.stop:
             return FitEnd.NONFINITE
         return FitEnd.STOPPED if self.control.stop_requested else FitEnd.MAX_STEPS
@@ -469,28 +453,16 @@ class Trainer:
 
     def _run(self, data: Iterable[Any], stop: StopRequest, max_steps: int | None) -> bool:
         """Train until the planned end, ``max_steps`` or a stop request; True when the plan is done."""
-        assert self._end_epoch is not None
+        place = self._data
         steps_left = max_steps
-        # A generator goes on where it stopped, nothing to skip. Asked without iter(data): a DataLoader's
-        # iterator draws a seed from torch's random state, which would change the run at every fit.
-        one_shot = isinstance(data, Iterator)
 
         def interrupted() -> bool:  # ends a pause too
             return stop.requested
 
-        while self._epoch < self._end_epoch:
-            # Batches; a DataLoader's DistributedSampler
-            for holder in (
-                data,
-                getattr(data, "sampler", None),
-            ):
-                if callable(getattr(holder, "set_epoch", None)):
-                    holder.set_epoch(self._epoch)
-            self.amp.epoch = self._epoch
+        while place.unfinished:
+            self.amp.epoch = place.epoch
             trained_any = False
-            self._reader = self._batches(data, one_shot)
-            self._one_shot = data if one_shot else None
-            for batch in self._reader:
+            for batch in place.epoch_batches(data):
                 if self.amp.between_steps:
                     checkpoint = self.control.checkpoint(interrupted)
                     if checkpoint.changed:
@@ -500,39 +472,34 @@ class Trainer:
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
                     wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
+                    peer_stopped = False
                     if self.strategy is not None:  # every rank stops at the same step, or none does
                         agreed = agreed_stop(
                             wants_stop, self.amp.steps, self.amp.recorder.flush_every, self.device
                         )
-                        if agreed and not wants_stop:
-                            self._ended = FitEnd.PEER_STOPPED
+                        peer_stopped = agreed and not wants_stop
                         wants_stop = agreed
                     if wants_stop or steps_left == 0:
-                        position = None if one_shot else (self._epoch, self._batch)
-                        self._held = self._reader.hold(data, position, batch)
+                        place.hold(batch)
+                        self._ended = self._why_stopped(peer_stopped)
                         return False
-                    self._window_start = (self._epoch, self._batch)
-                    self._window_batches = []
-                if one_shot:
-                    self._window_batches.append(batch)
+                    place.start_window()
+                place.took(batch)
                 steps_before = self.amp.steps
                 try:
                     stepped = self._train_batch(batch)
                 except BaseException:
-                    # the update happened before the failure: its window is done
-                    if self.amp.steps != steps_before:
-                        self._batch += 1
-                        self._window_batches = []
+                    if self.amp.steps != steps_before:  # the update happened: its window is done
+                        place.trained()
+                        place.window_stepped()
                     raise
                 if stepped and steps_left is not None:
                     steps_left -= 1
-                self._batch += 1
+                place.trained()
                 trained_any = True
             if self._finish_window() and steps_left is not None:
                 steps_left -= 1
-            if not trained_any and self._batch == 0:
-                warn_no_batches(self._epoch, one_shot)
-            self._epoch, self._batch = self._epoch + 1, 0
+            place.next_epoch(trained_any)
         return True
 
     def _finish_window(self) -> bool:
@@ -543,25 +510,18 @@ class Trainer:
             return self.amp.finish_window()
         finally:
             if self.amp.steps != steps_before:
-                self._window_batches = []
-
-    def _batches(self, data: Iterable[Any], one_shot: bool) -> BatchReader:
-        """This epoch's batches from the trainer's position on (see :func:`~mpnb.training.batches.resume`)."""
-        held, self._held = self._held, None
-        return resume(held, data, (self._epoch, self._batch), one_shot)
+                self._data.window_stepped()
 
     def _drop_unfinished_window(self) -> None:
         """After an error mid-window: drop its gradients and go back to the window's first batch
         (for a one-shot iterator, keep the window's batches for the next fit)."""
-        if self._one_shot is not None:
-            self._held = self._reader.hold(self._one_shot, None, *self._window_batches)
-            self._window_batches = []
-        if not self.amp.between_steps:
+        unfinished = not self.amp.between_steps
+        self._data.drop_window(unfinished)
+        if unfinished:
             self.amp.discard_window()
-            self._epoch, self._batch = self._window_start
 
     def _train_batch(self, batch: Any) -> bool:
-        batch = self._last_batch = to_device(batch, self._batch_device)
+        batch = self._data.moved(batch)
 
         def loss() -> torch.Tensor:
             return batch_loss(self.model, batch, self.loss_fn, self.step_fn)

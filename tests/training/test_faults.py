@@ -74,7 +74,7 @@ def test_a_failure_inside_backward_drops_the_window_and_the_resumed_run_is_exact
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.fit(train)
     assert all(p.grad is None for p in trainer.model.parameters())
-    assert len(trainer.history) == 2 and trainer._batch == 2 * accumulate
+    assert len(trainer.history) == 2 and trainer.position[1] == 2 * accumulate
     trainer.fit(train)
     assert trainer.history.step == full.history.step
     for mine, theirs in zip(trainer.model.parameters(), full.model.parameters()):
@@ -98,7 +98,7 @@ def test_a_failure_in_the_optimizer_step_before_it_updates_drops_the_window():
         trainer.fit(data)
     assert (
         all(p.grad is None for p in model.parameters())
-        and trainer._batch == 1
+        and trainer.position[1] == 1
         and len(trainer.history) == 1
     )
 
@@ -131,7 +131,7 @@ def test_a_failure_after_the_update_counts_the_step_and_never_trains_its_batch_a
     with pytest.raises(RuntimeError, match="logging hook failed"):
         trainer.fit(data)
     assert (
-        trainer.history.step == [1, 2] and trainer._batch == 2
+        trainer.history.step == [1, 2] and trainer.position[1] == 2
     )  # step 2 happened: its batch is behind us
     trainer.fit(data)
     assert trainer.history.step == [1, 2, 3, 4] and opt.state[model.weight]["step"].item() == 4
@@ -149,7 +149,7 @@ def test_a_failing_scheduler_or_sink_after_the_update_still_records_the_step():
     )
     with pytest.raises(TypeError):
         trainer.fit(data)
-    assert trainer.history.step == [1] and trainer.amp.between_steps and trainer._batch == 1
+    assert trainer.history.step == [1] and trainer.amp.between_steps and trainer.position[1] == 1
 
 
 # -- a failure with a generator: batches already read are kept ----------------------------------

@@ -34,7 +34,7 @@ def state_of(trainer) -> dict:
         "model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
         "optimizer": repr(trainer.optimizer.state_dict()),
         "amp": repr(trainer.amp.state_dict()),
-        "position": (trainer._epoch, trainer._batch, trainer._end_epoch),
+        "position": trainer.position,
         "history": trainer.history.to_dict(),
     }
 
@@ -231,10 +231,10 @@ def test_resuming_many_times_holds_one_iterator_not_a_chain_of_them():
     _, data = linear_problem(steps=30)
     trainer = mpnb.Trainer(*build(), mse, mode="bf16", device="cpu", dashboard=None)
     trainer.fit(data, epochs=1, max_steps=1)
-    source = trainer._held.rest
+    source = trainer._data.held.rest
     while trainer.resumable:
         trainer.fit(data, max_steps=1)
-        assert trainer._held is None or trainer._held.rest is source
+        assert trainer._data.held is None or trainer._data.held.rest is source
     assert len(trainer.history) == 30
 
 

@@ -359,7 +359,7 @@ def test_an_error_mid_window_drops_the_partial_window_and_fit_resumes_at_its_sta
     with pytest.raises(RuntimeError, match="bad batch"):
         trainer.fit(train)
     assert trainer.amp.between_steps and all(p.grad is None for p in trainer.model.parameters())
-    assert len(trainer.history) == 1 and trainer._batch == 4
+    assert len(trainer.history) == 1 and trainer.position[1] == 4
     history = trainer.fit(train)
     assert history.step == [1, 2, 3] and len(calls) == 6 + 8
 
