@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpnb import views
 from mpnb.analysis.memory import MemoryAccount, account_step
@@ -26,6 +26,9 @@ from mpnb.precision.modes import MODE_NAMES, parse_mode
 from mpnb.training.control import refuse_inside_a_fit
 from mpnb.training.random_state import kept_random_state
 from mpnb.training.telemetry import Sink
+
+if TYPE_CHECKING:
+    from mpnb.training.trainer import Trainer
 
 __all__ = ["Comparison", "ComparisonProgress", "ModeResult", "compare"]
 
@@ -71,7 +74,7 @@ def progress_view(
     return views.view("comparison_progress")(progress, modes, title)
 
 
-def _notes(trainer: Any) -> list[str]:
+def _notes(trainer: Trainer) -> list[str]:
     reason = slow_reason(trainer)
     return [f"{reason}: expect this to be slow"] if reason else []
 

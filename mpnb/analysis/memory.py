@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from mpnb.training.batches import (
     to_device,
     with_batch_size,
 )
+
+if TYPE_CHECKING:
+    from mpnb.training.trainer import Trainer
 
 __all__ = ["MemoryAccount", "MemoryReport", "memory"]
 
@@ -252,7 +255,7 @@ def memory(
     return MemoryReport(accounts, skipped)
 
 
-def account_step(trainer: Any, batch: Any, samples: int | None = None) -> MemoryAccount:
+def account_step(trainer: Trainer, batch: Any, samples: int | None = None) -> MemoryAccount:
     """Count ``trainer``'s training step on ``batch`` by category (see the module's docstring).
 
     On a shape-only copy, so ``trainer`` is left as it was; a model whose forward needs real
@@ -280,7 +283,7 @@ def account_step(trainer: Any, batch: Any, samples: int | None = None) -> Memory
     )
 
 
-def measure_step(trainer: Any, batch: Any, account: MemoryAccount) -> MemoryAccount:
+def measure_step(trainer: Trainer, batch: Any, account: MemoryAccount) -> MemoryAccount:
     """``account`` with what a real run of the step used: ``trainer`` (a fresh run) trains a
     warm-up step and then ``batch``, and the allocator's and the process's peaks are read."""
     device = trainer.device
@@ -316,7 +319,7 @@ def _over(peak: int | None, before: int | None, resident: int) -> int | None:
     return None if peak is None or before is None else resident + peak - before
 
 
-def _step(trainer: Any, batch: Any, samples: int | None = None) -> Any:
+def _step(trainer: Trainer, batch: Any, samples: int | None = None) -> Any:
     """The training step the account runs: the trainer's forward under its autocast, backward,
     the optimizer's step (the loss scaler changes no memory worth counting). ``samples``: the
     batch grown (or cut) to that many samples when the step runs, inside the account's mode."""
@@ -337,7 +340,7 @@ def _batch_bytes(batch: Any) -> int:
     return storage_bytes(tensors_in(batch))
 
 
-def _resident_bytes(trainer: Any, batch: Any) -> int:
+def _resident_bytes(trainer: Trainer, batch: Any) -> int:
     """What a measured step finds in memory before it starts and the account counts: the
     model's parameters and buffers, the optimizer's state and the batch."""
     state = [

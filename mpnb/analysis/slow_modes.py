@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,10 +30,13 @@ from mpnb.precision.modes import Mode
 from mpnb.training.batches import batch_loss, to_device
 from mpnb.training.random_state import kept_random_state
 
+if TYPE_CHECKING:
+    from mpnb.training.trainer import Trainer
+
 __all__: list[str] = []
 
 
-def slow_reason(trainer: Any) -> str | None:
+def slow_reason(trainer: Trainer) -> str | None:
     """Why the trainer's mode is slow on its device, or None when it is not known to be."""
     has_convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in trainer.model.modules())
     if trainer.mode is Mode.FP16 and trainer.device.type == "cpu" and has_convolutions:
@@ -44,7 +47,7 @@ def slow_reason(trainer: Any) -> str | None:
     return backend_for(trainer.device).emulated(dtype) if dtype is not None else None
 
 
-def step_seconds(trainer: Any, batch: Any, repeats: int = 2) -> float:
+def step_seconds(trainer: Trainer, batch: Any, repeats: int = 2) -> float:
     """Seconds of one forward and backward pass of ``batch`` in the trainer's mode (the fastest of
     ``repeats``), on a copy of the model, with torch's random state put back afterwards."""
     model = copy.deepcopy(trainer.model)
@@ -61,7 +64,7 @@ def step_seconds(trainer: Any, batch: Any, repeats: int = 2) -> float:
     return fastest
 
 
-def slow_mode_notice(trainer: Any, batch: Any, steps: int) -> str | None:
+def slow_mode_notice(trainer: Trainer, batch: Any, steps: int) -> str | None:
     """``"fp16 convolutions have no fast CPU kernels: about 41 ms a step here, so 100 steps take
     about 4 s"``, or None when the trainer's mode is not slow on its device."""
     reason = slow_reason(trainer)

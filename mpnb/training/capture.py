@@ -21,10 +21,13 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.training.telemetry import Sink
+
+if TYPE_CHECKING:
+    from mpnb.training.trainer_protocols import Fitting
 
 __all__: list[str] = []
 
@@ -45,16 +48,16 @@ class FitCapture:
     mode: Mode
     max_steps: int
     sink: Sink | None = None
-    trainers: list[Any] = dataclasses.field(default_factory=list)
+    trainers: list[Fitting] = dataclasses.field(default_factory=list)
     steps_taken: int = 0
-    last_fit: tuple[Any, Any] | None = None
+    last_fit: tuple[Fitting, Any] | None = None
 
     def steps_allowed(self, asked: int | None) -> int:
         """How many steps a fit that asked for ``asked`` (None: no limit) may take now."""
         left = self.max_steps - self.steps_taken
         return left if asked is None else min(asked, left)
 
-    def adopt(self, trainer: Any, data: Any) -> None:
+    def adopt(self, trainer: Fitting, data: Any) -> None:
         """Note ``trainer`` as one of the block's, fitting on ``data``."""
         if trainer not in self.trainers:
             self.trainers.append(trainer)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,8 +30,8 @@ from mpnb.errors import MpnbError
 from mpnb.training.history import History
 from mpnb.training.safe_load import load_plain
 
-#: The trainer a checkpoint belongs to (``mpnb.training.trainer.Trainer``; not imported: it imports this).
-Trainer = Any
+if TYPE_CHECKING:
+    from mpnb.training.trainer_protocols import Checkpointed
 
 __all__: list[str] = []
 
@@ -43,7 +43,7 @@ RUN_KEYS = ("amp", "scheduler", "position", "history")
 _KEYS = ("model", "optimizer", *RUN_KEYS)
 
 
-def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
+def checkpoint_state(trainer: Checkpointed) -> dict[str, Any]:
     """Everything :meth:`Trainer.save` writes: plain data and tensors only."""
     return {
         **run_record(trainer),
@@ -52,14 +52,14 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def write_checkpoint(trainer: Trainer, path: str | os.PathLike[str]) -> None:
+def write_checkpoint(trainer: Checkpointed, path: str | os.PathLike[str]) -> None:
     """Write :func:`checkpoint_state` to ``path`` whole or not at all: a file beside it, renamed
     over it at the end (a link someone planted at ``path`` is replaced, never written through)."""
     with atomic_write(path, binary=True) as file:
         torch.save(checkpoint_state(trainer), file)
 
 
-def run_record(trainer: Trainer) -> dict[str, Any]:
+def run_record(trainer: Checkpointed) -> dict[str, Any]:
     """A checkpoint without the weights and the optimizer's state: format, the optimizer's and
     scheduler's types, :func:`run_state` and the history (a sharded checkpoint's run file)."""
     scheduler = trainer.amp.scheduler
@@ -73,7 +73,7 @@ def run_record(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def _training_state(trainer: Trainer) -> dict[str, Any]:
+def _training_state(trainer: Checkpointed) -> dict[str, Any]:
     """What :func:`_apply` puts into a trainer, but the history: model, optimizer, scaler, scheduler, position."""
     return {
         "model": trainer.model.state_dict(),
@@ -82,7 +82,7 @@ def _training_state(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def run_state(trainer: Trainer) -> dict[str, Any]:
+def run_state(trainer: Checkpointed) -> dict[str, Any]:
     """The run's state besides its weights and optimizer: scaler and step counters, scheduler, position."""
     scheduler = trainer.amp.scheduler
     return {
@@ -93,7 +93,7 @@ def run_state(trainer: Trainer) -> dict[str, Any]:
 
 
 def read_checkpoint(
-    trainer: Trainer, path: str | os.PathLike[str]
+    trainer: Checkpointed, path: str | os.PathLike[str]
 ) -> tuple[dict[str, Any], History]:
     """Load ``path`` and check it fits ``trainer``; returns the state and its rebuilt history.
 
@@ -109,7 +109,7 @@ def read_checkpoint(
 
 
 def checked_state(
-    trainer: Trainer, state: Any, name: str = "the state"
+    trainer: Checkpointed, state: Any, name: str = "the state"
 ) -> tuple[dict[str, Any], History]:
     """Check that ``state`` (a :func:`checkpoint_state`, from a file or a ``Trainer.state_dict()``)
     fits ``trainer``; returns it with its rebuilt history.
@@ -139,7 +139,7 @@ def checked_state(
 _MALFORMED = (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError)
 
 
-def _mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
+def _mismatch(trainer: Checkpointed, state: dict[str, Any]) -> str | None:
     """What in ``state`` cannot be applied to ``trainer``; None when everything fits."""
     problem = incomplete(state, _KEYS)
     if problem is not None:
@@ -181,7 +181,7 @@ def incomplete(state: dict[str, Any], keys: tuple[str, ...]) -> str | None:
     return f"it lacks {missing}" if missing else None
 
 
-def run_mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
+def run_mismatch(trainer: Checkpointed, state: dict[str, Any]) -> str | None:
     """What in a :func:`run_state` (with the optimizer's type) cannot be applied to ``trainer``."""
     problem = _optimizer_type_mismatch(trainer, state.get("optimizer_type"))
     if problem is not None:
@@ -227,13 +227,13 @@ def run_mismatch(trainer: Trainer, state: dict[str, Any]) -> str | None:
     return None
 
 
-def _optimizer_type_mismatch(trainer: Trainer, optimizer_type: str | None) -> str | None:
+def _optimizer_type_mismatch(trainer: Checkpointed, optimizer_type: str | None) -> str | None:
     if optimizer_type is not None and optimizer_type != type(trainer.optimizer).__name__:
         return f"it was saved with a {optimizer_type} optimizer, this trainer has {type(trainer.optimizer).__name__}"
     return None
 
 
-def _optimizer_mismatch(trainer: Trainer, saved: Any) -> str | None:
+def _optimizer_mismatch(trainer: Checkpointed, saved: Any) -> str | None:
     """What in a saved optimizer state cannot go into the trainer's optimizer."""
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         return "its optimizer record has no per-parameter state"
@@ -266,7 +266,7 @@ def _state_keys(optimizer_state: Any) -> set[str]:
     return {key for entry in per_parameter.values() for key in entry}
 
 
-def apply_checkpoint(trainer: Trainer, state: dict[str, Any], history: History) -> None:
+def apply_checkpoint(trainer: Checkpointed, state: dict[str, Any], history: History) -> None:
     """Put a :func:`read_checkpoint` state into ``trainer``; on any failure, put everything back."""
     saved, saved_history = copy.deepcopy(_training_state(trainer)), trainer.amp.recorder.history
     try:
@@ -277,13 +277,13 @@ def apply_checkpoint(trainer: Trainer, state: dict[str, Any], history: History) 
     trainer.amp.discard_window()  # an unfinished accumulation window belonged to the run replaced
 
 
-def _apply(trainer: Trainer, state: dict[str, Any], history: History) -> None:
+def _apply(trainer: Checkpointed, state: dict[str, Any], history: History) -> None:
     trainer.model.load_state_dict(state["model"])
     trainer.optimizer.load_state_dict(state["optimizer"])
     apply_run_state(trainer, state, history)
 
 
-def apply_run_state(trainer: Trainer, state: dict[str, Any], history: History) -> None:
+def apply_run_state(trainer: Checkpointed, state: dict[str, Any], history: History) -> None:
     """Put a :func:`run_state` and its history into ``trainer``."""
     trainer.amp.load_state_dict(state["amp"])
     if trainer.amp.scheduler is not None and state["scheduler"] is not None:

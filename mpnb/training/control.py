@@ -23,10 +23,13 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpnb.errors import MpnbError
 from mpnb.precision.policy import session
+
+if TYPE_CHECKING:
+    from mpnb.training.trainer_protocols import Described
 
 __all__ = ["FitControl", "FitEnd"]
 
@@ -234,7 +237,7 @@ def refuse_inside_a_fit(what: str) -> None:
 
 
 @contextlib.contextmanager
-def running_on_this_thread(trainer: Any) -> Iterator[None]:
+def running_on_this_thread(trainer: Described) -> Iterator[None]:
     """Mark ``trainer``'s fit as the one running on this thread, refusing if another one runs.
 
     Raises:

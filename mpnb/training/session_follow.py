@@ -8,12 +8,15 @@ Only what still differs at the step boundary is followed: a scoped switch in mod
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpnb.errors import MpnbError
 from mpnb.precision.modes import Fp32Math, Mode
 from mpnb.precision.policy import session
 from mpnb.training.step_precision import TrainingPrecision
+
+if TYPE_CHECKING:
+    from mpnb.training.trainer_protocols import Switched
 
 __all__: list[str] = []
 
@@ -30,7 +33,7 @@ def session_wishes() -> tuple[Any, ...]:
 class SessionFollower:
     """Applies the session's switches to ``trainer`` (an :class:`~mpnb.training.trainer.Trainer`)."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Switched) -> None:
         self.trainer = trainer
         self.followed: tuple[Any, ...] = ()  # the session's wishes the fit last followed
 

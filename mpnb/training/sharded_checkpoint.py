@@ -18,7 +18,7 @@ allowed to run (:mod:`mpnb.training.safe_load`): a file that holds code is refus
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,8 @@ from mpnb.training.checkpoint import (
 from mpnb.training.history import History
 from mpnb.training.safe_load import load_dcp, load_plain, read_dcp_metadata
 
-#: The trainer a checkpoint belongs to (``mpnb.training.trainer.Trainer``; not imported: it imports this).
-Trainer = Any
+if TYPE_CHECKING:
+    from mpnb.training.trainer_protocols import Checkpointed
 
 __all__: list[str] = []
 
@@ -51,7 +51,7 @@ def run_file(path: str | os.PathLike[str], rank: int) -> str:
     return os.path.join(path, f"run-rank{rank}.pt")
 
 
-def save_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
+def save_sharded(trainer: Checkpointed, path: str | os.PathLike[str]) -> None:
     """Write ``trainer``'s checkpoint into the directory ``path`` (made if missing); collective."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -68,7 +68,7 @@ def save_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
     dist.barrier()  # no rank reads the directory before every run record is there
 
 
-def load_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> None:
+def load_sharded(trainer: Checkpointed, path: str | os.PathLike[str]) -> None:
     """Restore a :func:`save_sharded` directory into ``trainer``; collective.
 
     Raises:
@@ -134,7 +134,7 @@ def _weights_mismatch(saved: dict[str, Any], model_state: dict[str, Any]) -> str
     return None
 
 
-def _read_run(trainer: Trainer, name: str) -> tuple[dict[str, Any], History]:
+def _read_run(trainer: Checkpointed, name: str) -> tuple[dict[str, Any], History]:
     if not os.path.isdir(name):
         raise FileNotFoundError(f"no checkpoint directory {name!r}")
     path = run_file(name, dist.get_rank())
