@@ -38,23 +38,22 @@ from __future__ import annotations
 
 from mpnb import examples
 from mpnb.analysis import (
-    Advice,
     BatchSizeReport,
     Comparison,
     MemoryReport,
-    advise,
     compare,
     max_batch_size,
     memory,
 )
 from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
+from mpnb.numerics.advisor import Advice, advise
+from mpnb.numerics.origin import Origin, locate_nonfinite
 from mpnb.oplists import OpListOverride, OpLists
 from mpnb.oplists.trace import Trace, trace
 from mpnb.precision import Mode, autocast, get_mode, get_oplists, hmp, set_mode, set_oplists, tf32
 from mpnb.precision.fp8 import fp8_layers
 from mpnb.precision.status import DeviceReport, Status, devices, status
 from mpnb.training import AmpStep, FitInterrupted, History, Trainer
-from mpnb.training.numerics_origin import Origin, locate_nonfinite
 from mpnb.ui.views import install as _install_ui_views
 
 # The core asks mpnb.views for its dashboards and figures; the Jupyter ones are the default.

@@ -24,7 +24,10 @@ CORE_LAYERS = (
     ("mpnb._render", "mpnb._files", "mpnb._stderr", "mpnb.views"),
     ("mpnb.oplists",),
     ("mpnb.precision",),
-    ("mpnb.training",),
+    # numerics stands beside training: the loops measure their steps through its instruments,
+    # which build on the step's Instrument base; test_numerics_and_training_meet_at_two_doors
+    # keeps the crossings to the few modules that must cross
+    ("mpnb.training", "mpnb.numerics"),
     ("mpnb.analysis", "mpnb.examples"),
     ("mpnb.integrations",),
     ("mpnb.distributed",),
@@ -163,6 +166,55 @@ def test_layers_import_only_downwards(layers, scope):
             if theirs is not None and theirs > own:
                 wrong.append(f"{name} -> {target}")
     assert not wrong, f"{scope} imports that run upwards: {wrong}"
+
+
+#: The only numerics module training imports: the instruments a fit asks for, built in one place.
+NUMERICS_DOOR = "mpnb.numerics.instruments"
+#: What numerics uses of training: the step's Instrument base, the history, the telemetry's Sink,
+#: the random state a replay repeats.
+TRAINING_FOR_NUMERICS = {
+    "mpnb.training",  # the package itself, loaded on the way to any of its modules
+    "mpnb.training.step_record",
+    "mpnb.training.history",
+    "mpnb.training.telemetry",
+    "mpnb.training.random_state",
+}
+
+
+def test_numerics_and_training_meet_at_two_doors():
+    crossings = []
+    for name in MODULES:
+        targets = _mpnb_imports(name)
+        if _within(name, "mpnb.training"):
+            crossings += [
+                f"{name} -> {target}"
+                for target in targets
+                if _within(target, "mpnb.numerics") and target != NUMERICS_DOOR
+            ]
+        if _within(name, "mpnb.numerics"):
+            crossings += [
+                f"{name} -> {target}"
+                for target in targets
+                if _within(target, "mpnb.training") and target not in TRAINING_FOR_NUMERICS
+            ]
+    assert not crossings, f"numerics and training cross elsewhere than their doors: {crossings}"
+
+
+@pytest.mark.parametrize("name", ["mpnb.training.trainer", "mpnb.integrations.loop_telemetry"])
+def test_the_loops_name_no_instrument_only_the_builder(name):
+    """The Trainer and the framework loops' telemetry reach numerics through the instruments'
+    builder only: a new instrument or statistic needs no edit of theirs."""
+    reached = {
+        (node.module, alias.name)
+        for node in ast.walk(TREES[name])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mpnb.numerics")
+        for alias in node.names
+    }
+    assert {module for module, _ in reached} == {NUMERICS_DOOR}, reached
+    used = {node.id for node in ast.walk(TREES[name]) if isinstance(node, ast.Name)}
+    used |= {node.attr for node in ast.walk(TREES[name]) if isinstance(node, ast.Attribute)}
+    named = used & {"NumericsWatch", "FirstSkipLocator", "NextStepsLocator", "Fp32Modules"}
+    assert not named, f"{name} names the instruments {sorted(named)} in its code"
 
 
 def test_every_module_has_a_layer():

@@ -1,15 +1,13 @@
-"""Analysis: the same run in several modes, the largest batch per mode, and the numerics advisor.
+"""Analysis: the same run in several modes, a step's memory, the largest batch per mode.
 
 - :mod:`~mpnb.analysis.comparison`: :func:`compare` and its :class:`Comparison` table.
 - :mod:`~mpnb.analysis.memory`: :func:`memory`, where a step's memory goes, by category.
 - :mod:`~mpnb.analysis.batch_size`: :func:`max_batch_size`, built on that account.
-- :mod:`~mpnb.analysis.advisor`: :func:`advise`, fp16 overflow and underflow per module.
 
 Each shows its progress through the view the UI provides (:mod:`mpnb.views`), never by
 importing the UI.
 """
 
-from mpnb.analysis.advisor import Advice, advise
 from mpnb.analysis.batch_size import BatchSizeReport, max_batch_size
 from mpnb.analysis.comparison import Comparison, ComparisonProgress, ModeResult, compare
 from mpnb.analysis.memory import MemoryReport, memory
@@ -23,6 +21,4 @@ __all__ = [
     "BatchSizeReport",
     "memory",
     "MemoryReport",
-    "advise",
-    "Advice",
 ]

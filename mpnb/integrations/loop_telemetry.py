@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -56,18 +56,19 @@ from mpnb.integrations.honesty import (
     session_lists_inside,
 )
 from mpnb.integrations.observed import PrecisionObserver, check_precision
+from mpnb.numerics.instruments import FitInstruments, check_watch_numerics, fit_instruments
 from mpnb.precision.fp8 import is_float8
 from mpnb.precision.modes import Mode
 from mpnb.precision.policy import session
 from mpnb.training.control import FitControl
-from mpnb.training.fp32_modules import Fp32Modules
 from mpnb.training.health import HealthWatch
 from mpnb.training.history import History
-from mpnb.training.numerics_origin import NextStepsLocator
-from mpnb.training.numerics_watch import NumericsLog, NumericsWatch
-from mpnb.training.step_record import StepAccount, flush_every_for
+from mpnb.training.step_record import StepAccount, WatchedRun, flush_every_for
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
 from mpnb.training.telemetry import Recorder, Sink, check_dashboard, dashboard_sinks
+
+if TYPE_CHECKING:  # the type of a result handed on; the watch itself is not named here
+    from mpnb.numerics.instruments import NumericsLog
 
 __all__: list[str] = []
 
@@ -85,11 +86,11 @@ class LoopTelemetry:
         flush_every: steps between copies of the device values to the host (a whole number >= 1;
             1 with ``on_nonfinite="stop"``, so that the framework stops at the bad step).
         watch_numerics: every how many optimizer steps to measure each leaf module's numerics
-            (:mod:`mpnb.training.numerics_watch`; read at the flush, :attr:`numerics`), and every
+            (:mod:`mpnb.numerics.watch`; read at the flush, :attr:`numerics`), and every
             step for a few steps after a flush shows trouble. True: every 50. None or False: off.
         locate_overflow: once a flush shows a skipped step or a non-finite loss, watch the next
             steps as they run to name the module and op where the inf/NaN began (an
-            ``"origin"`` event; :class:`~mpnb.training.numerics_origin.NextStepsLocator`).
+            ``"origin"`` event; :class:`~mpnb.numerics.origin.NextStepsLocator`).
 
     Attributes:
         history: one row per optimizer step, across every run this object recorded.
@@ -107,7 +108,7 @@ class LoopTelemetry:
         locate_overflow: bool = True,
     ) -> None:
         check_dashboard(dashboard)
-        watch_numerics = NumericsWatch.interval(watch_numerics)
+        watch_numerics = check_watch_numerics(watch_numerics)  # refused here, not at a run's start
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(
                 f"flush_every must be a whole number of steps, at least 1; got {flush_every!r}"
@@ -162,10 +163,16 @@ class LoopTelemetry:
         device = torch.device(device)
         if self._run is not None:
             self.end()
-        self._run = _Run(model, optimizer, scaler, device, asked)
-        self._run.watch_numerics(self.watch_numerics, self.locate_overflow, len(self.history))
-        if self._run.numerics is not None:
-            self.numerics = self._run.numerics.log
+        instruments = fit_instruments(
+            model,
+            device.type,
+            watch_numerics=self.watch_numerics,
+            locate_overflow=self.locate_overflow,
+            replays=False,  # the framework holds the batches: no step can be replayed
+        )
+        self._run = _Run(model, optimizer, scaler, device, asked, instruments)
+        if instruments.numerics is not None:
+            self.numerics = instruments.numerics
         self.runs += 1
         name = title or self.framework
         self.history.note(
@@ -176,9 +183,10 @@ class LoopTelemetry:
         sinks = dashboard_sinks(
             self.dashboard, title or f"{self.framework} (mpnb telemetry)", self.control
         )
-        sinks = self._run.numerics_sinks() + sinks  # read at a flush before a view draws them
+        sinks = [*self._run.instruments, *sinks]  # read at a flush before a view draws them
         self.recorder.sinks.extend(sinks)
         self._run.sinks = sinks
+        self._run.account.watch(instruments, self._run.watched(self.history), self.steps + 1)
         self.control.begin()
         self._run.control_listener = self._follow_control(self._run, on_stop)
         self.control.on_state.append(self._run.control_listener)
@@ -196,12 +204,8 @@ class LoopTelemetry:
         """The first micro-batch of an optimizer step starts: its time starts (if not already), and
         the precision hook goes back on if this step is one to read (see ``PrecisionObserver``)."""
         run = self._require_run()
-        run.account.start()
+        run.account.start()  # the instruments' moment: before the forward
         run.observer.rearm()
-        if run.numerics is not None and not run.account.open:
-            run.numerics.before_step(self.steps + 1, scale_in_use(run.scaler))
-        if run.locator is not None:
-            run.locator.step_start()
 
     def add_loss(self, loss: torch.Tensor | float, normalized: bool = False) -> None:
         """A micro-batch's loss. ``normalized``: already divided so that the window's losses sum
@@ -257,9 +261,7 @@ class LoopTelemetry:
         if observed in ("bf16", "fp32", "tf32") and run.float8:  # torchao's float8 layers ran
             observed = "fp8"
         self.steps += 1
-        if run.locator is not None:  # a step watched after a skip: where did it overflow?
-            run.locator.step_computed(self.history, self.steps)
-        record = run.account.close(
+        record = run.account.close(  # and the instruments' step end
             step=self.steps,
             epoch=epoch,
             loss_scale=run.scale_before,
@@ -268,8 +270,6 @@ class LoopTelemetry:
             mode=observed if observed is not None else UNSEEN,
         )
         self.recorder.add_row(record.row())
-        if run.numerics is not None:
-            run.numerics.after_step(self.steps)
         run.next_window()
         if record.loss_missing:
             self.notices.say(
@@ -292,7 +292,7 @@ class LoopTelemetry:
         # delivers the dashboard's requests (a Stop), waits while paused
         checkpoint = self.control.checkpoint()
         if "reset" in checkpoint.changed:  # every switch put back, the remedies too
-            run.fp32.undo_for_reset(self.history, self.steps)
+            run.instruments.undo_for_reset(self.history, self.steps)
         if checkpoint.paused_s:
             run.account.restart_clock()  # the pause is no step's work: the next step's time starts at its first batch
         return self.stop_requested
@@ -328,7 +328,7 @@ class LoopTelemetry:
             MpnbError: no module of that name (the closest are listed); nothing changes.
             RuntimeError: no run is being recorded.
         """
-        found = self._require_run().fp32.keep(module)
+        found = self._require_run().instruments.keep_in_fp32(module)
         self.history.note(
             f"{found} runs in fp32 (autocast off inside it)",
             kind="switch",
@@ -410,7 +410,7 @@ class WithTelemetry:
     @property
     def numerics(self) -> NumericsLog | None:
         """Each leaf module's sampled numerics (with ``watch_numerics``; see
-        :mod:`mpnb.training.numerics_watch`), the steps not yet copied to the host included."""
+        :mod:`mpnb.numerics.watch`), the steps not yet copied to the host included."""
         self.telemetry.recorder.flush()
         return self.telemetry.numerics
 
@@ -430,6 +430,7 @@ class _Run:
         scaler: torch.amp.GradScaler | None,
         device: torch.device,
         asked: str | None,
+        instruments: FitInstruments,
     ) -> None:
         self.optimizer, self.scaler, self.device, self.asked = optimizer, scaler, device, asked
         self.account = StepAccount(device)  # the open step's clock, memory, losses and examples
@@ -445,9 +446,7 @@ class _Run:
             # torchao's float8 training under bf16 autocast is how fp8 is asked where the framework
             # has no fp8 setting (Lightning's configure_model): the conversion is the request
             self.asked = "fp8"
-        self.fp32 = Fp32Modules(model, device.type)  # remedies for this run
-        self.numerics: NumericsWatch | None = None
-        self.locator: NextStepsLocator | None = None
+        self.instruments = instruments  # numerics watch, overflow locator; the fp32 remedies
         self.sinks: list[Sink] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.control_listener: Callable[[str], None] = lambda state: (
@@ -463,24 +462,19 @@ class _Run:
         self.lr: Any = math.nan
         self.before_called = False
 
-    def watch_numerics(self, every: int | None, locate_overflow: bool, first_row: int) -> None:
-        """Watch the modules' numerics every ``every`` steps; locate where a skip or a non-finite
-        loss after the history's ``first_row`` began."""
-        if every is not None:
-            self.numerics = NumericsWatch(self.model, every)
-        if locate_overflow:
-            self.locator = NextStepsLocator(self.model, first_row)
-
-    def numerics_sinks(self) -> list[Sink]:
-        """The run's sinks that read at a flush: the numerics watch, the locator."""
-        return [sink for sink in (self.numerics, self.locator) if sink is not None]
+    def watched(self, history: History) -> WatchedRun:
+        """What the run's instruments see of it."""
+        scaler = self.scaler
+        return WatchedRun(
+            history=history,
+            device=self.device,
+            scales_loss=scaler is not None and scaler.is_enabled(),
+            loss_scale=lambda: scale_in_use(scaler),
+        )
 
     def detach(self) -> None:
-        if self.numerics is not None:
-            self.numerics.remove_hooks()
-        if self.locator is not None:
-            self.locator.close()
-        self.fp32.release()
+        self.account.unwatch()
+        self.instruments.release()
         if self.watch is not None:
             self.watch.remove()
         self.observer.remove()

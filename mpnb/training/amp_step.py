@@ -233,7 +233,7 @@ class AmpStep:
         # the state backward will run in
         outer_autocast = torch.is_autocast_enabled(self.precision.device.type)
         self._window.start_forward()  # the one context object cannot be entered twice at once
-        self.account.forward_start()
+        self.account.forward_start(forward)  # an instrument may replay a skipped step with it
         try:
             with self._forward_context:
                 loss = forward()

@@ -23,16 +23,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from mpnb.precision.backends import backend_for
+from mpnb.training.history import History
 from mpnb.training.step_clock import DeviceInterval, StepClock
-from mpnb.training.telemetry import MemorySampler, add_in_fp32
+from mpnb.training.telemetry import MemorySampler, Sink, add_in_fp32
 
 __all__: list[str] = []
 
@@ -114,6 +117,79 @@ def flush_every_for(on_nonfinite: str, flush_every: int) -> int:
     return 1 if on_nonfinite == "stop" else flush_every
 
 
+@dataclasses.dataclass(frozen=True)
+class WatchedRun:
+    """What an :class:`Instrument` sees of the run it watches (handed to :meth:`Instrument.begin`).
+
+    Attributes:
+        history: the run's history: its rows, and its events (an instrument notes its findings there).
+        device: where the steps run.
+        scales_loss: the run's mode scales the loss (fp16): a step can be skipped.
+        loss_scale: the loss scale the next step's backward uses, read without a device sync.
+        autocast: a fresh forward-pass context of the run's precision (for a step replayed).
+        tell_sinks: shows the sinks the history as it is (after a note made between two flushes).
+
+    Example:
+        >>> run = WatchedRun(History(), torch.device("cpu"))
+        >>> run.scales_loss, run.loss_scale()
+        (False, 1.0)
+    """
+
+    history: History
+    device: torch.device
+    scales_loss: bool = False
+    loss_scale: Callable[[], torch.Tensor | float] = lambda: 1.0
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    tell_sinks: Callable[[], None] = lambda: None
+
+
+class Instrument(Sink):
+    """Watches the steps a :class:`StepAccount` measures, at a step's few moments. Every moment
+    does nothing by default: an instrument overrides the ones it needs (the numerics watch, the
+    overflow locators of :mod:`mpnb.numerics.origin`).
+
+    In a run's order: :meth:`begin`; per micro-batch :meth:`before_forward`; per optimizer step
+    :meth:`step_end`, then :meth:`step_skipped` when the step is known on the host to be skipped;
+    as a telemetry :class:`~mpnb.training.telemetry.Sink`, :meth:`update` at each flush and
+    :meth:`close` at the run's end; :meth:`detach` last, however the run ended. None of them
+    may read a device value: the flush is the place for that.
+
+    Example:
+        >>> class Steps(Instrument):
+        ...     def step_end(self, step):
+        ...         print("step", step, "ended")
+        >>> account = StepAccount(torch.device("cpu"))
+        >>> account.watch([Steps()], WatchedRun(History(), torch.device("cpu")), next_step=1)
+        >>> account.start()
+        >>> record = account.close(step=1, epoch=0, loss_scale=1.0, skipped=False, lr=0.1, mode="fp32")
+        step 1 ended
+    """
+
+    def begin(self, run: WatchedRun) -> None:
+        """A run (a fit) begins: ``run`` is what the instrument may read of it."""
+
+    def before_forward(self, step: int, first: bool) -> None:
+        """A micro-batch of optimizer step ``step`` is about to run its forward pass; ``first``:
+        it is the step's first."""
+
+    def step_end(self, step: int) -> None:
+        """Optimizer step ``step`` ended: its backward and its optimizer call are done."""
+
+    def step_skipped(
+        self,
+        step: int,
+        scale: torch.Tensor | float,
+        compute_loss: Callable[[], torch.Tensor] | None,
+    ) -> None:
+        """Step ``step``, whose backward used loss scale ``scale``, was skipped (gradients
+        overflowed). ``compute_loss`` runs its last micro-batch's forward again (None where the
+        batch is not mpnb's: a framework's loop)."""
+
+    def detach(self) -> None:
+        """Take off whatever the instrument put on the model. Runs however the run ended; safe
+        to call twice."""
+
+
 class StepAccount:
     """What the open optimizer step has gathered, and the clocks that time it.
 
@@ -131,16 +207,58 @@ class StepAccount:
             device
         )  # a forward pass to its backward: the process's own work
         self.memory = MemorySampler(backend_for(device), device)
+        self.instruments: list[Instrument] = []  # called at each step's moments, in this order
+        self.next_step = 1  # the open step's number, as the instruments are told it
+        self._forward: Callable[[], torch.Tensor] | None = None  # the last micro-batch's forward
         self.discard()
+
+    # -- instruments -----------------------------------------------------------------------
+
+    def watch(self, instruments: Sequence[Instrument], run: WatchedRun, next_step: int) -> None:
+        """Call ``instruments`` at the moments of the steps from here on, the next one numbered
+        ``next_step``; each begins watching ``run`` first."""
+        self.instruments, self.next_step = list(instruments), next_step
+        for instrument in self.instruments:
+            instrument.begin(run)
+
+    def unwatch(self) -> None:
+        """The run ended: every instrument detaches (each one, whatever another raised), and is
+        called no more."""
+        instruments, self.instruments, self._forward = self.instruments, [], None
+        with contextlib.ExitStack() as detaching:
+            for instrument in instruments:
+                detaching.callback(instrument.detach)
+
+    def _before_forward(self, forward: Callable[[], torch.Tensor] | None) -> None:
+        self._forward = forward
+        first = not self.open
+        for instrument in self.instruments:
+            instrument.before_forward(self.next_step, first)
+
+    def _step_ended(
+        self, step: int, scale: torch.Tensor | float, skipped: torch.Tensor | bool
+    ) -> None:
+        for instrument in self.instruments:
+            instrument.step_end(step)
+        if skipped is True:  # known on the host; a device flag is read at the flush, not here
+            for instrument in self.instruments:
+                instrument.step_skipped(step, scale, self._forward)
 
     # -- time ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """The step's work begins (its time starts, unless it has already)."""
+        """A micro-batch's work begins (the step's time starts, unless it has already): the
+        instruments' :meth:`~Instrument.before_forward`."""
+        if self.instruments:
+            self._before_forward(None)
         self.clock.start()
 
-    def forward_start(self) -> None:
-        """A forward pass begins: the step's time starts here too, if it has not yet."""
+    def forward_start(self, forward: Callable[[], torch.Tensor] | None = None) -> None:
+        """A forward pass begins: the step's time starts here too, if it has not yet. ``forward``:
+        the function that runs it and returns the loss, for an instrument that replays a skipped
+        step. The instruments' :meth:`~Instrument.before_forward` run first, outside the clocks."""
+        if self.instruments:
+            self._before_forward(forward)
         self.clock.start(self.forward_clock.start_anew())  # one reading of the clock opens both
 
     def forward_end(self) -> None:
@@ -215,7 +333,8 @@ class StepAccount:
         mode: str,
         grad_norm: torch.Tensor | float = math.nan,
     ) -> StepRecord:
-        """The step ends: its record, from what was gathered and the clocks; the next step opens."""
+        """The step ends: its record, from what was gathered and the clocks; the next step opens.
+        Then the instruments' :meth:`~Instrument.step_end` (and :meth:`~Instrument.step_skipped`)."""
         step_time = (*self._step_parts, self.clock.lap())
         loss = self.loss
         record = StepRecord(
@@ -234,4 +353,7 @@ class StepAccount:
             mode=mode,
         )
         self.discard()
+        self.next_step = step + 1
+        if self.instruments:
+            self._step_ended(step, loss_scale, skipped)
         return record

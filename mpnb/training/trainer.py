@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mpnb.errors import MpnbError
+from mpnb.numerics.instruments import fit_instruments
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.modes import Mode
 from mpnb.training.amp_step import AmpStep
@@ -36,11 +37,8 @@ from mpnb.training.checkpoint import (
 )
 from mpnb.training.control import FitControl, FitEnd, running_on_this_thread
 from mpnb.training.data_position import DataPosition
-from mpnb.training.fp32_modules import Fp32Modules
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
-from mpnb.training.numerics_origin import FirstSkipLocator, NextStepsLocator
-from mpnb.training.numerics_watch import NumericsLog, NumericsWatch
 from mpnb.training.parallel import (
     agreed_stop,
     check_strategy,
@@ -52,8 +50,12 @@ from mpnb.training.parallel import (
 from mpnb.training.session_follow import SessionFollower
 from mpnb.training.sharded_checkpoint import load_sharded, save_sharded
 from mpnb.training.step_precision import TrainingPrecision
+from mpnb.training.step_record import WatchedRun
 from mpnb.training.step_watch import scale_in_use
 from mpnb.training.telemetry import Sink, check_dashboard, dashboard_sinks
+
+if TYPE_CHECKING:  # the type of a result the Trainer hands on; the watch itself is not named here
+    from mpnb.numerics.instruments import NumericsLog
 
 __all__ = ["Trainer", "FitInterrupted"]
 
@@ -138,12 +140,12 @@ class Trainer:
         flush_every: steps between device-to-host telemetry copies.
         locate_overflow: at each fit's first skipped fp16 step, replay it to name the module
             and op where the overflow began (an ``"origin"`` event on the history, marked on the
-            dashboard, named by a later alarm; see :mod:`mpnb.training.numerics_origin`); after
+            dashboard, named by a later alarm; see :mod:`mpnb.numerics.origin`); after
             a flush shows a non-finite loss (any mode), watch the next steps as they run to name
             where the NaN/inf is made. One process only.
         watch_numerics: every how many optimizer steps to measure each leaf module's largest
             activation and gradient, fp16-underflow share and non-finite count (read at the
-            telemetry's flush; :attr:`numerics`, :mod:`mpnb.training.numerics_watch`), and every
+            telemetry's flush; :attr:`numerics`, :mod:`mpnb.numerics.watch`), and every
             step for a few steps after a flush shows a skipped step or a non-finite loss. True:
             every 50 steps (about 1% of a step). None or False: off.
 
@@ -214,11 +216,13 @@ class Trainer:
         self._ended = FitEnd.NOT_RUN
         self.control = FitControl()
         self.control.subject = self  # a dashboard's memory view counts this trainer's step
-        self._locator = FirstSkipLocator() if locate_overflow and strategy is None else None
-        self._later: NextStepsLocator | None = None  # a non-finite loss's origin, this fit
-        self._fp32 = Fp32Modules(self.model, self.device.type)  # remedies of the running fit
-        every = NumericsWatch.interval(watch_numerics)
-        self._watch = None if every is None else NumericsWatch(self.model, every)
+        # the fit's instruments (numerics watch, overflow locators) and its fp32 remedies
+        self._instruments = fit_instruments(
+            self.model,
+            self.device.type,
+            watch_numerics=watch_numerics,
+            locate_overflow=locate_overflow and strategy is None,
+        )
         self._math = contextlib.ExitStack()  # the precision's fp32-math (and fp8 layers) scope
         self._follower = SessionFollower(self)  # the session's switches made while a fit runs
 
@@ -235,7 +239,7 @@ class Trainer:
     @property
     def numerics(self) -> NumericsLog | None:
         """Each watched module's sampled numerics (``watch_numerics``); None when not watched."""
-        return self._watch.log if self._watch is not None else None
+        return self._instruments.numerics
 
     @property
     def last_batch(self) -> Any:
@@ -365,11 +369,8 @@ class Trainer:
         if max_steps == 0:
             return self.history
         note_fit(self.history)
-        # the watch first: at a flush it reads its sampled steps before a view draws them
-        sinks = ([self._watch] if self._watch is not None else []) + self._sinks(capture)
-        if self._locator is not None:  # a non-finite loss: the next steps watched as they run
-            self._later = NextStepsLocator(self.model, len(self.history), on_skips=False)
-            sinks.append(self._later)
+        # the instruments first: at a flush the watch reads its sampled steps before a view draws them
+        sinks = [*self._instruments, *self._sinks(capture)]
         steps_before = self.amp.steps
         self.history.meta.update(
             model=self.describe(), device=str(self.device), mode=self.mode.value
@@ -379,8 +380,7 @@ class Trainer:
         self.model.train()
         self.control.begin()
         self.amp.health.restart(self.history)  # each fit reports its own first problem
-        if self._locator is not None:
-            self._locator.start(self.amp.precision.needs_scaler)
+        self.amp.account.watch(self._instruments, self._watched_run(), self.amp.steps + 1)
         self._follower.restart()
         try:
             with self._math, StopRequest() as stop:
@@ -400,9 +400,12 @@ class Trainer:
             raise
         finally:
             self._data.close()
-            self._fp32.release()  # a remedy lasts the fit it was applied for
+            self._instruments.release()  # a remedy lasts the fit it was applied for
             self.control.end()
-            self.amp.close()
+            try:
+                self.amp.close()
+            finally:
+                self.amp.account.unwatch()  # the instruments' hooks off, whatever the close did
             for sink in sinks:
                 self.amp.recorder.sinks.remove(sink)
             if capture is not None:
@@ -468,7 +471,7 @@ class Trainer:
                     if checkpoint.changed:
                         self._follower.follow(checkpoint.changed)
                     if "reset" in checkpoint.changed:  # every switch put back, the remedies too
-                        self._fp32.undo_for_reset(self.history, self.amp.steps)
+                        self._instruments.undo_for_reset(self.history, self.amp.steps)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
                     wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
@@ -526,22 +529,19 @@ class Trainer:
         def loss() -> torch.Tensor:
             return batch_loss(self.model, batch, self.loss_fn, self.step_fn)
 
-        if self._watch is not None and self.amp.between_steps:
-            self._watch.before_step(self.amp.steps + 1, scale_in_use(self.amp.scaler))
-        locator = self._locator if self._locator is not None and self._locator.pending else None
-        if locator is not None:
-            locator.before_step(self.device.type)
-        later = self._later if self._later is not None and self._later.armed else None
-        if later is not None and self.amp.between_steps:
-            later.step_start()
-        stepped = self.amp.train_step(loss, samples_in(batch))
-        if later is not None and stepped:
-            later.step_computed(self.history, self.amp.steps)
-        if stepped and self._watch is not None:
-            self._watch.after_step(self.amp.steps)
-        if locator is not None and locator.after_step(self.amp, self.model, loss):
-            self.amp.recorder.tell_sinks()  # a dashboard offers the remedy before the next step
-        return stepped
+        return self.amp.train_step(loss, samples_in(batch))  # the instruments: in its account
+
+    def _watched_run(self) -> WatchedRun:
+        """What the fit's instruments see of it (the precision as it is at each call: a fit
+        follows the session's switches)."""
+        return WatchedRun(
+            history=self.history,
+            device=self.device,
+            scales_loss=self.amp.precision.needs_scaler,
+            loss_scale=lambda: scale_in_use(self.amp.scaler),
+            autocast=lambda: self.amp.precision.autocast.context(),
+            tell_sinks=self.amp.recorder.tell_sinks,
+        )
 
     def keep_in_fp32(self, module: str) -> str:
         """The remedy for an overflow named in one module: run ``module`` in float32 (autocast
@@ -565,7 +565,7 @@ class Trainer:
         Raises:
             MpnbError: no module of that name (the closest names are listed); nothing changes.
         """
-        found = self._fp32.keep(module)
+        found = self._instruments.keep_in_fp32(module)
         self.history.note(
             f"{found} runs in fp32 (autocast off inside it)",
             kind="switch",

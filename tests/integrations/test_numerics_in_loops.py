@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpnb.integrations.accelerate import LoopRecorder
-from tests.training.test_numerics_origin import LogOfNegatives, gpt2_batches, overflowing_gpt2
+from tests.numerics.test_origin import LogOfNegatives, gpt2_batches, overflowing_gpt2
 
 PLANTED = "GPT2LMHeadModel.transformer.h.1.mlp.c_proj"
 

@@ -19,11 +19,11 @@ from torch import nn
 
 import mpnb
 from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.numerics.watch import NumericsLog
 from mpnb.precision.backends.cpu import CpuBackend
 from mpnb.precision.backends.cuda import CudaBackend
 from mpnb.precision.backends.hpu import HpuBackend
 from mpnb.precision.policy import session
-from mpnb.training.numerics_watch import NumericsLog
 from tests.child_process import child_environment
 from tests.conftest import policy_state, run, usage_error
 

@@ -43,7 +43,7 @@ def test_the_remedy_button_offered_for_a_named_overflow_stops_the_skips_mid_fit(
     import warnings
 
     from mpnb.ui.widgets.remedy_view import RemedyView
-    from tests.training.test_numerics_origin import gpt2_batches, gpt2_trainer
+    from tests.numerics.test_origin import gpt2_batches, gpt2_trainer
 
     trainer = gpt2_trainer()
     view = RemedyView(trainer)

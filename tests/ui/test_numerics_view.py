@@ -11,7 +11,7 @@ import mpnb
 import mpnb.examples as ex
 from mpnb.ui.views import make_dashboard
 from mpnb.ui.widgets.numerics_view import NumericsView
-from tests.training.test_numerics_origin import gpt2_batches, overflowing_gpt2
+from tests.numerics.test_origin import gpt2_batches, overflowing_gpt2
 
 
 def test_the_heatmaps_are_drawn_while_the_fit_runs_not_only_at_its_end():

@@ -1,7 +1,7 @@
 """The numerics advisor's heatmap: modules x metrics, each column scaled to its own maximum.
 
 Example:
-    >>> from mpnb.analysis.advisor import Advice, ModuleNumerics
+    >>> from mpnb.numerics.advisor import Advice, ModuleNumerics
     >>> row = ModuleNumerics("fc", "Linear", 2.0, 0.5, 0.0, {"fp16": 1e-3, "bf16": 1e-2})
     >>> figure = advice_heatmap(Advice([row], [], [], 1024.0, "bf16", []))
     >>> figure.data[0].y, figure.data[0].z[0][:2]
@@ -14,7 +14,7 @@ import math
 
 import plotly.graph_objects as go
 
-from mpnb.analysis.advisor import METRICS, Advice
+from mpnb.numerics.advisor import METRICS, Advice
 
 __all__: list[str] = []
 

@@ -2,10 +2,10 @@
 colour says how close the module's largest activation came to the dtype's limit (log10 of the
 headroom: 0 is the limit itself, where a step with a non-finite value is drawn too); on the right,
 the share of its activations fp16 would make subnormal or zero. A named origin of an overflow
-(:mod:`mpnb.training.numerics_origin`) is marked with a cross on both.
+(:mod:`mpnb.numerics.origin`) is marked with a cross on both.
 
 Example:
-    >>> from mpnb.training.numerics_watch import NumericsLog
+    >>> from mpnb.numerics.watch import NumericsLog
     >>> log = NumericsLog(["fc", "head"], limit=65504.0)
     >>> log.add(10, [[60000.0, 0.0, 0.0, 1.0], [6.5, 0.0, 0.25, 1.0]])
     >>> figure = numerics_heatmap(log, origin=("head", 10))
@@ -23,15 +23,16 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from mpnb.training.numerics_watch import NumericsLog
+from mpnb.numerics.watch import NumericsLog
 
 __all__: list[str] = []
 
-#: Where the overflow began, as the heatmaps' row and column: a watched module and a step.
-Origin = tuple[str, int]
+#: The heatmaps' cell where an overflow began: a watched module's row and a step's column (an
+#: `~mpnb.numerics.origin.Origin`'s module, placed on the grid).
+OriginCell = tuple[str, int]
 
 
-def numerics_heatmap(log: NumericsLog, origin: Origin | None = None) -> go.Figure:
+def numerics_heatmap(log: NumericsLog, origin: OriginCell | None = None) -> go.Figure:
     """Headroom to the limit and fp16-underflow share, module x sampled step, with ``origin``
     marked where it falls on a sampled step (or on the nearest one after it)."""
     figure = make_subplots(
@@ -129,7 +130,7 @@ def _headroom_cells(log: NumericsLog) -> tuple[list[list[float | None]], list[li
     return z, text
 
 
-def _origin_cell(log: NumericsLog, origin: Origin | None) -> Origin | None:
+def _origin_cell(log: NumericsLog, origin: OriginCell | None) -> OriginCell | None:
     """The heatmap cell of ``origin``: its module's row (the module, or the watched module
     nearest inside it), at the first sampled step at or after it (the last one if none)."""
     if origin is None or not log.steps:

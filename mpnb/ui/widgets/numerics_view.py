@@ -4,7 +4,7 @@ Under the live dashboard of a Trainer (or of a framework's loop) that watches nu
 (``Trainer(watch_numerics=k)``, ``MpnbCallback(watch_numerics=k)``): at
 each telemetry flush the sampled steps read so far are drawn, a row a module (headroom to the
 dtype's limit, fp16-underflow share; :mod:`mpnb.ui.plots.numerics_figure`), and when an
-overflow's origin is named (:mod:`mpnb.training.numerics_origin`) a cross marks its module at
+overflow's origin is named (:mod:`mpnb.numerics.origin`) a cross marks its module at
 that step. It reads what the watch already brought to the host: drawing adds no device work.
 
 Example:
@@ -25,9 +25,9 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from mpnb.training.history import History
-from mpnb.training.numerics_origin import ORIGIN_KIND
+from mpnb.numerics.origin import ORIGIN_KIND
 from mpnb.training.telemetry import Sink
-from mpnb.ui.plots.numerics_figure import Origin, numerics_heatmap
+from mpnb.ui.plots.numerics_figure import OriginCell, numerics_heatmap
 
 __all__: list[str] = []
 
@@ -45,7 +45,7 @@ class NumericsView(Sink):
         self.figure = go.FigureWidget()
         self.figure.layout.height = 10
         self.widget = widgets.VBox([self.note, self.figure])
-        self._drawn: tuple[int, Origin | None] = (0, None)
+        self._drawn: tuple[int, OriginCell | None] = (0, None)
 
     def update(self, history: History) -> None:
         """Redraw when the watch has read new sampled steps or an origin was named."""
@@ -70,7 +70,7 @@ class NumericsView(Sink):
         self.update(history)
 
 
-def _last_origin(history: History) -> Origin | None:
+def _last_origin(history: History) -> OriginCell | None:
     """The module (without the root's class) and step of the history's last named origin."""
     named = [e for e in history.events if e.get("kind") == ORIGIN_KIND and e.get("module")]
     if not named:

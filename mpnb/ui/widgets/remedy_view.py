@@ -3,7 +3,7 @@ module in float32 from the next step.
 
 The button appears under the live dashboard of a Trainer, or of a framework's loop
 (transformers, Lightning, Accelerate), at the first ``"origin"`` event of its history
-(:mod:`mpnb.training.numerics_origin`) and calls its ``keep_in_fp32``
+(:mod:`mpnb.numerics.origin`) and calls its ``keep_in_fp32``
 (:meth:`mpnb.Trainer.keep_in_fp32`). A click while the fit runs is delivered between two
 optimizer steps, like Stop and Pause; the module is put back when the fit ends.
 
@@ -31,7 +31,7 @@ import ipywidgets as widgets
 
 from mpnb.errors import MpnbError
 from mpnb.training.history import History
-from mpnb.training.numerics_origin import ORIGIN_KIND
+from mpnb.numerics.origin import ORIGIN_KIND
 from mpnb.training.telemetry import Sink
 
 __all__: list[str] = []

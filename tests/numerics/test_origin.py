@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import mpnb
-from mpnb.training.numerics_origin import locate_nonfinite
+from mpnb.numerics.origin import locate_nonfinite
 from tests.conformance.models import gpt2_model
 
 
@@ -138,7 +138,7 @@ def test_the_named_module_kept_in_fp32_stops_the_skips_from_the_next_step_of_the
 
     def remedy_once_named():  # between steps, as a dashboard button's click is delivered
         origins = [e for e in trainer.history.events if e["kind"] == "origin"]
-        if origins and not trainer._fp32.names:
+        if origins and not trainer._instruments.kept:
             trainer.keep_in_fp32(origins[0]["module"])
 
     trainer.control.pollers.append(remedy_once_named)
@@ -179,7 +179,7 @@ def test_a_session_reset_mid_fit_undoes_the_remedy_from_the_next_step():
     assert undone["step"] == 3 and undone["message"] == (
         "transformer.h.1.mlp.c_proj runs under autocast again (the session was reset)"
     )
-    assert not trainer._fp32.names
+    assert not trainer._instruments.kept
     assert "forward" not in vars(trainer.model.transformer.h[1].mlp.c_proj)
 
 
@@ -190,7 +190,7 @@ def test_a_module_name_that_is_not_there_is_refused_with_the_closest_names():
         match=r"no module named 'transformer.h.1.mlp.cproj'; closest: transformer.h.1.mlp.c_proj",
     ):
         trainer.keep_in_fp32("transformer.h.1.mlp.cproj")
-    assert not trainer.history.events and not trainer._fp32.names
+    assert not trainer.history.events and not trainer._instruments.kept
 
 
 def test_a_t5_overflow_is_named_in_its_feed_forward_not_where_t5_makes_infs_on_purpose():

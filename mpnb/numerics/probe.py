@@ -3,9 +3,9 @@
 A :class:`ModuleProbe` puts a forward hook on each chosen module; each call hands the module's
 first floating-point output (the first such tensor of a tuple, a dict, a model output) to a
 callback and, through a hook on that tensor, the gradient that flows back into it. What the
-callbacks do with them is theirs: the numerics watch (:mod:`mpnb.training.numerics_watch`)
+callbacks do with them is theirs: the numerics watch (:mod:`mpnb.numerics.watch`)
 reduces them on the device to a few numbers a module; the advisor
-(:mod:`mpnb.analysis.advisor`) keeps copies to compare precisions. The hooks are on only
+(:mod:`mpnb.numerics.advisor`) keeps copies to compare precisions. The hooks are on only
 inside the probe's ``with`` block (or between :meth:`ModuleProbe.attach` and
 :meth:`ModuleProbe.detach`).
 

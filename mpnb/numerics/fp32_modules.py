@@ -1,6 +1,6 @@
 """Modules kept in float32 inside an autocast model: the remedy for an overflow named in one.
 
-When a step's overflow is traced to one module (:mod:`mpnb.training.numerics_origin`), the
+When a step's overflow is traced to one module (:mod:`mpnb.numerics.origin`), the
 smallest change that stops it is to run that module in float32: autocast is off inside it and
 its floating inputs are cast up, so its ops compute in float32 and its output leaves in float32
 (the next module casts again as autocast says). The rest of the model keeps its mode.

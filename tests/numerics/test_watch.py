@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import mpnb
-from mpnb.training.numerics_watch import NumericsLog
-from tests.training.test_numerics_origin import gpt2_batches, overflowing_gpt2
+from mpnb.numerics.watch import NumericsLog
+from tests.numerics.test_origin import gpt2_batches, overflowing_gpt2
 
 
 def linear_run(watch_numerics, mode="bf16", lr=0.0, **options):
@@ -112,7 +112,7 @@ def test_a_module_that_made_infs_reads_as_having_no_headroom_not_infinite_headro
 
 
 def test_the_default_interval_samples_every_50th_step_and_densely_after_a_skip():
-    from mpnb.training.numerics_watch import DENSE_STEPS, NumericsWatch
+    from mpnb.numerics.watch import DENSE_STEPS, NumericsWatch
 
     assert NumericsWatch.check_every(True) == 50
     linear = torch.nn.Linear(2, 2)

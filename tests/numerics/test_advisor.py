@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import mpnb
-from mpnb.analysis.advisor import FP16_MAX
+from mpnb.numerics.limits import FP16_LARGEST_FINITE
 
 
 def mlp(seed: int = 0) -> torch.nn.Sequential:
@@ -25,7 +25,7 @@ def test_planted_activation_overflow_is_reported_with_bf16_or_fp32_list_advice()
     with torch.no_grad():
         model[0].weight.mul_(1e5)  # activations far beyond fp16's 65504
     report = mpnb.advise(model, BATCH, F.cross_entropy, device="cpu")
-    assert report.fp16_overflow[0] == "0" and report.rows[0].max_activation > FP16_MAX
+    assert report.fp16_overflow[0] == "0" and report.rows[0].max_activation > FP16_LARGEST_FINITE
     assert math.isinf(report.rows[0].output_error["fp16"]) and math.isfinite(
         report.rows[0].output_error["bf16"]
     )
@@ -61,7 +61,7 @@ def test_large_gradients_get_an_init_scale_that_avoids_the_first_step_overflow()
     report = mpnb.advise(mlp(), BATCH, lambda out, y: F.cross_entropy(out, y) * 1e3, device="cpu")
     assert report.init_scale < 2.0**16
     largest = max(r.max_gradient for r in report.rows)
-    assert largest * report.init_scale <= FP16_MAX
+    assert largest * report.init_scale <= FP16_LARGEST_FINITE
     assert any("would overflow on the first step" in line for line in report.advice)
 
 
@@ -158,7 +158,7 @@ class _Recurrent(torch.nn.Module):
 
 
 def test_advise_reads_the_same_modules_as_the_numerics_watch_tuple_outputs_included():
-    from mpnb.training.numerics_watch import NumericsWatch
+    from mpnb.numerics.watch import NumericsWatch
 
     model = _Recurrent()
     batch = (torch.randn(4, 5, 8), torch.randint(0, 2, (4,)))

@@ -1,11 +1,12 @@
 """The numerics advisor: will this model overflow or underflow in fp16, and what to do about it.
 
 :func:`advise` runs one forward and backward pass in fp32 as the reference and again under
-fp16 and bf16 autocast, watching every leaf module's output and the gradient that flows
-back into it with the numerics watch's own probe (:mod:`mpnb.training.module_probe`): one
-batch, looked at once, where the watch looks at sampled steps of a fit. Per module it reports the largest |activation| and |gradient| against fp16's
-range, the share of gradient values fp16 would flush to zero without loss scaling, and the
-relative error of outputs and gradients against fp32. From these it writes concrete advice:
+fp16 and bf16 autocast. The reference pass is measured by the numerics watch's own engine
+(:class:`~mpnb.numerics.watch.ModuleMeasures`, through :mod:`mpnb.numerics.probe`): one batch,
+looked at once, where the watch looks at sampled steps of a fit. Per module it reports the
+largest |activation| and |gradient| against fp16's largest finite value, the fp16 underflow
+share of its gradient without loss scaling (:func:`~mpnb.numerics.limits.underflow_share`), and
+the relative error of outputs and gradients against fp32 (each pass's float32 copies). From these it writes concrete advice:
 which dtype, which modules' ops to put on the FP32 list, and a GradScaler ``init_scale``
 that avoids the first-step overflow. (HF transformers' DebugUnderflowOverflow watches the
 forward pass only and prints text; this covers backward too and says what to change.)
@@ -26,15 +27,15 @@ from torch import nn
 from mpnb import views
 from mpnb._render import html_list, html_table, text_table
 from mpnb.errors import MpnbError
+from mpnb.numerics.limits import FP16_LARGEST_FINITE
+from mpnb.numerics.probe import ModuleProbe, leaf_names
+from mpnb.numerics.watch import MEASURES, ModuleMeasures
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.backends import backend_for, resolve_device
-from mpnb.training.module_probe import ModuleProbe, leaf_names
 from mpnb.training.random_state import kept_random_state
 
 __all__ = ["Advice", "advise"]
 
-FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
-FP16_TINY = 2.0**-24  # smallest fp16 subnormal: smaller magnitudes become 0
 # share of a module's nonzero gradients lost to underflow that deserves advice
 UNDERFLOW_ALARM = 0.01
 METRICS = (
@@ -55,7 +56,8 @@ class ModuleNumerics:
         kind: its class name.
         max_activation: largest |output| in fp32.
         max_gradient: largest |gradient of the loss w.r.t. its output| in fp32 (unscaled).
-        underflow_share: share of the nonzero gradient values below fp16's smallest subnormal.
+        underflow_share: its gradient's fp16 underflow share, unscaled
+            (:func:`~mpnb.numerics.limits.underflow_share`).
         output_error: relative error of its output per low dtype (``"fp16"``, ``"bf16"``) vs fp32.
         gradient_error: the same for the gradient w.r.t. its output.
     """
@@ -129,9 +131,10 @@ def _row_cells(row: ModuleNumerics) -> list[str]:
     return [row.module, row.kind, *[f"{value:.3g}" for value in row.values()]]
 
 
-class _Watch:
+class _Copies:
     """Keeps a float32 copy of each leaf module's output and of the gradient flowing back into
-    it, through the same probe as the numerics watch (:mod:`mpnb.training.module_probe`)."""
+    it (for the errors against fp32), through the same probe as the numerics watch
+    (:mod:`mpnb.numerics.probe`); on the reference pass, the watch's engine measures too."""
 
     def __init__(self, model: nn.Module) -> None:
         self.leaves = [
@@ -140,9 +143,11 @@ class _Watch:
         self.outputs: dict[str, torch.Tensor] = {}
         self.gradients: dict[str, torch.Tensor] = {}
         self.largest_parameter_gradient = 0.0
-        self.probe = ModuleProbe(
-            model, [name for name, _ in self.leaves], self._output, self._gradient
-        )
+        names = [name for name, _ in self.leaves]
+        self.probe = ModuleProbe(model, names, self._output, self._gradient)
+        self.measures = ModuleMeasures(model, names)
+        #: module name -> measure -> value, from the watch's engine (the reference pass only)
+        self.measured: dict[str, dict[str, float]] = {}
 
     def _output(self, name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
         self.outputs[name] = output.float().clone()
@@ -211,23 +216,36 @@ def _pass(
     loss_fn: Callable,
     device: torch.device,
     dtype: torch.dtype | None,
-) -> _Watch:
+) -> _Copies:
+    """One pass; the reference's (``dtype`` None) measured by the watch's engine as well."""
     inputs, targets = (
         part.to(device) if isinstance(part, torch.Tensor) else part for part in batch
     )
-    watch = _Watch(model)
+    copies = _Copies(model)
     model.zero_grad(set_to_none=True)
-    with (
-        watch.probe,
-        torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None),
-    ):
-        loss = loss_fn(model(inputs), targets)
-    loss.float().backward()
-    watch.largest_parameter_gradient = max(
+    try:
+        if dtype is None:
+            copies.measures.start()
+        with (
+            copies.probe,
+            torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None),
+        ):
+            loss = loss_fn(model(inputs), targets)
+        loss.float().backward()
+        rows = copies.measures.stop() if dtype is None else None
+    finally:
+        copies.measures.detach()
+    if rows is not None:
+        values = rows.cpu().tolist()
+        copies.measured = {
+            name: dict(zip(MEASURES, row, strict=True))
+            for name, row in zip(copies.measures.names, values, strict=True)
+        }
+    copies.largest_parameter_gradient = max(
         (_largest(p.grad) for p in model.parameters()), default=0.0
     )
     model.zero_grad(set_to_none=True)
-    return watch
+    return copies
 
 
 def _relative_error(value: torch.Tensor | None, reference: torch.Tensor | None) -> float:
@@ -241,13 +259,6 @@ def _relative_error(value: torch.Tensor | None, reference: torch.Tensor | None) 
 
 def _largest(tensor: torch.Tensor | None) -> float:
     return tensor.abs().max().item() if tensor is not None and tensor.numel() else 0.0
-
-
-def _underflow_share(gradient: torch.Tensor | None) -> float:
-    if gradient is None:
-        return 0.0
-    nonzero = gradient[gradient != 0].abs()
-    return (nonzero < FP16_TINY).float().mean().item() if nonzero.numel() else 0.0
 
 
 def advise(
@@ -298,13 +309,15 @@ def advise(
         if name not in reference.outputs:
             continue
         out, grad = reference.outputs[name], reference.gradients.get(name)
+        measured = reference.measured[name]
         rows.append(
             ModuleNumerics(
                 module=name,
                 kind=type(module).__name__,
-                max_activation=_largest(out),
-                max_gradient=_largest(grad),
-                underflow_share=_underflow_share(grad),
+                # the watch's largest is of the finite values: a non-finite output is past any limit
+                max_activation=math.inf if measured["nonfinite"] else measured["activation_max"],
+                max_gradient=measured["gradient_max"],
+                underflow_share=measured["gradient_underflow_share"],
                 output_error={k: _relative_error(w.outputs.get(name), out) for k, w in low.items()},
                 gradient_error={
                     k: _relative_error(w.gradients.get(name), grad) for k, w in low.items()
@@ -322,8 +335,8 @@ def _findings(
     overflowing = [
         r
         for r in rows
-        if r.max_activation > FP16_MAX
-        or r.max_gradient > FP16_MAX
+        if r.max_activation > FP16_LARGEST_FINITE
+        or r.max_gradient > FP16_LARGEST_FINITE
         or math.isinf(r.output_error.get("fp16", 0.0))
     ]
     underflowing = [r for r in rows if r.underflow_share > UNDERFLOW_ALARM]
@@ -331,12 +344,14 @@ def _findings(
     largest_gradient = max([parameter_gradient, *(r.max_gradient for r in rows)])
     init_scale = 2.0**16
     if largest_gradient > 0:
-        init_scale = min(2.0**16, 2.0 ** math.floor(math.log2(FP16_MAX / (2 * largest_gradient))))
+        init_scale = min(
+            2.0**16, 2.0 ** math.floor(math.log2(FP16_LARGEST_FINITE / (2 * largest_gradient)))
+        )
     advice = []
     for row in overflowing:
         peak = max(row.max_activation, row.max_gradient)
         advice.append(
-            f"fp16 overflow in {row.module} ({row.kind}): values reach {peak:.3g} > {FP16_MAX:.0f}. Use bf16, or put "
+            f"fp16 overflow in {row.module} ({row.kind}): values reach {peak:.3g} > {FP16_LARGEST_FINITE:.0f}. Use bf16, or put "
             f"{row.kind}'s ops on the FP32 list (%oplist add fp32 ...) so that module stays in fp32."
         )
     for row in underflowing:

@@ -2,13 +2,16 @@
 limits, forward and backward, without a sync of its own.
 
 On a sampled step (every ``every`` optimizer steps) forward hooks on the watched modules (the
-leaves by default) reduce each output on the device to four numbers: its largest magnitude, its
-non-finite count, the share of its values fp16 would make subnormal or zero, and, through a
-hook on the output, the largest magnitude of its gradient divided by the loss scale (the
-unscaled gradient). The numbers stay on the device, stacked one row a module, until the
-telemetry flushes (the watch is a telemetry sink, so it reads them at the flush: one copy of all pending steps, made right after the flush's own; on CUDA that copy is
-one more blocking call at a moment the device has already caught up). Nothing is hooked on other
-steps.
+leaves by default) reduce each output on the device to a few numbers (:class:`ModuleMeasures`,
+the engine :func:`~mpnb.numerics.advisor.advise` uses on its one batch too): its largest
+magnitude, its non-finite count, its fp16 underflow share
+(:func:`~mpnb.numerics.limits.underflow_share`), and, through a hook on the output, the largest
+magnitude of its gradient divided by the loss scale (the unscaled gradient) and that gradient's
+underflow share as the backward carries it (scaled). The numbers stay on the device, stacked one
+row a module, until the telemetry flushes (the watch is an
+:class:`~mpnb.training.step_record.Instrument`, so it reads them at the flush: one copy of all
+pending steps, made right after the flush's own; on CUDA that copy is one more blocking call at
+a moment the device has already caught up). Nothing is hooked on other steps.
 
 :class:`NumericsLog` holds what was read: a module x sampled-step table per measure, a text form
 (the modules nearest to overflow first) and a heatmap (``log.figure()``, in a notebook).
@@ -34,19 +37,19 @@ import torch
 from torch import nn
 
 from mpnb import views
-from mpnb.precision.fp8 import fp8_cast_measures, is_float8
+from mpnb.numerics.limits import FP16_LARGEST_FINITE, underflow_share
+from mpnb.numerics.probe import ModuleProbe, leaf_names
+from mpnb.precision.modes.fp8 import fp8_cast_measures, is_float8
 from mpnb.training.history import History
-from mpnb.training.module_probe import ModuleProbe, leaf_names
-from mpnb.training.telemetry import Sink
+from mpnb.training.step_record import Instrument, WatchedRun
 
 __all__ = ["NumericsLog"]
 
-#: fp16's smallest normal magnitude: below it values lose precision, then flush to zero.
-FP16_TINY = float(torch.finfo(torch.float16).tiny)
 #: The measures kept per module and sampled step, in the order of a stacked row. The fp8 ones
 #: (mode fp8's float8 layers only, NaN elsewhere): the input's amax, from which torchao makes its
 #: scale, the shares of input and weight values that saturate or flush to zero in e4m3, and the
-#: share of the output's gradient values that flush to zero in e5m2.
+#: share of the output's gradient values that flush to zero in e5m2. The last: the gradient's
+#: fp16 underflow share, as the backward carries it (scaled by the loss scale).
 MEASURES = (
     "activation_max",
     "nonfinite",
@@ -56,6 +59,11 @@ MEASURES = (
     "fp8_saturated",
     "fp8_flushed",
     "fp8_grad_flushed",
+    "gradient_underflow_share",
+)
+_GRADIENT_MAX, _FP8_GRAD_FLUSHED, _GRADIENT_UNDERFLOW = (
+    MEASURES.index(measure)
+    for measure in ("gradient_max", "fp8_grad_flushed", "gradient_underflow_share")
 )
 _NAN = float("nan")
 #: The sampling interval of ``watch_numerics=True``: its cost was at most 1% of a step on the
@@ -75,6 +83,8 @@ class NumericsLog:
         activation_max, nonfinite, underflow_share, gradient_max: module name -> values.
         fp8_amax, fp8_saturated, fp8_flushed, fp8_grad_flushed: the same for mode fp8's float8
             layers (see :data:`MEASURES`).
+        gradient_underflow_share: the output's gradient's fp16 underflow share, scaled as the
+            backward carries it.
         limit: the largest finite value of the dtype the watch compares with.
 
     Example:
@@ -86,7 +96,7 @@ class NumericsLog:
     """
 
     modules: list[str]
-    limit: float = float(torch.finfo(torch.float16).max)
+    limit: float = FP16_LARGEST_FINITE
     steps: list[int] = dataclasses.field(default_factory=list)
     activation_max: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     nonfinite: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -96,10 +106,11 @@ class NumericsLog:
     fp8_saturated: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     fp8_flushed: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     fp8_grad_flushed: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    gradient_underflow_share: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def add(self, step: int, rows: list[list[float]]) -> None:
         """Append one sampled step: a row of :data:`MEASURES` per module, in module order (the
-        fp8 measures may be left off: NaN)."""
+        measures after ``gradient_max`` may be left off: NaN)."""
         self.steps.append(step)
         for name, row in zip(self.modules, rows, strict=True):
             row = list(row) + [_NAN] * (len(MEASURES) - len(row))
@@ -184,20 +195,100 @@ def _worst(values: list[float]) -> float:
     return max((value for value in values if value == value), default=0.0)
 
 
-class NumericsWatch(Sink):
-    """Hooks ``model``'s watched modules on sampled steps; a telemetry sink that reads what
-    they measured when the telemetry flushes (see the module's docstring)."""
+class ModuleMeasures:
+    """The per-module measuring engine: hooks ``names`` of ``model`` for one pass (a forward and
+    its backward) and reduces each output, and the gradient that flows back into it, on the
+    device to a row of :data:`MEASURES`. The watch runs it on sampled steps of a fit,
+    :func:`~mpnb.numerics.advisor.advise` on its one batch. Nothing is read to the host here.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> measures = ModuleMeasures(model, ["0", "1"])
+        >>> measures.start()
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> measures.stop().shape  # a row a module
+        torch.Size([2, 9])
+    """
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        self.names = list(names)
+        self._probe = ModuleProbe(model, self.names, self._measure, self._gradient)
+        self._rows: dict[str, list[torch.Tensor]] = {}
+        self._fp8_modules: dict[str, nn.Module] = {}  # the pass's float8 layers, by name
+        self._scale: torch.Tensor | float = 1.0
+
+    @property
+    def attached(self) -> bool:
+        """A pass is being measured (the hooks are on)."""
+        return self._probe.attached
+
+    def start(self, scale: torch.Tensor | float = 1.0) -> None:
+        """Hook the modules for a pass whose backward runs at loss scale ``scale``."""
+        self._scale = scale
+        self._rows = {}
+        self._fp8_modules = {}
+        self._probe.attach()  # by name: mode fp8 puts torchao's layers in their place
+
+    def stop(self) -> torch.Tensor | None:
+        """Take the hooks off; the pass's rows stacked, one a module in :attr:`names` order
+        (NaN for a module that did not run), on the device; None when no module ran."""
+        self._probe.detach()
+        measured = list(self._rows.values())
+        if not measured:
+            return None
+        device = measured[0][0].device
+        return torch.stack([self._row(name, device) for name in self.names])
+
+    def detach(self) -> None:
+        """Take every hook off, dropping the pass. Safe to call twice."""
+        self._probe.detach()
+
+    def _measure(self, name: str, module: nn.Module, inputs: Any, out: torch.Tensor) -> None:
+        """A watched module's output, reduced on the device to its row (gradient to come)."""
+        magnitude = out.abs().float()
+        self._rows[name] = [
+            magnitude.nan_to_num(0.0, 0.0, 0.0).amax(),
+            (~torch.isfinite(out)).sum().float(),
+            underflow_share(magnitude),
+            torch.zeros((), device=out.device),
+            *_fp8_measures(module, inputs, out.device),
+            torch.zeros((), device=out.device),  # the gradient's underflow, if a gradient comes
+        ]
+        if is_float8(module):  # the gradient's e5m2 cast, measured when it comes
+            self._fp8_modules[name] = module
+
+    def _gradient(self, name: str, grad: torch.Tensor) -> None:
+        """The gradient of that output: its largest magnitude, unscaled, and its underflow share,
+        scaled; for a float8 layer, the share of its values that flush to zero in e5m2 (a share
+        no loss scale changes: the cast scales by the gradient's own amax)."""
+        largest = grad.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax()
+        row = self._rows[name]
+        row[_GRADIENT_MAX] = largest / self._scale
+        row[_GRADIENT_UNDERFLOW] = underflow_share(grad)
+        module = self._fp8_modules.get(name)
+        if module is not None:
+            row[_FP8_GRAD_FLUSHED] = fp8_cast_measures(module, grad, "grad_output")[2]
+
+    def _row(self, name: str, device: torch.device) -> torch.Tensor:
+        values = self._rows.get(name)
+        if values is None:  # not called on this pass
+            return torch.full((len(MEASURES),), float("nan"), device=device)
+        return torch.stack([value.to(device) for value in values])
+
+
+class NumericsWatch(Instrument):
+    """Measures ``model``'s watched modules on sampled steps (:class:`ModuleMeasures`): an
+    instrument that reads what they measured when the telemetry flushes (see the module's
+    docstring)."""
 
     def __init__(self, model: nn.Module, every: int) -> None:
         self.every = self.check_every(every)
         self.model = model
         self.log = NumericsLog(leaf_names(model))
-        self._probe = ModuleProbe(model, self.log.modules, self._measure, self._gradient)
-        self._rows: dict[str, list[torch.Tensor]] = {}
-        self._fp8_modules: dict[str, nn.Module] = {}  # the sampled step's float8 layers, by name
+        self._measures = ModuleMeasures(model, self.log.modules)
+        self._run: WatchedRun | None = None
         self._dense_until = 0  # sample every step up to this one: a flush showed trouble
         self._rows_seen = 0  # the history's rows looked at for trouble
-        self._scale: torch.Tensor | float = 1.0
         self._pending: list[tuple[int, torch.Tensor]] = []
 
     @classmethod
@@ -223,31 +314,30 @@ class NumericsWatch(Sink):
             )
         return every
 
-    def before_step(self, step: int, scale: torch.Tensor | float) -> None:
+    def begin(self, run: WatchedRun) -> None:
+        self._run = run
+
+    def before_forward(self, step: int, first: bool) -> None:
         """Optimizer step ``step`` is about to train: hook the modules if it is sampled (every
         ``every`` steps, and each step for :data:`DENSE_STEPS` after a flush showed trouble)."""
-        self.remove_hooks()
+        if not first:
+            return
+        self._measures.detach()
         if step % self.every and step > self._dense_until:
             return
-        self._scale = scale
-        self._rows = {}
-        self._fp8_modules = {}
-        self._probe.attach()  # by name: mode fp8 puts torchao's layers in their place
+        self._measures.start(self._run.loss_scale() if self._run is not None else 1.0)
 
-    def after_step(self, step: int) -> None:
+    def step_end(self, step: int) -> None:
         """The sampled step ended: stack its rows (on the device) for the next flush."""
-        if not self._probe.attached:
+        if not self._measures.attached:
             return
-        self.remove_hooks()
-        measured = [values for values in self._rows.values()]
-        if measured:
-            device = measured[0][0].device
-            rows = [self._row(name, device) for name in self.log.modules]
-            self._pending.append((step, torch.stack(rows)))
+        rows = self._measures.stop()
+        if rows is not None:
+            self._pending.append((step, rows))
 
-    def remove_hooks(self) -> None:
-        """Take every hook off (a fit's end, an error, the next step)."""
-        self._probe.detach()
+    def detach(self) -> None:
+        """Take every hook off (a fit's end, an error)."""
+        self._measures.detach()
 
     def update(self, history: History) -> None:
         """The telemetry flushed: read the pending sampled steps in one copy, and sample densely
@@ -265,43 +355,13 @@ class NumericsWatch(Sink):
             self.log.add(step, rows)
 
     def close(self, history: History) -> None:
-        self.remove_hooks()
+        self.detach()
         self.update(history)
-
-    def _measure(self, name: str, module: nn.Module, inputs: Any, out: torch.Tensor) -> None:
-        """A watched module's output, reduced on the device to its row (gradient to come)."""
-        magnitude = out.abs().float()
-        self._rows[name] = [
-            magnitude.nan_to_num(0.0, 0.0, 0.0).amax(),
-            (~torch.isfinite(out)).sum().float(),
-            ((magnitude < FP16_TINY) & (magnitude > 0)).float().mean(),
-            torch.zeros((), device=out.device),
-            *_fp8_measures(module, inputs, out.device),
-        ]
-        if is_float8(module):  # the gradient's e5m2 cast, measured when it comes
-            self._fp8_modules[name] = module
-
-    def _gradient(self, name: str, grad: torch.Tensor) -> None:
-        """The gradient of that output: its largest magnitude, unscaled; for a float8 layer, the
-        share of its values that flush to zero in e5m2 (a share no loss scale changes: the cast
-        scales by the gradient's own amax)."""
-        largest = grad.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax()
-        row = self._rows[name]
-        row[3] = largest / self._scale
-        module = self._fp8_modules.get(name)
-        if module is not None:
-            row[7] = fp8_cast_measures(module, grad, "grad_output")[2]
-
-    def _row(self, name: str, device: torch.device) -> torch.Tensor:
-        values = self._rows.get(name)
-        if values is None:  # not called on this step
-            return torch.full((len(MEASURES),), float("nan"), device=device)
-        return torch.stack([value.to(device) for value in values])
 
 
 def _fp8_measures(module: nn.Module, inputs: Any, device: torch.device) -> list[torch.Tensor]:
     """A float8 layer's input amax and the shares of its input and weight values that saturate
-    or flush in e4m3 (:func:`~mpnb.precision.fp8.fp8_cast_measures`); NaN for other modules."""
+    or flush in e4m3 (:func:`~mpnb.precision.modes.fp8.fp8_cast_measures`); NaN for other modules."""
     first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
     if not is_float8(module) or first is None:
         return [torch.full((), _NAN, device=device)] * 4

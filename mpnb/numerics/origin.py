@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpnb.training.random_state import RandomState, kept_random_state
-from mpnb.training.telemetry import Sink
+from mpnb.training.step_record import Instrument, WatchedRun
 
 __all__ = ["Origin", "locate_nonfinite"]
 
@@ -305,7 +305,7 @@ def _op_name(func: Any) -> str:
     return name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
 
 
-class FirstSkipLocator:
+class FirstSkipLocator(Instrument):
     """Names the origin of a fit's first skipped fp16 step, right after it.
 
     GradScaler skips the update of a step whose gradients overflowed, so the weights are still
@@ -313,54 +313,59 @@ class FirstSkipLocator:
     :func:`locate_nonfinite`, with the random state taken before it and the scale it used, and
     the origin is noted on the history (an event of kind ``"origin"``, which dashboards mark and
     offer a remedy for). It is no alarm: a first skip is often GradScaler finding its scale; an
-    alarm that follows (a collapsed scale) names it. Only the first skip of each fit is replayed; taking the random state costs a few microseconds a step in
-    fp16, nothing in other modes.
+    alarm that follows (a collapsed scale) names it. Only the first skip of each fit is replayed;
+    taking the random state costs a few microseconds a micro-batch in fp16, nothing in other modes.
 
     Example:
-        >>> locator = FirstSkipLocator()
+        >>> locator = FirstSkipLocator(torch.nn.Linear(2, 2))
         >>> locator.pending
         False
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
         self.pending = False
+        self._run: WatchedRun | None = None
         self._state: Any = None
 
-    def start(self, needs_scaler: bool) -> None:
+    def begin(self, run: WatchedRun) -> None:
         """A fit begins: watch for its first skip when its mode scales the loss."""
-        self.pending, self._state = needs_scaler, None
+        self._run, self.pending, self._state = run, run.scales_loss, None
 
-    def before_step(self, device_type: str) -> None:
+    def before_forward(self, step: int, first: bool) -> None:
         """A micro-batch is about to train: keep the random state the replay will need."""
-        if self.pending:
-            self._state = RandomState.capture(device_type)
+        if self.pending and self._run is not None:
+            self._state = RandomState.capture(self._run.device.type)
 
-    def after_step(
-        self, amp: Any, model: nn.Module, compute_loss: Callable[[], torch.Tensor]
-    ) -> Origin | None:
-        """After ``amp``'s step: if it was the fit's first skip, replay it and note where."""
-        if not self.pending or amp.last_skipped is not True:
-            return None
+    def step_skipped(
+        self,
+        step: int,
+        scale: torch.Tensor | float,
+        compute_loss: Callable[[], torch.Tensor] | None,
+    ) -> None:
+        """The fit's first skip: replay its last micro-batch and note where it overflowed."""
+        run = self._run
+        if not self.pending or run is None or compute_loss is None:
+            return
         self.pending = False
         origin = locate_nonfinite(
-            model,
+            self.model,
             compute_loss,
-            autocast=amp.precision.autocast.context,
-            device_type=amp.precision.device.type,
-            scale=float(amp.last_scale),
+            autocast=run.autocast,
+            device_type=run.device.type,
+            scale=float(scale),
             random_state=self._state,
         )
-        step = amp.steps
         if origin is None:
-            amp.recorder.history.note(
+            run.history.note(
                 f"step {step} skipped, but its replay stayed finite (a kernel that is not "
                 "deterministic, or the window's earlier micro-batches)",
                 kind=ORIGIN_KIND,
                 step=step,
             )
-            return None
-        note_origin(amp.recorder.history, step, origin, f"step {step} skipped")
-        return origin
+            return
+        note_origin(run.history, step, origin, f"step {step} skipped")
+        run.tell_sinks()  # a dashboard offers the remedy before the next step
 
 
 def note_origin(history: Any, step: int, origin: Origin, what: str) -> None:
@@ -378,12 +383,12 @@ def note_origin(history: Any, step: int, origin: Origin, what: str) -> None:
     )
 
 
-class NextStepsLocator(Sink):
+class NextStepsLocator(Instrument):
     """Names where trouble began when no step can be replayed (a framework's loop holds its
     batch, not mpnb; a non-finite loss is known only at a flush): the next steps are watched as
     they run.
 
-    When a telemetry flush (this is a telemetry sink) shows a skipped step (with ``on_skips``)
+    When a telemetry flush (this is an instrument, a telemetry sink too) shows a skipped step (with ``on_skips``)
     or a non-finite loss, the next optimizer steps (at most ``tries``) run under the same
     instrument as a replay (:func:`locate_nonfinite`'s, every op checked in execution order:
     slow, on those steps only). The first of them that makes an inf/NaN names the origin, noted
@@ -392,13 +397,12 @@ class NextStepsLocator(Sink):
     scaled gradients fit again, which places the overflow in the scaled backward, not in the
     model's own values. One origin a run.
 
-    Call :meth:`step_start` when a step's first micro-batch begins, :meth:`step_computed` when
-    its backward is done (or after its optimizer step), :meth:`close` at the run's end (it takes
-    the instrument off if a step never finished).
+    Each :meth:`begin` starts a run afresh: the history's rows before it are not its trouble.
+    A step's first micro-batch enters the instrument, the step's end takes it off and notes
+    what it found; :meth:`detach` takes it off if a step never finished.
 
     Args:
         model: the model whose modules name the origin.
-        first_row: the history's rows before this run (trouble there is not this run's).
         on_skips: arm at a skipped step too (where no replay named it already).
         tries: steps watched after the trouble.
 
@@ -408,17 +412,22 @@ class NextStepsLocator(Sink):
         (False, False)
     """
 
-    def __init__(
-        self, model: nn.Module, first_row: int = 0, *, on_skips: bool = True, tries: int = 3
-    ) -> None:
+    def __init__(self, model: nn.Module, *, on_skips: bool = True, tries: int = 3) -> None:
         self.model = model
         self.tries = tries
         self.on_skips = on_skips
         self.done = False
         self._left = 0
-        self._rows_seen = first_row
+        self._rows_seen = 0
         self._trouble = ""  # what armed it: "step 3 skipped", "step 3's loss was nan"
         self._watch: _Watch | None = None
+        self._history: Any = None
+
+    def begin(self, run: WatchedRun) -> None:
+        """A run begins: one origin to find in it, from its own rows."""
+        self.detach()
+        self.done, self._left, self._trouble = False, 0, ""
+        self._rows_seen, self._history = len(run.history), run.history
 
     @property
     def armed(self) -> bool:
@@ -442,15 +451,16 @@ class NextStepsLocator(Sink):
             self._left = self.tries
             return
 
-    def step_start(self) -> None:
+    def before_forward(self, step: int, first: bool) -> None:
         """A step's first micro-batch begins: watched while armed."""
-        if self.armed and self._watch is None:
+        if first and self.armed and self._watch is None:
             self._watch = _Watch(self.model).__enter__()
 
-    def step_computed(self, history: Any, step: int) -> None:
+    def step_end(self, step: int) -> None:
         """Step ``step``'s forward and backward are done: note its origin, if it made one."""
         if self._watch is None:
             return
+        history = self._history
         watch, self._watch = self._watch, None
         watch.__exit__(None, None, None)
         self._left -= 1
@@ -472,6 +482,10 @@ class NextStepsLocator(Sink):
 
     def close(self, history: Any = None) -> None:
         """The run ended: the instrument comes off if a step was left open."""
+        self.detach()
+
+    def detach(self) -> None:
+        """The instrument comes off if a step was left open. Safe to call twice."""
         if self._watch is not None:
             watch, self._watch = self._watch, None
             watch.__exit__(None, None, None)
