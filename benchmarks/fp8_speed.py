@@ -26,8 +26,7 @@ from results_file import write_results
 from torch import nn
 
 import mpnb
-from mpnb.precision.fp8 import fp8_hardware
-from mpnb.precision.policy import session
+from mpnb.precision.modes.fp8 import fp8_hardware
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -58,19 +57,15 @@ def trainer_timer(model: nn.Module, batches: list, device: torch.device, recipe:
         torch.optim.SGD(model.parameters(), lr=1e-4),
         nn.functional.mse_loss,
         mode="bf16" if recipe is None else "fp8",
+        recipe=recipe,
         device=device,
         dashboard=None,
     )
 
     def timed(_round_index: int) -> float:
-        if recipe is not None:
-            session.set_fp8_mode(device=device, recipe=recipe)
-        try:
-            start = settled_clock(device)
-            trainer.fit(batches)
-            return (settled_clock(device) - start) / len(batches)
-        finally:
-            session.reset()
+        start = settled_clock(device)
+        trainer.fit(batches)
+        return (settled_clock(device) - start) / len(batches)
 
     return timed
 

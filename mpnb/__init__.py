@@ -51,7 +51,7 @@ from mpnb.numerics.origin import Origin, locate_nonfinite
 from mpnb.oplists import OpListOverride, OpLists
 from mpnb.oplists.trace import Trace, trace
 from mpnb.precision import Mode, autocast, get_mode, get_oplists, hmp, set_mode, set_oplists, tf32
-from mpnb.precision.fp8 import fp8_layers
+from mpnb.precision.modes.fp8 import fp8_layers
 from mpnb.precision.status import DeviceReport, Status, devices, status
 from mpnb.training import AmpStep, FitInterrupted, History, Trainer
 from mpnb.ui.views import install as _install_ui_views

@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Sequence
 
 from mpnb.errors import MpnbError, quoted
+from mpnb.precision.modes import option_specs
 
 __all__ = ["main"]
 
@@ -39,10 +40,12 @@ def _train(args: argparse.Namespace) -> int:
     from mpnb.examples import accuracy, example_trainer
     from mpnb.precision.backends import backend_for, resolve_device
     from mpnb.precision.backends.base import format_bytes
+    from mpnb.precision.modes import parse_mode
     from mpnb.ui.plots.report import write_report
 
     device = resolve_device(args.device)
-    mode = args.mode or dtype_name(backend_for(device).preferred_dtype())
+    options = {spec.name: getattr(args, spec.name) for spec in option_specs()}
+    mode = parse_mode(args.mode or dtype_name(backend_for(device).preferred_dtype()), **options)
     trainer, train, test = example_trainer(
         mode,
         device,
@@ -90,7 +93,7 @@ def _compare(args: argparse.Namespace) -> int:
     if args.model not in MODELS:
         raise InvalidChoiceError("example model", args.model, MODELS)
     device = resolve_device(args.device)
-    modes = [parse_mode(mode.strip()).value for mode in args.modes.split(",") if mode.strip()]
+    modes = [parse_mode(mode.strip()).label for mode in args.modes.split(",") if mode.strip()]
 
     def make_run(mode: str):
         trainer, train, test = example_trainer(
@@ -197,6 +200,8 @@ def _writable_folder(path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpnb`` command."""
+    from mpnb.precision.modes import mode_names
+
     parser = argparse.ArgumentParser(
         prog="mpnb", description="Mixed-precision training toolkit for PyTorch."
     )
@@ -248,9 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--mode",
-        help="fp32, tf32, fp16, bf16 or fp8 (default: the device's preferred AMP dtype; fp8 "
-        "needs a model with Linear layers: --model mlp or transformer)",
+        help=f"{', '.join(mode_names())} (default: the device's preferred AMP dtype; a mode that "
+        "converts Linear layers, such as fp8, needs a model with them: --model mlp or transformer)",
     )
+    for spec in option_specs():  # the options of the modes that take some: fp8's --recipe, --keep
+        many = {"nargs": "+", "metavar": "NAME"} if spec.many else {}
+        train.add_argument(f"--{spec.name}", help=spec.describe(), **many)
     train.add_argument("--model", default="cnn", help="cnn, mlp or transformer (default cnn)")
     train.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
     train.add_argument(

@@ -60,7 +60,7 @@ CORE_DEPENDENCIES = {
 INTEGRATIONS = {
     "mpnb.integrations.transformers": {"transformers"},
     "mpnb.integrations.lightning": {"lightning"},
-    "mpnb.precision.fp8": {"torchao"},  # mode fp8's float8 layers (the fp8 extra)
+    "mpnb.precision.modes.fp8": {"torchao"},  # mode fp8's float8 layers (the fp8 extra)
 }
 #: Above this many lines a module is worth a look: is it one concept? (A warning: size follows the
 #: concept, and a module must never be squeezed to meet a number.)

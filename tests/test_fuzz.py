@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 from mpnb.oplists.lists import PRESETS, aten_overloads
-from mpnb.precision.fp8 import RECIPES
-from mpnb.precision.modes import _MODE_ALIASES as MODE_ALIASES
+from mpnb.precision.modes import registered
+from mpnb.precision.modes.fp8 import RECIPES
 from tests.conftest import policy_state
+
+MODE_ALIASES = [name for mode in registered() for name in (mode.name, *mode.aliases)]
 
 VALID_WORDS = [
     "bf16",

@@ -39,7 +39,7 @@ from mpnb.analysis.memory import MemoryAccount, account_step, measure_step
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for, format_bytes
-from mpnb.precision.modes import parse_mode
+from mpnb.precision.modes import parse_mode, reference_name
 from mpnb.training.batches import with_batch_size
 
 __all__ = ["BatchSizeReport", "max_batch_size"]
@@ -151,12 +151,15 @@ class BatchSizeReport:
 
     def result(self, mode: str) -> ModeBatchSize:
         """The answer for one mode."""
-        name = parse_mode(mode).value
+        name = parse_mode(mode).label
         return next(r for r in self.results if r.mode == name)
 
     def ratio_to_fp32(self, mode: str) -> float:
         """``mode``'s largest batch over fp32's (NaN without an fp32 answer)."""
-        fp32 = next((r.batch_size for r in self.results if r.mode == "fp32" and r.batch_size), None)
+        fp32 = next(
+            (r.batch_size for r in self.results if r.mode == reference_name() and r.batch_size),
+            None,
+        )
         size = self.result(mode).batch_size
         return size / fp32 if fp32 and size is not None else math.nan
 
@@ -228,7 +231,7 @@ def max_batch_size(
         >>> report.result("fp32").batch_size, report.result("fp32").limited_by
         (64, 'limit')
     """
-    names = [parse_mode(mode).value for mode in modes]
+    names = [parse_mode(mode).label for mode in modes]
     if not 1 <= start <= limit:
         raise ValueError(f"need 1 <= start <= limit, got start={start}, limit={limit}")
     budget = parse_bytes(memory_budget) if memory_budget is not None else None

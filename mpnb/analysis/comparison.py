@@ -21,8 +21,7 @@ from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
 from mpnb.analysis.slow_modes import slow_reason
-from mpnb.precision.backends import backend_for
-from mpnb.precision.modes import MODE_NAMES, parse_mode
+from mpnb.precision.modes import mode_names, parse_mode
 from mpnb.training.control import refuse_inside_a_fit
 from mpnb.training.random_state import kept_random_state
 from mpnb.training.telemetry import Sink
@@ -88,18 +87,13 @@ def mode_result(
 ) -> ModeResult:
     """The result of a finished run: ``trainer``'s history with the first ``warmup`` steps
     untimed, and the account of its step's memory if counted."""
-    history = trainer.history
-    backend = backend_for(trainer.device)
-    inert = (name == "tf32" and not backend.has_fast_fp32_math()) or (
-        name == "fp8" and backend.fp8_training() == "emulated"
-    )
     return ModeResult(
         name,
-        history,
+        trainer.history,
         timed_from=warmup,
         metric=metric,
         notes=_notes(trainer),
-        inert=inert,
+        verdict=trainer.mode.compare_verdict(trainer.device),
         memory=memory,
     )
 
@@ -155,9 +149,9 @@ def _mode_names(modes: Iterable[str] | str) -> list[str]:
     """The mode names, checked: known, at least one, none twice (``"fp32,bf16"`` is split)."""
     if isinstance(modes, str):
         modes = modes.split(",")
-    names = [parse_mode(mode.strip()).value for mode in modes if mode.strip()]
+    names = [parse_mode(mode.strip()).label for mode in modes if mode.strip()]
     if not names:
-        raise ValueError(f"modes names no mode; valid: {', '.join(MODE_NAMES)}")
+        raise ValueError(f"modes names no mode; valid: {', '.join(mode_names())}")
     twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
     if twice is not None:
         raise ValueError(f"mode {twice!r} is named twice in {names}: each mode runs once")

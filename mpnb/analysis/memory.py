@@ -138,7 +138,7 @@ class MemoryReport:
         Raises:
             KeyError: the mode was not counted (names why when it was skipped).
         """
-        name = parse_mode(mode).value
+        name = parse_mode(mode).label
         for account in self.accounts:
             if account.mode == name:
                 return account
@@ -234,7 +234,7 @@ def memory(
         >>> fp32.categories["weight copies"], bf16.categories["weight copies"] > 0
         (0, True)
     """
-    names = [parse_mode(mode).value for mode in modes]
+    names = [parse_mode(mode).label for mode in modes]
     if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
     accounts, skipped = [], {}
@@ -279,7 +279,7 @@ def account_step(trainer: Trainer, batch: Any, samples: int | None = None) -> Me
         with fake_mode():  # the grown batch's bytes, from its shapes
             counted["batch"] = _batch_bytes(with_batch_size(batch, samples))
     return MemoryAccount(
-        trainer.amp.precision.mode.value, size, str(trainer.device), counted, shape_only
+        trainer.amp.precision.mode.label, size, str(trainer.device), counted, shape_only
     )
 
 

@@ -32,15 +32,11 @@ from mpnb._render import csv_cell, html_table, text_table
 from mpnb.analysis.memory import CATEGORIES, MemoryAccount, MemoryReport
 from mpnb.analysis.timing import NO_SPEEDUP, Speedup, StepTimeStats, speedup_over, step_time_stats
 from mpnb.precision.backends import format_bytes
-from mpnb.precision.modes import parse_mode
+from mpnb.precision.modes import parse_mode, reference_name
+from mpnb.precision.modes.base import EMULATED, NO_EFFECT
 from mpnb.training.history import History
 
 __all__ = ["Comparison", "ModeResult"]
-
-#: The speedup column of a mode that changes nothing on this hardware (tf32 where fp32 math stays exact).
-NO_EFFECT = "no effect on this hardware"
-#: The speedup column of fp8 where it is emulated (a CPU): its step time measures the emulation.
-EMULATED = "emulated: numerics only, no speed-up"
 
 _COLUMNS = (
     "mode",
@@ -75,9 +71,11 @@ class ModeResult:
         added_memory: the most the run added over the memory in use when one of its timed
             turns began: what training steps in this mode cost on top of the state kept
             between steps (weights, optimizer state).
-        inert: the mode changes nothing on this hardware (tf32 where fp32 math stays exact),
-            so its speedup is only noise; for fp8, it is emulated (a CPU), so its step time
-            measures the emulation and no speedup is reported.
+        verdict: what the mode's speedup column says instead of a figure, from the mode
+            (:meth:`~mpnb.precision.modes.base.Mode.compare_verdict`): ``"no effect on this
+            hardware"`` (tf32 where fp32 math stays exact: its speedup is only noise), or
+            ``"emulated: ..."`` (fp8 on a CPU: its step time measures the emulation, so no
+            speedup is reported); empty for a real figure.
 
     Example:
         >>> from mpnb.training.history import History
@@ -100,7 +98,7 @@ class ModeResult:
     blocks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     peak_memory: float = math.nan
     added_memory: float = math.nan
-    inert: bool = False
+    verdict: str = ""
     memory: MemoryAccount | None = None
 
     def block_times(self) -> list[list[float]]:
@@ -235,7 +233,7 @@ class Comparison:
 
     def result(self, mode: str) -> ModeResult:
         """The result of one mode."""
-        name = parse_mode(mode).value
+        name = parse_mode(mode).label
         found = next((r for r in self.results if r.mode == name), None)
         if found is None:
             raise KeyError(
@@ -245,10 +243,7 @@ class Comparison:
 
     def speedup(self, mode: str) -> Speedup:
         """``mode``'s speedup over fp32, with the quartiles of its per-round ratios."""
-        baseline, result = (
-            next((r for r in self.results if r.mode == "fp32" and r.history), None),
-            self.result(mode),
-        )
+        baseline, result = self._baseline(), self.result(mode)
         if baseline is None or result.history is None:
             return NO_SPEEDUP
         baseline_size, result_size = baseline.timed_size, result.timed_size
@@ -257,6 +252,10 @@ class Comparison:
         )  # the same work on both sides
         return speedup_over(baseline.times_of(size), result.times_of(size))
 
+    def _baseline(self) -> ModeResult | None:
+        """The reference mode's run (fp32), when it ran."""
+        return next((r for r in self.results if r.mode == reference_name() and r.history), None)
+
     def rows(self) -> list[dict[str, Any]]:
         """Per mode: the numbers, with the speedup over fp32 and its interval (NaN without an fp32 run)."""
         rows = []
@@ -264,10 +263,10 @@ class Comparison:
             row = result.summary()
             speedup = self.speedup(result.mode)
             verdict = speedup.verdict
-            if result.mode == "fp32" or not result.history:
+            if result is self._baseline() or not result.history:
                 verdict = ""
-            elif result.inert:
-                verdict = EMULATED if result.mode == "fp8" else NO_EFFECT
+            elif result.verdict:
+                verdict = result.verdict
             if verdict == EMULATED:
                 speedup = NO_SPEEDUP
             row.update(

@@ -202,9 +202,9 @@ def _check_own_run(name: str, run: ModeRun, others: Mapping[str, ModeRun]) -> No
             f"the runs of modes {other!r} and {name!r} share one {shared}: build a fresh model, optimizer and "
             "Trainer for each mode (in %%compare: inside the cell)"
         )
-    if trainer.mode.value != name:
+    if trainer.mode.label != name:
         raise ValueError(
-            f"the run built for mode {name!r} trains in {trainer.mode.value!r}: build its Trainer with mode={name!r} "
+            f"the run built for mode {name!r} trains in {trainer.mode.label!r}: build its Trainer with mode={name!r} "
             "(make_run(mode) receives the mode to use)"
         )
 

@@ -23,10 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from mpnb.precision.backends import backend_for
-from mpnb.precision.modes import Mode
 from mpnb.training.batches import batch_loss, to_device
 from mpnb.training.random_state import kept_random_state
 
@@ -38,13 +35,7 @@ __all__: list[str] = []
 
 def slow_reason(trainer: Trainer) -> str | None:
     """Why the trainer's mode is slow on its device, or None when it is not known to be."""
-    has_convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in trainer.model.modules())
-    if trainer.mode is Mode.FP16 and trainer.device.type == "cpu" and has_convolutions:
-        return "fp16 convolutions have no fast CPU kernels"
-    if trainer.mode is Mode.FP8 and backend_for(trainer.device).fp8_training() == "emulated":
-        return "fp8 is emulated here (numerics only, no speed-up)"
-    dtype = trainer.mode.autocast_dtype
-    return backend_for(trainer.device).emulated(dtype) if dtype is not None else None
+    return trainer.mode.slow_reason(trainer.model, trainer.device)
 
 
 def step_seconds(trainer: Trainer, batch: Any, repeats: int = 2) -> float:

@@ -103,7 +103,7 @@ class LoopRecorder(WithTelemetry):
         """Attach to ``model`` and ``optimizer`` (the torch optimizer) and show the dashboard.
 
         ``asked``: the precision the loop was asked for (``"bf16"``, ``"fp16-true"``..., see
-        :data:`~mpnb.integrations.observed.PRECISIONS`), to have a difference said.
+        :func:`~mpnb.integrations.observed.precisions`), to have a difference said.
         ``flush_every``, ``watch_numerics``, ``locate_overflow``: see
         :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`.
         """

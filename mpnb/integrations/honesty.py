@@ -15,6 +15,7 @@ import torch
 
 from mpnb.errors import warn_user
 from mpnb.oplists.lists import OpLists
+from mpnb.precision.modes import find_mode
 from mpnb.training.history import History
 
 __all__: list[str] = []
@@ -27,12 +28,10 @@ def precision_mismatch(asked: str | None, observed: str | None, framework: str) 
     """Say so when the precision observed differs from the one the framework was asked for."""
     if asked is None or observed is None or asked == observed:
         return None
-    if asked == "fp8" and observed in ("bf16", "fp32", "tf32"):  # with a float8 layer it reads fp8
-        return (
-            f"{framework} was asked for fp8 but trains in {observed}: no layer of the model is "
-            "torchao's Float8Linear (convert_to_float8_training converts only Linear layers its "
-            "module_filter_fn accepts, of sizes divisible by 16, before training starts)"
-        )
+    mode = find_mode(asked)  # a mode that converts layers reads as its name once they ran
+    missing = mode.missing_layers(framework, observed) if mode is not None else None
+    if missing is not None:
+        return missing
     return (
         f"{framework} was asked for {asked} but trains in {observed} "
         "(read from autocast and the weights during the forward pass)"
@@ -43,13 +42,20 @@ def fp16_without_scaling(
     observed: str | None, scaler: torch.amp.GradScaler | None, framework: str
 ) -> str | None:
     """fp16 with no enabled GradScaler: small gradients flush to zero, overflows go unnoticed."""
-    if observed not in ("fp16", "fp16-true") or (scaler is not None and scaler.is_enabled()):
+    if not _needs_scaling(observed) or (scaler is not None and scaler.is_enabled()):
         return None
     return (
         f"{framework} trains in {observed} without loss scaling (no GradScaler): gradients below fp16's range "
         "become zero and overflowing steps are applied, not skipped; use bf16, or a loss scaler "
         "(transformers on CPU: bf16=True; Lightning: precision='bf16-mixed')"
     )
+
+
+def _needs_scaling(observed: str | None) -> bool:
+    """Whether training in ``observed`` needs loss scaling: a mode that says so (fp16 autocast),
+    or weights in fp16 themselves (``"fp16-true"``)."""
+    mode = find_mode(observed)
+    return mode.needs_scaler if mode is not None else observed == "fp16-true"
 
 
 def session_lists_inside(lists: OpLists, framework: str) -> str | None:

@@ -47,19 +47,13 @@ from lightning.pytorch import Callback
 
 from mpnb.errors import InvalidChoiceError
 from mpnb.integrations.loop_telemetry import LoopTelemetry, WithTelemetry
-from mpnb.precision.modes import Mode, parse_mode
+from mpnb.precision.modes import Mode, mode_names, parse_mode, registered
 from mpnb.precision.policy import session
 from mpnb.training.batches import samples_in
 from mpnb.training.telemetry import Sink
 
 __all__ = ["MpnbCallback", "fabric_telemetry", "precision"]
 
-_PRECISIONS = {
-    Mode.FP32: "32-true",
-    Mode.TF32: "32-true",
-    Mode.FP16: "16-mixed",
-    Mode.BF16: "bf16-mixed",
-}
 #: Lightning's precision settings, each with the precision mpnb observes it as (None: none it names).
 _SETTINGS = {
     "16-mixed": "fp16",
@@ -75,9 +69,6 @@ _SETTINGS = {
     "32": "fp32",
     "64": "fp64",
 }
-#: What a callback may be told was asked besides Lightning's settings: fp8 is bf16-mixed with
-#: layers converted to torchao's float8 training in ``configure_model``.
-_ASKED_ONLY = {"fp8": "fp8"}
 
 
 def precision(mode: str | Mode | None = None) -> str:
@@ -96,12 +87,14 @@ def precision(mode: str | Mode | None = None) -> str:
         ...
         mpnb.errors.InvalidChoiceError: unknown mode for Lightning 'off'; valid: fp32, tf32, fp16, bf16
     """
-    if mode is None and session.mode is Mode.OFF:
+    if mode is None and session.mode.changes_nothing:
         return "32-true"
     chosen = parse_mode(mode) if mode is not None else session.mode
-    if chosen not in _PRECISIONS:
-        raise InvalidChoiceError("mode for Lightning", chosen.value, [m.value for m in _PRECISIONS])
-    return _PRECISIONS[chosen]
+    setting = chosen.lightning_precision
+    if setting is None:
+        valid = [m.name for m in registered() if m().lightning_precision is not None]
+        raise InvalidChoiceError("mode for Lightning", chosen.label, valid, chosen.framework_hint)
+    return setting
 
 
 def asked_precision(setting: str | int | None) -> str | None:
@@ -113,7 +106,9 @@ def asked_precision(setting: str | int | None) -> str | None:
     """
     if setting is None:
         return None
-    known = {**_SETTINGS, **_ASKED_ONLY}
+    # a mode that converts layers (fp8) is asked as bf16-mixed with the layers converted in
+    # configure_model: Lightning has no setting for it, so a callback is told the mode's name
+    known = {**_SETTINGS, **{name: name for name in mode_names(converts_layers=True)}}
     if str(setting) not in known:
         raise InvalidChoiceError("Lightning precision", setting, list(known))
     return known[str(setting)]

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mpnb._render import dtype_name
 from mpnb.integrations.honesty import (
     UNSEEN,
     Notices,
@@ -57,8 +58,7 @@ from mpnb.integrations.honesty import (
 )
 from mpnb.integrations.observed import PrecisionObserver, check_precision
 from mpnb.numerics.instruments import FitInstruments, check_watch_numerics, fit_instruments
-from mpnb.precision.fp8 import is_float8
-from mpnb.precision.modes import Mode
+from mpnb.precision.modes import Mode, mode_found_in
 from mpnb.precision.policy import session
 from mpnb.training.control import FitControl
 from mpnb.training.health import HealthWatch
@@ -151,7 +151,7 @@ class LoopTelemetry:
         """Attach to a run about to start: hooks on ``model`` and ``optimizer``, the dashboard.
 
         ``asked``: the precision the framework was asked for (a name in
-        :data:`~mpnb.integrations.observed.PRECISIONS`, or None when unknown). ``on_stop``: the
+        :func:`~mpnb.integrations.observed.precisions`, or None when unknown). ``on_stop``: the
         framework's own stop (``trainer.should_stop = True``), called the moment Stop is pressed (the
         dashboard, ``control.stop()`` from anywhere, another callback), whichever hook runs next:
         the framework ends as its own stop ends it (Lightning and transformers after the running
@@ -258,8 +258,8 @@ class LoopTelemetry:
         watched = run.watch is not None and prepared and optimizer_called
         skipped = run.watch.skipped(run.scaler, run.device) if watched else False
         observed = run.observer.step_end()
-        if observed in ("bf16", "fp32", "tf32") and run.float8:  # torchao's float8 layers ran
-            observed = "fp8"
+        if run.layer_mode is not None and observed in run.layer_mode.observed_as:
+            observed = run.layer_mode.name  # its layers ran (torchao's float8 layers: fp8)
         self.steps += 1
         record = run.account.close(  # and the instruments' step end
             step=self.steps,
@@ -440,12 +440,12 @@ class _Run:
         )
         self.observer = PrecisionObserver(model, device.type)
         self.model = model
-        # Accelerate's fp8 (torchao recipe) or the user converted the model before training
-        self.float8 = any(is_float8(module) for module in model.modules())
-        if self.float8 and asked == "bf16":
-            # torchao's float8 training under bf16 autocast is how fp8 is asked where the framework
-            # has no fp8 setting (Lightning's configure_model): the conversion is the request
-            self.asked = "fp8"
+        # a mode whose layers the loop converted before training (Accelerate's fp8, torchao's recipe)
+        self.layer_mode = mode_found_in(model)
+        if self.layer_mode is not None and asked == dtype_name(self.layer_mode.autocast_dtype):
+            # layers converted, the rest under bf16 autocast, is how fp8 is asked where the
+            # framework has no fp8 setting (Lightning's configure_model): the conversion is the request
+            self.asked = self.layer_mode.name
         self.instruments = instruments  # numerics watch, overflow locator; the fp32 remedies
         self.sinks: list[Sink] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []

@@ -36,12 +36,12 @@ import time
 import torch
 from torch import nn
 
+from mpnb._render import dtype_name
 from mpnb.errors import InvalidChoiceError
-from mpnb.precision.modes import Mode
+from mpnb.precision.modes import Mode, parse_mode, registered
 
 __all__: list[str] = []
 
-_AUTOCAST_NAMES = {torch.float16: Mode.FP16.value, torch.bfloat16: Mode.BF16.value}
 #: Weights in these dtypes name the precision themselves: autocast never casts float64 (not
 #: eligible), and weights already in bf16 / fp16 run in it with autocast or without.
 _WEIGHT_PRECISIONS = {
@@ -49,21 +49,30 @@ _WEIGHT_PRECISIONS = {
     torch.float16: "fp16-true",
     torch.float64: "fp64",
 }
-#: Every precision a run can be asked for or observed in.
-PRECISIONS = (*(mode.value for mode in Mode if mode is not Mode.OFF), *_WEIGHT_PRECISIONS.values())
+
+
+def precisions() -> tuple[str, ...]:
+    """Every precision a run can be asked for or observed in: the registered modes that change
+    something, and weights in a low (or high) dtype.
+
+    >>> precisions()
+    ('fp32', 'tf32', 'fp16', 'bf16', 'fp8', 'bf16-true', 'fp16-true', 'fp64')
+    """
+    modes = (mode.name for mode in registered() if not mode().changes_nothing)
+    return (*modes, *_WEIGHT_PRECISIONS.values())
 
 
 def check_precision(precision: str | Mode | None) -> str | None:
-    """The precision's name, refusing one that is not in :data:`PRECISIONS`.
+    """The precision's name, refusing one that is not in :func:`precisions`.
 
-    >>> check_precision(Mode.BF16), check_precision("fp16-true"), check_precision(None)
+    >>> check_precision(parse_mode("bf16")), check_precision("fp16-true"), check_precision(None)
     ('bf16', 'fp16-true', None)
     """
     if precision is None:
         return None
-    name = precision.value if isinstance(precision, Mode) else precision
-    if name not in PRECISIONS:
-        raise InvalidChoiceError("precision", precision, PRECISIONS)
+    name = precision.name if isinstance(precision, Mode) else precision
+    if name not in precisions():
+        raise InvalidChoiceError("precision", precision, precisions())
     return name
 
 
@@ -72,9 +81,9 @@ def mode_in_effect(device_type: str) -> Mode:
     when fp32 matmuls may use reduced precision, else fp32.
 
     >>> mode_in_effect("cpu")
-    <Mode.FP32: 'fp32'>
+    Mode('fp32')
     """
-    return Mode(precision_in_effect(device_type))
+    return parse_mode(precision_in_effect(device_type))
 
 
 def precision_in_effect(
@@ -92,7 +101,7 @@ def precision_in_effect(
     if named is not None:
         return named
     if torch.is_autocast_enabled(device_type):
-        return _AUTOCAST_NAMES.get(torch.get_autocast_dtype(device_type), "fp32")
+        return dtype_name(torch.get_autocast_dtype(device_type))
     return fp32_math or fp32_math_in_effect()
 
 

@@ -53,7 +53,7 @@ from transformers import TrainerCallback
 
 from mpnb.errors import InvalidChoiceError
 from mpnb.integrations.loop_telemetry import LoopTelemetry, WithTelemetry
-from mpnb.precision.modes import Mode, parse_mode
+from mpnb.precision.modes import Mode, parse_mode, registered
 from mpnb.precision.policy import session
 from mpnb.training.batches import samples_in
 from mpnb.training.telemetry import Sink
@@ -81,21 +81,21 @@ def precision_args(
         {'bf16': False, 'fp16': True, 'tf32': None}
     """
     chosen = parse_mode(mode) if mode is not None else session.mode
-    if chosen is Mode.FP8:
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    arguments = chosen.training_arguments(on_cuda)
+    if arguments is None:
+        valid = [m.name for m in registered() if m().training_arguments(on_cuda) is not None]
         raise InvalidChoiceError(
             "mode for TrainingArguments",
-            chosen.value,
-            [m.value for m in Mode if m is not Mode.FP8],
-            "TrainingArguments has no fp8 switch: ask bf16 here and run trainer.train() inside "
-            "`with mpnb.fp8_layers(model):`, or use Accelerate's mixed_precision='fp8'.",
+            chosen.label,
+            valid,
+            f"TrainingArguments has no {chosen.name} switch. {chosen.framework_hint}",
         )
-    on_cuda = device is not None and torch.device(device).type == "cuda"
-    tf32 = {Mode.TF32: True, Mode.FP32: False}.get(chosen) if on_cuda else None
-    return {"bf16": chosen is Mode.BF16, "fp16": chosen is Mode.FP16, "tf32": tf32}
+    return arguments
 
 
 def asked_precision(args: Any) -> str:
-    """The precision ``TrainingArguments`` asks for (see :data:`~mpnb.integrations.observed.PRECISIONS`)."""
+    """The precision ``TrainingArguments`` asks for (see :func:`~mpnb.integrations.observed.precisions`)."""
     if getattr(args, "bf16", False):
         return "bf16"
     if getattr(args, "fp16", False):

@@ -1,6 +1,8 @@
 """Precision: the modes, the session policy that applies them, the fp32-math switch, and the backends.
 
-- :mod:`~mpnb.precision.modes`: the names (``fp32``, ``tf32``, ``fp16``, ``bf16``, ``off``) and dtypes.
+- :mod:`~mpnb.precision.modes`: the modes (``off``, ``fp32``, ``tf32``, ``fp16``, ``bf16``, ``fp8``),
+  one class in one module each, and their registry.
+- :mod:`~mpnb.precision.names`: the names of autocast dtypes, and the fp32-math levels.
 - :mod:`~mpnb.precision.policy`: the one :class:`Session` per process and the switches on it
   (:func:`set_mode`, the session's op lists).
 - :mod:`~mpnb.precision.blocks`: switches for one block, :class:`autocast` and :class:`tf32`.
@@ -15,13 +17,15 @@ Example:
     >>> with autocast("bf16", device="cpu"):
     ...     torch.nn.Linear(2, 2)(torch.randn(1, 2)).dtype
     torch.bfloat16
-    >>> Mode("fp16").autocast_dtype
+    >>> from mpnb.precision.modes import parse_mode
+    >>> parse_mode("fp16").autocast_dtype
     torch.float16
 """
 
 from mpnb.precision.autocast_settings import AutocastSettings
 from mpnb.precision.blocks import autocast, tf32
-from mpnb.precision.modes import Fp32Math, Mode
+from mpnb.precision.modes import Mode
+from mpnb.precision.names import Fp32Math
 from mpnb.precision.policy import (
     Session,
     get_mode,

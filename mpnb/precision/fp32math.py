@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from mpnb.precision.modes import Fp32Math
+from mpnb.precision.names import Fp32Math
 
 if TYPE_CHECKING:
     from mpnb.precision.backends.base import Backend

@@ -11,7 +11,7 @@ Example:
     torch.bfloat16
     >>> _ = mpnb.set_mode("fp32")
     >>> mpnb.get_mode()
-    <Mode.FP32: 'fp32'>
+    Mode('fp32')
     >>> _ = mpnb.set_mode("off")
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,9 +30,9 @@ from mpnb.oplists.lists import OpLists
 from mpnb.oplists.session_lists import SessionOpLists
 from mpnb.precision.autocast_settings import AutocastSettings, ThreadAutocast, check_autocast_dtype
 from mpnb.precision.backends import Backend, backend_for, resolve_device
-from mpnb.precision.fp8 import Fp8Layers, check_fp8, check_recipe
 from mpnb.precision.fp32math import Fp32MathSwitch
-from mpnb.precision.modes import Fp32Math, Mode, parse_dtype, parse_mode
+from mpnb.precision.modes import Mode, parse_mode
+from mpnb.precision.names import Fp32Math, parse_dtype
 
 __all__ = ["Session", "set_mode", "get_mode", "set_oplists", "get_oplists"]
 
@@ -64,14 +64,14 @@ class Session:
         >>> unsubscribe = session.subscribe(heard.append)
         >>> with session.mode_scope("bf16", device="cpu") as mode:
         ...     mode, session.autocast_settings().describe()
-        (<Mode.BF16: 'bf16'>, 'bf16 autocast on cpu (no cast cache)')
+        (Mode('bf16'), 'bf16 autocast on cpu (no cast cache)')
         >>> session.mode, heard
-        (<Mode.OFF: 'off'>, ['mode', 'mode'])
+        (Mode('off'), ['mode', 'mode'])
         >>> unsubscribe()
     """
 
     def __init__(self) -> None:
-        self.mode = Mode.OFF
+        self.mode: Mode = parse_mode("off")
         self.device: torch.device | None = None
         self.fp32_math = Fp32MathSwitch()
         self._fp32_wanted: tuple[Backend, Fp32Math] | None = None
@@ -83,8 +83,7 @@ class Session:
         self._outside_cell: ThreadAutocast | None = None  # while a cell scope is open
         self._outside_changed = False
         self.reset_callbacks: list[Callable[[], None]] = []
-        self.fp8_recipe = "tensorwise"  # mode fp8's torchao recipe
-        self.fp8_keep: tuple[str, ...] = ()  # Linear layers mode fp8 keeps in high precision
+        self.held_model: Any = None  # what the mode did to a model it holds (``%amp fp8 --model``)
         self._until_mode_changes: list[Callable[[], None]] = []
         self._listeners: list[Callable[[str], None]] = []
 
@@ -109,51 +108,39 @@ class Session:
         """The device the session runs on now."""
         return resolve_device(self.device)
 
-    def set_mode(self, mode: str | Mode, device: str | torch.device | None = None) -> Mode:
-        """Switch the session to ``mode`` (on ``device`` if given). Invalid input changes nothing.
+    def set_mode(
+        self,
+        mode: str | Mode,
+        device: str | torch.device | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        **options: Any,
+    ) -> Mode:
+        """Switch the session to ``mode`` with its ``options`` (fp8's ``recipe``, ``keep``), on
+        ``device`` if given. With ``model``, a mode that converts layers converts that model's now,
+        until the mode changes again (:attr:`held_model` describes it). Everything is checked
+        before anything changes: invalid input changes nothing.
 
         Raises:
-            MpnbError: unknown mode or device, or a dtype the device cannot autocast to.
+            MpnbError: unknown mode, option or device; a device the mode does not run on; a
+                model the mode cannot convert.
         """
-        new_mode = parse_mode(mode)
+        new_mode = parse_mode(mode, **options)
         new_device = self.device if device is None else resolve_device(device)
         target = resolve_device(new_device)
         backend = backend_for(target)
-        if new_mode.autocast_dtype is not None:
-            check_autocast_dtype(backend, target, new_mode.autocast_dtype)
-        if new_mode is Mode.FP8:
-            check_fp8(target)
+        new_mode.check(target)
+        if model is not None:  # checked as it is; converted once an earlier hold is undone
+            new_mode.check_model(model, target)
         self._undo_mode_changes()
-        self._apply_fp32_math(new_mode, backend)
+        new_mode.apply_fp32_math(self, backend)
         self.mode, self.device = new_mode, new_device
+        if model is not None:
+            scope = new_mode.model_scope(model, target)
+            self.held_model = scope.__enter__()
+            self.until_mode_changes(lambda: scope.__exit__(None, None, None))
         self.notify("mode")
         return new_mode
-
-    def set_fp8_mode(
-        self,
-        device: str | torch.device | None = None,
-        recipe: str = "tensorwise",
-        keep: Iterable[str] = (),
-        model: torch.nn.Module | None = None,
-    ) -> Fp8Layers | None:
-        """Switch to mode fp8 (what ``%amp fp8`` does): ``recipe`` and ``keep`` for the fits that
-        follow; with ``model``, its layers converted until the mode changes again. Everything
-        is checked before anything changes.
-
-        Raises:
-            MpnbError: as :class:`~mpnb.precision.fp8.Fp8Layers`, or :meth:`set_mode`.
-        """
-        recipe, keep = check_recipe(recipe), tuple([keep] if isinstance(keep, str) else keep)
-        check_fp8(self.device if device is None else device)
-        if model is not None:  # checked as it is; converted once set_mode undid an earlier hold
-            Fp8Layers(model, recipe=recipe, keep=keep, device=device).check_converts()
-        self.set_mode(Mode.FP8, device)
-        self.fp8_recipe, self.fp8_keep = recipe, keep
-        if model is None:
-            return None
-        layers = Fp8Layers(model, recipe=recipe, keep=keep, device=device).convert()
-        self.until_mode_changes(layers.restore)
-        return layers
 
     def until_mode_changes(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` at the next mode change or reset (a model ``%amp fp8 --model`` converted)."""
@@ -161,6 +148,7 @@ class Session:
 
     def _undo_mode_changes(self) -> None:
         undos, self._until_mode_changes = self._until_mode_changes, []
+        self.held_model = None
         for undo in reversed(undos):
             undo()
 
@@ -173,17 +161,12 @@ class Session:
         """
         target = resolve_device(self.device if device is None else device)
         backend = backend_for(target)
-        if self.mode in (Mode.FP32, Mode.TF32):
-            self.set_mode(Mode.TF32 if enabled else Mode.FP32, device)
+        owner = self.mode.with_fp32_math(enabled)
+        if owner is not None:
+            self.set_mode(owner, device)
         else:
             self.want_fp32_math(backend, Fp32Math.REDUCED if enabled else None)
             self.notify("fp32_math")
-
-    def _apply_fp32_math(self, mode: Mode, backend: Backend) -> None:
-        if mode.fp32_math is not None:
-            self.want_fp32_math(backend, mode.fp32_math)
-        elif mode is Mode.OFF:
-            self.want_fp32_math(None, None)
 
     def want_fp32_math(self, backend: Backend | None, level: Fp32Math | None) -> None:
         """Make ``level`` on ``backend`` the session's fp32-math wish (None: the flags as found) and apply it."""
@@ -291,10 +274,9 @@ class Session:
         for undo in reversed(self.reset_callbacks[:]):
             undo()
         self._undo_mode_changes()
-        self.fp8_recipe, self.fp8_keep = "tensorwise", ()
         self.want_fp32_math(None, None)
         self.oplists.reset()
-        self.mode, self.device = Mode.OFF, None
+        self.mode, self.device = parse_mode("off"), None
         self.notify("reset")
 
     def warnings(self) -> list[str]:
@@ -317,45 +299,30 @@ class Session:
                 notes.append(
                     "outside IPython the mode applies inside `with mpnb.autocast():` blocks"
                 )
-        if dtype == torch.float16:
-            notes.append("fp16 training needs loss scaling: use torch.amp.GradScaler with it")
-        if self.mode is Mode.FP8:
-            notes.extend(_fp8_notes(backend))
+        notes.extend(self.mode.notes(backend))
         if self.fp32_math.level is Fp32Math.REDUCED and not backend.has_fast_fp32_math():
             notes.append(f"reduced-precision fp32 math has no effect on this {backend.label}")
         return notes
 
 
-def _fp8_notes(backend: Backend) -> list[str]:
-    notes = []
-    if backend.fp8_training() == "emulated":
-        notes.append(
-            f"fp8 on this {backend.label} is emulated: numerics only, no speed-up (slower than fp32)"
-        )
-    notes.append(
-        "fp8 converts a model's Linear layers: a Trainer does it for each fit; for your own "
-        "loop, `%amp fp8 --model NAME` or `with mpnb.fp8_layers(model):`"
-    )
-    return notes
-
-
 session = Session()
 
 
-def set_mode(mode: str | Mode, device: str | torch.device | None = None) -> Mode:
+def set_mode(mode: str | Mode, device: str | torch.device | None = None, **options: Any) -> Mode:
     """Set the session precision mode: ``"off"``, ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``,
-    ``"fp8"`` (needs torchao: :mod:`mpnb.precision.fp8`).
+    ``"fp8"`` (needs torchao: :mod:`mpnb.precision.modes.fp8`; ``recipe=``, ``keep=``), or any
+    registered mode (:func:`mpnb.precision.modes.mode_names`), with the options it takes.
 
     In IPython (after ``%load_ext mpnb``) every following cell runs in the mode; in a
     script, ``with mpnb.autocast():`` blocks follow it. Invalid input changes nothing.
 
     Example:
         >>> set_mode("bf16", device="cpu")
-        <Mode.BF16: 'bf16'>
+        Mode('bf16')
         >>> set_mode("off")
-        <Mode.OFF: 'off'>
+        Mode('off')
     """
-    return session.set_mode(mode, device)
+    return session.set_mode(mode, device, **options)
 
 
 def get_mode() -> Mode:
@@ -363,7 +330,7 @@ def get_mode() -> Mode:
 
     Example:
         >>> get_mode()
-        <Mode.OFF: 'off'>
+        Mode('off')
     """
     return session.mode
 

@@ -18,9 +18,8 @@ import torch
 
 from mpnb._render import dtype_name, html_list, html_table, text_table
 from mpnb.precision.backends import BACKENDS, Backend, MemorySnapshot
-from mpnb.precision.fp8 import torchao_installed
-from mpnb.precision.modes import Mode
-from mpnb.precision.policy import Session, session
+from mpnb.precision.modes import Mode, registered
+from mpnb.precision.policy import session
 
 __all__ = ["Status", "DeviceReport", "status", "devices"]
 
@@ -57,7 +56,7 @@ class Status(_Renders):
     Example:
         >>> now = status()
         >>> now.mode, now.autocast_dtype
-        (<Mode.OFF: 'off'>, 'off')
+        (Mode('off'), 'off')
         >>> now.rows()[0]
         ('mode', "off (mpnb changes nothing: torch's own defaults and your settings apply)")
     """
@@ -69,19 +68,19 @@ class Status(_Renders):
     fp32_math: str
     memory: MemorySnapshot
     warnings: tuple[str, ...]
-    fp8: str = ""
+    mode_rows: tuple[tuple[str, str], ...] = ()
 
     def rows(self) -> list[tuple[str, str]]:
         """The status as (label, value) pairs."""
         rows = [
-            ("mode", f"{self.mode.value} ({self.mode.summary})"),
+            ("mode", f"{self.mode.label} ({self.mode.summary})"),
             ("device", self.device),
             ("autocast", self.autocast_dtype),
             ("right now", self.active_here),
             ("fp32 math", self.fp32_math),
             ("memory", str(self.memory)),
         ]
-        return rows + ([("fp8", self.fp8)] if self.fp8 else [])
+        return rows + list(self.mode_rows)
 
     def to_text(self) -> str:
         lines = ["mpnb status", *(f"  {label:<10} {value}" for label, value in self.rows())]
@@ -108,7 +107,7 @@ def status() -> Status:
 
     Example:
         >>> status().mode
-        <Mode.OFF: 'off'>
+        Mode('off')
     """
     device = session.resolved_device()
     backend = BACKENDS[device.type]
@@ -121,25 +120,8 @@ def status() -> Status:
         fp32_math=backend.describe_fp32_math(),
         memory=backend.memory(device.index),
         warnings=tuple(session.warnings()),
-        fp8=_fp8_words(backend, session) if session.mode is Mode.FP8 else "",
+        mode_rows=tuple(session.mode.status_rows(device)),
     )
-
-
-def _fp8_words(backend: Backend, session: Session) -> str:
-    """Mode fp8's recipe, kept layers and where it runs, for the status."""
-    kept = f"; kept in bf16 by name: {', '.join(session.fp8_keep)}" if session.fp8_keep else ""
-    return f"torchao {session.fp8_recipe}, {fp8_support(backend)}{kept}"
-
-
-def fp8_support(backend: Backend) -> str:
-    """How fp8 training runs on ``backend``, in words (the device report's fp8 column)."""
-    how = backend.fp8_training()
-    if how == "refused":
-        return f"no: {backend.fp8_refusal()}"
-    words = "fp8 tensor cores" if how == "real" else "emulated: numerics only, no speed-up"
-    if not torchao_installed():
-        words += " (needs pip install 'mpnb[fp8]')"
-    return words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +138,7 @@ class DeviceInfo:
     reduced_fp32_math: str
     capabilities: dict[str, object]
     memory: str
-    fp8: str = "-"
+    layer_modes: str = "-"
 
     def to_dict(self) -> dict[str, object]:
         """Plain data, for JSON."""
@@ -196,13 +178,20 @@ class DeviceReport(_Renders):
                 "yes" if info.available else "no",
                 ", ".join(info.autocast_dtypes) or "-",
                 ", ".join(f"{k} -> {v}" for k, v in info.verified.items()) or "-",
-                info.fp8,
+                info.layer_modes,
                 info.detail,
             ]
             for info in self.devices
         ]
 
-    _HEADERS = ("device", "present", "autocast", "checked (Linear output)", "fp8", "details")
+    _HEADERS = (
+        "device",
+        "present",
+        "autocast",
+        "checked (Linear output)",
+        "layer modes",
+        "details",
+    )
 
     def to_text(self) -> str:
         lines = [text_table(self._HEADERS, self.rows()), ""]
@@ -247,7 +236,15 @@ def _device_info(backend: Backend, check: bool) -> DeviceInfo:
         reduced_fp32_math=backend.describe_reduced_fp32_math(),
         capabilities=caps,
         memory=str(backend.memory()),
-        fp8=fp8_support(backend),
+        layer_modes=_layer_modes(backend),
+    )
+
+
+def _layer_modes(backend: Backend) -> str:
+    """How each mode that converts layers runs on ``backend``'s device: ``"fp8: emulated..."``."""
+    device = torch.device(backend.type)
+    return "; ".join(
+        f"{mode.name}: {mode().support(device)}" for mode in registered(converts_layers=True)
     )
 
 

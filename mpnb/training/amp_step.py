@@ -160,7 +160,7 @@ class AmpStep:
                     f"{self.precision.device.type!r}: build it as GradScaler({self.precision.device.type!r})"
                 )
             if scaler.is_enabled() != self.precision.needs_scaler:
-                mode = self.precision.mode.value
+                mode = self.precision.mode.label
                 raise MpnbError(
                     f"mode {mode!r} scales the loss: give an enabled GradScaler, or leave scaler= out"
                     if self.precision.needs_scaler
@@ -403,7 +403,7 @@ class AmpStep:
             skipped=skipped,
             lr=lr,
             grad_norm=grad_norm,
-            mode=self.precision.mode.value,
+            mode=self.precision.mode.label,
         )
         self.recorder.add_row(record.row())
 

@@ -11,7 +11,7 @@ Example:
     >>> with capture_fits("bf16", max_steps=3) as capture:
     ...     trainer, train, _ = ex.example_trainer("fp32", "cpu", widths=(4, 8), dashboard=None)
     ...     _ = trainer.fit(train, epochs=5)
-    >>> len(capture.trainers[0].history), capture.trainers[0].mode.value
+    >>> len(capture.trainers[0].history), capture.trainers[0].mode.label
     (3, 'bf16')
 """
 

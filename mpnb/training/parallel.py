@@ -25,7 +25,7 @@ together, as with DDP. The policy is fixed when the Trainer is built; a later ``
 changes autocast and the scaler, not the parameter dtype.
 
 Mode fp8 with ``strategy="fsdp"`` follows torchao's FSDP2 recipe (torchtitan's): the eligible
-Linear layers are converted to torchao's float8 training first (the session's recipe and kept
+Linear layers are converted to torchao's float8 training first (the mode's recipe and kept
 layers, as one process does), then sharded; with the tensorwise recipe their weights are
 all-gathered in float8 (1 byte an element) and their scales refreshed after each optimizer step
 (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, one all-reduce, run as an optimizer
@@ -63,19 +63,12 @@ import torch.distributed as dist
 from torch import nn
 
 from mpnb.errors import InvalidChoiceError, MpnbError
-from mpnb.precision.fp8 import Fp8Layers, precompute_fsdp_scales
-from mpnb.precision.modes import Mode
-from mpnb.precision.policy import session
+from mpnb.precision.modes import Mode, parse_mode
 
 __all__: list[str] = []
 
 #: What ``Trainer(strategy=...)`` accepts besides None (one process).
 STRATEGIES = ("ddp", "fsdp")
-# fp8: the layers outside float8 run under bf16 autocast, so their weights are gathered in bf16
-# (half the traffic, the dtype autocast would cast them to anyway), as torchtitan's float8
-# training does (param_dtype bf16, reduce fp32). The float8 layers' weights are gathered in
-# float8 whatever the policy says; param_dtype is then only the dtype their output reports.
-_LOW_DTYPES = {Mode.BF16: torch.bfloat16, Mode.FP16: torch.float16, Mode.FP8: torch.bfloat16}
 
 
 def check_strategy(strategy: str | None) -> None:
@@ -113,7 +106,7 @@ def wrap_model(
     strategy: str | None,
     device: torch.device,
     optimizer: torch.optim.Optimizer | None = None,
-    mode: Mode = Mode.FP32,
+    mode: Mode | None = None,
 ) -> nn.Module:
     """``model`` (already on ``device``) as the strategy trains it; for ``"fsdp"``, sharded in
     place with ``mode``'s policy and ``optimizer`` pointed at the sharded parameters (mode fp8:
@@ -122,7 +115,7 @@ def wrap_model(
     if strategy is None:
         return model
     if strategy == "fsdp":
-        return _shard(model, optimizer, mode, device)
+        return _shard(model, optimizer, mode or parse_mode("fp32"), device)
     if device.type != "cuda":  # CPU (and other devices): DDP takes no device ids
         return nn.parallel.DistributedDataParallel(model)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -130,40 +123,40 @@ def wrap_model(
 
 
 def check_switch(strategy: str | None, mode: Mode, new_mode: Mode) -> None:
-    """Refuse a switch into or out of fp8 for a sharded model: its float8 layers were converted
-    before sharding and stay (see the module's notes)."""
-    if strategy == "fsdp" and mode is not new_mode and Mode.FP8 in (mode, new_mode):
+    """Refuse a switch into or out of a mode that converts layers (fp8) for a sharded model: its
+    layers were converted before sharding and stay (see the module's notes)."""
+    converting = [m for m in (mode, new_mode) if m.converts_layers]
+    if strategy == "fsdp" and mode != new_mode and converting:
         raise MpnbError(
-            f"strategy='fsdp' cannot switch {mode.value} -> {new_mode.value}: fp8's float8 layers are "
+            f"strategy='fsdp' cannot switch {mode.label} -> {new_mode.label}: {converting[0].name}'s layers are "
             "converted before the model is sharded and stay; build a Trainer in the mode wanted"
         )
 
 
-def refresh_fp8_scales(model: nn.Module, strategy: str | None, mode: Mode) -> None:
-    """Fp8 with FSDP: the float8 weights' all-gather scales from the weights as they are now (a
-    checkpoint may have been loaded since the last step). Every rank calls it as a fit starts."""
-    if strategy == "fsdp" and mode is Mode.FP8:
-        precompute_fsdp_scales(model)
+def refresh_sharded(model: nn.Module, strategy: str | None, mode: Mode) -> None:
+    """With FSDP, what the mode's sharded layers need from the weights as they are now (fp8: the
+    float8 weights' all-gather scales; a checkpoint may have been loaded since the last step).
+    Every rank calls it as a fit starts."""
+    if strategy == "fsdp":
+        mode.refresh_sharded(model)
 
 
 def mixed_precision_policy(mode: Mode) -> Any:
-    """FSDP2's policy for ``mode``: bf16 / fp16 parameters for compute with fp32 gradient
-    reduction (fp8: bf16 for the layers outside float8); no casting in fp32 / tf32 / off.
+    """FSDP2's policy for ``mode`` (:meth:`~mpnb.precision.modes.base.Mode.fsdp_policy`): the
+    parameters gathered for compute in the autocast dtype, gradients reduced in fp32; no casting
+    without autocast. fp8's layers outside float8 run under bf16 autocast, so their weights are
+    gathered in bf16, as torchtitan's float8 training does; the float8 layers' weights are
+    gathered in float8 whatever the policy says.
 
-    >>> policy = mixed_precision_policy(Mode.BF16)
+    >>> policy = mixed_precision_policy(parse_mode("bf16"))
     >>> policy.param_dtype, policy.reduce_dtype
     (torch.bfloat16, torch.float32)
-    >>> mixed_precision_policy(Mode.FP8).param_dtype
+    >>> mixed_precision_policy(parse_mode("fp8")).param_dtype
     torch.bfloat16
-    >>> mixed_precision_policy(Mode.TF32).param_dtype is None
+    >>> mixed_precision_policy(parse_mode("tf32")).param_dtype is None
     True
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    dtype = _LOW_DTYPES.get(mode)
-    return MixedPrecisionPolicy(
-        param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None
-    )
+    return mode.fsdp_policy()
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -216,11 +209,7 @@ def _shard(
                 f"strategy='fsdp': {foreign} of the optimizer's parameters are not the model's; build the optimizer "
                 "on model.parameters()"
             )
-    layers = None
-    if mode is Mode.FP8:  # before sharding: torchao's all-gather wraps the unsharded weights
-        layers = Fp8Layers(
-            model, recipe=session.fp8_recipe, keep=session.fp8_keep, device=device, all_gather=True
-        ).convert()
+    refreshes = mode.prepare_sharded(model, device)  # fp8: its layers converted, for good
     policy = mixed_precision_policy(mode)
     for block in model_blocks(model):
         fully_shard(block, mp_policy=policy)
@@ -229,11 +218,11 @@ def _shard(
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [sharded[names[id(param)]] for param in group["params"]]
-        if layers is not None and layers.all_gather:
-            # torchao's recipe: the float8 weights' scales for the next all-gather, computed from
+        if refreshes:
+            # fp8 (torchao's recipe): the float8 weights' scales for the next all-gather, from
             # the updated weights in one all-reduce instead of one per layer (every rank steps
             # together: a skipped step calls no optimizer on any rank)
-            optimizer.register_step_post_hook(lambda *_: precompute_fsdp_scales(model))
+            optimizer.register_step_post_hook(lambda *_: mode.refresh_sharded(model))
     return model
 
 

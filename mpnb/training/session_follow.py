@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mpnb.errors import MpnbError
-from mpnb.precision.modes import Fp32Math, Mode
+from mpnb.precision.names import Fp32Math
 from mpnb.precision.policy import session
 from mpnb.training.step_precision import TrainingPrecision
 
@@ -58,16 +58,11 @@ class SessionFollower:
                 trainer.history.note(f"mode not switched: {error}", kind="switch", step=next_step)
         if "fp32_math" in changed and "mode" not in changed:  # a new mode brings its own fp32 math
             level = session.fp32_math.level
-            # the fit's mode owns the flags: move between the two
-            if trainer.mode in (
-                Mode.FP32,
-                Mode.TF32,
-            ):
-                reduced = level is Fp32Math.REDUCED
-                precision = TrainingPrecision.resolve(
-                    Mode.TF32 if reduced else Mode.FP32, trainer.device
-                )
-                self.switch_to(precision, next_step)
+            owner = trainer.mode.with_fp32_math(level is Fp32Math.REDUCED)
+            if (
+                owner is not None
+            ):  # the fit's mode owns the flags (fp32, tf32): move between the two
+                self.switch_to(TrainingPrecision.resolve(owner, trainer.device), next_step)
             else:
                 trainer.history.note(
                     f"fp32 math {level.value if level else 'as found'}",
@@ -82,8 +77,8 @@ class SessionFollower:
     def switch_to(self, precision: TrainingPrecision, next_step: int) -> None:
         """Train in ``precision`` from ``next_step`` on (its fp32-math scope replaces the old one)."""
         trainer = self.trainer
-        if precision.mode is trainer.mode:
+        if precision.mode == trainer.mode:
             return
-        message = f"mode {trainer.mode.value} -> {precision.mode.value}"
+        message = f"mode {trainer.mode.label} -> {precision.mode.label}"
         trainer.use_precision(precision)
         trainer.history.note(message, kind="switch", step=next_step)

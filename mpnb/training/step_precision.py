@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from mpnb.precision.autocast_settings import AutocastSettings
 from mpnb.precision.backends import backend_for
-from mpnb.precision.fp8 import EMULATED, Fp8Layers, check_fp8
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.precision.policy import session
 
@@ -30,9 +30,9 @@ class TrainingPrecision:
     """A validated mode and device, and what they mean for a training step.
 
     Attributes:
-        mode: fp16 / bf16 autocast the forward pass; fp32 / tf32 set the fp32-math flags for
-            the run; off runs in fp32 and touches no flag; fp8 converts the model's eligible
-            Linear layers (:meth:`model_scope`) and autocasts the rest to bf16.
+        mode: the mode object (:mod:`mpnb.precision.modes`): its autocast dtype, whether the loss
+            is scaled, its fp32-math level for the run, and what it does to the model
+            (:meth:`model_scope`: fp8 converts the eligible Linear layers).
         device: where the model and batches live.
         autocast: the autocast to wrap forward passes in (disabled for fp32-like modes, so
             a surrounding ``%amp`` cell cannot leak into them).
@@ -54,24 +54,31 @@ class TrainingPrecision:
 
     @classmethod
     def resolve(
-        cls, mode: str | Mode | None = None, device: str | torch.device | None = None
+        cls,
+        mode: str | Mode | None = None,
+        device: str | torch.device | None = None,
+        **options: Any,
     ) -> TrainingPrecision:
         """Fill what is not given from the session (``%amp`` / ``mpnb.set_mode``) and validate.
+        A mode named as the session's is the session's, options included (``%amp fp8 --recipe
+        rowwise`` then ``Trainer(mode="fp8")`` trains rowwise), unless ``options`` say otherwise.
 
         Raises:
-            MpnbError: unknown mode or device, or a dtype the device cannot autocast to.
+            MpnbError: unknown mode, option or device, or a device the mode does not run on.
         """
         chosen = session.mode if mode is None else parse_mode(mode)
+        if isinstance(mode, str) and ":" not in mode and type(chosen) is type(session.mode):
+            chosen = session.mode  # named as the session's mode: the session's options with it
+        chosen = parse_mode(chosen, **options)
         dtype = chosen.autocast_dtype
         settings = session.autocast_settings(dtype, device, enabled=dtype is not None)
-        if chosen is Mode.FP8:
-            check_fp8(settings.device)
+        chosen.check(settings.device)
         return cls(chosen, settings.device, settings)
 
     @property
     def needs_scaler(self) -> bool:
-        """Only fp16 needs loss scaling; bf16 has fp32's range."""
-        return self.mode is Mode.FP16
+        """Whether the mode scales the loss (fp16's narrow range; bf16 has fp32's)."""
+        return self.mode.needs_scaler
 
     @contextlib.contextmanager
     def math_scope(self) -> Iterator[None]:
@@ -91,22 +98,15 @@ class TrainingPrecision:
         finally:
             session.apply_fp32_wish()
 
-    @contextlib.contextmanager
-    def model_scope(self, model: torch.nn.Module) -> Iterator[None]:
-        """Fp8: the model's eligible Linear layers converted for a block (with the session's
-        recipe and kept layers), put back on any exit. Other modes leave the model alone.
+    def model_scope(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """What the mode does to ``model`` for a block (fp8: its eligible Linear layers
+        converted), put back on any exit; most modes leave the model alone.
 
         Raises:
-            MpnbError: fp8 would convert no layer of ``model`` (nothing changed).
+            MpnbError: the mode would convert no layer of ``model`` (nothing changed).
         """
-        if self.mode is not Mode.FP8:
-            yield
-            return
-        with Fp8Layers(model, recipe=session.fp8_recipe, keep=session.fp8_keep, device=self.device):
-            yield
+        return self.mode.model_scope(model, self.device)
 
     def describe(self) -> str:
         """``"bf16 on cpu"``; fp8 says where it is emulated."""
-        if self.mode is Mode.FP8 and backend_for(self.device).fp8_training() == "emulated":
-            return f"fp8 on {self.device} ({EMULATED})"
-        return f"{self.mode.value} on {self.device}"
+        return self.mode.describe(self.device)

@@ -24,7 +24,8 @@ from torch import nn
 from mpnb.errors import MpnbError
 from mpnb.numerics.instruments import fit_instruments
 from mpnb.oplists.refusals import refusal_error
-from mpnb.precision.modes import Mode
+from mpnb.precision.modes import Mode, parse_mode
+from mpnb.precision.policy import get_mode
 from mpnb.training.amp_step import AmpStep
 from mpnb.training.batches import LossFn, StepFn, batch_loss, indexed, samples_in
 from mpnb.training.capture import FitCapture, active_capture, note_fit, streamed
@@ -44,7 +45,7 @@ from mpnb.training.parallel import (
     check_strategy,
     check_switch,
     rank_share,
-    refresh_fp8_scales,
+    refresh_sharded,
     wrap_model,
 )
 from mpnb.training.session_follow import SessionFollower
@@ -110,10 +111,15 @@ class Trainer:
         optimizer: built on the model's parameters.
         loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``, or None (see above).
         step_fn: ``step_fn(model, batch) -> scalar loss``, run under the mode's autocast.
-        mode: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"`` or ``"off"``; default the
-            session mode (``%amp``). fp32/tf32 set their fp32-math flags only while ``fit`` runs;
-            fp8 converts the model's eligible Linear layers to torchao's float8 layers only while
-            ``fit`` runs (:mod:`mpnb.precision.fp8`; emulated on a CPU).
+        mode: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"``, ``"off"``, any registered
+            mode (:mod:`mpnb.precision.modes`), or a mode object; default the session mode
+            (``%amp``, with its options). fp32/tf32 set their fp32-math flags only while ``fit``
+            runs; fp8 converts the model's eligible Linear layers to torchao's float8 layers only
+            while ``fit`` runs (:mod:`mpnb.precision.modes.fp8`; emulated on a CPU).
+        recipe: the mode's recipe, for a mode that takes one (fp8: ``"tensorwise"``,
+            ``"rowwise"``, ``"rowwise_with_gw_hp"``); None: the mode's default.
+        keep: layers (or modules holding them) a mode that converts layers keeps in higher
+            precision (fp8: ``["lm_head"]``); None: none besides the mode's own rule.
         device: default the session device (auto-detected: cuda, hpu, else cpu).
         dashboard: ``"auto"`` (live plot in a notebook, text progress elsewhere), ``"live"``,
             ``"text"``, None for no display, or a :class:`~mpnb.training.telemetry.Sink`.
@@ -163,6 +169,8 @@ class Trainer:
         *,
         step_fn: StepFn | None = None,
         mode: str | Mode | None = None,
+        recipe: str | None = None,
+        keep: Iterable[str] | None = None,
         device: str | torch.device | None = None,
         dashboard: str | Sink | None = "auto",
         on_nonfinite: str = "warn",
@@ -188,6 +196,8 @@ class Trainer:
         check_dashboard(dashboard)
         check_strategy(strategy)
         _check_optimizer_trains(model, optimizer)
+        if recipe is not None or keep is not None:  # options of the mode asked, or of the session's
+            mode = parse_mode(get_mode() if mode is None else mode, recipe=recipe, keep=keep)
         self.amp = AmpStep(
             optimizer,
             mode=mode,
@@ -373,7 +383,7 @@ class Trainer:
         sinks = [*self._instruments, *self._sinks(capture)]
         steps_before = self.amp.steps
         self.history.meta.update(
-            model=self.describe(), device=str(self.device), mode=self.mode.value
+            model=self.describe(), device=str(self.device), mode=self.mode.label
         )
         self._data.device = indexed(self.device)  # cuda:0, as batches already there name it
         self.amp.recorder.sinks.extend(sinks)
@@ -386,7 +396,7 @@ class Trainer:
             with self._math, StopRequest() as stop:
                 self._math.enter_context(self.amp.precision.math_scope())
                 self._math.enter_context(self.amp.precision.model_scope(self.model))  # fp8 layers
-                refresh_fp8_scales(self.model, self.strategy, self.mode)
+                refresh_sharded(self.model, self.strategy, self.mode)
                 self.amp.restart_clock()  # the first step's time counts from here, not from the fit's setup
                 finished = self._run(data, stop, max_steps)
         except BaseException as error:
@@ -421,6 +431,8 @@ class Trainer:
             )
             self.history.note("interrupted", kind="interrupt")
             raise FitInterrupted(message, self.history)
+        if not finished and self._ended is FitEnd.MAX_STEPS and self.amp.health.stop:
+            self._ended = FitEnd.NONFINITE  # found by the flush as the fit closed
         if not finished and self._ended.stopped:  # _run said why it stopped
             self.history.note(
                 "stopped by another rank" if self._ended is FitEnd.PEER_STOPPED else "stopped",
@@ -440,7 +452,7 @@ class Trainer:
     def _join(self, capture: FitCapture, data: Iterable[Any], max_steps: int | None) -> int:
         """Train in the capture's mode, within its step budget: the steps this fit may take."""
         capture.adopt(self, data)
-        if self.mode is not capture.mode:
+        if self.mode != capture.mode:
             self.amp.set_precision(TrainingPrecision.resolve(capture.mode, self.device))
         return capture.steps_allowed(max_steps)
 

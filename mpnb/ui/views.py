@@ -18,13 +18,13 @@ from mpnb import views
 from mpnb.ui.environment import display_kind
 
 if TYPE_CHECKING:
-    from mpnb.numerics.advisor import Advice
     from mpnb.analysis.comparison import ComparisonProgress
     from mpnb.analysis.memory import MemoryReport
     from mpnb.distributed.rank_rows import RanksView
+    from mpnb.numerics.advisor import Advice
+    from mpnb.numerics.watch import NumericsLog
     from mpnb.training.control import FitControl
     from mpnb.training.history import History
-    from mpnb.numerics.watch import NumericsLog
     from mpnb.training.telemetry import Sink
 
 __all__ = ["install"]

@@ -139,7 +139,7 @@ def test_a_speedup_whose_interval_holds_one_reads_no_clear_difference():
 
 def test_a_mode_that_changes_nothing_here_says_so_instead_of_a_speedup():
     fp32 = _timed("fp32", [0.010] * 4)
-    tf32 = _timed("tf32", [0.009] * 4, inert=True)
+    tf32 = _timed("tf32", [0.009] * 4, verdict=NO_EFFECT)
     comparison = Comparison([fp32, tf32], steps=4, warmup=0)
     assert comparison.rows()[1]["speedup_verdict"] == NO_EFFECT
     assert NO_EFFECT in str(comparison) and "1.11x" not in str(comparison)
@@ -148,7 +148,7 @@ def test_a_mode_that_changes_nothing_here_says_so_instead_of_a_speedup():
 def test_tf32_is_inert_exactly_where_fp32_math_has_no_measured_effect():
     result = compare(dropout_run, ["fp32", "tf32"], steps=2, warmup=0, progress=None)
     has_effect = mpnb.precision.backends.backend_for("cpu").has_fast_fp32_math()
-    assert result.result("tf32").inert is (not has_effect)
+    assert result.result("tf32").verdict == ("" if has_effect else NO_EFFECT)
 
 
 def test_an_unsteady_mode_is_warned_about_with_the_likely_cause():

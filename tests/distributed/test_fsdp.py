@@ -12,7 +12,7 @@ from torch import nn
 
 from mpnb.distributed import launch
 from mpnb.errors import MpnbError
-from mpnb.precision.modes import Mode
+from mpnb.precision.modes import parse_mode
 from mpnb.training.parallel import mixed_precision_policy, model_blocks
 from mpnb.training.trainer import Trainer
 
@@ -208,10 +208,10 @@ def test_fsdp_refuses_an_optimizer_it_cannot_point_at_the_shards():
 @pytest.mark.parametrize(
     ("mode", "param_dtype", "reduce_dtype"),
     [
-        (Mode.BF16, torch.bfloat16, torch.float32),
-        (Mode.FP16, torch.float16, torch.float32),
-        (Mode.FP8, torch.bfloat16, torch.float32),  # outside the float8 layers (gathered in fp8)
-        (Mode.FP32, None, None),
+        (parse_mode("bf16"), torch.bfloat16, torch.float32),
+        (parse_mode("fp16"), torch.float16, torch.float32),
+        (parse_mode("fp8"), torch.bfloat16, torch.float32),  # outside the float8 layers (gathered in fp8)
+        (parse_mode("fp32"), None, None),
     ],
 )
 def test_the_policy_follows_the_mode(mode, param_dtype, reduce_dtype):

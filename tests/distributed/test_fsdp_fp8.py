@@ -10,8 +10,7 @@ from torch import nn
 
 from mpnb.distributed import launch
 from mpnb.errors import MpnbError
-from mpnb.precision.modes import Mode
-from mpnb.precision.policy import session
+from mpnb.precision.modes import parse_mode
 from mpnb.training.parallel import check_switch
 from mpnb.training.trainer import Trainer
 
@@ -132,12 +131,8 @@ def fp8_fsdp_more_rank(directory: str) -> dict:
     resumed.load(directory)  # new weights: the fit's start refreshes their float8 scales
     resumed.fit(batches(), max_steps=1)
     first.fit(batches(), max_steps=1)
-    session.fp8_recipe = "rowwise"  # no float8 all-gather in torchao: gathered in bf16
-    try:
-        rowwise = trainer_for("fp8", "fsdp")
-        rowwise.fit(batches(), max_steps=2)
-    finally:
-        session.fp8_recipe = "tensorwise"
+    rowwise = trainer_for("fp8:rowwise", "fsdp")  # no float8 all-gather in torchao: bf16
+    rowwise.fit(batches(), max_steps=2)
     return {
         "classes": [type(m).__name__ for m in first.model],
         "losses": (first.history.loss[3:], resumed.history.loss[3:]),
@@ -160,10 +155,10 @@ def test_a_sharded_fp8_model_fits_again_resumes_from_a_checkpoint_and_takes_roww
         assert result["rowwise"] == ("FSDPFloat8Linear", "Tensor", "axiswise", 2)
 
 
-@pytest.mark.parametrize(("old", "new"), [(Mode.FP8, Mode.BF16), (Mode.BF16, Mode.FP8)])
+@pytest.mark.parametrize(("old", "new"), [(parse_mode("fp8"), parse_mode("bf16")), (parse_mode("bf16"), parse_mode("fp8"))])
 def test_a_switch_into_or_out_of_fp8_is_refused_for_a_sharded_model(old, new):
-    with pytest.raises(MpnbError, match=f"cannot switch {old.value} -> {new.value}"):
+    with pytest.raises(MpnbError, match=f"cannot switch {old.label} -> {new.label}"):
         check_switch("fsdp", old, new)
     check_switch("ddp", old, new)
     check_switch(None, old, new)
-    check_switch("fsdp", Mode.BF16, Mode.FP16)
+    check_switch("fsdp", parse_mode("bf16"), parse_mode("fp16"))

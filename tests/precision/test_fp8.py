@@ -23,13 +23,21 @@ from mpnb.numerics.watch import NumericsLog
 from mpnb.precision.backends.cpu import CpuBackend
 from mpnb.precision.backends.cuda import CudaBackend
 from mpnb.precision.backends.hpu import HpuBackend
+from mpnb.precision.modes import parse_mode
 from mpnb.precision.policy import session
 from tests.child_process import child_environment
 from tests.conftest import policy_state, run, usage_error
 
 float8 = pytest.importorskip("torchao.float8", reason="mode fp8 needs torchao (mpnb[fp8])")
 
-from mpnb.precision.fp8 import Fp8Layers, float8_config, fp8_layers  # noqa: E402
+from mpnb.precision.modes.fp8 import (  # noqa: E402
+    Fp8Layers,
+    float8_config,
+    fp8_hardware,
+    fp8_layers,
+    fp8_refusal,
+    fp8_refusal_for,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -175,13 +183,11 @@ def test_bad_input_names_the_value_and_changes_nothing():
 
 
 def test_hardware_real_emulated_or_refused_with_the_reason():
-    assert CpuBackend().fp8_training() == "emulated"
-    assert HpuBackend().fp8_training() == "refused"
+    assert fp8_hardware("cpu") == "emulated" and fp8_refusal(CpuBackend()) == ""
+    assert "no fp8 training on a" in fp8_refusal(HpuBackend())
     if not torch.cuda.is_available():
-        assert CudaBackend().fp8_training() == "refused"
-        assert "no CUDA GPU" in CudaBackend().fp8_refusal()
-    from mpnb.precision.backends.cuda import fp8_refusal_for
-
+        assert "no CUDA GPU" in fp8_refusal(CudaBackend())
+        assert parse_mode("fp8").support(torch.device("cuda")).startswith("no: no CUDA GPU")
     assert "compute capability 8.9 or newer" in fp8_refusal_for((8, 6), "RTX 3090")
     assert fp8_refusal_for((8, 9), "L4") == fp8_refusal_for((10, 0), "B200") == ""
 
@@ -312,7 +318,8 @@ def test_the_magic_refuses_bad_fp8_input_and_changes_nothing(ip):
         ("%amp fp8 --model nothing", "--model names no variable: 'nothing'"),
         ("%amp fp8 --model net --keep head", "fp8 keep names no module of Sequential: 'head'"),
         ("%amp fp8 --model linear", "fp8 would convert no layer"),
-        ("%amp bf16 --recipe rowwise", "go with mode fp8, not with bf16"),
+        ("%amp bf16 --recipe rowwise", "option of mode bf16 'recipe'; valid: none. Mode fp8 takes"),
+        ("%amp bf16 --model net", "mode bf16 changes no model"),
     ):
         assert words in usage_error(ip, line)
         assert policy_state() == before
@@ -321,17 +328,18 @@ def test_the_magic_refuses_bad_fp8_input_and_changes_nothing(ip):
 
 def test_devices_have_an_fp8_column_and_compare_reports_no_emulated_speedup():
     report = mpnb.devices(check=False)
-    assert report["cpu"].fp8 == "emulated: numerics only, no speed-up"
-    assert "fp8" in report.to_text().splitlines()[0]
+    assert report["cpu"].layer_modes == "fp8: emulated: numerics only, no speed-up"
+    assert "layer modes" in report.to_text().splitlines()[0]
     from mpnb.analysis.results import Comparison, ModeResult
     from mpnb.training.history import History
 
-    def result(mode, seconds, inert=False):
+    def result(mode, seconds):
         history = History()
         history.extend({"step": [1, 2, 3], "loss": [1.0] * 3, "step_time": [seconds] * 3})
-        return ModeResult(mode, history, blocks=[(0, 3)], inert=inert)
+        verdict = parse_mode(mode).compare_verdict(torch.device("cpu"))
+        return ModeResult(mode, history, blocks=[(0, 3)], verdict=verdict)
 
-    comparison = Comparison([result("fp32", 0.01), result("fp8", 0.002, inert=True)], 3, 0)
+    comparison = Comparison([result("fp32", 0.01), result("fp8", 0.002)], 3, 0)
     row = comparison.rows()[1]
     assert row["speedup_verdict"] == "emulated: numerics only, no speed-up"
     assert math.isnan(row["speedup_vs_fp32"])
@@ -349,13 +357,13 @@ ip.run_line_magic("load_ext", "mpnb")
 ip.run_line_magic("amp", "bf16")
 result = ip.run_cell("%amp fp8")
 print("ERROR:", result.error_in_exec)
-print("MODE:", session.mode.value)
+print("MODE:", session.mode.label)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
 try:
     mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mode="fp8", device="cpu")
 except mpnb.MpnbError as error:
     print("TRAINER:", error)
-print("DEVICES:", mpnb.devices(check=False)["cpu"].fp8)
+print("DEVICES:", mpnb.devices(check=False)["cpu"].layer_modes)
 """
 
 
@@ -374,7 +382,9 @@ def test_without_torchao_the_mode_says_how_to_install_it_and_changes_nothing():
     assert "pip install 'mpnb[fp8]'" in out.split("MODE:")[0]
     assert "MODE: bf16" in out
     assert "TRAINER: mode fp8 needs torchao" in out
-    assert "DEVICES: emulated: numerics only, no speed-up (needs pip install 'mpnb[fp8]')" in out
+    assert (
+        "DEVICES: fp8: emulated: numerics only, no speed-up (needs pip install 'mpnb[fp8]')" in out
+    )
 
 
 def test_import_mpnb_does_not_import_torchao():
@@ -386,13 +396,12 @@ def test_import_mpnb_does_not_import_torchao():
 
 
 def test_session_fp8_is_reset_with_the_session():
-    mpnb.set_mode("fp8", "cpu")
-    assert session.mode is mpnb.Mode.FP8 and "fp8 on this CPU is emulated" in " ".join(
+    mpnb.set_mode("fp8", "cpu", recipe="rowwise", keep=["1"])
+    assert session.mode == "fp8:rowwise" and "fp8 on this CPU is emulated" in " ".join(
         session.warnings()
     )
     session.reset()
-    assert session.mode is mpnb.Mode.OFF and session.fp8_recipe == "tensorwise"
-    assert session.fp8_keep == ()
+    assert session.mode == "off" and session.mode == parse_mode("off")
 
 
 def four_layer_mlp() -> nn.Sequential:
@@ -538,3 +547,109 @@ def test_accelerate_fp8_is_read_from_the_layers_that_run(widths, layers, mode, n
     assert f"MODES: {[mode, mode]}" in result.stdout
     notices = result.stdout.split("NOTICES:")[1]
     assert (notice in notices) if notice else notices.strip() == "[]", result.stdout
+
+
+def _layer_kinds(model: nn.Module, seen: dict[str, object]) -> None:
+    """Note the class and recipe of each layer at the first training forward pass."""
+
+    def note(module, _):
+        if not seen:
+            for name, layer in module.named_children():
+                recipe = getattr(getattr(layer, "config", None), "cast_config_input", None)
+                granularity = getattr(getattr(recipe, "scaling_granularity", None), "name", None)
+                seen[name] = (type(layer).__name__, granularity)
+
+    model.register_forward_pre_hook(note)
+
+
+def _fp8_trainer(**options) -> tuple[mpnb.Trainer, list]:
+    model = mlp()
+    x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.Adam(model.parameters(), 1e-3),
+        nn.functional.cross_entropy,
+        device="cpu",
+        dashboard=None,
+        **options,
+    )
+    return trainer, [(x[i : i + 16], y[i : i + 16]) for i in (0, 16)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mode": "fp8", "recipe": "rowwise", "keep": ["4"]},
+        {"mode": "fp8:rowwise", "keep": ["4"]},
+        {"mode": parse_mode("fp8", recipe="rowwise", keep=["4"])},
+    ],
+    ids=["keywords", "label", "mode object"],
+)
+def test_the_trainer_takes_fp8s_recipe_and_kept_layers(options):
+    trainer, data = _fp8_trainer(**options)
+    seen: dict[str, object] = {}
+    _layer_kinds(trainer.model, seen)
+    history = trainer.fit(data)
+    assert seen["2"] == ("Float8Linear", "AXISWISE")  # rowwise: one scale per row
+    assert seen["4"][0] == "Linear"  # kept by name
+    assert history.mode == ["fp8:rowwise"] * 2 and trainer.mode.keep == ("4",)
+
+
+def test_a_trainer_named_like_the_session_mode_takes_the_sessions_options():
+    mpnb.set_mode("fp8", "cpu", recipe="rowwise")
+    trainer, _ = _fp8_trainer(mode="fp8")
+    assert trainer.mode == parse_mode("fp8:rowwise")
+    assert _fp8_trainer(mode="fp8:tensorwise")[0].mode == parse_mode("fp8")
+
+
+def test_options_a_mode_does_not_take_are_refused_by_the_trainer():
+    with pytest.raises(InvalidChoiceError, match="option of mode bf16 'recipe'"):
+        _fp8_trainer(mode="bf16", recipe="rowwise")
+
+
+def test_amp_passes_recipe_and_keep_to_the_sessions_mode(ip):
+    run(ip, "%amp fp8 --recipe rowwise --keep 4,5 --keep 6")
+    assert session.mode == parse_mode("fp8", recipe="rowwise", keep=("4", "5", "6"))
+    assert (
+        "fp8",
+        "torchao rowwise, emulated: numerics only, no speed-up; kept in bf16 by name: 4, 5, 6",
+    ) in (mpnb.status().rows())
+
+
+def test_the_panel_shows_fp8s_options_and_drives_them():
+    from mpnb.ui.widgets.panel import ControlPanel
+
+    panel = ControlPanel()
+    try:
+        recipe, keep = panel.mode_options["recipe"], panel.mode_options["keep"]
+        assert recipe.layout.display == "none"  # mode off takes no recipe
+        keep.value = "lm_head, h.11"
+        panel.mode.value = "fp8"
+        assert recipe.layout.display is None and session.mode.keep == ("lm_head", "h.11")
+        recipe.value = "rowwise"
+        assert session.mode == parse_mode("fp8", recipe="rowwise", keep=("lm_head", "h.11"))
+        panel.mode.value = "bf16"
+        assert session.mode == "bf16" and recipe.layout.display == "none"
+    finally:
+        panel.close()
+
+
+def test_the_cli_passes_recipe_and_keep(tmp_path, capsys):
+    from mpnb.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--mode", "fp8", "--model", "mlp", "--recipe", "rowwise", "--steps", "2", "--out", str(out)]) == 0  # fmt: skip
+    assert "fp8:rowwise on cpu (emulated" in capsys.readouterr().out
+
+
+def test_compare_has_a_row_per_mode_and_recipe():
+    def make_run(mode):
+        trainer, data = _fp8_trainer(mode=mode)
+        return trainer, data
+
+    comparison = mpnb.compare(
+        make_run, ["fp32", "fp8", "fp8:rowwise"], steps=2, warmup=0, progress=None
+    )
+    rows = {row["mode"]: row for row in comparison.rows()}
+    assert list(rows) == ["fp32", "fp8", "fp8:rowwise"]
+    assert rows["fp8:rowwise"]["speedup_verdict"] == "emulated: numerics only, no speed-up"

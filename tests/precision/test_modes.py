@@ -2,25 +2,27 @@ import pytest
 import torch
 
 from mpnb.errors import InvalidChoiceError
-from mpnb.precision.modes import Fp32Math, Mode, parse_dtype, parse_mode
+from mpnb.precision.modes import Fp32Math, mode_names, parse_mode
+from mpnb.precision.names import parse_dtype
 
 
 @pytest.mark.parametrize(
     "name, mode",
     [
-        ("fp32", Mode.FP32),
-        ("float32", Mode.FP32),
-        ("TF32", Mode.TF32),
-        ("half", Mode.FP16),
-        ("float16", Mode.FP16),
-        ("bfloat16", Mode.BF16),
-        (" bf16 ", Mode.BF16),
-        ("off", Mode.OFF),
-        (Mode.FP16, Mode.FP16),
+        ("fp32", "fp32"),
+        ("float32", "fp32"),
+        ("TF32", "tf32"),
+        ("half", "fp16"),
+        ("float16", "fp16"),
+        ("bfloat16", "bf16"),
+        (" bf16 ", "bf16"),
+        ("off", "off"),
+        ("float8", "fp8"),
+        (parse_mode("fp16"), "fp16"),
     ],
 )
 def test_mode_names_and_aliases(name, mode):
-    assert parse_mode(name) is mode
+    assert parse_mode(name).name == mode and parse_mode(name) == parse_mode(mode)
 
 
 def test_unknown_mode_names_the_value_and_the_valid_ones():
@@ -31,7 +33,8 @@ def test_unknown_mode_names_the_value_and_the_valid_ones():
 
 
 def test_modes_carry_their_autocast_dtype_and_fp32_math():
-    assert [m.autocast_dtype for m in Mode] == [
+    modes = [parse_mode(name) for name in mode_names()]
+    assert [m.autocast_dtype for m in modes] == [
         None,
         None,
         None,
@@ -39,8 +42,10 @@ def test_modes_carry_their_autocast_dtype_and_fp32_math():
         torch.bfloat16,
         torch.bfloat16,
     ]
-    assert Mode.FP32.fp32_math is Fp32Math.EXACT and Mode.TF32.fp32_math is Fp32Math.REDUCED
-    assert Mode.BF16.fp32_math is None
+    assert parse_mode("fp32").fp32_math is Fp32Math.EXACT
+    assert parse_mode("tf32").fp32_math is Fp32Math.REDUCED
+    assert parse_mode("bf16").fp32_math is None
+    assert [m.needs_scaler for m in modes] == [False, False, False, True, False, False]
 
 
 @pytest.mark.parametrize(
@@ -60,3 +65,26 @@ def test_dtypes_autocast_cannot_lower_to_are_rejected(bad):
 def test_fp32_as_autocast_dtype_says_to_turn_autocast_off():
     with pytest.raises(InvalidChoiceError, match="turn autocast off"):
         parse_dtype("fp32")
+
+
+def test_a_mode_equals_its_label_and_a_mode_of_the_same_options():
+    rowwise = parse_mode("fp8", recipe="rowwise")
+    assert rowwise == "fp8:rowwise" and rowwise == parse_mode("fp8:rowwise")
+    assert rowwise != parse_mode("fp8") and parse_mode("fp8") == "fp8"
+    assert hash(rowwise) == hash("fp8:rowwise")
+    assert parse_mode("bf16") != parse_mode("fp16") and parse_mode("bf16") != "bfloat16x"
+
+
+def test_an_option_a_mode_does_not_take_names_the_modes_that_take_it():
+    with pytest.raises(InvalidChoiceError) as error:
+        parse_mode("bf16", keep=["head"])
+    assert "'keep'" in str(error.value) and "Mode fp8 takes recipe, keep" in str(error.value)
+    with pytest.raises(InvalidChoiceError, match="unknown fp8 recipe 'delayed'"):
+        parse_mode("fp8:delayed")
+    with pytest.raises(InvalidChoiceError, match="option of mode fp16"):
+        parse_mode("fp16:fast")
+
+
+def test_options_left_as_none_keep_their_defaults():
+    assert parse_mode("fp8", recipe=None, keep=None) == parse_mode("fp8")
+    assert parse_mode("fp8", keep="lm_head").keep == ("lm_head",)

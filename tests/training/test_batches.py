@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 import mpnb
 import mpnb.examples as ex
 from mpnb.errors import MpnbError
+from mpnb.precision.modes import parse_mode
 from mpnb.training.batches import samples_in, to_device
 from tests.conformance.models import bert_model, gpt2_model
 
@@ -63,7 +64,7 @@ def test_hugging_face_models_train_on_dict_batches_with_their_own_loss(build, ba
     # no dropout: deterministic
     with (
         torch.no_grad(),
-        torch.autocast("cpu", dtype=mpnb.Mode(mode).autocast_dtype),
+        torch.autocast("cpu", dtype=parse_mode(mode).autocast_dtype),
     ):
         first_loss = model(**data[0]).loss.float().item()
     trainer = mpnb.Trainer(

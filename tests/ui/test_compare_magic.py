@@ -20,7 +20,7 @@ from tests.conftest import policy_state, run, run_expecting, torch_state, usage_
 
 TRAIN_CELL = """
 trainer, train, test = mpnb.examples.example_trainer(widths=(4, 8), batch_size=32, dashboard="text")
-seen_modes.append((mpnb.get_mode().value, torch.is_autocast_enabled("cpu"), torch.get_float32_matmul_precision()))
+seen_modes.append((mpnb.get_mode().label, torch.is_autocast_enabled("cpu"), torch.get_float32_matmul_precision()))
 trainer.fit(train, epochs=50)
 """
 
@@ -68,7 +68,7 @@ def test_the_cell_runs_once_per_mode_in_that_mode_within_the_step_budget(shell, 
     assert (
         "training DigitsCNN" not in printed and "finished:" not in printed
     )  # the trainer's own dashboard gave way
-    assert mpnb.get_mode() is mpnb.Mode.BF16 and torch_state() == before
+    assert mpnb.get_mode() == "bf16" and torch_state() == before
     assert torch.equal(torch.random.get_rng_state(), random_before)
 
 
@@ -143,7 +143,7 @@ def test_mode_scope_restores_the_session_even_when_the_mode_is_refused():
     before = policy_state()
     with session.mode_scope("fp32"):
         assert (
-            mpnb.get_mode() is mpnb.Mode.FP32 and torch.get_float32_matmul_precision() == "highest"
+            mpnb.get_mode() == "fp32" and torch.get_float32_matmul_precision() == "highest"
         )
     assert policy_state() == before
     with pytest.raises(mpnb.InvalidChoiceError), session.mode_scope("fp4"):
@@ -247,7 +247,7 @@ def test_each_modes_metric_reads_the_names_that_mode_bound(shell):
     assert (rows["fp32"]["metric"], rows["bf16"]["metric"]) == (0.0, 1.0)
     assert "is bf16" in str(comparison).splitlines()[0]
     assert (
-        shell.user_ns["trainer"].mode.value == "bf16"
+        shell.user_ns["trainer"].mode.label == "bf16"
     )  # the namespace ends as the last mode left it
 
 
@@ -278,7 +278,7 @@ def test_a_metric_with_its_own_scope_reads_the_modes_names_too(shell):
     comparison = run(
         shell,
         "%%compare --modes fp32,bf16 --steps 2 --warmup 0 --progress none "
-        "--metric \"sum(1 for m in [trainer.mode.value] if m == 'bf16')\"\n" + TRAIN_CELL,
+        "--metric \"sum(1 for m in [trainer.mode.label] if m == 'bf16')\"\n" + TRAIN_CELL,
     )
     assert [row["metric"] for row in comparison.rows()] == [0.0, 1.0]
 

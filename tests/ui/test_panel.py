@@ -9,7 +9,7 @@ import torch
 
 import mpnb.examples as ex
 from mpnb.oplists.lists import OpLists
-from mpnb.precision.modes import Fp32Math, Mode
+from mpnb.precision.modes import Fp32Math
 from mpnb.precision.policy import session
 from mpnb.training.control import FitControl
 from mpnb.training.history import History
@@ -30,13 +30,13 @@ def panel():
 
 def test_panel_clicks_drive_the_session(panel):
     panel.mode.value = "bf16"
-    assert session.mode is Mode.BF16 and "bf16" in panel.status_view.value
+    assert session.mode == "bf16" and "bf16" in panel.status_view.value
     panel.reduced_fp32_math.value = True
     assert session.fp32_math.level is Fp32Math.REDUCED
     panel.mode.value = "fp32"
-    assert session.mode is Mode.FP32 and panel.reduced_fp32_math.value is False
+    assert session.mode == "fp32" and panel.reduced_fp32_math.value is False
     panel.reduced_fp32_math.value = True  # in fp32/tf32 the mode owns the switch: this is tf32
-    assert session.mode is Mode.TF32 and panel.mode.value == "tf32"
+    assert session.mode == "tf32" and panel.mode.value == "tf32"
     panel.list_name.value, panel.op_names.value = "fp32", "linear, F.softmax"
     panel.add_button.click()
     assert (

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from mpnb.precision.modes import Fp32Math
+from mpnb.precision.names import Fp32Math
 
 __all__ = ["Backend", "MemorySnapshot", "format_bytes"]
 
@@ -165,16 +165,6 @@ class Backend:
     def describe_fp32_math(self) -> str:
         """The current fp32-math state, in words a student understands."""
         return f"mpnb has no reduced-precision fp32 math switch for {self.label}; fp32 ops run as fp32."
-
-    def fp8_training(self) -> str:
-        """How fp8 training (torchao's float8 layers) runs here: ``"real"`` (fp8 units),
-        ``"emulated"`` (the fp8 casts in higher precision: numerics only, no speed-up) or
-        ``"refused"`` (:meth:`fp8_refusal` says why)."""
-        return "refused"
-
-    def fp8_refusal(self) -> str:
-        """Why fp8 training does not run here, in a sentence (empty where it runs)."""
-        return f"mpnb runs no fp8 training on a {self.label}"
 
     def autocast_probe(self, dtype: torch.dtype) -> str | None:
         """Enter torch.autocast for ``dtype`` and report why torch refused it, or None if it took.

@@ -19,7 +19,7 @@ import torch
 
 from mpnb.precision.backends.base import Backend, MemorySnapshot
 from mpnb.precision.fp32math import fine_grained, probe_reduced_math, set_fine_grained
-from mpnb.precision.modes import Fp32Math
+from mpnb.precision.names import Fp32Math
 
 __all__: list[str] = []
 
@@ -147,12 +147,6 @@ class CpuBackend(Backend):
                 for unit in (*_BF16_UNITS, "amx_fp16", "avx512_fp16")
             },
         }
-
-    def fp8_training(self) -> str:
-        return "emulated"  # no CPU has fp8 matmul units: torchao casts, then multiplies in fp32
-
-    def fp8_refusal(self) -> str:
-        return ""
 
     def has_fast_fp32_math(self) -> bool:
         """Measured, not read off the flags: oneDNN keeps exact fp32 on some CPUs with AVX512-BF16."""

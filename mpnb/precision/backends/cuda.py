@@ -15,31 +15,13 @@ import torch
 
 from mpnb.precision.backends.base import Backend, MemorySnapshot
 from mpnb.precision.fp32math import fine_grained, probe_reduced_math, set_fine_grained
-from mpnb.precision.modes import Fp32Math
+from mpnb.precision.names import Fp32Math
 
 __all__: list[str] = []
 
 _AMPERE = (8, 0)
 #: fp8 tensor cores (torch._scaled_mm): Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x).
-FP8_CAPABILITY = (8, 9)
-
-
-def fp8_refusal_for(capability: tuple[int, int], name: str) -> str:
-    """Why a GPU of ``capability`` runs no fp8 training (empty when it does).
-
-    Example:
-        >>> fp8_refusal_for((8, 0), "A100")
-        'fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); A100 has 8.0'
-        >>> fp8_refusal_for((9, 0), "H100")
-        ''
-    """
-    if tuple(capability) >= FP8_CAPABILITY:
-        return ""
-    major, minor = capability
-    return (
-        "fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
-        f"{name} has {major}.{minor}"
-    )
+_ADA = (8, 9)
 
 
 def _uses_tf32(legacy_flag, path: str) -> bool:
@@ -113,18 +95,8 @@ class CudaBackend(Backend):
             "compute_capability": f"{major}.{minor}",
             "bf16": torch.cuda.is_bf16_supported(),
             "tf32": (major, minor) >= _AMPERE,
-            "fp8": (major, minor) >= FP8_CAPABILITY,
+            "fp8": (major, minor) >= _ADA,
         }
-
-    def fp8_training(self) -> str:
-        return "real" if not self.fp8_refusal() else "refused"
-
-    def fp8_refusal(self) -> str:
-        if not self.is_available():
-            return self.unavailable_reason()
-        if torch.version.hip is not None:
-            return "mpnb runs fp8 training on NVIDIA GPUs only (this is a ROCm build)"
-        return fp8_refusal_for(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
 
     def has_fast_fp32_math(self) -> bool:
         """Ampere or newer, and TF32 measurably changes a matmul on the current GPU."""

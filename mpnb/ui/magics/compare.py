@@ -41,7 +41,7 @@ from mpnb.analysis.comparison import (
     progress_view,
 )
 from mpnb.precision.blocks import autocast
-from mpnb.precision.modes import MODE_NAMES, parse_mode
+from mpnb.precision.modes import mode_names, parse_mode
 from mpnb.precision.policy import session
 from mpnb.training.capture import capture_fits
 from mpnb.training.telemetry import Sink
@@ -63,7 +63,7 @@ class CompareMagics(Magics):
     @argument(
         "--modes",
         default="fp32,tf32,fp16,bf16",
-        help=f"comma-separated modes to run, in order; from {', '.join(MODE_NAMES)} (default fp32,tf32,fp16,bf16)",
+        help=f"comma-separated modes to run, in order; from {', '.join(mode_names())} (default fp32,tf32,fp16,bf16)",
     )
     @argument("--steps", type=int, default=100, help="timed optimizer steps per mode (default 100)")
     @argument(
@@ -116,16 +116,16 @@ class CompareMagics(Magics):
         """
         __tracebackhide__ = True
         args = parse_line(
-            self.compare, line, f"modes: {', '.join(MODE_NAMES)}; progress: auto, live, text, none"
+            self.compare, line, f"modes: {', '.join(mode_names())}; progress: auto, live, text, none"
         )
         progress = choice("progress", args.progress, _PROGRESS_CHOICES)
         with as_usage_error():
             modes = [
-                parse_mode(name.strip()).value for name in args.modes.split(",") if name.strip()
+                parse_mode(name.strip()).label for name in args.modes.split(",") if name.strip()
             ]
         if not modes:
             raise UsageError(
-                f"--modes names no mode: {args.modes!r}; valid: {', '.join(MODE_NAMES)}"
+                f"--modes names no mode: {args.modes!r}; valid: {', '.join(mode_names())}"
             )
         for option, value, least in (
             ("--steps", args.steps, 1),

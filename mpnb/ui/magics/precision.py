@@ -25,11 +25,18 @@ from IPython.display import display
 from mpnb.oplists.trace import trace
 from mpnb.precision.backends import backend_for
 from mpnb.precision.blocks import autocast, tf32
-from mpnb.precision.fp8 import RECIPES
-from mpnb.precision.modes import DTYPE_NAMES, MODE_NAMES, Mode, parse_mode
+from mpnb.precision.modes import mode_names
+from mpnb.precision.names import DTYPE_NAMES
 from mpnb.precision.policy import session
 from mpnb.precision.status import status
-from mpnb.ui.magics.arguments import as_usage_error, choice, parse_line, with_semantics
+from mpnb.ui.magics.arguments import (
+    as_usage_error,
+    choice,
+    mode_options,
+    parse_line,
+    with_mode_options,
+    with_semantics,
+)
 from mpnb.ui.magics.cell_runner import run_cell_body
 
 __all__: list[str] = []
@@ -130,26 +137,15 @@ class PrecisionMagics(Magics):
         "mode",
         nargs="?",
         default="status",
-        help=f"one of {', '.join(MODE_NAMES)} (aliases float32, float16/half, bfloat16), status (the default), "
-        "or panel (a control panel with every switch)",
+        help=f"one of {', '.join(mode_names())} (aliases float32, float16/half, bfloat16; "
+        "fp8:rowwise names a recipe), status (the default), or panel (a control panel with every switch)",
     )
     @argument("--device", help="cpu, cuda, cuda:N or hpu. Default: cuda > hpu > cpu.")
-    @argument(
-        "--recipe",
-        help=f"fp8 only: torchao's float8 recipe, one of {', '.join(RECIPES)} (default tensorwise)",
-    )
-    @argument(
-        "--keep",
-        nargs="+",
-        action="append",
-        metavar="LAYER",
-        help="fp8 only: Linear layers (or modules holding them) to keep in bf16, besides the "
-        "first and last",
-    )
+    @with_mode_options
     @argument(
         "--model",
-        help="fp8 only: the variable holding a model whose Linear layers to convert now, until "
-        "the mode changes (a Trainer converts its own model for each fit)",
+        help=f"{', '.join(mode_names(converts_layers=True))} only: the variable holding a model whose "
+        "layers to convert now, until the mode changes (a Trainer converts its own model for each fit)",
     )
     @line_magic
     def amp(self, line: str) -> object:
@@ -166,7 +162,7 @@ class PrecisionMagics(Magics):
             %amp status
             %amp panel
         """
-        args = parse_line(self.amp, line, f"modes: {', '.join(MODE_NAMES)}, status, panel")
+        args = parse_line(self.amp, line, f"modes: {', '.join(mode_names())}, status, panel")
         if args.mode.strip().lower() in ("status", "panel"):
             if args.device:
                 raise UsageError(
@@ -178,25 +174,14 @@ class PrecisionMagics(Magics):
                 panel()
                 return None
             return status()
-        fp8_options, layers = [args.recipe, args.keep, args.model], None
+        model = self._model(args.model) if args.model else None
         with as_usage_error():
-            if parse_mode(args.mode) is Mode.FP8:
-                layers = session.set_fp8_mode(
-                    args.device,
-                    args.recipe or "tensorwise",
-                    _op_names(args.keep),
-                    self._model(args.model) if args.model else None,
-                )
-                mode = Mode.FP8
-            elif any(fp8_options):
-                raise UsageError(
-                    f"--recipe, --keep and --model go with mode fp8, not with {args.mode}"
-                )
-            else:
-                mode = session.set_mode(args.mode, args.device)
-        print(f"mpnb: mode {mode.value} on {session.resolved_device()}: {mode.summary}")
-        if layers is not None:
-            print(f"mpnb: {args.model}: {layers.describe()} converted until the mode changes")
+            mode = session.set_mode(args.mode, args.device, model=model, **mode_options(args))
+        print(f"mpnb: mode {mode.label} on {session.resolved_device()}: {mode.summary}")
+        if session.held_model is not None:
+            print(
+                f"mpnb: {args.model}: {session.held_model.describe()} converted until the mode changes"
+            )
         for note in session.warnings():
             print(f"mpnb warning: {note}")
         return None

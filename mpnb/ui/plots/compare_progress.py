@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from mpnb.analysis.comparison import Comparison, ComparisonProgress, ModeResult
+from mpnb.precision.modes import reference_name
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 from mpnb.ui.plots.pacing import PacedPlot
@@ -183,8 +184,8 @@ class LiveComparison(ComparisonProgress):
 
     def baseline(self) -> History | None:
         """fp32's history so far, for the other modes' loss difference."""
-        fp32 = self.lines.get("fp32")
-        return fp32.history if fp32 is not None else None
+        reference = self.lines.get(reference_name())
+        return reference.history if reference is not None else None
 
     def finished(self, result: ModeResult) -> None:
         if result.skipped_reason:

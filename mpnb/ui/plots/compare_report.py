@@ -33,6 +33,7 @@ from plotly.subplots import make_subplots
 
 from mpnb._files import atomic_write
 from mpnb.analysis.comparison import Comparison
+from mpnb.precision.modes import reference_name
 from mpnb.training.history import History
 from mpnb.ui.plots.figure import LOG_AXIS
 from mpnb.ui.plots.memory_figure import memory_figure
@@ -181,11 +182,12 @@ def loss_difference(
 def comparison_figure(comparison: Comparison) -> go.Figure:
     """Every panel, every mode that ran, every point."""
     ran = [result for result in comparison.results if result.history is not None]
-    baseline = next((result.history for result in ran if result.mode == "fp32"), None)
+    reference = reference_name()
+    baseline = next((result.history for result in ran if result.mode == reference), None)
     figure = empty_comparison_figure([result.mode for result in ran])
     for index, result in enumerate(ran):
         points = mode_points(
-            result.history, result.timed_from, baseline if result.mode != "fp32" else None
+            result.history, result.timed_from, baseline if result.mode != reference else None
         )
         for offset, (xs, ys) in enumerate(points.values()):
             figure.data[index * len(MODE_TRACES) + offset].update(x=xs, y=[_finite(y) for y in ys])

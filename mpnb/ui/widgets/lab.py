@@ -23,7 +23,7 @@ import mpnb.examples as ex
 from mpnb.analysis.comparison import Comparison, ModeResult, compare
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import available_device_types
-from mpnb.precision.modes import MODE_NAMES
+from mpnb.precision.modes import mode_names, parse_mode
 from mpnb.ui.plots.compare_progress import LiveComparison
 
 __all__ = ["PrecisionLab"]
@@ -49,7 +49,7 @@ class PrecisionLab:
     def __init__(self) -> None:
         self.model = widgets.Dropdown(options=list(ex.MODELS), value="cnn", description="model")
         self.device = widgets.Dropdown(options=available_device_types(), description="device")
-        choices = tuple(name for name in MODE_NAMES if name != "off")
+        choices = tuple(name for name in mode_names() if not parse_mode(name).changes_nothing)
         self.modes = widgets.SelectMultiple(
             options=choices, value=("fp32", "bf16"), description="modes", rows=5
         )

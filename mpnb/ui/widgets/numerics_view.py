@@ -24,8 +24,8 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from mpnb.training.history import History
 from mpnb.numerics.origin import ORIGIN_KIND
+from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 from mpnb.ui.plots.numerics_figure import OriginCell, numerics_heatmap
 

@@ -12,7 +12,7 @@ Example:
     >>> from mpnb.precision.policy import session
     >>> panel = ControlPanel()
     >>> panel.mode.value = "bf16"          # a click on bf16
-    >>> session.mode.value
+    >>> session.mode.label
     'bf16'
     >>> _ = session.set_mode("fp32")       # what %amp fp32 does
     >>> panel.mode.value
@@ -32,12 +32,13 @@ import traitlets
 from mpnb.errors import MpnbError
 from mpnb.oplists.lists import LIST_NAMES, PRESETS
 from mpnb.precision.backends import available_device_types, backend_for
-from mpnb.precision.modes import MODE_NAMES, Fp32Math
+from mpnb.precision.modes import find_mode, mode_names, option_specs
+from mpnb.precision.modes.registry import OptionSpec
+from mpnb.precision.names import Fp32Math
 from mpnb.precision.policy import Session, session
 
 __all__ = ["ControlPanel", "panel"]
 
-_MODES = MODE_NAMES  # off, fp32, tf32, fp16, bf16
 _FP32_MATH_LABEL = "reduced-precision fp32 math (TF32 / bf16 math)"
 _BACKQUOTED = re.compile(r"`([^`]+)`")
 
@@ -80,8 +81,11 @@ class ControlPanel:
         self._shown_in_cell: int | None = None
         self._syncing = False
         self.mode = widgets.ToggleButtons(
-            options=_MODES, description="mode", style={"button_width": "64px"}
+            options=mode_names(), description="mode", style={"button_width": "64px"}
         )
+        #: a widget per option of the registered modes (fp8's recipe and kept layers), shown
+        #: while the session's mode takes that option
+        self.mode_options = {spec.name: _option_widget(spec) for spec in option_specs()}
         self.device = widgets.Dropdown(options=available_device_types(), description="device")
         # its own width, unindented: the default description box cuts a long label off ("...fp32 ma...")
         self.reduced_fp32_math = widgets.Checkbox(
@@ -110,6 +114,7 @@ class ControlPanel:
         self.widget = widgets.VBox(
             [
                 self.mode,
+                widgets.HBox(list(self.mode_options.values())),
                 widgets.HBox([self.device, self.reduced_fp32_math]),
                 widgets.HBox([self.list_name, self.op_names, self.add_button, self.remove_button]),
                 widgets.HBox([self.preset, self.preset_button, self.reset_button]),
@@ -127,6 +132,8 @@ class ControlPanel:
         self.state.observe(self._on_mode, "mode")
         self.state.observe(self._on_device, "device")
         self.state.observe(self._on_fp32_math, "reduced_fp32_math")
+        for option in self.mode_options.values():
+            option.observe(self._on_option, "value")
         self.add_button.on_click(
             lambda _: self._edit_lists(self.session.oplists.add, self.list_name.value)
         )
@@ -149,7 +156,12 @@ class ControlPanel:
             device = self.session.resolved_device()
             if device.type not in self.device.options:
                 self.device.options = (*self.device.options, device.type)
-            self.state.mode = self.session.mode.value
+            self.state.mode = self.session.mode.name
+            taken = {field.name for field in self.session.mode.option_fields()}
+            for name, option in self.mode_options.items():
+                option.layout.display = None if name in taken else "none"
+                if name in taken:
+                    option.value = _shown(getattr(self.session.mode, name))
             self.state.device = device.type
             self.state.reduced_fp32_math = self.session.fp32_math.level is Fp32Math.REDUCED
             backend = backend_for(device)
@@ -187,7 +199,27 @@ class ControlPanel:
 
     def _on_mode(self, change: dict) -> None:
         if not self._syncing:
-            self._apply(lambda: self.session.set_mode(change["new"], self.state.device))
+            self._apply(
+                lambda: self.session.set_mode(
+                    change["new"], self.state.device, **self._options_of(change["new"])
+                )
+            )
+
+    def _on_option(self, _change: dict) -> None:
+        if not self._syncing:
+            name = self.session.mode.name
+            self._apply(lambda: self.session.set_mode(name, None, **self._options_of(name)))
+
+    def _options_of(self, mode: str) -> dict[str, object]:
+        """The option widgets' values for the options ``mode`` takes (a list of names split)."""
+        found = find_mode(mode)
+        taken = {field.name for field in found.option_fields()} if found is not None else set()
+        options: dict[str, object] = {}
+        for spec in option_specs():
+            if spec.name in taken:
+                value = self.mode_options[spec.name].value
+                options[spec.name] = tuple(value.replace(",", " ").split()) if spec.many else value
+        return options
 
     def _on_device(self, change: dict) -> None:
         if not self._syncing:
@@ -210,6 +242,7 @@ class ControlPanel:
     def _on_enabled(self, change: dict) -> None:
         for child in (
             self.mode,
+            *self.mode_options.values(),
             self.device,
             self.reduced_fp32_math,
             self.list_name,
@@ -262,7 +295,7 @@ def _note(text: str, error: bool = False) -> str:
 def _status_html(owner: Session) -> str:
     mode = owner.mode
     lines = [
-        f"<b>{mode.value}</b> on {html.escape(str(owner.resolved_device()))}: {html.escape(mode.summary)}"
+        f"<b>{mode.label}</b> on {html.escape(str(owner.resolved_device()))}: {html.escape(mode.summary)}"
     ]
     lines += [
         f'<span style="color:#a15c00">warning: {html.escape(note)}</span>'
@@ -296,3 +329,23 @@ def panel() -> ControlPanel:
     control_panel = ControlPanel()
     control_panel._ipython_display_()
     return control_panel
+
+
+def _option_widget(spec: OptionSpec) -> widgets.Widget:
+    """A mode option as a widget: a dropdown of its choices, else a text of names."""
+    tooltip = spec.describe()
+    if spec.choices:
+        return widgets.Dropdown(
+            options=spec.choices, description=spec.name, tooltip=tooltip, layout={"width": "260px"}
+        )
+    return widgets.Text(
+        description=spec.name,
+        placeholder="lm_head, h.11",
+        tooltip=tooltip,
+        layout={"width": "300px"},
+    )
+
+
+def _shown(value: object) -> object:
+    """An option's value as its widget shows it: names joined by commas."""
+    return ", ".join(value) if isinstance(value, tuple) else value

@@ -30,8 +30,8 @@ from typing import Any
 import ipywidgets as widgets
 
 from mpnb.errors import MpnbError
-from mpnb.training.history import History
 from mpnb.numerics.origin import ORIGIN_KIND
+from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
 
 __all__: list[str] = []

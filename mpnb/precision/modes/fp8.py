@@ -1,6 +1,6 @@
-"""fp8 training through torchao, as a change to a model that is always undone.
+"""Mode ``fp8``: torchao's float8 training, as a change to a model that is always undone.
 
-Mode ``fp8`` runs the matmuls of a model's eligible ``nn.Linear`` layers in float8 with
+Mode ``fp8`` (:class:`Fp8`, options ``recipe`` and ``keep``) runs the matmuls of a model's eligible ``nn.Linear`` layers in float8 with
 torchao's float8 training (``convert_to_float8_training`` with a ``Float8LinearConfig`` recipe:
 ``tensorwise``, ``rowwise`` or ``rowwise_with_gw_hp``) and everything else under bf16 autocast.
 Eligible, as Accelerate's default has it: both dimensions divisible by 16 (fp8 matmul kernels
@@ -21,9 +21,13 @@ same storage), which FSDP gathers in float8; :func:`precompute_fsdp_scales` refr
 scales in one all-reduce after each optimizer step. Sharding replaces every parameter for good,
 so a sharded model keeps its float8 layers: :meth:`Fp8Layers.restore` is for models not sharded.
 
-Where fp8 is real: CUDA GPUs of compute capability 8.9+ (``torch._scaled_mm``). On a CPU
-torchao emulates the fp8 casts and multiplies in fp32: numerics only, no speed-up (emulation
-is slower than fp32). Elsewhere the mode is refused with the reason.
+Where fp8 is real: CUDA GPUs of compute capability 8.9+ (``torch._scaled_mm``), NVIDIA's only
+(not ROCm builds). On a CPU torchao emulates the fp8 casts and multiplies in fp32: numerics only,
+no speed-up (emulation is slower than fp32). Elsewhere the mode is refused with the reason
+(:func:`fp8_hardware`).
+
+This is the one module of mpnb that knows torchao's float8 API; the numerics watch asks it what
+a float8 layer's casts do (:func:`fp8_cast_measures`).
 
 torchao is an optional extra (``pip install 'mpnb[fp8]'``); ``import mpnb`` does not import it.
 
@@ -55,13 +59,16 @@ import torch
 from torch import nn
 
 from mpnb.errors import InvalidChoiceError, MpnbError
-from mpnb.precision.backends import backend_for, resolve_device
+from mpnb.precision.backends import Backend, backend_for, resolve_device
+from mpnb.precision.modes.base import EMULATED, Mode, option
+from mpnb.precision.modes.registry import register
 
 __all__ = ["Fp8Layers", "fp8_layers"]
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 INSTALL = "pip install 'mpnb[fp8]'"
-EMULATED = "emulated: numerics only, no speed-up"
+#: fp8 tensor cores (torch._scaled_mm): Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x).
+FP8_CAPABILITY = (8, 9)
 #: e4m3's largest finite value and smallest subnormal: what saturates and what flushes to zero.
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 E4M3_SMALLEST = 2.0**-9
@@ -126,18 +133,48 @@ def check_recipe(recipe: str) -> str:
     return name
 
 
+def fp8_refusal_for(capability: tuple[int, int], name: str) -> str:
+    """Why a GPU of ``capability`` runs no fp8 training (empty when it does).
+
+    Example:
+        >>> fp8_refusal_for((8, 0), "A100")
+        'fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); A100 has 8.0'
+        >>> fp8_refusal_for((9, 0), "H100")
+        ''
+    """
+    if tuple(capability) >= FP8_CAPABILITY:
+        return ""
+    major, minor = capability
+    return (
+        "fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+        f"{name} has {major}.{minor}"
+    )
+
+
+def fp8_refusal(backend: Backend) -> str:
+    """Why fp8 training does not run on ``backend``'s device, in a sentence (empty where it runs)."""
+    if backend.type == "cpu":
+        return ""  # emulated: torchao casts, then multiplies in fp32
+    if backend.type != "cuda":
+        return f"mpnb runs no fp8 training on a {backend.label}"
+    if not backend.is_available():
+        return backend.unavailable_reason()
+    if torch.version.hip is not None:
+        return "mpnb runs fp8 training on NVIDIA GPUs only (this is a ROCm build)"
+    return fp8_refusal_for(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+
+
 def fp8_hardware(device: str | torch.device | None = None) -> str:
-    """``"real"`` or ``"emulated"``: how fp8 runs on ``device``.
+    """``"real"`` or ``"emulated"``: how fp8 runs on ``device`` (no CPU has fp8 matmul units).
 
     Raises:
         MpnbError: fp8 does not run there (the reason: no fp8 units, an unsupported device).
     """
     target = resolve_device(device)
-    backend = backend_for(target)
-    how = backend.fp8_training()
-    if how == "refused":
-        raise MpnbError(f"mode fp8 is not available on {target}: {backend.fp8_refusal()}")
-    return how
+    refusal = fp8_refusal(backend_for(target))
+    if refusal:
+        raise MpnbError(f"mode fp8 is not available on {target}: {refusal}")
+    return "emulated" if target.type == "cpu" else "real"
 
 
 def check_fp8(device: str | torch.device | None = None) -> str:
@@ -428,3 +465,129 @@ def fp8_layers(
             unknown recipe or kept name; nothing changes.
     """
     return Fp8Layers(model, recipe=recipe, keep=keep, device=device)
+
+
+def _emulated(device: torch.device) -> bool:
+    """No CPU has fp8 matmul units: torchao casts to fp8, then multiplies in fp32."""
+    return device.type == "cpu"
+
+
+@register
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Fp8(Mode):
+    """The eligible Linear layers' matmuls in float8 (torchao's float8 training, :class:`Fp8Layers`),
+    everything else under bf16 autocast; real on CUDA GPUs of compute capability 8.9+, emulated
+    on a CPU.
+
+    Example:
+        >>> import torch
+        >>> from mpnb.precision.modes import parse_mode
+        >>> fp8 = parse_mode("fp8", recipe="rowwise", keep="head")
+        >>> fp8, fp8.label, fp8.autocast_dtype
+        (Mode('fp8', recipe='rowwise', keep=('head',)), 'fp8:rowwise', torch.bfloat16)
+        >>> fp8.describe(torch.device("cpu"))
+        'fp8:rowwise on cpu (emulated: numerics only, no speed-up)'
+        >>> parse_mode("fp8", recipe="blockwise")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.InvalidChoiceError: unknown fp8 recipe 'blockwise'; valid: tensorwise, rowwise, rowwise_with_gw_hp
+    """
+
+    recipe: str = option(
+        "tensorwise", "torchao's float8 recipe (default tensorwise)", choices=RECIPES
+    )
+    keep: tuple[str, ...] = option(
+        (),
+        "Linear layers (or modules holding them) to keep in bf16, besides the first and last",
+        many=True,
+    )
+
+    name = "fp8"
+    aliases = ("float8",)
+    summary = "eligible Linear layers' matmuls in fp8 (torchao float8 training), the rest under bf16 autocast"
+    autocast_dtype = torch.bfloat16  # what runs outside the float8 layers
+    converts_layers = True
+    observed_as = ("bf16", "fp32", "tf32")  # what a forward pass reads with float8 layers in it
+    framework_hint = (
+        "It has no fp8 setting: ask for bf16 and run the training inside "
+        "`with mpnb.fp8_layers(model):`, or use Accelerate's mixed_precision='fp8'."
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recipe", check_recipe(self.recipe))
+        keep = (self.keep,) if isinstance(self.keep, str) else tuple(self.keep)
+        object.__setattr__(self, "keep", keep)
+
+    def check(self, device: torch.device) -> None:
+        super().check(device)
+        check_fp8(device)
+
+    def support(self, device: torch.device) -> str:
+        refusal = fp8_refusal(backend_for(device))
+        if refusal:
+            return f"no: {refusal}"
+        words = EMULATED if _emulated(device) else "fp8 tensor cores"
+        if not torchao_installed():
+            words += f" (needs {INSTALL})"
+        return words
+
+    def notes(self, backend: Backend) -> list[str]:
+        notes = []
+        if backend.type == "cpu":
+            notes.append(
+                f"fp8 on this {backend.label} is emulated: numerics only, no speed-up (slower than fp32)"
+            )
+        notes.append(
+            "fp8 converts a model's Linear layers: a Trainer does it for each fit; for your own "
+            "loop, `%amp fp8 --model NAME` or `with mpnb.fp8_layers(model):`"
+        )
+        return notes
+
+    def status_rows(self, device: torch.device) -> list[tuple[str, str]]:
+        kept = f"; kept in bf16 by name: {', '.join(self.keep)}" if self.keep else ""
+        return [("fp8", f"torchao {self.recipe}, {self.support(device)}{kept}")]
+
+    def _layers(
+        self, model: nn.Module, device: torch.device, all_gather: bool = False
+    ) -> Fp8Layers:
+        return Fp8Layers(
+            model, recipe=self.recipe, keep=self.keep, device=device, all_gather=all_gather
+        )
+
+    def check_model(self, model: nn.Module, device: torch.device) -> None:
+        self._layers(model, device).check_converts()
+
+    @contextlib.contextmanager
+    def model_scope(self, model: nn.Module, device: torch.device) -> Iterator[Fp8Layers]:
+        with self._layers(model, device) as layers:
+            yield layers
+
+    def prepare_sharded(self, model: nn.Module, device: torch.device) -> bool:
+        # before sharding: torchao's float8 all-gather wraps the unsharded weights
+        return self._layers(model, device, all_gather=True).convert().all_gather
+
+    def refresh_sharded(self, model: nn.Module) -> None:
+        precompute_fsdp_scales(model)
+
+    def describe(self, device: torch.device) -> str:
+        words = super().describe(device)
+        return f"{words} ({EMULATED})" if _emulated(device) else words
+
+    def slow_reason(self, model: nn.Module, device: torch.device) -> str | None:
+        return "fp8 is emulated here (numerics only, no speed-up)" if _emulated(device) else None
+
+    def compare_verdict(self, device: torch.device) -> str:
+        return EMULATED if _emulated(device) else ""
+
+    @classmethod
+    def found_in(cls, model: nn.Module) -> bool:
+        return any(is_float8(module) for module in model.modules())
+
+    def missing_layers(self, framework: str, observed: str) -> str | None:
+        if observed not in self.observed_as:
+            return None
+        return (
+            f"{framework} was asked for fp8 but trains in {observed}: no layer of the model is "
+            "torchao's Float8Linear (convert_to_float8_training converts only Linear layers its "
+            "module_filter_fn accepts, of sizes divisible by 16, before training starts)"
+        )
