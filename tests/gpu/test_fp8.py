@@ -116,3 +116,32 @@ def test_a_trainer_fp8_step_costs_what_torchaos_own_fp8_step_costs():
         f"fp8 torchao by hand {by_hand * 1e3:.2f} ms"
     )
     assert trainer < 1.1 * by_hand
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_trainer_given_a_recipe_and_kept_layers_runs_them_on_the_gpu(recipe):
+    """The mode's options reach torchao from the Trainer: ``recipe`` picks the scaling, ``keep``
+    leaves a layer in bf16, and the converted layer runs torch._scaled_mm."""
+    model = Block().cuda()
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1e-4),
+        nn.functional.mse_loss,
+        mode="fp8",
+        recipe=recipe,
+        keep=["down"],
+        device="cuda",
+        dashboard=None,
+    )
+    seen = {}
+
+    def note(module, _):
+        seen.setdefault("classes", {n: type(m).__name__ for n, m in module.named_children()})
+
+    model.register_forward_pre_hook(note)
+    x = torch.randn(256, D_MODEL, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        history = trainer.fit([(x, torch.randn(256, D_MODEL, device="cuda"))] * 2)
+    assert seen["classes"]["up"] == "Float8Linear" and seen["classes"]["down"] == "Linear"
+    assert "aten::_scaled_mm" in {event.name for event in profile.events()}
+    assert history.mode == [trainer.mode.label] * 2 and type(model.up) is nn.Linear
