@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Sequence
 
 from mpnb.errors import MpnbError, quoted
-from mpnb.precision.modes import option_specs
+from mpnb.precision.modes.registry import option_arguments, read_options
 
 __all__ = ["main"]
 
@@ -44,7 +44,7 @@ def _train(args: argparse.Namespace) -> int:
     from mpnb.ui.plots.report import write_report
 
     device = resolve_device(args.device)
-    options = {spec.name: getattr(args, spec.name) for spec in option_specs()}
+    options = read_options(args)
     mode = parse_mode(args.mode or dtype_name(backend_for(device).preferred_dtype()), **options)
     trainer, train, test = example_trainer(
         mode,
@@ -81,19 +81,21 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from mpnb.analysis.comparison import compare
+    from mpnb.analysis.comparison import compare, mode_labels
     from mpnb.analysis.schedule import default_block
     from mpnb.errors import InvalidChoiceError
     from mpnb.examples import MODELS, accuracy, example_trainer
     from mpnb.precision.backends import resolve_device
-    from mpnb.precision.modes import parse_mode
     from mpnb.precision.status import devices
     from mpnb.ui.plots.compare_report import write_comparison_files
 
     if args.model not in MODELS:
         raise InvalidChoiceError("example model", args.model, MODELS)
     device = resolve_device(args.device)
-    modes = [parse_mode(mode.strip()).label for mode in args.modes.split(",") if mode.strip()]
+    try:
+        modes = mode_labels(args.modes)
+    except ValueError as error:
+        raise MpnbError(str(error)) from None
 
     def make_run(mode: str):
         trainer, train, test = example_trainer(
@@ -256,9 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"{', '.join(mode_names())} (default: the device's preferred AMP dtype; a mode that "
         "converts Linear layers, such as fp8, needs a model with them: --model mlp or transformer)",
     )
-    for spec in option_specs():  # the options of the modes that take some: fp8's --recipe, --keep
-        many = {"nargs": "+", "metavar": "NAME"} if spec.many else {}
-        train.add_argument(f"--{spec.name}", help=spec.describe(), **many)
+    for flag, keywords in option_arguments():  # the modes' options: fp8's --recipe, --keep
+        train.add_argument(flag, **keywords)
     train.add_argument("--model", default="cnn", help="cnn, mlp or transformer (default cnn)")
     train.add_argument("--device", help="cpu, cuda, cuda:1, hpu (default: the best available)")
     train.add_argument(

@@ -21,7 +21,7 @@ from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
 from mpnb.analysis.slow_modes import slow_reason
-from mpnb.precision.modes import mode_names, parse_mode
+from mpnb.precision.modes import Mode, mode_names, parse_mode
 from mpnb.training.control import refuse_inside_a_fit
 from mpnb.training.random_state import kept_random_state
 from mpnb.training.telemetry import Sink
@@ -123,7 +123,7 @@ def compare_runs(
         MpnbError: a fit is running on this thread (a comparison started from a widget during it).
     """
     refuse_inside_a_fit("a comparison")
-    names = _mode_names(modes)
+    names = mode_labels(modes)
     for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0), ("block", block, 1)):
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value < least
@@ -145,11 +145,27 @@ def compare_runs(
     return comparison
 
 
-def _mode_names(modes: Iterable[str] | str) -> list[str]:
-    """The mode names, checked: known, at least one, none twice (``"fp32,bf16"`` is split)."""
+def mode_labels(modes: Iterable[str | Mode] | str) -> list[str]:
+    """The modes' labels (what ``make_run`` is called with), checked: known, at least one, none
+    twice (``"fp32,bf16"`` is split; ``"fp8"`` and ``"fp8:rowwise"`` are two, ``"fp32"`` and
+    ``"float32"`` one).
+
+    Raises:
+        InvalidChoiceError: an unknown mode or option.
+        ValueError: no mode, one named twice, or a mode object with options its label cannot say
+            (fp8's ``keep``: give it to the Trainer inside ``make_run``).
+    """
     if isinstance(modes, str):
         modes = modes.split(",")
-    names = [parse_mode(mode.strip()).label for mode in modes if mode.strip()]
+    given = [mode if isinstance(mode, Mode) else mode.strip() for mode in modes]
+    chosen = [parse_mode(mode) for mode in given if mode]
+    unsaid = [repr(mode) for mode in chosen if mode != mode.label]
+    if unsaid:
+        raise ValueError(
+            f"compare calls make_run with each mode's label, which cannot say all of {', '.join(unsaid)}: "
+            'pass the label ("fp8:rowwise") and give the other options to the Trainer in make_run'
+        )
+    names = [mode.label for mode in chosen]
     if not names:
         raise ValueError(f"modes names no mode; valid: {', '.join(mode_names())}")
     twice = next((name for index, name in enumerate(names) if name in names[:index]), None)

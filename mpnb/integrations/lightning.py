@@ -85,7 +85,7 @@ def precision(mode: str | Mode | None = None) -> str:
         >>> precision("off")
         Traceback (most recent call last):
         ...
-        mpnb.errors.InvalidChoiceError: unknown mode for Lightning 'off'; valid: fp32, tf32, fp16, bf16
+        mpnb.errors.InvalidChoiceError: unknown Lightning precision for mode 'off'; valid: fp32, tf32, fp16, bf16
     """
     if mode is None and session.mode.changes_nothing:
         return "32-true"
@@ -93,7 +93,13 @@ def precision(mode: str | Mode | None = None) -> str:
     setting = chosen.lightning_precision
     if setting is None:
         valid = [m.name for m in registered() if m().lightning_precision is not None]
-        raise InvalidChoiceError("mode for Lightning", chosen.label, valid, chosen.framework_hint)
+        hint = chosen.framework_hint
+        raise InvalidChoiceError(
+            "Lightning precision for mode",
+            chosen.label,
+            valid,
+            f"Lightning has no {chosen.name} setting: {hint}." if hint else "",
+        )
     return setting
 
 

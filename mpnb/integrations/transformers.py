@@ -85,11 +85,12 @@ def precision_args(
     arguments = chosen.training_arguments(on_cuda)
     if arguments is None:
         valid = [m.name for m in registered() if m().training_arguments(on_cuda) is not None]
+        hint = chosen.framework_hint
         raise InvalidChoiceError(
-            "mode for TrainingArguments",
+            "TrainingArguments setting for mode",
             chosen.label,
             valid,
-            f"TrainingArguments has no {chosen.name} switch. {chosen.framework_hint}",
+            f"TrainingArguments has no {chosen.name} setting: {hint}." if hint else "",
         )
     return arguments
 

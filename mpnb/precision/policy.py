@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -44,6 +45,39 @@ class SessionSnapshot(NamedTuple):
     device: torch.device | None
     fp32_wish: tuple[Backend, Fp32Math] | None
     fp32_held: tuple[Backend, Fp32Math] | None
+
+
+@dataclasses.dataclass
+class HeldModel:
+    """A model whose layers the session's mode converted (``%amp fp8 --model net``), held so
+    until the mode changes.
+
+    Attributes:
+        model: the user's model; mode and device: what converted it, where.
+        change: what the mode's ``model_scope`` says it did (its ``describe()``).
+    """
+
+    model: torch.nn.Module
+    mode: Mode
+    device: torch.device
+    change: Any
+    _scope: contextlib.AbstractContextManager[Any]
+
+    @classmethod
+    def convert(cls, model: torch.nn.Module, mode: Mode, device: torch.device) -> HeldModel:
+        """Convert ``model``'s layers as ``mode`` does; undone by :meth:`release` (or, should the
+        conversion fail, before the error goes on)."""
+        scope = mode.model_scope(model, device)
+        return cls(model, mode, device, scope.__enter__(), scope)
+
+    def describe(self) -> str:
+        """What the mode did to the model: ``"fp8 (tensorwise, ...): 1 of 3 Linear layers"``."""
+        describe = getattr(self.change, "describe", None)
+        return describe() if callable(describe) else self.mode.label
+
+    def release(self) -> None:
+        """Put the model's layers back as they were."""
+        self._scope.__exit__(None, None, None)
 
 
 class Session:
@@ -83,7 +117,7 @@ class Session:
         self._outside_cell: ThreadAutocast | None = None  # while a cell scope is open
         self._outside_changed = False
         self.reset_callbacks: list[Callable[[], None]] = []
-        self.held_model: Any = None  # what the mode did to a model it holds (``%amp fp8 --model``)
+        self.held: HeldModel | None = None  # a model the mode converted (``%amp fp8 --model``)
         self._until_mode_changes: list[Callable[[], None]] = []
         self._listeners: list[Callable[[str], None]] = []
 
@@ -118,8 +152,9 @@ class Session:
     ) -> Mode:
         """Switch the session to ``mode`` with its ``options`` (fp8's ``recipe``, ``keep``), on
         ``device`` if given. With ``model``, a mode that converts layers converts that model's now,
-        until the mode changes again (:attr:`held_model` describes it). Everything is checked
-        before anything changes: invalid input changes nothing.
+        until the mode changes again (:attr:`held` says what it did). A model held before is put
+        back first. Invalid input changes nothing: a refused switch leaves the mode, the device,
+        the flags and a held model as they were.
 
         Raises:
             MpnbError: unknown mode, option or device; a device the mode does not run on; a
@@ -130,25 +165,34 @@ class Session:
         target = resolve_device(new_device)
         backend = backend_for(target)
         new_mode.check(target)
-        if model is not None:  # checked as it is; converted once an earlier hold is undone
-            new_mode.check_model(model, target)
-        self._undo_mode_changes()
-        new_mode.apply_fp32_math(self, backend)
-        self.mode, self.device = new_mode, new_device
-        if model is not None:
-            scope = new_mode.model_scope(model, target)
-            self.held_model = scope.__enter__()
-            self.until_mode_changes(lambda: scope.__exit__(None, None, None))
+        if model is not None and not new_mode.converts_layers:
+            new_mode.check_model(model, target)  # says it takes no model
+        saved, held = self.snapshot(), self.held
+        self._undo_mode_changes()  # a held model is plain again: checked and converted as it is
+        try:
+            if model is not None:
+                new_mode.check_model(model, target)
+            new_mode.apply_fp32_math(self, backend)
+            self.mode, self.device = new_mode, new_device
+            if model is not None:
+                self.held = HeldModel.convert(model, new_mode, target)
+        except BaseException:
+            self.restore(saved)
+            if held is not None:  # as it was before the refused switch
+                self.held = HeldModel.convert(held.model, held.mode, held.device)
+            raise
         self.notify("mode")
         return new_mode
 
     def until_mode_changes(self, undo: Callable[[], None]) -> None:
-        """Run ``undo`` at the next mode change or reset (a model ``%amp fp8 --model`` converted)."""
+        """Run ``undo`` at the next mode change or reset."""
         self._until_mode_changes.append(undo)
 
     def _undo_mode_changes(self) -> None:
         undos, self._until_mode_changes = self._until_mode_changes, []
-        self.held_model = None
+        held, self.held = self.held, None
+        if held is not None:
+            held.release()
         for undo in reversed(undos):
             undo()
 

@@ -120,7 +120,14 @@ def status() -> Status:
         fp32_math=backend.describe_fp32_math(),
         memory=backend.memory(device.index),
         warnings=tuple(session.warnings()),
-        mode_rows=tuple(session.mode.status_rows(device)),
+        mode_rows=(
+            *session.mode.status_rows(device),
+            *(
+                [("model", f"{session.held.describe()}, until the mode changes")]
+                if session.held
+                else []
+            ),
+        ),
     )
 
 

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from mpnb.errors import MpnbError
 from mpnb.precision.autocast_settings import AutocastSettings
 from mpnb.precision.backends import backend_for
-from mpnb.precision.modes import Mode, parse_mode
+from mpnb.precision.modes import Mode, mode_found_in, parse_mode
 from mpnb.precision.policy import session
 
 __all__ = ["TrainingPrecision"]
@@ -59,17 +60,13 @@ class TrainingPrecision:
         device: str | torch.device | None = None,
         **options: Any,
     ) -> TrainingPrecision:
-        """Fill what is not given from the session (``%amp`` / ``mpnb.set_mode``) and validate.
-        A mode named as the session's is the session's, options included (``%amp fp8 --recipe
-        rowwise`` then ``Trainer(mode="fp8")`` trains rowwise), unless ``options`` say otherwise.
+        """Fill what is not given from the session (``%amp`` / ``mpnb.set_mode``, with its
+        options) and validate. A mode given by name takes its own defaults and ``options``.
 
         Raises:
             MpnbError: unknown mode, option or device, or a device the mode does not run on.
         """
-        chosen = session.mode if mode is None else parse_mode(mode)
-        if isinstance(mode, str) and ":" not in mode and type(chosen) is type(session.mode):
-            chosen = session.mode  # named as the session's mode: the session's options with it
-        chosen = parse_mode(chosen, **options)
+        chosen = parse_mode(session.mode if mode is None else mode, **options)
         dtype = chosen.autocast_dtype
         settings = session.autocast_settings(dtype, device, enabled=dtype is not None)
         chosen.check(settings.device)
@@ -103,8 +100,16 @@ class TrainingPrecision:
         converted), put back on any exit; most modes leave the model alone.
 
         Raises:
-            MpnbError: the mode would convert no layer of ``model`` (nothing changed).
+            MpnbError: the mode would convert no layer of ``model``, or ``model`` holds the
+                layers of another mode (``%amp fp8 --model`` converted them): nothing changed.
         """
+        found = mode_found_in(model)
+        if found is not None and type(found) is not type(self.mode):
+            raise MpnbError(
+                f"{type(model).__name__} holds mode {found.name}'s layers (converted by "
+                f"`%amp {found.name} --model`, or by you), so it would not train in {self.mode.label}: "
+                f"put them back first (`%amp off`), or train in mode {found.name}"
+            )
         return self.mode.model_scope(model, self.device)
 
     def describe(self) -> str:

@@ -272,13 +272,21 @@ class Trainer:
         scope in place of the running one (a fit's precision, switched between steps).
 
         Raises:
-            MpnbError: a switch into or out of fp8 with ``strategy="fsdp"``; nothing changes.
+            MpnbError: a switch into or out of fp8 with ``strategy="fsdp"``, or a model the new
+                mode cannot convert: the fit goes on in its mode, nothing changed.
         """
         check_switch(self.strategy, self.mode, precision.mode)
-        self._math.close()
+        running = self.amp.precision
+        self._math.close()  # the running mode's layers put back: the new mode converts its own
+        try:
+            self._math.enter_context(precision.math_scope())
+            self._math.enter_context(precision.model_scope(self.model))
+        except BaseException:
+            self._math.close()
+            self._math.enter_context(running.math_scope())
+            self._math.enter_context(running.model_scope(self.model))
+            raise
         self.amp.set_precision(precision)
-        self._math.enter_context(precision.math_scope())
-        self._math.enter_context(precision.model_scope(self.model))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything :meth:`save` writes: model, optimizer, scaler, scheduler, position and

@@ -397,7 +397,8 @@ def test_import_mpnb_does_not_import_torchao():
 
 def test_session_fp8_is_reset_with_the_session():
     mpnb.set_mode("fp8", "cpu", recipe="rowwise", keep=["1"])
-    assert session.mode == "fp8:rowwise" and "fp8 on this CPU is emulated" in " ".join(
+    assert session.mode == parse_mode("fp8:rowwise", keep="1")
+    assert session.mode != "fp8:rowwise" and "fp8 on this CPU is emulated" in " ".join(
         session.warnings()
     )
     session.reset()
@@ -595,11 +596,11 @@ def test_the_trainer_takes_fp8s_recipe_and_kept_layers(options):
     assert history.mode == ["fp8:rowwise"] * 2 and trainer.mode.keep == ("4",)
 
 
-def test_a_trainer_named_like_the_session_mode_takes_the_sessions_options():
-    mpnb.set_mode("fp8", "cpu", recipe="rowwise")
-    trainer, _ = _fp8_trainer(mode="fp8")
-    assert trainer.mode == parse_mode("fp8:rowwise")
-    assert _fp8_trainer(mode="fp8:tensorwise")[0].mode == parse_mode("fp8")
+def test_a_trainer_without_a_mode_takes_the_sessions_with_its_options_a_named_mode_its_own():
+    mpnb.set_mode("fp8", "cpu", recipe="rowwise", keep=["4"])
+    assert _fp8_trainer()[0].mode == parse_mode("fp8:rowwise", keep=["4"])
+    assert _fp8_trainer(keep=["2"])[0].mode == parse_mode("fp8:rowwise", keep=["2"])
+    assert _fp8_trainer(mode="fp8")[0].mode == parse_mode("fp8")  # what compare's "fp8" row is
 
 
 def test_options_a_mode_does_not_take_are_refused_by_the_trainer():
@@ -621,7 +622,7 @@ def test_the_panel_shows_fp8s_options_and_drives_them():
 
     panel = ControlPanel()
     try:
-        recipe, keep = panel.mode_options["recipe"], panel.mode_options["keep"]
+        recipe, keep = panel.mode_options["fp8"]["recipe"], panel.mode_options["fp8"]["keep"]
         assert recipe.layout.display == "none"  # mode off takes no recipe
         keep.value = "lm_head, h.11"
         panel.mode.value = "fp8"
@@ -653,3 +654,120 @@ def test_compare_has_a_row_per_mode_and_recipe():
     rows = {row["mode"]: row for row in comparison.rows()}
     assert list(rows) == ["fp32", "fp8", "fp8:rowwise"]
     assert rows["fp8:rowwise"]["speedup_verdict"] == "emulated: numerics only, no speed-up"
+
+
+class _RefusesFloat8(nn.Sequential):
+    """A model whose container refuses a float8 layer in its third slot: torchao's conversion
+    fails there, after it swapped the layers before it."""
+
+    def __setattr__(self, name, value):
+        if name == "4" and type(value).__name__ == "Float8Linear":
+            raise KeyboardInterrupt  # as if the user pressed Stop during the conversion
+        super().__setattr__(name, value)
+
+
+def test_a_conversion_stopped_half_way_puts_every_layer_back():
+    torch.manual_seed(0)
+    layers = [
+        nn.Linear(16, 32),
+        nn.Linear(32, 32),
+        nn.Linear(32, 32),
+        nn.Linear(32, 32),
+        nn.Linear(32, 4),
+    ]
+    model = _RefusesFloat8(*[layer for pair in zip(layers, [nn.ReLU()] * 5) for layer in pair][:-1])
+    originals = list(model)
+    with pytest.raises(KeyboardInterrupt):
+        fp8_layers(model, device="cpu").convert()
+    assert list(model) == originals and all(a is b for a, b in zip(model, originals))
+    with pytest.raises(KeyboardInterrupt):
+        mpnb.set_mode("fp8", "cpu", model=model)
+    assert all(a is b for a, b in zip(model, originals)) and session.mode == "off"
+
+
+def test_a_weight_normed_linear_is_kept_with_the_reason():
+    model = mlp()
+    nn.utils.parametrizations.weight_norm(model[4])
+    layers = Fp8Layers(model, device="cpu")
+    assert layers.converted == ["2"] and "parametrized" in layers.kept["4"]
+    with layers:
+        assert type(model[4]).__name__ == "ParametrizedLinear"
+
+
+def test_hooks_on_a_converted_layer_still_fire_and_come_off_with_their_handle():
+    model = mlp()
+    calls = []
+    handle = model[2].register_forward_hook(lambda *_: calls.append("forward"))
+    with fp8_layers(model, device="cpu"):
+        model(torch.randn(4, 32))
+        handle.remove()
+        model(torch.randn(4, 32))
+    model(torch.randn(4, 32))
+    assert calls == ["forward"] and not model[2]._forward_hooks
+
+
+def test_a_model_held_in_fp8_is_refused_by_a_trainer_of_another_mode_or_recipe():
+    model = mlp()
+    mpnb.set_mode("fp8", "cpu", model=model)
+    data = [(torch.randn(8, 32), torch.randint(0, 10, (8,)))]
+    for mode, words in (("fp32", "holds mode fp8's layers"), ("fp8:rowwise", "recipe tensorwise")):
+        trainer = mpnb.Trainer(
+            model, torch.optim.SGD(model.parameters(), 0.1), nn.functional.cross_entropy,
+            mode=mode, device="cpu", dashboard=None,
+        )  # fmt: skip
+        with pytest.raises(MpnbError, match=words):
+            trainer.fit(data)
+        assert type(model[2]).__name__ == "Float8Linear"  # still held, as it was
+    session.reset()
+    assert type(model[2]) is nn.Linear
+
+
+def test_a_refused_hold_leaves_the_session_and_the_held_model_as_they_were(ip):
+    run(ip, "net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))")  # fmt: skip
+    run(ip, "%amp fp8 --model net")
+    before = (session.mode, run(ip, "type(net[1]).__name__"), session.held.describe())
+    assert "keep names no module" in usage_error(ip, "%amp fp8 --model net --keep nothing")
+    assert (session.mode, run(ip, "type(net[1]).__name__"), session.held.describe()) == before
+    assert "model" in dict(mpnb.status().rows())  # the status names the held model
+
+
+def test_a_refused_switch_during_a_fit_leaves_the_fit_in_its_mode():
+    trainer, data = _fp8_trainer(mode="fp8")
+    switched = []
+
+    def loss(model, batch):
+        if not switched:  # between steps, as a panel click lands
+            switched.append(True)
+            mpnb.set_mode(
+                "fp8", "cpu", keep=["0", "2", "4", "6"]
+            )  # every Linear kept: nothing to convert
+        return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    trainer.step_fn, trainer.loss_fn = loss, None
+    history = trainer.fit(data * 2)
+    assert any("mode not switched" in event["message"] for event in history.events)
+    assert trainer.mode == "fp8" and history.mode == ["fp8"] * 4
+
+
+def test_keep_takes_names_only():
+    for bad in (5, [5], [""], b"ab", {"a": 1}):
+        with pytest.raises(MpnbError, match="keep takes"):
+            parse_mode("fp8", keep=bad)
+
+
+def test_the_panels_options_keep_a_held_model_held_and_empty_means_the_default():
+    from mpnb.ui.widgets.panel import ControlPanel
+
+    model = mlp()
+    mpnb.set_mode("fp8", "cpu", model=model)
+    panel = ControlPanel()
+    try:
+        panel.mode_options["fp8"]["recipe"].value = "rowwise"
+        assert session.mode == "fp8:rowwise" and type(model[2]).__name__ == "Float8Linear"
+        assert session.held is not None and "rowwise" in session.held.describe()
+        panel.mode_options["fp8"]["keep"].value = " "
+        assert session.mode.keep == () and panel.message_view.value == ""
+    finally:
+        panel.close()
+    session.reset()
+    assert type(model[2]) is nn.Linear

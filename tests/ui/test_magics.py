@@ -144,6 +144,7 @@ def test_tf32_magic_in_fp32_mode_switches_mode(ip):
         ("%amp bf16 extra", "extra"),
         ("%amp bf16 --device tpu", "'tpu'"),
         ("%amp status --device cpu", "--device goes with a mode"),
+        ("%amp status --recipe rowwise --keep a", "--recipe and --keep go with a mode"),
         ("%amp --colour red", "--colour"),
         ("%tf32 maybe", "'maybe'"),
         ("%tf32 on --device tpu", "'tpu'"),

@@ -33,5 +33,8 @@ from mpnb.precision.names import Fp32Math as Fp32Math
 
 # The built-in modes register themselves on import, in this order.
 from mpnb.precision.modes import off, fp32, tf32, fp16, bf16, fp8  # noqa: F401  isort: skip
+from mpnb.precision.modes.registry import keep_registered
+
+keep_registered()
 
 __all__ = ["Mode", "parse_mode", "register", "mode_names"]

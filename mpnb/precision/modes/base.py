@@ -10,7 +10,8 @@ branches on a mode's name, as Lightning's precision plugins and ``torch.autocast
 do it: the base class is the "nothing special" mode, and each mode overrides what differs.
 
 A mode object is a frozen dataclass: its fields are its options (fp8's ``recipe`` and ``keep``).
-It equals another mode of the same class and options, and the string of its :attr:`~Mode.label`.
+It equals another mode of the same class and options, and the string of its :attr:`~Mode.label`
+when that says all its options (``"fp8:rowwise"``, but no string for one with ``keep``).
 
 Example:
     >>> from mpnb.precision.modes import parse_mode
@@ -68,7 +69,8 @@ class Mode:
         needs_scaler: whether the loss needs scaling (a ``GradScaler``): fp16's narrow range.
         converts_layers: whether it swaps a model's layers (:meth:`model_scope`).
         reference: compare measures every mode's speedup against this one (fp32).
-        framework_hint: what to do instead where a framework has no setting for this mode.
+        framework_hint: what to do instead where a framework has no setting for this mode
+            (a clause: "ask for bf16 and ...").
         observed_as: what mpnb's reading of a framework's forward pass (autocast and weights)
             sees when this mode's layers run (fp8's float8 layers under bf16 autocast: ``"bf16"``).
 
@@ -126,8 +128,9 @@ class Mode:
         return f"Mode({self.name!r}{options})"
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            return other.strip().lower() == self.label
+        if isinstance(other, str):  # its label, when the label says every option it has
+            said = {field.name for field in self.option_fields()[:1]}
+            return other == self.label and set(self.options()) <= said
         if type(other) is not type(self):
             return NotImplemented
         return self.options() == other.options()  # type: ignore[union-attr]

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.backends import Backend, backend_for, resolve_device
@@ -306,9 +307,7 @@ class Fp8Layers:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise MpnbError(f"fp8 converts a torch.nn.Module's layers, got {type(model).__name__}")
-        if isinstance(keep, str):
-            keep = [keep]
-        self.model, self.recipe, self.keep = model, check_recipe(recipe), tuple(keep)
+        self.model, self.recipe, self.keep = model, check_recipe(recipe), _layer_names(keep)
         self.emulated = check_fp8(device) == "emulated"
         self.all_gather = all_gather and self.recipe == "tensorwise"
         self.config = float8_config(self.recipe, self.emulated, self.all_gather)
@@ -319,7 +318,30 @@ class Fp8Layers:
                 f"fp8 keep names no module of {type(model).__name__}: {', '.join(map(repr, unknown))}"
             )
         self.kept, self.converted, self.already = _eligible(model, self.keep)
+        self._check_already_converted()
         self._swapped: list[tuple[nn.Module, str, nn.Module]] = []
+
+    def _check_already_converted(self) -> None:
+        """Layers that are float8 already (converted by a ``%amp fp8 --model`` hold, by the user,
+        or before FSDP sharded them) train as they are: refuse them where that is not what was
+        asked (another recipe, or a layer asked to be kept)."""
+        other = {
+            name: recipe
+            for name in self.already
+            if (recipe := _recipe_of(self.model.get_submodule(name).config)) != self.recipe
+        }
+        kept = [name for name in self.already if _named_in(name, self.keep)]
+        if other or kept:
+            found = (
+                f"{', '.join(other)} already float8 with recipe {next(iter(other.values()))}"
+                if other
+                else f"{', '.join(kept)}, asked to be kept, already float8"
+            )
+            raise MpnbError(
+                f"fp8 ({self.recipe}) cannot train {type(self.model).__name__} as asked: {found}. "
+                "Put its layers back first: `%amp off` (a model held by `%amp fp8 --model`), or "
+                "leave the `with mpnb.fp8_layers(model):` block that converted them"
+            )
 
     @property
     def active(self) -> bool:
@@ -334,7 +356,7 @@ class Fp8Layers:
         """
         if self.converted or self.already:
             return
-        reasons = "; ".join(f"{name}: {why}" for name, why in self.kept.items())
+        reasons = "; ".join(f"{name or 'the model'}: {why}" for name, why in self.kept.items())
         found = reasons or "it has no torch.nn.Linear layer"
         if any(type(module).__name__ == "Conv1D" for module in self.model.modules()):
             found += "; transformers' Conv1D layers (GPT-2's) are not torch.nn.Linear"
@@ -344,10 +366,13 @@ class Fp8Layers:
         )
 
     def convert(self) -> Fp8Layers:
-        """Swap the eligible layers for torchao's ``Float8Linear`` (sharing their parameters).
+        """Swap the eligible layers for torchao's ``Float8Linear`` (sharing their parameters, and
+        the hooks registered on them: a user's forward hook on a layer still fires).
 
         Raises:
             MpnbError: nothing to convert (:meth:`check_converts`); the model is unchanged.
+            Whatever torchao raises half-way (an interrupt too): every layer it swapped is put
+            back before the error goes on.
         """
         if self._swapped:
             return self
@@ -358,17 +383,24 @@ class Fp8Layers:
         wanted = set(self.converted)
         before = dict(self.model.named_modules())
         try:
-            with _quiet_torchao():
-                float8.convert_to_float8_training(
-                    self.model, module_filter_fn=lambda _, name: name in wanted, config=self.config
-                )
-        finally:  # recorded even when torchao fails half-way, so restore undoes what it did
-            after = dict(self.model.named_modules())
-            for name in self.converted:
-                if after.get(name) is not before[name]:
-                    parent_name, _, attribute = name.rpartition(".")
-                    parent = self.model.get_submodule(parent_name)
-                    self._swapped.append((parent, attribute, before[name]))
+            try:
+                with _quiet_torchao():
+                    float8.convert_to_float8_training(
+                        self.model,
+                        module_filter_fn=lambda _, name: name in wanted,
+                        config=self.config,
+                    )
+            finally:  # recorded even when torchao fails half-way, so restore undoes what it did
+                after = dict(self.model.named_modules())
+                for name in self.converted:
+                    if after.get(name) is not before[name]:
+                        parent_name, _, attribute = name.rpartition(".")
+                        parent = self.model.get_submodule(parent_name)
+                        self._swapped.append((parent, attribute, before[name]))
+                        _share_hooks(before[name], after[name])
+        except BaseException:
+            self.restore()
+            raise
         return self
 
     def restore(self) -> None:
@@ -397,6 +429,38 @@ class Fp8Layers:
         return f"<Fp8Layers {self.describe()}, {state}>"
 
 
+#: The hook tables of ``nn.Module``: a converted layer shares its original's, so hooks a user
+#: registered on the layer keep firing (and a handle removes them from both).
+_HOOK_TABLES = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def _share_hooks(original: nn.Module, converted: nn.Module) -> None:
+    for table in _HOOK_TABLES:
+        if hasattr(original, table):
+            object.__setattr__(converted, table, getattr(original, table))
+    object.__setattr__(converted, "_is_full_backward_hook", original._is_full_backward_hook)
+
+
+def _recipe_of(config: Any) -> str:
+    """The name of the recipe a float8 layer's config was made from ("another" if none)."""
+    for recipe in RECIPES:
+        made = float8_config(recipe, getattr(config, "emulate", False))
+        if all(
+            getattr(config, part, None) == getattr(made, part)
+            for part in ("cast_config_input", "cast_config_weight", "cast_config_grad_output")
+        ):
+            return recipe
+    return "another"
+
+
 def _eligible(
     model: nn.Module, keep: tuple[str, ...]
 ) -> tuple[dict[str, str], list[str], list[str]]:
@@ -418,8 +482,12 @@ def _eligible(
             kept[name] = "the first Linear layer"
         elif index == len(linears) - 1:
             kept[name] = "the last Linear layer"
-        elif any(name == k or name.startswith(k + ".") for k in keep if k):
+        elif _named_in(name, keep):
             kept[name] = "kept by name"
+        elif parametrize.is_parametrized(module):
+            kept[name] = (
+                "its weight is parametrized (weight_norm...): torchao's layer takes a plain weight"
+            )
         elif module.in_features % 16 or module.out_features % 16:
             kept[name] = f"{module.in_features}x{module.out_features} is not divisible by 16"
         elif isinstance(parents.get(name), nn.MultiheadAttention):
@@ -429,6 +497,11 @@ def _eligible(
         else:
             converted.append(name)
     return kept, converted, already
+
+
+def _named_in(name: str, names: tuple[str, ...]) -> bool:
+    """Whether the module ``name`` is one of ``names`` or inside one of them."""
+    return any(name == k or name.startswith(k + ".") for k in names if k)
 
 
 def _sharded(weight: torch.Tensor) -> bool:
@@ -465,6 +538,24 @@ def fp8_layers(
             unknown recipe or kept name; nothing changes.
     """
     return Fp8Layers(model, recipe=recipe, keep=keep, device=device)
+
+
+def _layer_names(keep: object) -> tuple[str, ...]:
+    """``keep`` as a tuple of layer names: one name, or an iterable of non-empty names.
+
+    Raises:
+        MpnbError: anything else, named with what it is.
+    """
+    names = (keep,) if isinstance(keep, str) else keep
+    if isinstance(names, (bytes, dict)) or not isinstance(names, Iterable):
+        raise MpnbError(
+            f"fp8 keep takes layer names (a name or a list of them), got {type(keep).__name__} {keep!r}"
+        )
+    names = tuple(names)
+    bad = [name for name in names if not isinstance(name, str) or not name.strip()]
+    if bad:
+        raise MpnbError(f"fp8 keep takes non-empty layer names, got {bad!r} in {keep!r}")
+    return tuple(name.strip() for name in names)
 
 
 def _emulated(device: torch.device) -> bool:
@@ -509,14 +600,14 @@ class Fp8(Mode):
     converts_layers = True
     observed_as = ("bf16", "fp32", "tf32")  # what a forward pass reads with float8 layers in it
     framework_hint = (
-        "It has no fp8 setting: ask for bf16 and run the training inside "
-        "`with mpnb.fp8_layers(model):`, or use Accelerate's mixed_precision='fp8'."
+        "ask for bf16 and convert the model's layers (run the training inside "
+        "`with mpnb.fp8_layers(model):`; Lightning: in configure_model), or use Accelerate's "
+        "mixed_precision='fp8'"
     )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recipe", check_recipe(self.recipe))
-        keep = (self.keep,) if isinstance(self.keep, str) else tuple(self.keep)
-        object.__setattr__(self, "keep", keep)
+        object.__setattr__(self, "keep", _layer_names(self.keep))
 
     def check(self, device: torch.device) -> None:
         super().check(device)

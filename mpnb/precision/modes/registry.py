@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from mpnb.errors import InvalidChoiceError, MpnbError
@@ -27,6 +28,13 @@ __all__: list[str] = []  # the package lists what users call
 
 _MODES: dict[str, type[Mode]] = {}
 _ALIASES: dict[str, str] = {}
+#: What a mode's name and aliases may be: what ``%amp NAME`` and ``"name:option"`` carry.
+_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+#: Words ``%amp`` takes in place of a mode.
+_KEPT_WORDS = ("status", "panel")
+#: mpnb's own modes, registered as the package loads: they cannot be unregistered (the session,
+#: compare and the magics rely on them).
+_OWN: set[str] = set()
 
 
 def register(mode: type[Mode]) -> type[Mode]:
@@ -34,7 +42,9 @@ def register(mode: type[Mode]) -> type[Mode]:
     aliases everywhere mpnb takes a mode. Usable as a class decorator.
 
     Raises:
-        MpnbError: the name or an alias is taken by another mode.
+        MpnbError: not a Mode subclass; a name that is not one lowercase word (letters, digits,
+            ``_``, ``-``: what ``%amp NAME`` and ``"name:option"`` can carry), or that a magic
+            keeps for itself (``status``, ``panel``); a name or an alias another mode has.
 
     Example:
         >>> import dataclasses, torch
@@ -49,7 +59,13 @@ def register(mode: type[Mode]) -> type[Mode]:
     if not (isinstance(mode, type) and issubclass(mode, Mode)) or not mode.name:
         raise MpnbError(f"register takes a Mode subclass with a name, got {mode!r}")
     names = (mode.name, *mode.aliases)
-    taken = [name for name in names if _ALIASES.get(name, mode.name) != mode.name]
+    unusable = [name for name in names if not _NAME.fullmatch(str(name)) or name in _KEPT_WORDS]
+    if unusable:
+        raise MpnbError(
+            f"mode {mode.name!r}: {', '.join(map(repr, unusable))} cannot name a mode: one "
+            f"lowercase word of letters, digits, _ or -, not {' or '.join(_KEPT_WORDS)}"
+        )
+    taken = [name for name in names if _MODES.get(_ALIASES.get(name, ""), mode) is not mode]
     if taken:
         raise MpnbError(f"mode {mode.name}: {', '.join(taken)} already names another mode")
     _MODES[mode.name] = mode
@@ -61,15 +77,31 @@ def unregister(name: str) -> None:
     """Forget the mode registered as ``name`` (a test's own mode, once the test ends); a name no
     mode has is ignored.
 
+    Raises:
+        MpnbError: ``name`` is one of mpnb's own modes (the session, compare and the magics rely
+            on them).
+
     Example:
         >>> unregister("no such mode")
-        >>> "fp16" in mode_names()
-        True
+        >>> unregister("fp32")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: mode fp32 is one of mpnb's own: it cannot be unregistered
     """
-    mode = _MODES.pop(name, None)
-    if mode is not None:
-        for alias in (mode.name, *mode.aliases):
-            _ALIASES.pop(alias, None)
+    mode = _MODES.get(name)
+    if mode is None:
+        return
+    if name in _OWN:
+        raise MpnbError(f"mode {name} is one of mpnb's own: it cannot be unregistered")
+    del _MODES[name]
+    for alias in (mode.name, *mode.aliases):
+        _ALIASES.pop(alias, None)
+
+
+def keep_registered() -> None:
+    """Make every mode registered so far one of mpnb's own (called once, when
+    :mod:`mpnb.precision.modes` has loaded its modules)."""
+    _OWN.update(_MODES)
 
 
 def registered(*, converts_layers: bool | None = None) -> tuple[type[Mode], ...]:
@@ -112,30 +144,37 @@ class OptionSpec:
     """One option some registered modes take, as a command line offers it (``--recipe``).
 
     Attributes:
-        name: the option's name; help: what it is; many: a list of names (``--keep a b``);
-        choices: the values it takes (empty: any); modes: the modes that take it.
+        name: the option's name.
+        helps: (mode, what the option is for that mode), for each mode that takes it.
+        many: a list of names (``--keep a b``, or ``a,b``).
     """
 
     name: str
-    help: str
+    helps: tuple[tuple[str, str], ...]
     many: bool
-    choices: tuple[str, ...]
-    modes: tuple[str, ...]
 
     def describe(self) -> str:
         """The help line: ``"fp8 only: torchao's float8 recipe (...); one of tensorwise, ..."``."""
-        which = (
-            f"{', '.join(self.modes)} only"
-            if len(self.modes) == 1
-            else f"modes {', '.join(self.modes)}"
-        )
-        one_of = f"; one of {', '.join(self.choices)}" if self.choices else ""
-        return f"{which}: {self.help}{one_of}"
+        if len(self.helps) == 1:
+            mode, help = self.helps[0]
+            return f"{mode} only: {help}"
+        return "; ".join(f"{mode}: {help}" for mode, help in self.helps)
+
+    def read(self, value: object) -> object:
+        """The option as a command line gave it: None (not given), a value, or for a list of
+        names each name of ``--keep a,b --keep c`` (argparse's lists of lists, or one list)."""
+        if not self.many or value is None:
+            return value
+        groups = value if isinstance(value, list) else [value]
+        items = [
+            item for group in groups for item in (group if isinstance(group, list) else [group])
+        ]
+        return tuple(name for item in items for name in str(item).split(",") if name.strip())
 
 
 def option_specs() -> list[OptionSpec]:
     """Every option of the registered modes, once each, in order: what the magics and the CLI
-    offer as ``--NAME``.
+    offer as ``--NAME`` (two modes' options of one name share the flag; each mode checks it).
 
     Example:
         >>> [spec.name for spec in option_specs()], option_specs()[0].describe()
@@ -144,17 +183,34 @@ def option_specs() -> list[OptionSpec]:
     specs: dict[str, OptionSpec] = {}
     for mode in registered():
         for field in mode.option_fields():
-            known = specs.get(field.name)
-            modes = (*known.modes, mode.name) if known else (mode.name,)
             meta = field.metadata
-            specs[field.name] = OptionSpec(
-                field.name,
-                meta.get("help", ""),
-                meta.get("many", False),
-                meta.get("choices", ()),
-                modes,
-            )
+            choices = meta.get("choices", ())
+            help = meta.get("help", "") + (f"; one of {', '.join(choices)}" if choices else "")
+            known = specs.get(field.name)
+            helps = (*(known.helps if known else ()), (mode.name, help))
+            many = meta.get("many", False) or (known is not None and known.many)
+            specs[field.name] = OptionSpec(field.name, helps, many)
     return list(specs.values())
+
+
+def option_arguments() -> list[tuple[str, dict[str, Any]]]:
+    """``(flag, argparse keywords)`` for every mode option: what a command line (``%amp``,
+    ``mpnb train``) offers; :func:`read_options` reads them back.
+
+    Example:
+        >>> option_arguments()[1]
+        ('--keep', {'help': 'fp8 only: Linear layers (or modules holding them) to keep in bf16, besides the first and last', 'nargs': '+', 'action': 'append', 'metavar': 'NAME'})
+    """
+    many = {"nargs": "+", "action": "append", "metavar": "NAME"}
+    return [
+        (f"--{spec.name}", {"help": spec.describe(), **(many if spec.many else {})})
+        for spec in option_specs()
+    ]
+
+
+def read_options(args: Any) -> dict[str, Any]:
+    """The mode options an argparse namespace holds (None: not given, the mode's default)."""
+    return {spec.name: spec.read(getattr(args, spec.name, None)) for spec in option_specs()}
 
 
 def find_mode(name: str | None) -> Mode | None:
@@ -224,8 +280,12 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
 
 
 def _with_options(mode: Mode, options: dict[str, Any]) -> Mode:
-    valid = [field.name for field in mode.option_fields()]
-    for key in options:
+    fields = {field.name: field for field in mode.option_fields()}
+    valid = list(fields)
+    for key, value in options.items():
+        choices = fields[key].metadata.get("choices", ()) if key in fields else ()
+        if choices and str(value).strip().lower() not in choices:
+            raise InvalidChoiceError(f"{mode.name} {key}", value, choices)
         if key not in valid:
             takers = [
                 f"Mode {other.name} takes {', '.join(f.name for f in other.option_fields())}"

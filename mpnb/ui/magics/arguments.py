@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import argument
 
 from mpnb.errors import QUOTE_LIMIT, InvalidChoiceError, MpnbError, quoted
 from mpnb.oplists.session_lists import SEMANTICS
-from mpnb.precision.modes import option_specs
+from mpnb.precision.modes.registry import option_arguments
 
 __all__: list[str] = []
 
@@ -82,25 +82,10 @@ def _short(message: str) -> str:
 
 def with_mode_options(func):
     """Add ``--NAME`` for every option of the registered modes (fp8's ``--recipe``, ``--keep``)
-    to a magic declared with ``magic_arguments``; :func:`mode_options` reads them back."""
-    for spec in reversed(option_specs()):
-        many = {"nargs": "+", "action": "append", "metavar": "NAME"} if spec.many else {}
-        func = argument(f"--{spec.name}", help=spec.describe(), **many)(func)
+    to a magic declared with ``magic_arguments``; ``read_options(args)`` reads them back."""
+    for flag, keywords in reversed(option_arguments()):
+        func = argument(flag, **keywords)(func)
     return func
-
-
-def mode_options(args: argparse.Namespace) -> dict[str, object]:
-    """The mode options given on the line (``--keep a,b --keep c`` -> ``("a", "b", "c")``); None
-    for those not given, which the mode then takes at their default."""
-    options: dict[str, object] = {}
-    for spec in option_specs():
-        value = getattr(args, spec.name, None)
-        if spec.many and value is not None:
-            value = tuple(
-                name for group in value for item in group for name in item.split(",") if name
-            )
-        options[spec.name] = value
-    return options
 
 
 def choice(what: str, value: str, valid: tuple[str, ...]) -> str:

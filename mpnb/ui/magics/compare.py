@@ -116,7 +116,9 @@ class CompareMagics(Magics):
         """
         __tracebackhide__ = True
         args = parse_line(
-            self.compare, line, f"modes: {', '.join(mode_names())}; progress: auto, live, text, none"
+            self.compare,
+            line,
+            f"modes: {', '.join(mode_names())}; progress: auto, live, text, none",
         )
         progress = choice("progress", args.progress, _PROGRESS_CHOICES)
         with as_usage_error():

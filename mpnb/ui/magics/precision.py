@@ -26,13 +26,13 @@ from mpnb.oplists.trace import trace
 from mpnb.precision.backends import backend_for
 from mpnb.precision.blocks import autocast, tf32
 from mpnb.precision.modes import mode_names
+from mpnb.precision.modes.registry import read_options
 from mpnb.precision.names import DTYPE_NAMES
 from mpnb.precision.policy import session
 from mpnb.precision.status import status
 from mpnb.ui.magics.arguments import (
     as_usage_error,
     choice,
-    mode_options,
     parse_line,
     with_mode_options,
     with_semantics,
@@ -164,10 +164,13 @@ class PrecisionMagics(Magics):
         """
         args = parse_line(self.amp, line, f"modes: {', '.join(mode_names())}, status, panel")
         if args.mode.strip().lower() in ("status", "panel"):
-            if args.device:
-                raise UsageError(
-                    f"--device goes with a mode, not with {args.mode} (got --device {args.device!r})"
-                )
+            given = {"device": args.device, "model": args.model, **read_options(args)}
+            extra = {flag: value for flag, value in given.items() if value is not None}
+            if extra:
+                flags = " and ".join(f"--{flag}" for flag in extra)
+                got = ", ".join(f"--{flag} {value!r}" for flag, value in extra.items())
+                verb = "goes" if len(extra) == 1 else "go"
+                raise UsageError(f"{flags} {verb} with a mode, not with {args.mode} (got {got})")
             if args.mode.strip().lower() == "panel":
                 from mpnb.ui.widgets.panel import panel
 
@@ -176,12 +179,10 @@ class PrecisionMagics(Magics):
             return status()
         model = self._model(args.model) if args.model else None
         with as_usage_error():
-            mode = session.set_mode(args.mode, args.device, model=model, **mode_options(args))
+            mode = session.set_mode(args.mode, args.device, model=model, **read_options(args))
         print(f"mpnb: mode {mode.label} on {session.resolved_device()}: {mode.summary}")
-        if session.held_model is not None:
-            print(
-                f"mpnb: {args.model}: {session.held_model.describe()} converted until the mode changes"
-            )
+        if session.held is not None:
+            print(f"mpnb: {args.model}: {session.held.describe()} converted until the mode changes")
         for note in session.warnings():
             print(f"mpnb warning: {note}")
         return None

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 from collections.abc import Callable
@@ -32,8 +33,7 @@ import traitlets
 from mpnb.errors import MpnbError
 from mpnb.oplists.lists import LIST_NAMES, PRESETS
 from mpnb.precision.backends import available_device_types, backend_for
-from mpnb.precision.modes import find_mode, mode_names, option_specs
-from mpnb.precision.modes.registry import OptionSpec
+from mpnb.precision.modes import mode_names, registered
 from mpnb.precision.names import Fp32Math
 from mpnb.precision.policy import Session, session
 
@@ -83,9 +83,12 @@ class ControlPanel:
         self.mode = widgets.ToggleButtons(
             options=mode_names(), description="mode", style={"button_width": "64px"}
         )
-        #: a widget per option of the registered modes (fp8's recipe and kept layers), shown
-        #: while the session's mode takes that option
-        self.mode_options = {spec.name: _option_widget(spec) for spec in option_specs()}
+        #: per mode, a widget per option it takes (fp8's recipe and kept layers), shown while
+        #: the session is in that mode
+        self.mode_options = {
+            mode.name: {field.name: _option_widget(field) for field in mode.option_fields()}
+            for mode in registered()
+        }
         self.device = widgets.Dropdown(options=available_device_types(), description="device")
         # its own width, unindented: the default description box cuts a long label off ("...fp32 ma...")
         self.reduced_fp32_math = widgets.Checkbox(
@@ -114,7 +117,7 @@ class ControlPanel:
         self.widget = widgets.VBox(
             [
                 self.mode,
-                widgets.HBox(list(self.mode_options.values())),
+                widgets.HBox(self._option_widgets()),
                 widgets.HBox([self.device, self.reduced_fp32_math]),
                 widgets.HBox([self.list_name, self.op_names, self.add_button, self.remove_button]),
                 widgets.HBox([self.preset, self.preset_button, self.reset_button]),
@@ -132,7 +135,7 @@ class ControlPanel:
         self.state.observe(self._on_mode, "mode")
         self.state.observe(self._on_device, "device")
         self.state.observe(self._on_fp32_math, "reduced_fp32_math")
-        for option in self.mode_options.values():
+        for option in self._option_widgets():
             option.observe(self._on_option, "value")
         self.add_button.on_click(
             lambda _: self._edit_lists(self.session.oplists.add, self.list_name.value)
@@ -157,11 +160,12 @@ class ControlPanel:
             if device.type not in self.device.options:
                 self.device.options = (*self.device.options, device.type)
             self.state.mode = self.session.mode.name
-            taken = {field.name for field in self.session.mode.option_fields()}
-            for name, option in self.mode_options.items():
-                option.layout.display = None if name in taken else "none"
-                if name in taken:
-                    option.value = _shown(getattr(self.session.mode, name))
+            for mode, options in self.mode_options.items():
+                for name, option in options.items():
+                    shown = mode == self.session.mode.name
+                    option.layout.display = None if shown else "none"
+                    if shown:
+                        option.value = _shown(getattr(self.session.mode, name))
             self.state.device = device.type
             self.state.reduced_fp32_math = self.session.fp32_math.level is Fp32Math.REDUCED
             backend = backend_for(device)
@@ -206,24 +210,38 @@ class ControlPanel:
             )
 
     def _on_option(self, _change: dict) -> None:
-        if not self._syncing:
+        if not self._syncing:  # a model the mode holds (%amp fp8 --model) stays held
             name = self.session.mode.name
-            self._apply(lambda: self.session.set_mode(name, None, **self._options_of(name)))
+            self._apply(
+                lambda: self.session.set_mode(
+                    name, None, model=self._held_model(), **self._options_of(name)
+                )
+            )
 
     def _options_of(self, mode: str) -> dict[str, object]:
-        """The option widgets' values for the options ``mode`` takes (a list of names split)."""
-        found = find_mode(mode)
-        taken = {field.name for field in found.option_fields()} if found is not None else set()
+        """The option widgets' values for ``mode``: a list of names split, empty for the default."""
         options: dict[str, object] = {}
-        for spec in option_specs():
-            if spec.name in taken:
-                value = self.mode_options[spec.name].value
-                options[spec.name] = tuple(value.replace(",", " ").split()) if spec.many else value
+        for name, option in self.mode_options.get(mode, {}).items():
+            value = option.value
+            if isinstance(value, str) and isinstance(option, widgets.Text):
+                names = tuple(value.replace(",", " ").split())
+                value = names or None
+            options[name] = value
         return options
+
+    def _held_model(self) -> object:
+        return self.session.held.model if self.session.held is not None else None
 
     def _on_device(self, change: dict) -> None:
         if not self._syncing:
-            self._apply(lambda: self.session.set_mode(self.session.mode, change["new"]))
+            self._apply(
+                lambda: self.session.set_mode(
+                    self.session.mode, change["new"], model=self._held_model()
+                )
+            )
+
+    def _option_widgets(self) -> list[widgets.Widget]:
+        return [option for options in self.mode_options.values() for option in options.values()]
 
     def _on_fp32_math(self, change: dict) -> None:
         if not self._syncing:
@@ -242,7 +260,7 @@ class ControlPanel:
     def _on_enabled(self, change: dict) -> None:
         for child in (
             self.mode,
-            *self.mode_options.values(),
+            *self._option_widgets(),
             self.device,
             self.reduced_fp32_math,
             self.list_name,
@@ -331,18 +349,15 @@ def panel() -> ControlPanel:
     return control_panel
 
 
-def _option_widget(spec: OptionSpec) -> widgets.Widget:
-    """A mode option as a widget: a dropdown of its choices, else a text of names."""
-    tooltip = spec.describe()
-    if spec.choices:
+def _option_widget(field: dataclasses.Field) -> widgets.Widget:
+    """A mode's option as a widget: a dropdown of its choices, else a text of names."""
+    help, choices = field.metadata.get("help", ""), field.metadata.get("choices", ())
+    if choices:
         return widgets.Dropdown(
-            options=spec.choices, description=spec.name, tooltip=tooltip, layout={"width": "260px"}
+            options=choices, description=field.name, tooltip=help, layout={"width": "260px"}
         )
     return widgets.Text(
-        description=spec.name,
-        placeholder="lm_head, h.11",
-        tooltip=tooltip,
-        layout={"width": "300px"},
+        description=field.name, placeholder="lm_head, h.11", tooltip=help, layout={"width": "300px"}
     )
 
 

@@ -1,0 +1,111 @@
+"""The registry refuses what would make a mode unreachable or ambiguous; a mode's identity is
+its class and options; compare and the CLI take modes by label."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import mpnb
+import mpnb.examples as ex
+from mpnb.cli import main
+from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.precision.modes import Mode, mode_names, parse_mode, register, unregister
+from mpnb.precision.modes.registry import option_specs
+from tests.modes.brain16 import Brain16
+
+
+def _mode(name: str, aliases: tuple[str, ...] = (), **fields) -> type[Mode]:
+    namespace = {
+        "name": name,
+        "aliases": aliases,
+        "summary": "a test's mode",
+        "__annotations__": {},
+    }
+    for field, (kind, value) in fields.items():
+        namespace["__annotations__"][field] = kind
+        namespace[field] = value
+    return dataclasses.dataclass(frozen=True, eq=False, repr=False)(
+        type("TestMode", (Mode,), namespace)
+    )
+
+
+@pytest.mark.parametrize(
+    "name, aliases, words",
+    [
+        ("bf16", (), "bf16 already names another mode"),
+        ("mine", ("half",), "half already names another mode"),
+        ("MyMode", (), "'MyMode' cannot name a mode"),
+        ("a:b", (), "'a:b' cannot name a mode"),
+        ("mine", (" spaced ",), "' spaced ' cannot name a mode"),
+        ("status", (), "'status' cannot name a mode"),
+    ],
+)
+def test_register_refuses_a_name_that_is_taken_or_unreachable(name, aliases, words):
+    before = mode_names()
+    with pytest.raises(MpnbError, match=words):
+        register(_mode(name, aliases))
+    assert mode_names() == before and parse_mode("bf16").autocast_dtype == torch.bfloat16
+
+
+def test_mpnbs_own_modes_cannot_be_unregistered():
+    with pytest.raises(MpnbError, match="fp32 is one of mpnb's own"):
+        unregister("fp32")
+    register(Brain16)
+    unregister("brain16")
+    assert "brain16" not in mode_names() and "fp32" in mode_names()
+
+
+def test_a_users_option_with_choices_is_checked_and_shares_the_flag_with_fp8():
+    choosy = _mode(
+        "choosy", recipe=(str, dataclasses.field(default="x", metadata={"choices": ("x", "y")}))
+    )
+    register(choosy)
+    try:
+        assert parse_mode("choosy:y").recipe == "y"
+        with pytest.raises(InvalidChoiceError, match="unknown choosy recipe 'junk'; valid: x, y"):
+            parse_mode("choosy:junk")
+        assert parse_mode("fp8:rowwise").recipe == "rowwise"  # fp8's own choices are untouched
+        recipe = next(spec for spec in option_specs() if spec.name == "recipe")
+        assert [mode for mode, _ in recipe.helps] == ["fp8", "choosy"]
+    finally:
+        unregister("choosy")
+
+
+def test_a_mode_equals_a_string_only_where_its_label_says_all_its_options():
+    fp8, kept = parse_mode("fp8"), parse_mode("fp8", keep="head")
+    assert fp8 == "fp8" and kept != "fp8" and kept != fp8
+    assert parse_mode("fp16") != "half" and parse_mode("half") == "fp16"  # the label is the name
+    assert {fp8: 1}.get("fp8") == 1 and {parse_mode("fp8:rowwise"): 1}["fp8:rowwise"] == 1
+
+
+def _make_run(mode):
+    trainer, train, _ = ex.example_trainer(
+        mode, "cpu", model="mlp", widths=(32, 32), dashboard=None
+    )
+    return trainer, train
+
+
+def test_compare_takes_mode_objects_by_label_and_refuses_options_a_label_cannot_say():
+    comparison = mpnb.compare(
+        _make_run, [parse_mode("fp32"), parse_mode("bf16")], steps=1, warmup=0, progress=None
+    )
+    assert [result.mode for result in comparison.results] == ["fp32", "bf16"]
+    with pytest.raises(ValueError, match="cannot say all of Mode.'fp8', keep=.'1',.."):
+        mpnb.compare(_make_run, [parse_mode("fp8", keep=["1"])], steps=1, progress=None)
+    with pytest.raises(ValueError, match="named twice"):
+        mpnb.compare(_make_run, ["fp32", "float32"], steps=1, progress=None)
+
+
+def test_the_cli_refuses_a_mode_named_twice_before_training(capsys):
+    assert main(["compare", "--modes", "fp8,fp8:tensorwise", "--model", "mlp", "--steps", "1"]) == 2
+    error = capsys.readouterr().err
+    assert "mode 'fp8' is named twice" in error and "Traceback" not in error
+
+
+def test_the_cli_splits_kept_layers_on_commas(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", "--mode", "fp8", "--model", "mlp", "--keep", "nothing,else", "--steps", "1", "--out", out]) == 2  # fmt: skip
+    assert "keep names no module of DigitsMLP: 'nothing', 'else'" in capsys.readouterr().err
