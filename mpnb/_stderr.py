@@ -1,10 +1,14 @@
-"""What native code writes to the process's stderr, kept out of a notebook where it means nothing.
+"""What native code writes to the process's stderr, and what libraries log there, kept out of a
+notebook where it means nothing.
 
 C++ code (torch's kernels, its profiler library) writes to file descriptor 2 directly, past
 Python's ``sys.stderr``, and Jupyter shows that descriptor in the notebook as red output.
 :func:`native_stderr_without` runs a block with the descriptor caught and writes back what the
 block's writes held, less the lines it is told to drop; the descriptor is put back whatever the
 block raises.
+
+:func:`quiet_loggers` raises Python loggers' levels for a block (a library's import warnings
+about kernels this build does not load), each put back afterwards.
 
 Example:
     >>> with native_stderr_without(lambda line: line.startswith(b"noise")):
@@ -14,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -47,3 +52,18 @@ def native_stderr_without(dropped: Callable[[bytes], object] | None = None) -> I
                 kept = b"".join(line for line in lines if not dropped(line))
                 while kept:
                     kept = kept[os.write(2, kept) :]
+
+
+@contextlib.contextmanager
+def quiet_loggers(names: tuple[str, ...], level: int) -> Iterator[None]:
+    """The loggers ``names`` at ``level`` (logging.ERROR: warnings dropped) for the block, each
+    logger's own level put back on any exit."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(level)
+    try:
+        yield
+    finally:
+        for logger, saved in zip(loggers, levels, strict=True):
+            logger.setLevel(saved)

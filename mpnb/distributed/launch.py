@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from mpnb import views
+from mpnb._stderr import quiet_loggers
 from mpnb.distributed.channel import LauncherChannel, RankStream, WorkerChannel
 from mpnb.distributed.launch_failure import LaunchError, end_after, launch_error, stacks_on_crash
 from mpnb.distributed.rank_output import rank_lines
@@ -446,17 +447,8 @@ def fields_it_takes(config_class: type, **options: Any) -> dict[str, Any]:
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing.spawn")
 
 
-@contextlib.contextmanager
-def _agent_logs_quiet() -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in _AGENT_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+def _agent_logs_quiet() -> contextlib.AbstractContextManager[None]:
+    return quiet_loggers(_AGENT_LOGGERS, logging.CRITICAL)
 
 
 def _worker(

@@ -29,11 +29,9 @@ class Described(Protocol):
     def describe(self) -> str: ...
 
 
-class Checkpointed(Protocol):
-    """What a checkpoint reads from a trainer and puts back into it."""
+class _Training(Protocol):
+    """What every helper reads of a trainer: its step, history, device and mode."""
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
     amp: AmpStep
 
     @property
@@ -44,6 +42,13 @@ class Checkpointed(Protocol):
 
     @property
     def mode(self) -> Mode: ...
+
+
+class Checkpointed(_Training, Protocol):
+    """What a checkpoint reads from a trainer and puts back into it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
 
     @property
     def position(self) -> tuple[int, int, int | None]: ...
@@ -52,19 +57,8 @@ class Checkpointed(Protocol):
     def position(self, position: tuple[int, int, int | None]) -> None: ...
 
 
-class Switched(Protocol):
+class Switched(_Training, Protocol):
     """A trainer whose running fit follows the session's switches."""
-
-    amp: AmpStep
-
-    @property
-    def history(self) -> History: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def mode(self) -> Mode: ...
 
     def use_precision(self, precision: TrainingPrecision) -> None: ...
 

@@ -59,6 +59,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from mpnb._stderr import quiet_loggers
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.backends import Backend, backend_for, resolve_device
 from mpnb.precision.modes.base import EMULATED, Mode, option
@@ -100,19 +101,10 @@ def import_float8() -> ModuleType:
         ) from None
 
 
-@contextlib.contextmanager
-def _quiet_torchao() -> Iterator[None]:
+def _quiet_torchao() -> contextlib.AbstractContextManager[None]:
     """torchao's imports warn about CUDA kernels a CPU build cannot load (not used here) and
-    about enums torch now registers itself: quiet for a block, each logger's level put back."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(loggers, levels, strict=True):
-            log.setLevel(level)
+    about enums torch now registers itself: quiet for a block."""
+    return quiet_loggers(("torchao", "torch.utils._pytree"), logging.ERROR)
 
 
 def torchao_installed() -> bool:
