@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -37,15 +37,18 @@ from mpnb.precision.autocast_settings import check_autocast_dtype
 from mpnb.precision.backends import Backend, backend_for
 from mpnb.precision.names import Fp32Math
 
-if TYPE_CHECKING:
-    from mpnb.precision.policy import Session
-
 __all__: list[str] = []  # the package lists Mode
 
 #: compare's verdict for a mode that changes nothing on this hardware (tf32 where fp32 math stays exact).
 NO_EFFECT = "no effect on this hardware"
 #: compare's verdict for a mode this hardware emulates: its step time measures the emulation.
 EMULATED = "emulated: numerics only, no speed-up"
+
+
+class Fp32Wishes(Protocol):
+    """What a mode sets of the session: its fp32-math wish (the session, :mod:`mpnb.precision.policy`)."""
+
+    def want_fp32_math(self, backend: Backend | None, level: Fp32Math | None) -> None: ...
 
 
 def option(default: Any, help: str, *, many: bool = False, choices: tuple[str, ...] = ()) -> Any:
@@ -171,7 +174,7 @@ class Mode:
 
     # -- the session ---------------------------------------------------------------------
 
-    def apply_fp32_math(self, session: Session, backend: Backend) -> None:
+    def apply_fp32_math(self, session: Fp32Wishes, backend: Backend) -> None:
         """Make the mode's fp32-math level the session's wish; a mode without one leaves the
         session's wish (``%tf32``) as it is."""
         if self.fp32_math is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from mpnb.precision.backends import Backend
-from mpnb.precision.modes.base import Mode
+from mpnb.precision.modes.base import Fp32Wishes, Mode
 from mpnb.precision.modes.registry import register
 
 __all__: list[str] = []
@@ -26,6 +26,6 @@ class Off(Mode):
     name = "off"
     summary = "mpnb changes nothing: torch's own defaults and your settings apply"
 
-    def apply_fp32_math(self, session, backend: Backend) -> None:
+    def apply_fp32_math(self, session: Fp32Wishes, backend: Backend) -> None:
         """The flags go back to what they were before mpnb changed them."""
         session.want_fp32_math(None, None)
