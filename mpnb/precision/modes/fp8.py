@@ -361,10 +361,11 @@ class Fp8Layers:
         """Swap the eligible layers for torchao's ``Float8Linear`` (sharing their parameters, and
         the hooks registered on them: a user's forward hook on a layer still fires).
 
+        Whatever torchao raises half-way (an interrupt too) goes on only once every layer it
+        swapped is back.
+
         Raises:
             MpnbError: nothing to convert (:meth:`check_converts`); the model is unchanged.
-            Whatever torchao raises half-way (an interrupt too): every layer it swapped is put
-            back before the error goes on.
         """
         if self._swapped:
             return self
