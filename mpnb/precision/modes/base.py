@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
@@ -114,7 +115,7 @@ class Mode:
             if getattr(self, field.name) != field.default
         }
 
-    @property
+    @functools.cached_property  # read at every step's record: made once (the mode is frozen)
     def label(self) -> str:
         """The name, with the first option after a colon where it is not the default:
         ``"fp8"``, ``"fp8:rowwise"`` (what compare's rows and :func:`parse_mode` take)."""
