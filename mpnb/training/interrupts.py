@@ -37,8 +37,9 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGINT)
-            signal.signal(signal.SIGINT, self._on_sigint)
+            # signal() hands back the handler it replaces: no getsignal() first (each call turns
+            # a Python handler into an enum and back, ~10 us of every fit)
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
             self._installed = True
         return self
 

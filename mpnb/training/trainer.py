@@ -387,12 +387,11 @@ class Trainer:
         if max_steps == 0:
             return self.history
         note_fit(self.history)
+        title = self.describe()  # once a fit: it counts the model's parameters
         # the instruments first: at a flush the watch reads its sampled steps before a view draws them
-        sinks = [*self._instruments, *self._sinks(capture)]
+        sinks = [*self._instruments, *self._sinks(capture, title)]
         steps_before = self.amp.steps
-        self.history.meta.update(
-            model=self.describe(), device=str(self.device), mode=self.mode.label
-        )
+        self.history.meta.update(model=title, device=str(self.device), mode=self.mode.label)
         self._data.device = indexed(self.device)  # cuda:0, as batches already there name it
         self.amp.recorder.sinks.extend(sinks)
         self.model.train()
@@ -464,7 +463,7 @@ class Trainer:
             self.amp.set_precision(TrainingPrecision.resolve(capture.mode, self.device))
         return capture.steps_allowed(max_steps)
 
-    def _sinks(self, capture: FitCapture | None) -> list[Sink]:
+    def _sinks(self, capture: FitCapture | None, title: str) -> list[Sink]:
         if capture is not None:
             return [capture.sink] if capture.sink is not None else []
         in_a_launch = streamed(self.history, self.control)  # a worker of mpnb.distributed.launch
@@ -472,7 +471,7 @@ class Trainer:
             return in_a_launch
         if self.dashboard is None:
             return []
-        return dashboard_sinks(self.dashboard, self.describe(), self.control)
+        return dashboard_sinks(self.dashboard, title, self.control)
 
     def _run(self, data: Iterable[Any], stop: StopRequest, max_steps: int | None) -> bool:
         """Train until the planned end, ``max_steps`` or a stop request; True when the plan is done."""
