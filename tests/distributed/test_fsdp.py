@@ -210,7 +210,11 @@ def test_fsdp_refuses_an_optimizer_it_cannot_point_at_the_shards():
     [
         (parse_mode("bf16"), torch.bfloat16, torch.float32),
         (parse_mode("fp16"), torch.float16, torch.float32),
-        (parse_mode("fp8"), torch.bfloat16, torch.float32),  # outside the float8 layers (gathered in fp8)
+        (
+            parse_mode("fp8"),
+            torch.bfloat16,
+            torch.float32,
+        ),  # outside the float8 layers (gathered in fp8)
         (parse_mode("fp32"), None, None),
     ],
 )

@@ -155,7 +155,10 @@ def test_a_sharded_fp8_model_fits_again_resumes_from_a_checkpoint_and_takes_roww
         assert result["rowwise"] == ("FSDPFloat8Linear", "Tensor", "axiswise", 2)
 
 
-@pytest.mark.parametrize(("old", "new"), [(parse_mode("fp8"), parse_mode("bf16")), (parse_mode("bf16"), parse_mode("fp8"))])
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [(parse_mode("fp8"), parse_mode("bf16")), (parse_mode("bf16"), parse_mode("fp8"))],
+)
 def test_a_switch_into_or_out_of_fp8_is_refused_for_a_sharded_model(old, new):
     with pytest.raises(MpnbError, match=f"cannot switch {old.label} -> {new.label}"):
         check_switch("fsdp", old, new)

@@ -50,7 +50,9 @@ def test_float64_weights_are_read_as_fp64_which_autocast_leaves_alone():
     observer = PrecisionObserver(model, "cpu", interval=0.0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         output = model(torch.ones(2, 4, dtype=torch.float64))
-    assert output.dtype == torch.float64 and observer.step_end() == "fp64" and "fp64" in precisions()
+    assert (
+        output.dtype == torch.float64 and observer.step_end() == "fp64" and "fp64" in precisions()
+    )
     observer.remove()
 
 

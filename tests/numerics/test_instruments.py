@@ -115,7 +115,9 @@ def advisor_underflow():
 
 def test_the_underflow_share_counts_nonzero_values_below_the_smallest_subnormal():
     values = torch.tensor([0.0, 0.0, 2.0**-30, 2.0**-25, 2.0**-24, 1.0, float("inf")])
-    assert limits.underflow_share(values).item() == pytest.approx(2 / 5)  # of five nonzero, two below 2**-24
+    assert limits.underflow_share(values).item() == pytest.approx(
+        2 / 5
+    )  # of five nonzero, two below 2**-24
     assert limits.underflow_share(torch.zeros(4)).item() == 0.0
 
 

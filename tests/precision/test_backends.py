@@ -141,9 +141,7 @@ def test_hpu_is_chosen_before_cpu_and_drives_the_session(monkeypatch):
     assert resolve_device("hpu:1") == torch.device("hpu:1")
     with pytest.raises(DeviceUnavailableError, match="2 Habana"):
         resolve_device("hpu:2")
-    assert (
-        mpnb.set_mode("bf16") == "bf16"
-    )  # torch.autocast("hpu") accepts bf16 on any build
+    assert mpnb.set_mode("bf16") == "bf16"  # torch.autocast("hpu") accepts bf16 on any build
     assert "hpu" in mpnb.status().device
 
 

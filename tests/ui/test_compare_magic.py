@@ -142,9 +142,7 @@ def test_mode_scope_restores_the_session_even_when_the_mode_is_refused():
     mpnb.set_mode("tf32")
     before = policy_state()
     with session.mode_scope("fp32"):
-        assert (
-            mpnb.get_mode() == "fp32" and torch.get_float32_matmul_precision() == "highest"
-        )
+        assert mpnb.get_mode() == "fp32" and torch.get_float32_matmul_precision() == "highest"
     assert policy_state() == before
     with pytest.raises(mpnb.InvalidChoiceError), session.mode_scope("fp4"):
         pass
