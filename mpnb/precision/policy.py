@@ -118,7 +118,6 @@ class Session:
         self._outside_changed = False
         self.reset_callbacks: list[Callable[[], None]] = []
         self.held: HeldModel | None = None  # a model the mode converted (``%amp fp8 --model``)
-        self._until_mode_changes: list[Callable[[], None]] = []
         self._listeners: list[Callable[[str], None]] = []
 
     def subscribe(self, listener: Callable[[str], None]) -> Callable[[], None]:
@@ -168,7 +167,7 @@ class Session:
         if model is not None and not new_mode.converts_layers:
             new_mode.check_model(model, target)  # says it takes no model
         saved, held = self.snapshot(), self.held
-        self._undo_mode_changes()  # a held model is plain again: checked and converted as it is
+        self._release_held()  # a held model is plain again: checked and converted as it is
         try:
             if model is not None:
                 new_mode.check_model(model, target)
@@ -184,17 +183,11 @@ class Session:
         self.notify("mode")
         return new_mode
 
-    def until_mode_changes(self, undo: Callable[[], None]) -> None:
-        """Run ``undo`` at the next mode change or reset."""
-        self._until_mode_changes.append(undo)
-
-    def _undo_mode_changes(self) -> None:
-        undos, self._until_mode_changes = self._until_mode_changes, []
+    def _release_held(self) -> None:
+        """A mode change or a reset: a model the mode held gets its layers back."""
         held, self.held = self.held, None
         if held is not None:
             held.release()
-        for undo in reversed(undos):
-            undo()
 
     def set_tf32(self, enabled: bool, device: str | torch.device | None = None) -> None:
         """Turn reduced-precision fp32 math on or off.
@@ -317,7 +310,7 @@ class Session:
         """Mode off, device auto-detected, no op lists, every fp32-math flag as mpnb found it."""
         for undo in reversed(self.reset_callbacks[:]):
             undo()
-        self._undo_mode_changes()
+        self._release_held()
         self.want_fp32_math(None, None)
         self.oplists.reset()
         self.mode, self.device = parse_mode("off"), None
