@@ -233,7 +233,7 @@ class Trainer:
             watch_numerics=watch_numerics,
             locate_overflow=locate_overflow and strategy is None,
         )
-        self._math = contextlib.ExitStack()  # the precision's fp32-math (and fp8 layers) scope
+        self._math = contextlib.ExitStack()  # the precision's fp32-math and model scopes
         self._follower = SessionFollower(self)  # the session's switches made while a fit runs
 
     @property
@@ -402,7 +402,7 @@ class Trainer:
         try:
             with self._math, StopRequest() as stop:
                 self._math.enter_context(self.amp.precision.math_scope())
-                self._math.enter_context(self.amp.precision.model_scope(self.model))  # fp8 layers
+                self._math.enter_context(self.amp.precision.model_scope(self.model))
                 refresh_sharded(self.model, self.strategy, self.mode)
                 self.amp.restart_clock()  # the first step's time counts from here, not from the fit's setup
                 finished = self._run(data, stop, max_steps)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from mpnb.errors import InvalidChoiceError, MpnbError
@@ -166,10 +167,20 @@ class OptionSpec:
         if not self.many or value is None:
             return value
         groups = value if isinstance(value, list) else [value]
-        items = [
+        return split_names(
             item for group in groups for item in (group if isinstance(group, list) else [group])
-        ]
-        return tuple(name for item in items for name in str(item).split(",") if name.strip())
+        )
+
+
+def split_names(texts: Iterable[object]) -> tuple[str, ...]:
+    """Each name in ``texts``, names separated by commas or spaces (``--keep a,b c``, a panel's
+    ``"lm_head, h.11"``).
+
+    Example:
+        >>> split_names(["lm_head, h.11", "c"])
+        ('lm_head', 'h.11', 'c')
+    """
+    return tuple(name for text in texts for name in str(text).replace(",", " ").split())
 
 
 def option_specs() -> list[OptionSpec]:

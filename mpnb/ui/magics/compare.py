@@ -37,6 +37,7 @@ from mpnb.analysis.comparison import (
     Comparison,
     ModeResult,
     compare_runs,
+    mode_labels,
     mode_result,
     progress_view,
 )
@@ -122,13 +123,10 @@ class CompareMagics(Magics):
         )
         progress = choice("progress", args.progress, _PROGRESS_CHOICES)
         with as_usage_error():
-            modes = [
-                parse_mode(name.strip()).label for name in args.modes.split(",") if name.strip()
-            ]
-        if not modes:
-            raise UsageError(
-                f"--modes names no mode: {args.modes!r}; valid: {', '.join(mode_names())}"
-            )
+            try:
+                modes = mode_labels(args.modes)
+            except ValueError as error:  # no mode, or one named twice
+                raise UsageError(f"--modes {args.modes!r}: {error}") from None
         for option, value, least in (
             ("--steps", args.steps, 1),
             ("--warmup", args.warmup, 0),

@@ -34,6 +34,7 @@ from mpnb.errors import MpnbError
 from mpnb.oplists.lists import LIST_NAMES, PRESETS
 from mpnb.precision.backends import available_device_types, backend_for
 from mpnb.precision.modes import mode_names, registered
+from mpnb.precision.modes.registry import split_names
 from mpnb.precision.names import Fp32Math
 from mpnb.precision.policy import Session, session
 
@@ -223,9 +224,8 @@ class ControlPanel:
         options: dict[str, object] = {}
         for name, option in self.mode_options.get(mode, {}).items():
             value = option.value
-            if isinstance(value, str) and isinstance(option, widgets.Text):
-                names = tuple(value.replace(",", " ").split())
-                value = names or None
+            if isinstance(option, widgets.Text):
+                value = split_names([value]) or None
             options[name] = value
         return options
 
