@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
+from typing import NoReturn
 
 from mpnb.errors import MpnbError, quoted
 from mpnb.precision.modes.registry import option_arguments, read_options
@@ -166,6 +167,26 @@ def _count(text: str) -> int:
     return _whole_number(text, 0, "a whole number, 0 or more")
 
 
+_LARGEST_SEED = 2**64 - 1  # torch.manual_seed's range
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= _LARGEST_SEED:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number from 0 to {_LARGEST_SEED}, got {quoted(text)}"
+        )
+    return value
+
+
+def _folder(text: str) -> str:
+    """The folder ``--out`` names, its ``..`` steps resolved: ``a/../b`` is ``b``, and no ``a/`` is made."""
+    return os.path.normpath(text)
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -200,13 +221,18 @@ def _writable_folder(path: str) -> None:
                 os.rmdir(folder)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose error is one line: the bad value and what is valid, then where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpnb`` command."""
     from mpnb.precision.modes import mode_names
 
-    parser = argparse.ArgumentParser(
-        prog="mpnb", description="Mixed-precision training toolkit for PyTorch."
-    )
+    parser = _Parser(prog="mpnb", description="Mixed-precision training toolkit for PyTorch.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     report = commands.add_parser(
         "devices", help="report what each device can do for mixed precision"
@@ -243,10 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=_positive_int, default=64, help="examples per step (default 64)"
     )
     comparing.add_argument(
-        "--seed", type=int, default=0, help="seed of the model and the data order (default 0)"
+        "--seed",
+        type=_seed,
+        default=0,
+        help=f"seed of the model and the data order, 0 to {_LARGEST_SEED} (default 0)",
     )
     comparing.add_argument(
-        "--out", default="mpnb-compare", help="folder for the results (default ./mpnb-compare)"
+        "--out",
+        type=_folder,
+        default="mpnb-compare",
+        help="folder for the results (default ./mpnb-compare)",
     )
     comparing.set_defaults(run=_compare)
     train = commands.add_parser(
@@ -272,10 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr", type=_positive_float, default=3e-3, help="Adam learning rate (default 3e-3)"
     )
     train.add_argument(
-        "--seed", type=int, default=0, help="seed of the model and the data order (default 0)"
+        "--seed",
+        type=_seed,
+        default=0,
+        help=f"seed of the model and the data order, 0 to {_LARGEST_SEED} (default 0)",
     )
     train.add_argument(
         "--out",
+        type=_folder,
         default="mpnb-train",
         help="folder for history.csv and dashboard.html (default ./mpnb-train)",
     )

@@ -125,7 +125,7 @@ class Batches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**64)
             order = torch.randperm(len(self.inputs), generator=generator)
         else:
             order = torch.arange(len(self.inputs))

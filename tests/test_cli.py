@@ -166,3 +166,30 @@ def test_compare_rejects_bad_input_before_running():
     for args, bad in ((["--modes", "fp32,fp4"], "'fp4'"), (["--model", "resnet"], "'resnet'")):
         result = mpnb("compare", *args)
         assert result.returncode == 2 and bad in result.stderr and "valid:" in result.stderr
+
+
+def test_every_bad_value_is_one_line_naming_it_and_its_range_with_nothing_created(tmp_path):
+    cases = [
+        (["train", "--seed", str(10**30)], [str(10**30), "0 to 18446744073709551615"]),
+        (["train", "--seed", "-1"], ["-1", "0 to 18446744073709551615"]),
+        (["compare", "--seed", str(2**64)], [str(2**64), "0 to 18446744073709551615"]),
+        (["train", "--steps", "2.5"], ["'2.5'", "a positive whole number"]),
+        (["train", "--lr", "inf"], ["inf", "a positive number"]),
+        (["train", "--out", "a/../b", "--mode", "fp4"], ["'fp4'", "valid: off, fp32"]),
+        (["compare", "--out", "c/../d", "--modes", "fp4"], ["'fp4'", "valid:"]),
+    ]
+    for args, said in cases:
+        result = mpnb(*args, cwd=tmp_path)
+        errors = [line for line in result.stderr.splitlines() if not line.startswith("usage:")]
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert len(errors) == 1 and all(part in errors[0] for part in said), (args, result.stderr)
+        assert list(tmp_path.iterdir()) == [], (args, list(tmp_path.iterdir()))
+
+
+def test_out_with_a_parent_step_creates_only_the_folder_it_names(tmp_path):
+    result = mpnb("train", "--model", "mlp", "--steps", "1", "--out", "a/../b", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+        and "wrote b/history.csv" in result.stdout
+    )
