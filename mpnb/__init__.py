@@ -7,6 +7,7 @@ Plain Python::
         out = model(x)
     mpnb.set_mode("bf16")                # the session mode
     with mpnb.fp8_layers(model):         # Linear layers in fp8 (torchao), undone after the block
+    with mpnb.mx_layers(model):          # ... in MXFP8 (32-value blocks, a scale each)
         ...
     mpnb.status()                        # where the session stands
     mpnb.panel()                         # the same switches as widgets (in Jupyter)
@@ -48,10 +49,12 @@ from mpnb.analysis import (
 from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError
 from mpnb.numerics.advisor import Advice, advise
 from mpnb.numerics.origin import Origin, locate_nonfinite
+from mpnb.numerics.whatif import WhatIf, whatif
 from mpnb.oplists import OpListOverride, OpLists
 from mpnb.oplists.trace import Trace, trace
 from mpnb.precision import Mode, autocast, get_mode, get_oplists, hmp, set_mode, set_oplists, tf32
 from mpnb.precision.modes.fp8 import fp8_layers
+from mpnb.precision.modes.mxfp8 import mx_layers
 from mpnb.precision.status import DeviceReport, Status, devices, status
 from mpnb.training import AmpStep, FitInterrupted, History, Trainer
 from mpnb.ui.views import install as _install_ui_views
@@ -68,6 +71,7 @@ __all__ = [
     "get_mode",
     "tf32",
     "fp8_layers",
+    "mx_layers",
     "status",
     "devices",
     "Status",
@@ -91,6 +95,8 @@ __all__ = [
     "MemoryReport",
     "advise",
     "Advice",
+    "whatif",
+    "WhatIf",
     "trace",
     "Trace",
     "hmp",

@@ -77,10 +77,10 @@ class MpnbError(ValueError):
     Example:
         >>> import mpnb
         >>> try:
-        ...     mpnb.set_mode("fp4")
+        ...     mpnb.set_mode("int4")
         ... except MpnbError as error:
         ...     print(type(error).__name__, "-", error)
-        InvalidChoiceError - unknown mode 'fp4'; valid: ...
+        InvalidChoiceError - unknown mode 'int4'; valid: ...
     """
 
 

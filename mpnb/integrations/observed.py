@@ -56,7 +56,7 @@ def precisions() -> tuple[str, ...]:
     something, and weights in a low (or high) dtype.
 
     >>> precisions()
-    ('fp32', 'tf32', 'fp16', 'bf16', 'fp8', 'bf16-true', 'fp16-true', 'fp64')
+    ('fp32', 'tf32', 'fp16', 'bf16', 'fp8', 'mxfp8', 'nvfp4', 'bf16-true', 'fp16-true', 'fp64')
     """
     modes = (mode.name for mode in registered() if not mode().changes_nothing)
     return (*modes, *_WEIGHT_PRECISIONS.values())

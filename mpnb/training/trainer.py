@@ -402,7 +402,8 @@ class Trainer:
         try:
             with self._math, StopRequest() as stop:
                 self._math.enter_context(self.amp.precision.math_scope())
-                self._math.enter_context(self.amp.precision.model_scope(self.model))
+                layers = self._math.enter_context(self.amp.precision.model_scope(self.model))
+                self._note_layers(layers)
                 refresh_sharded(self.model, self.strategy, self.mode)
                 self.amp.restart_clock()  # the first step's time counts from here, not from the fit's setup
                 finished = self._run(data, stop, max_steps)
@@ -462,6 +463,16 @@ class Trainer:
         if self.mode != capture.mode:
             self.amp.set_precision(TrainingPrecision.resolve(capture.mode, self.device))
         return capture.steps_allowed(max_steps)
+
+    def _note_layers(self, layers: Any) -> None:
+        """What a mode that swaps layers did to the model (which layers, which kept and why),
+        in the history's meta for the fit's first lines and as an event."""
+        lines = getattr(layers, "layer_lines", None)
+        if lines is None:
+            self.history.meta.pop("layers", None)
+            return
+        self.history.meta["layers"] = [layers.describe(), *lines()]
+        self.history.note(layers.describe(), kind="layers")
 
     def _sinks(self, capture: FitCapture | None, title: str) -> list[Sink]:
         if capture is not None:

@@ -154,8 +154,8 @@ def test_eligibility_follows_accelerates_default_and_the_users_names():
     assert layers.converted == ["3"]
     assert layers.kept == {
         "0": "the first Linear layer",
-        "1": "32x24 is not divisible by 16",
-        "2": "24x32 is not divisible by 16",
+        "1": "32x24 is not a multiple of 16",
+        "2": "24x32 is not a multiple of 16",
         "4": "kept by name",
         "5": "the last Linear layer",
     }
@@ -328,7 +328,11 @@ def test_the_magic_refuses_bad_fp8_input_and_changes_nothing(ip):
 
 def test_devices_have_an_fp8_column_and_compare_reports_no_emulated_speedup():
     report = mpnb.devices(check=False)
-    assert report["cpu"].layer_modes == "fp8: emulated: numerics only, no speed-up"
+    assert report["cpu"].layer_modes == (
+        "fp8: emulated: numerics only, no speed-up; mxfp8: emulated: numerics only, no speed-up; "
+        "nvfp4: no: NVFP4 training needs an NVIDIA Blackwell GPU (compute capability 10.0+, B200 "
+        "or B300) with triton; this is a CPU"
+    )
     assert "layer modes" in report.to_text().splitlines()[0]
     from mpnb.analysis.results import Comparison, ModeResult
     from mpnb.training.history import History

@@ -27,9 +27,9 @@ def test_mode_names_and_aliases(name, mode):
 
 def test_unknown_mode_names_the_value_and_the_valid_ones():
     with pytest.raises(InvalidChoiceError) as error:
-        parse_mode("fp4")
-    assert "'fp4'" in str(error.value)
-    assert "off, fp32, tf32, fp16, bf16, fp8" in str(error.value)
+        parse_mode("int4")
+    assert "'int4'" in str(error.value)
+    assert "off, fp32, tf32, fp16, bf16, fp8, mxfp8, nvfp4" in str(error.value)
 
 
 def test_modes_carry_their_autocast_dtype_and_fp32_math():
@@ -40,12 +40,23 @@ def test_modes_carry_their_autocast_dtype_and_fp32_math():
         None,
         torch.float16,
         torch.bfloat16,
+        torch.bfloat16,  # fp8, mxfp8 and nvfp4: what runs outside their layers
+        torch.bfloat16,
         torch.bfloat16,
     ]
     assert parse_mode("fp32").fp32_math is Fp32Math.EXACT
     assert parse_mode("tf32").fp32_math is Fp32Math.REDUCED
     assert parse_mode("bf16").fp32_math is None
-    assert [m.needs_scaler for m in modes] == [False, False, False, True, False, False]
+    assert [m.needs_scaler for m in modes] == [
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@
 - the modes, in the order the registry lists them: :mod:`~mpnb.precision.modes.off`,
   :mod:`~mpnb.precision.modes.fp32`, :mod:`~mpnb.precision.modes.tf32`,
   :mod:`~mpnb.precision.modes.fp16`, :mod:`~mpnb.precision.modes.bf16`,
-  :mod:`~mpnb.precision.modes.fp8` (torchao's float8 layers: the fp8 extra).
+  :mod:`~mpnb.precision.modes.fp8`, :mod:`~mpnb.precision.modes.mxfp8`,
+  :mod:`~mpnb.precision.modes.nvfp4` (torchao's low-precision training layers: the fp8 extra;
+  what they share in :mod:`~mpnb.precision.modes.layer_swap`).
 
 A new mode is a new module here: a :class:`Mode` subclass that overrides what differs, and one
 :func:`register` call. The Trainer, ``%amp``, the control panel, compare, the CLI and the
@@ -15,7 +17,7 @@ integrations then know it.
 Example:
     >>> from mpnb.precision.modes import mode_names, parse_mode
     >>> mode_names()
-    ('off', 'fp32', 'tf32', 'fp16', 'bf16', 'fp8')
+    ('off', 'fp32', 'tf32', 'fp16', 'bf16', 'fp8', 'mxfp8', 'nvfp4')
     >>> parse_mode("bf16").summary
     'autocast to bfloat16; eligible ops run in bf16, the rest in fp32'
 """
@@ -32,7 +34,7 @@ from mpnb.precision.modes.registry import unregister as unregister
 from mpnb.precision.names import Fp32Math as Fp32Math
 
 # The built-in modes register themselves on import, in this order.
-from mpnb.precision.modes import off, fp32, tf32, fp16, bf16, fp8  # noqa: F401  isort: skip
+from mpnb.precision.modes import off, fp32, tf32, fp16, bf16, fp8, mxfp8, nvfp4  # noqa: F401  isort: skip
 from mpnb.precision.modes.registry import keep_registered
 
 keep_registered()

@@ -119,10 +119,18 @@ class Mode:
     def label(self) -> str:
         """The name, with the first option after a colon where it is not the default:
         ``"fp8"``, ``"fp8:rowwise"`` (what compare's rows and :func:`parse_mode` take)."""
-        fields = self.option_fields()
-        if fields and getattr(self, fields[0].name) != fields[0].default:
-            return f"{self.name}:{getattr(self, fields[0].name)}"
+        said = self.label_option()
+        if said is not None and getattr(self, said.name) != said.default:
+            return f"{self.name}:{getattr(self, said.name)}"
         return self.name
+
+    @classmethod
+    def label_option(cls) -> dataclasses.Field | None:
+        """The option a label says: the first, unless it is a list of names (``keep``)."""
+        fields = cls.option_fields()
+        if fields and not fields[0].metadata.get("many", False):
+            return fields[0]
+        return None
 
     def __str__(self) -> str:
         return self.label
@@ -133,7 +141,7 @@ class Mode:
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, str):  # its label, when the label says every option it has
-            said = {field.name for field in self.option_fields()[:1]}
+            said = {field.name for field in [self.label_option()] if field is not None}
             return other == self.label and set(self.options()) <= said
         if type(other) is not type(self):
             return NotImplemented

@@ -45,30 +45,31 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
-import importlib.util
-import logging
-import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
-from mpnb._stderr import quiet_loggers
 from mpnb.errors import InvalidChoiceError, MpnbError
-from mpnb.precision.backends import Backend, backend_for, resolve_device
-from mpnb.precision.modes.base import EMULATED, Mode, option
+from mpnb.precision.backends import Backend, backend_for
+from mpnb.precision.modes.base import option
+from mpnb.precision.modes.layer_swap import (
+    LayerSwap,
+    LayerSwapMode,
+    cuda_capability_refusal,
+    import_torchao,
+    is_torchao_layer,
+    keep_option,
+    layer_names,
+)
 from mpnb.precision.modes.registry import register
 
 __all__ = ["Fp8Layers", "fp8_layers"]
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-INSTALL = "pip install 'mpnb[fp8]'"
 #: fp8 tensor cores (torch._scaled_mm): Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x).
 FP8_CAPABILITY = (8, 9)
 #: e4m3's largest finite value and smallest subnormal: what saturates and what flushes to zero.
@@ -92,26 +93,7 @@ def import_float8() -> ModuleType:
     Raises:
         MpnbError: torchao is not installed (the message names the install command).
     """
-    try:
-        with _quiet_torchao():
-            return importlib.import_module("torchao.float8")
-    except ImportError as error:
-        raise MpnbError(
-            f"mode fp8 needs torchao, which is not installed ({error}): {INSTALL}"
-        ) from None
-
-
-def _quiet_torchao() -> contextlib.AbstractContextManager[None]:
-    """torchao's imports warn about CUDA kernels a CPU build cannot load (not used here) and
-    about enums torch now registers itself: quiet for a block."""
-    return quiet_loggers(("torchao", "torch.utils._pytree"), logging.ERROR)
-
-
-def torchao_installed() -> bool:
-    """Whether torchao can be imported (without importing it)."""
-    if "torchao" in sys.modules:
-        return sys.modules["torchao"] is not None
-    return importlib.util.find_spec("torchao") is not None
+    return import_torchao("torchao.float8", "fp8")
 
 
 def check_recipe(recipe: str) -> str:
@@ -150,10 +132,9 @@ def fp8_refusal(backend: Backend) -> str:
         return ""  # emulated: torchao casts, then multiplies in fp32
     if backend.type != "cuda":
         return f"mpnb runs no fp8 training on a {backend.label}"
-    if not backend.is_available():
-        return backend.unavailable_reason()
-    if torch.version.hip is not None:
-        return "mpnb runs fp8 training on NVIDIA GPUs only (this is a ROCm build)"
+    refusal = cuda_capability_refusal(backend, (0, 0), "fp8 training")
+    if refusal:
+        return refusal
     return fp8_refusal_for(torch.cuda.get_device_capability(), torch.cuda.get_device_name())
 
 
@@ -161,25 +142,10 @@ def fp8_hardware(device: str | torch.device | None = None) -> str:
     """``"real"`` or ``"emulated"``: how fp8 runs on ``device`` (no CPU has fp8 matmul units).
 
     Raises:
-        MpnbError: fp8 does not run there (the reason: no fp8 units, an unsupported device).
+        MpnbError: fp8 does not run there (the reason: no fp8 units, an unsupported device), or
+            torchao is missing.
     """
-    target = resolve_device(device)
-    refusal = fp8_refusal(backend_for(target))
-    if refusal:
-        raise MpnbError(f"mode fp8 is not available on {target}: {refusal}")
-    return "emulated" if target.type == "cpu" else "real"
-
-
-def check_fp8(device: str | torch.device | None = None) -> str:
-    """What mode fp8 needs, checked before anything changes: torchao and fp8-capable hardware.
-    Returns how fp8 runs (``"real"`` / ``"emulated"``).
-
-    Raises:
-        MpnbError: torchao is missing, or the device runs no fp8.
-    """
-    how = fp8_hardware(device)
-    import_float8()
-    return how
+    return Fp8Layers.hardware(device)
 
 
 def float8_config(recipe: str, emulate: bool, all_gather: bool = False) -> Any:
@@ -206,10 +172,7 @@ def precompute_fsdp_scales(model: nn.Module) -> None:
 def is_float8(module: nn.Module) -> bool:
     """Whether ``module`` is one of torchao's float8 training layers (without importing torchao);
     FSDP2's sharded ``FSDPFloat8Linear`` (a subclass it makes) is one too."""
-    return any(
-        cls.__name__ == "Float8Linear" and cls.__module__.startswith("torchao.")
-        for cls in type(module).__mro__
-    )
+    return is_torchao_layer(module, "Float8Linear")
 
 
 def fp8_cast_measures(module: nn.Module, tensor: torch.Tensor, role: str) -> list[torch.Tensor]:
@@ -249,12 +212,10 @@ def fp8_cast_measures(module: nn.Module, tensor: torch.Tensor, role: str) -> lis
     return [amax.amax(), saturated, flushed]
 
 
-class Fp8Layers:
-    """The eligible Linear layers of ``model`` converted to torchao's float8 training, undone exactly.
-
-    Everything is checked on construction (torchao installed, the device runs fp8, the recipe,
-    the names in ``keep``); nothing changes until :meth:`convert` (or entering the ``with``
-    block). :meth:`restore` puts the original modules back; it is idempotent.
+class Fp8Layers(LayerSwap):
+    """The eligible Linear layers of ``model`` converted to torchao's float8 training, undone
+    exactly (:class:`~mpnb.precision.modes.layer_swap.LayerSwap`: which layers, the swap, the
+    restore).
 
     Args:
         model: the model whose layers to convert.
@@ -267,11 +228,6 @@ class Fp8Layers:
             wrapped for torchao's float8 all-gather (tensorwise recipe only; the rowwise ones
             gather in high precision). The wrapped weights are new ``Parameter`` objects over
             the same storage: point an optimizer at them (FSDP's sharding replaces them anyway).
-
-    Attributes:
-        converted: the names of the layers converted (or to be converted), in model order.
-        kept: each Linear layer left in high precision, with the reason.
-        emulated: True where fp8 is emulated (a CPU): numerics only, no speed-up.
 
     Example:
         >>> import torch
@@ -288,6 +244,11 @@ class Fp8Layers:
         'Linear'
     """
 
+    mode = "fp8"
+    layer_class = "Float8Linear"
+    multiple_of = 16  # fp8 matmul kernels need it
+    real_where = "fp8 tensor cores"
+
     def __init__(
         self,
         model: nn.Module,
@@ -297,149 +258,42 @@ class Fp8Layers:
         device: str | torch.device | None = None,
         all_gather: bool = False,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise MpnbError(f"fp8 converts a torch.nn.Module's layers, got {type(model).__name__}")
-        self.model, self.recipe, self.keep = model, check_recipe(recipe), _layer_names(keep)
-        self.emulated = check_fp8(device) == "emulated"
+        self.recipe = check_recipe(recipe)
         self.all_gather = all_gather and self.recipe == "tensorwise"
+        super().__init__(model, keep=keep, device=device)
         self.config = float8_config(self.recipe, self.emulated, self.all_gather)
-        names = {name for name, _ in model.named_modules()}
-        unknown = [name for name in self.keep if name not in names]
-        if unknown:
-            raise MpnbError(
-                f"fp8 keep names no module of {type(model).__name__}: {', '.join(map(repr, unknown))}"
-            )
-        self.kept, self.converted, self.already = _eligible(model, self.keep)
-        self._check_already_converted()
-        self._swapped: list[tuple[nn.Module, str, nn.Module]] = []
+
+    @classmethod
+    def refusal(cls, device: torch.device) -> str:
+        return fp8_refusal(backend_for(device))
+
+    @classmethod
+    def import_layers(cls) -> None:
+        import_float8()
+
+    def swap(self, names: list[str]) -> None:
+        wanted = set(names)
+        import_float8().convert_to_float8_training(
+            self.model, module_filter_fn=lambda _, name: name in wanted, config=self.config
+        )
+
+    def describe_recipe(self) -> str:
+        return self.recipe
 
     def _check_already_converted(self) -> None:
-        """Layers that are float8 already (converted by a ``%amp fp8 --model`` hold, by the user,
-        or before FSDP sharded them) train as they are: refuse them where that is not what was
-        asked (another recipe, or a layer asked to be kept)."""
+        """Float8 layers of another recipe are refused too (they would train as they are)."""
         other = {
             name: recipe
             for name in self.already
             if (recipe := _recipe_of(self.model.get_submodule(name).config)) != self.recipe
         }
-        kept = [name for name in self.already if _named_in(name, self.keep)]
-        if other or kept:
-            found = (
-                f"{', '.join(other)} already float8 with recipe {next(iter(other.values()))}"
-                if other
-                else f"{', '.join(kept)}, asked to be kept, already float8"
-            )
+        if other:
             raise MpnbError(
-                f"fp8 ({self.recipe}) cannot train {type(self.model).__name__} as asked: {found}. "
-                "Put its layers back first: `%amp off` (a model held by `%amp fp8 --model`), or "
-                "leave the `with mpnb.fp8_layers(model):` block that converted them"
+                f"fp8 ({self.recipe}) cannot train {type(self.model).__name__} as asked: "
+                f"{', '.join(other)} already float8 with recipe {next(iter(other.values()))}. "
+                f"{self.put_back_hint()}"
             )
-
-    @property
-    def active(self) -> bool:
-        """Whether the layers are converted now."""
-        return bool(self._swapped)
-
-    def check_converts(self) -> None:
-        """Refuse a model fp8 would leave untouched (every layer would run in bf16: that is mode bf16).
-
-        Raises:
-            MpnbError: no eligible Linear layer; says why each was kept.
-        """
-        if self.converted or self.already:
-            return
-        reasons = "; ".join(f"{name or 'the model'}: {why}" for name, why in self.kept.items())
-        found = reasons or "it has no torch.nn.Linear layer"
-        if any(type(module).__name__ == "Conv1D" for module in self.model.modules()):
-            found += "; transformers' Conv1D layers (GPT-2's) are not torch.nn.Linear"
-        raise MpnbError(
-            f"fp8 would convert no layer of {type(self.model).__name__} ({found}), so it would "
-            "train in bf16: use mode bf16, or a model with Linear layers of sizes divisible by 16"
-        )
-
-    def convert(self) -> Fp8Layers:
-        """Swap the eligible layers for torchao's ``Float8Linear`` (sharing their parameters, and
-        the hooks registered on them: a user's forward hook on a layer still fires).
-
-        Whatever torchao raises half-way (an interrupt too) goes on only once every layer it
-        swapped is back.
-
-        Raises:
-            MpnbError: nothing to convert (:meth:`check_converts`); the model is unchanged.
-        """
-        if self._swapped:
-            return self
-        self.check_converts()
-        if not self.converted:  # all float8 already (a sharded model converted before sharding)
-            return self
-        float8 = import_float8()
-        wanted = set(self.converted)
-        before = dict(self.model.named_modules())
-        try:
-            try:
-                with _quiet_torchao():
-                    float8.convert_to_float8_training(
-                        self.model,
-                        module_filter_fn=lambda _, name: name in wanted,
-                        config=self.config,
-                    )
-            finally:  # recorded even when torchao fails half-way, so restore undoes what it did
-                after = dict(self.model.named_modules())
-                for name in self.converted:
-                    if after.get(name) is not before[name]:
-                        parent_name, _, attribute = name.rpartition(".")
-                        parent = self.model.get_submodule(parent_name)
-                        self._swapped.append((parent, attribute, before[name]))
-                        _share_hooks(before[name], after[name])
-        except BaseException:
-            self.restore()
-            raise
-        return self
-
-    def restore(self) -> None:
-        """Put every original layer object back where it was (parameters were shared all along).
-        Not for a model FSDP has sharded since: its layers hold new (sharded) parameters that
-        the original objects lack; a sharded model keeps its float8 layers."""
-        swapped, self._swapped = self._swapped, []
-        for parent, attribute, original in reversed(swapped):
-            setattr(parent, attribute, original)
-
-    def describe(self) -> str:
-        """``"fp8 (tensorwise, emulated: numerics only, no speed-up): 2 of 4 Linear layers"``."""
-        where = EMULATED if self.emulated else "fp8 tensor cores"
-        total = len(self.converted) + len(self.already) + len(self.kept)
-        done = len(self.converted) + len(self.already)
-        return f"fp8 ({self.recipe}, {where}): {done} of {total} Linear layers"
-
-    def __enter__(self) -> Fp8Layers:
-        return self.convert()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.restore()
-
-    def __repr__(self) -> str:
-        state = "converted" if self.active else "not converted"
-        return f"<Fp8Layers {self.describe()}, {state}>"
-
-
-#: The hook tables of ``nn.Module``: a converted layer shares its original's, so hooks a user
-#: registered on the layer keep firing (and a handle removes them from both).
-_HOOK_TABLES = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
-
-
-def _share_hooks(original: nn.Module, converted: nn.Module) -> None:
-    for table in _HOOK_TABLES:
-        if hasattr(original, table):
-            object.__setattr__(converted, table, getattr(original, table))
-    object.__setattr__(converted, "_is_full_backward_hook", original._is_full_backward_hook)
+        super()._check_already_converted()
 
 
 def _recipe_of(config: Any) -> str:
@@ -452,55 +306,6 @@ def _recipe_of(config: Any) -> str:
         ):
             return recipe
     return "another"
-
-
-def _eligible(
-    model: nn.Module, keep: tuple[str, ...]
-) -> tuple[dict[str, str], list[str], list[str]]:
-    """(kept: name -> reason, to convert, already float8) over the model's Linear layers."""
-    parents = {
-        f"{name}.{child}".lstrip("."): module
-        for name, module in model.named_modules()
-        for child, _ in module.named_children()
-    }
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    kept: dict[str, str] = {}
-    converted, already = [], []
-    for index, (name, module) in enumerate(linears):
-        if is_float8(module):
-            already.append(name)
-        elif name == "":
-            kept[name] = "the model itself is the Linear layer"
-        elif index == 0:
-            kept[name] = "the first Linear layer"
-        elif index == len(linears) - 1:
-            kept[name] = "the last Linear layer"
-        elif _named_in(name, keep):
-            kept[name] = "kept by name"
-        elif parametrize.is_parametrized(module):
-            kept[name] = (
-                "its weight is parametrized (weight_norm...): torchao's layer takes a plain weight"
-            )
-        elif module.in_features % 16 or module.out_features % 16:
-            kept[name] = f"{module.in_features}x{module.out_features} is not divisible by 16"
-        elif isinstance(parents.get(name), nn.MultiheadAttention):
-            kept[name] = "its MultiheadAttention uses the weight directly"
-        elif _sharded(module.weight):
-            kept[name] = "sharded already (fp8 converts a layer before FSDP shards it)"
-        else:
-            converted.append(name)
-    return kept, converted, already
-
-
-def _named_in(name: str, names: tuple[str, ...]) -> bool:
-    """Whether the module ``name`` is one of ``names`` or inside one of them."""
-    return any(name == k or name.startswith(k + ".") for k in names if k)
-
-
-def _sharded(weight: torch.Tensor) -> bool:
-    """A DTensor (FSDP's or tensor parallelism's), told without importing torch.distributed.tensor
-    (over a second)."""
-    return any(cls.__name__ == "DTensor" for cls in type(weight).__mro__)
 
 
 def fp8_layers(
@@ -533,32 +338,9 @@ def fp8_layers(
     return Fp8Layers(model, recipe=recipe, keep=keep, device=device)
 
 
-def _layer_names(keep: object) -> tuple[str, ...]:
-    """``keep`` as a tuple of layer names: one name, or an iterable of non-empty names.
-
-    Raises:
-        MpnbError: anything else, named with what it is.
-    """
-    names = (keep,) if isinstance(keep, str) else keep
-    if isinstance(names, (bytes, dict)) or not isinstance(names, Iterable):
-        raise MpnbError(
-            f"fp8 keep takes layer names (a name or a list of them), got {type(keep).__name__} {keep!r}"
-        )
-    names = tuple(names)
-    bad = [name for name in names if not isinstance(name, str) or not name.strip()]
-    if bad:
-        raise MpnbError(f"fp8 keep takes non-empty layer names, got {bad!r} in {keep!r}")
-    return tuple(name.strip() for name in names)
-
-
-def _emulated(device: torch.device) -> bool:
-    """No CPU has fp8 matmul units: torchao casts to fp8, then multiplies in fp32."""
-    return device.type == "cpu"
-
-
 @register
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class Fp8(Mode):
+class Fp8(LayerSwapMode):
     """The eligible Linear layers' matmuls in float8 (torchao's float8 training, :class:`Fp8Layers`),
     everything else under bf16 autocast; real on CUDA GPUs of compute capability 8.9+, emulated
     on a CPU.
@@ -580,18 +362,13 @@ class Fp8(Mode):
     recipe: str = option(
         "tensorwise", "torchao's float8 recipe (default tensorwise)", choices=RECIPES
     )
-    keep: tuple[str, ...] = option(
-        (),
-        "Linear layers (or modules holding them) to keep in bf16, besides the first and last",
-        many=True,
-    )
+    keep: tuple[str, ...] = keep_option()
 
     name = "fp8"
     aliases = ("float8",)
     summary = "eligible Linear layers' matmuls in fp8 (torchao float8 training), the rest under bf16 autocast"
-    autocast_dtype = torch.bfloat16  # what runs outside the float8 layers
-    converts_layers = True
-    observed_as = ("bf16", "fp32", "tf32")  # what a forward pass reads with float8 layers in it
+    layers: ClassVar[type[LayerSwap]] = Fp8Layers
+    layers_function = "mpnb.fp8_layers"
     framework_hint = (
         "ask for bf16 and convert the model's layers (run the training inside "
         "`with mpnb.fp8_layers(model):`; Lightning: in configure_model), or use Accelerate's "
@@ -600,78 +377,18 @@ class Fp8(Mode):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recipe", check_recipe(self.recipe))
-        object.__setattr__(self, "keep", _layer_names(self.keep))
+        object.__setattr__(self, "keep", layer_names(self.keep, "fp8"))
 
-    def check(self, device: torch.device) -> None:
-        super().check(device)
-        check_fp8(device)
+    def recipe_words(self) -> str:
+        return f"torchao {self.recipe}, "
 
-    def support(self, device: torch.device) -> str:
-        refusal = fp8_refusal(backend_for(device))
-        if refusal:
-            return f"no: {refusal}"
-        words = EMULATED if _emulated(device) else "fp8 tensor cores"
-        if not torchao_installed():
-            words += f" (needs {INSTALL})"
-        return words
-
-    def notes(self, backend: Backend) -> list[str]:
-        notes = []
-        if backend.type == "cpu":
-            notes.append(
-                f"fp8 on this {backend.label} is emulated: numerics only, no speed-up (slower than fp32)"
-            )
-        notes.append(
-            "fp8 converts a model's Linear layers: a Trainer does it for each fit; for your own "
-            "loop, `%amp fp8 --model NAME` or `with mpnb.fp8_layers(model):`"
-        )
-        return notes
-
-    def status_rows(self, device: torch.device) -> list[tuple[str, str]]:
-        kept = f"; kept in bf16 by name: {', '.join(self.keep)}" if self.keep else ""
-        return [("fp8", f"torchao {self.recipe}, {self.support(device)}{kept}")]
-
-    def _layers(
-        self, model: nn.Module, device: torch.device, all_gather: bool = False
-    ) -> Fp8Layers:
-        return Fp8Layers(
-            model, recipe=self.recipe, keep=self.keep, device=device, all_gather=all_gather
-        )
-
-    def check_model(self, model: nn.Module, device: torch.device) -> None:
-        self._layers(model, device).check_converts()
-
-    @contextlib.contextmanager
-    def model_scope(self, model: nn.Module, device: torch.device) -> Iterator[Fp8Layers]:
-        with self._layers(model, device) as layers:
-            yield layers
+    def layer_swap(self, model: nn.Module, device: torch.device, **extra: Any) -> LayerSwap:
+        return Fp8Layers(model, recipe=self.recipe, keep=self.keep, device=device, **extra)
 
     def prepare_sharded(self, model: nn.Module, device: torch.device) -> bool:
         # before sharding: torchao's float8 all-gather wraps the unsharded weights
-        return self._layers(model, device, all_gather=True).convert().all_gather
+        layers = self.layer_swap(model, device, all_gather=True)
+        return layers.convert().all_gather  # type: ignore[attr-defined]
 
     def refresh_sharded(self, model: nn.Module) -> None:
         precompute_fsdp_scales(model)
-
-    def describe(self, device: torch.device) -> str:
-        words = super().describe(device)
-        return f"{words} ({EMULATED})" if _emulated(device) else words
-
-    def slow_reason(self, model: nn.Module, device: torch.device) -> str | None:
-        return "fp8 is emulated here (numerics only, no speed-up)" if _emulated(device) else None
-
-    def compare_verdict(self, device: torch.device) -> str:
-        return EMULATED if _emulated(device) else ""
-
-    @classmethod
-    def found_in(cls, model: nn.Module) -> bool:
-        return any(is_float8(module) for module in model.modules())
-
-    def missing_layers(self, framework: str, observed: str) -> str | None:
-        if observed not in self.observed_as:
-            return None
-        return (
-            f"{framework} was asked for fp8 but trains in {observed}: no layer of the model is "
-            "torchao's Float8Linear (convert_to_float8_training converts only Linear layers its "
-            "module_filter_fn accepts, of sizes divisible by 16, before training starts)"
-        )

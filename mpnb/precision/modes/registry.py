@@ -6,7 +6,7 @@ new module with one :func:`register` call.
 
 Example:
     >>> mode_names()
-    ('off', 'fp32', 'tf32', 'fp16', 'bf16', 'fp8')
+    ('off', 'fp32', 'tf32', 'fp16', 'bf16', 'fp8', 'mxfp8', 'nvfp4')
     >>> parse_mode("half"), parse_mode("fp8:rowwise")
     (Mode('fp16'), Mode('fp8', recipe='rowwise'))
     >>> parse_mode("bf16", recipe="rowwise")
@@ -125,7 +125,7 @@ def mode_names(*, converts_layers: bool | None = None) -> tuple[str, ...]:
 
     Example:
         >>> mode_names(converts_layers=True)
-        ('fp8',)
+        ('fp8', 'mxfp8', 'nvfp4')
     """
     return tuple(mode.name for mode in registered(converts_layers=converts_layers))
 
@@ -156,10 +156,12 @@ class OptionSpec:
 
     def describe(self) -> str:
         """The help line: ``"fp8 only: torchao's float8 recipe (...); one of tensorwise, ..."``."""
+        by_help: dict[str, list[str]] = {}  # modes that say the same, said once
+        for mode, help in self.helps:
+            by_help.setdefault(help, []).append(mode)
         if len(self.helps) == 1:
-            mode, help = self.helps[0]
-            return f"{mode} only: {help}"
-        return "; ".join(f"{mode}: {help}" for mode, help in self.helps)
+            return f"{self.helps[0][0]} only: {self.helps[0][1]}"
+        return "; ".join(f"{', '.join(modes)}: {help}" for help, modes in by_help.items())
 
     def read(self, value: object) -> object:
         """The option as a command line gave it: None (not given), a value, or for a list of
@@ -210,7 +212,7 @@ def option_arguments() -> list[tuple[str, dict[str, Any]]]:
 
     Example:
         >>> option_arguments()[1]
-        ('--keep', {'help': 'fp8 only: Linear layers (or modules holding them) to keep in bf16, besides the first and last', 'nargs': '+', 'action': 'append', 'metavar': 'NAME'})
+        ('--keep', {'help': 'fp8, mxfp8, nvfp4: Linear layers (or modules holding them) to keep in bf16, besides the first and last', 'nargs': '+', 'action': 'append', 'metavar': 'NAME'})
     """
     many = {"nargs": "+", "action": "append", "metavar": "NAME"}
     return [
@@ -283,10 +285,10 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
     name, colon, first = str(value).partition(":")
     mode = mode_class(name, value)
     if colon:
-        fields = mode.option_fields()
-        if not fields:
+        said = mode.label_option()
+        if said is None:  # no option, or none a label can say (a list of layer names)
             raise InvalidChoiceError(f"option of mode {mode.name}", first, ["none"])
-        given = {fields[0].name: first.strip(), **given}
+        given = {said.name: first.strip(), **given}
     return _with_options(mode(), given)
 
 

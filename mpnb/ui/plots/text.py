@@ -50,6 +50,8 @@ class TextProgress(Sink):
         if not self._started:
             self._started = True
             self._print(f"training {self.title}" if self.title else "training")
+            for line in history.meta.get("layers", ()):  # a mode that swaps layers: which
+                self._print(f"  {line}")
         now = time.perf_counter()
         if self.due(now) and len(history):
             self._last_line = now

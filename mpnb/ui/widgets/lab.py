@@ -18,6 +18,7 @@ from __future__ import annotations
 import html
 
 import ipywidgets as widgets
+import torch
 
 import mpnb.examples as ex
 from mpnb.analysis.comparison import Comparison, ModeResult, compare
@@ -40,7 +41,7 @@ class PrecisionLab:
     Example (the choices it offers, and Run with no mode picked; the module's example runs one):
         >>> lab = PrecisionLab()
         >>> lab.model.options, lab.modes.options
-        (('cnn', 'mlp', 'transformer'), ('fp32', 'tf32', 'fp16', 'bf16', 'fp8'))
+        (('cnn', 'mlp', 'transformer'), ('fp32', 'tf32', 'fp16', 'bf16', 'fp8', 'mxfp8'))
         >>> lab.modes.value = ()
         >>> lab.run() is None, lab.status.value
         (True, "<span style='color:#b00020'>pick at least one mode</span>")
@@ -49,7 +50,12 @@ class PrecisionLab:
     def __init__(self) -> None:
         self.model = widgets.Dropdown(options=list(ex.MODELS), value="cnn", description="model")
         self.device = widgets.Dropdown(options=available_device_types(), description="device")
-        choices = tuple(name for name in mode_names() if not parse_mode(name).changes_nothing)
+        choices = tuple(  # the modes that run on a device this machine has (no nvfp4 on a CPU)
+            name
+            for name in mode_names()
+            if not parse_mode(name).changes_nothing
+            and any(not parse_mode(name).unavailable(torch.device(d)) for d in self.device.options)
+        )
         self.modes = widgets.SelectMultiple(
             options=choices, value=("fp32", "bf16"), description="modes", rows=5
         )

@@ -1,0 +1,162 @@
+"""Mode ``nvfp4``: torchao's NVFP4 training layers where a Blackwell GPU runs them; refused elsewhere.
+
+NVFP4 stores each block of 16 values in 4 bits (e2m1: 0.5 to 6, fifteen values and zero) with an
+fp8 (e4m3) scale per block and one fp32 scale per tensor. torchao's training layer
+(``NVFP4Linear``) casts the operands of all three matmuls to it, with a random Hadamard
+transform and stochastic rounding for the gradients, through triton kernels written for
+Blackwell's FP4 tensor cores: it runs on CUDA GPUs of compute capability 10.0+ with triton, and
+nowhere else (there is no emulated path to train with). Elsewhere the mode is refused with a
+sentence that names the hardware and what runs here instead: mode ``mxfp8`` (emulated), and
+``mpnb.whatif(model, batch)``, which measures what NVFP4 casts would do to each layer on any
+machine.
+
+The recipes that train in NVFP4 keep the LM head and the last blocks in bf16 (torchtitan's keeps
+the last ~15% of its blocks): the last Linear layer is kept by default, name the blocks with
+``keep``. Eligible layers have both dimensions multiples of 128 (torchao's kernels tile by 128;
+the tokens of a batch must be a multiple of 128 too).
+
+Example:
+    >>> import torch
+    >>> from mpnb.precision.modes import parse_mode
+    >>> print(parse_mode("nvfp4").unavailable(torch.device("cpu")))  # doctest: +ELLIPSIS
+    mode nvfp4 is not available on cpu: NVFP4 training needs an NVIDIA Blackwell GPU ... here mode mxfp8 trains (emulated), and mpnb.whatif(model, batch) measures what NVFP4 casts would do to each layer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from mpnb.precision.backends import backend_for
+from mpnb.precision.modes.layer_swap import (
+    LayerSwap,
+    LayerSwapMode,
+    cuda_capability_refusal,
+    import_torchao,
+    keep_option,
+    layer_names,
+)
+from mpnb.precision.modes.registry import register
+
+__all__: list[str] = []
+
+#: FP4 tensor cores: Blackwell (compute capability 10.0 and newer).
+NVFP4_CAPABILITY = (10, 0)
+#: What runs on a machine without them.
+ELSEWHERE = (
+    "here mode mxfp8 trains (emulated), and mpnb.whatif(model, batch) measures what NVFP4 "
+    "casts would do to each layer"
+)
+
+
+def nvfp4_refusal(device: torch.device) -> str:
+    """Why torchao's NVFP4 training does not run on ``device``, with what runs instead (empty
+    where it runs).
+
+    Example:
+        >>> nvfp4_refusal(torch.device("cpu"))  # doctest: +ELLIPSIS
+        'NVFP4 training needs an NVIDIA Blackwell GPU (compute capability 10.0+, B200 or B300) with triton; this is a CPU'
+    """
+    needs = "NVFP4 training needs an NVIDIA Blackwell GPU (compute capability 10.0+, B200 or B300) with triton"
+    backend = backend_for(device)
+    if device.type != "cuda":
+        return f"{needs}; this is a {backend.label}"
+    refusal = cuda_capability_refusal(backend, NVFP4_CAPABILITY, "NVFP4 training")
+    if refusal:
+        return refusal
+    if importlib.util.find_spec("triton") is None:
+        return f"{needs}; triton is not installed (pip install triton)"
+    return ""
+
+
+class Nvfp4Layers(LayerSwap):
+    """The eligible Linear layers of ``model`` swapped for torchao's ``NVFP4Linear``, undone
+    exactly (:class:`~mpnb.precision.modes.layer_swap.LayerSwap`). The layer's random Hadamard
+    signs and seed are buffers left out of the ``state_dict``, so a checkpoint saved in the mode
+    loads into the plain model.
+
+    Raises:
+        MpnbError: on construction, where NVFP4 does not train (:func:`nvfp4_refusal`).
+
+    Example:
+        >>> Nvfp4Layers(torch.nn.Linear(128, 128), device="cpu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: mode nvfp4 is not available on cpu: NVFP4 training needs ...
+    """
+
+    mode = "nvfp4"
+    layer_class = "NVFP4Linear"
+    multiple_of = 128
+    real_where = "FP4 tensor cores"
+    instead = ELSEWHERE
+
+    @classmethod
+    def refusal(cls, device: torch.device) -> str:
+        return nvfp4_refusal(device)
+
+    @classmethod
+    def emulated_on(cls, device: torch.device) -> bool:
+        return False  # no emulated path: where it is not refused, it is real
+
+    @classmethod
+    def import_layers(cls) -> None:
+        _training_module()
+
+    def make_layer(self, linear: nn.Linear) -> nn.Module:
+        layer = _training_module().NVFP4Linear.from_linear(linear)
+        layer.weight, layer.bias = linear.weight, linear.bias
+        for buffer in ("_sr_seed", "_rht_sign_vector"):  # the model's state_dict stays the same
+            layer._non_persistent_buffers_set.add(buffer)
+        layer.train(linear.training)
+        return layer
+
+
+def _training_module():
+    return import_torchao("torchao.prototype.moe_training.nvfp4_training.nvfp4_training", "nvfp4")
+
+
+def nvfp4_layers(
+    model: nn.Module, keep: Iterable[str] = (), device: str | torch.device | None = None
+) -> Nvfp4Layers:
+    """The eligible Linear layers of ``model`` in NVFP4 for a ``with`` block, where a Blackwell
+    GPU runs them (see :func:`nvfp4_refusal`); the model is exactly as before afterwards."""
+    return Nvfp4Layers(model, keep=keep, device=device)
+
+
+@register
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Nvfp4(LayerSwapMode):
+    """The eligible Linear layers' matmuls in NVFP4 (torchao's ``NVFP4Linear``,
+    :class:`Nvfp4Layers`), everything else under bf16 autocast; Blackwell GPUs only.
+
+    Example:
+        >>> import torch
+        >>> from mpnb.precision.modes import parse_mode
+        >>> nvfp4 = parse_mode("nvfp4", keep=["blocks.10", "blocks.11"])
+        >>> nvfp4.support(torch.device("cpu"))  # doctest: +ELLIPSIS
+        'no: NVFP4 training needs an NVIDIA Blackwell GPU ...'
+    """
+
+    keep: tuple[str, ...] = keep_option()
+
+    name = "nvfp4"
+    aliases = ("fp4",)
+    summary = (
+        "eligible Linear layers' matmuls in NVFP4 (4-bit, 16-value blocks; torchao, Blackwell "
+        "GPUs), the rest under bf16 autocast"
+    )
+    layers: ClassVar[type[LayerSwap]] = Nvfp4Layers
+    layers_function = "mpnb.precision.modes.nvfp4.nvfp4_layers"
+    framework_hint = (
+        "ask for bf16 and convert the model's layers with torchao's NVFP4TrainingConfig "
+        "(quantize_) before training"
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keep", layer_names(self.keep, "nvfp4"))
