@@ -61,7 +61,7 @@ from mpnb.numerics.instruments import FitInstruments, check_watch_numerics, fit_
 from mpnb.precision.modes import Mode, mode_found_in
 from mpnb.precision.policy import session
 from mpnb.training.control import FitControl
-from mpnb.training.health import HealthWatch
+from mpnb.training.health import HealthWatch, scale_back
 from mpnb.training.history import History
 from mpnb.training.step_record import StepAccount, WatchedRun, flush_every_for
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
@@ -292,7 +292,7 @@ class LoopTelemetry:
         # delivers the dashboard's requests (a Stop), waits while paused
         checkpoint = self.control.checkpoint()
         if "reset" in checkpoint.changed:  # every switch put back, the remedies too
-            run.instruments.undo_for_reset(self.history, self.steps)
+            run.instruments.undo_for_reset(self.history, self.steps + 1)
         if checkpoint.paused_s:
             run.account.restart_clock()  # the pause is no step's work: the next step's time starts at its first batch
         return self.stop_requested
@@ -322,19 +322,21 @@ class LoopTelemetry:
     def keep_in_fp32(self, module: str) -> str:
         """Run ``module`` of the running model in float32 (autocast off inside it, its inputs cast
         up) from the next step until the run ends, noted on the history as a switch: the remedy
-        for an overflow named in it. Call it between steps (a callback, a dashboard button).
+        for an overflow named in it. The framework's loss scale, lowered by the skips, goes back
+        to its scaler's initial scale (a ``"scale"`` event). Call it between steps (a callback,
+        a dashboard button).
 
         Raises:
             MpnbError: no module of that name (the closest are listed); nothing changes.
             RuntimeError: no run is being recorded.
         """
-        found = self._require_run().instruments.keep_in_fp32(module)
-        self.history.note(
-            f"{found} runs in fp32 (autocast off inside it)",
-            kind="switch",
-            step=self.steps,
-            module=found,
-        )
+        run = self._require_run()
+        found = run.instruments.keep_in_fp32(module, self.steps + 1)
+        self.recorder.flush()  # the rows before it are checked at the scale they ran at
+        if scale_back(run.scaler, self.history, self.steps + 1, f"{found} runs in fp32 now"):
+            self.health.rearm()
+            if run.before_called:  # the next step's scale, read already (a loop helper's)
+                run.scale_before = scale_in_use(run.scaler)
         return found
 
     @property

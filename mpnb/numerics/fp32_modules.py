@@ -7,15 +7,22 @@ its floating inputs are cast up, so its ops compute in float32 and its output le
 
 The change is to the module object's ``forward`` (an attribute set on the instance, the class
 untouched) and is undone exactly: :meth:`Fp32Modules.release` deletes it again, or puts back an
-instance ``forward`` the module had. Hooks, parameters and the state dict are not touched. A
-fit puts its kept modules back when it ends, and from the next step when the session is reset
+instance ``forward`` the module had. Hooks, parameters and the state dict are not touched. The
+change lasts one run: :class:`Fp32Modules` is an instrument of the run, asked for while it
+runs it applies at once (between two steps), asked for between runs it waits for the next
+run's first step, so that no module stays changed outside a fit. A run puts its kept modules
+back when it ends, and from the next step when the session is reset
 (:meth:`Fp32Modules.undo_for_reset`), as every other switch is.
 
-Example:
+Example (inside a run; see :class:`Fp32Modules` for one asked between runs):
+    >>> from mpnb.training.history import History
+    >>> from mpnb.training.step_record import WatchedRun
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     >>> kept = Fp32Modules(model, "cpu")
-    >>> kept.keep("1")
-    '1'
+    >>> history = History()
+    >>> kept.begin(WatchedRun(history, torch.device("cpu")))
+    >>> kept.keep("1", step=3), history.events[0]["step"]  # from step 3 on
+    ('1', 3)
     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
     ...     model[0](torch.ones(1, 4)).dtype, model(torch.ones(1, 4)).dtype
     (torch.bfloat16, torch.float32)
@@ -35,6 +42,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from mpnb.errors import MpnbError
+from mpnb.training.step_record import Instrument, WatchedRun
 
 if TYPE_CHECKING:
     from mpnb.training.history import History
@@ -45,29 +53,89 @@ _LOW = (torch.float16, torch.bfloat16)
 _ABSENT = object()
 
 
-class Fp32Modules:
-    """The modules of ``model`` kept in float32, by name, and how to put each back."""
+class Fp32Modules(Instrument):
+    """The modules of ``model`` kept in float32, by name, and how to put each back: an
+    instrument of the run, so that a module asked for between runs is changed only from the
+    next run's first step (noted on its history then) until that run ends.
+
+    Example (asked between runs: nothing changes until the next run's first step):
+        >>> from mpnb.training.history import History
+        >>> from mpnb.training.step_record import WatchedRun
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> kept = Fp32Modules(model, "cpu")
+        >>> kept.keep("1"), kept.names, kept.waiting, "forward" in vars(model[1])
+        ('1', [], ['1'], False)
+        >>> history = History()
+        >>> kept.begin(WatchedRun(history, torch.device("cpu")))
+        >>> kept.before_forward(step=1, first=True)
+        >>> kept.names, history.events[0]["message"]
+        (['1'], '1 runs in fp32 (autocast off inside it)')
+        >>> kept.detach()  # the run ended
+        >>> kept.names, "forward" in vars(model[1])
+        ([], False)
+    """
 
     def __init__(self, model: nn.Module, device_type: str) -> None:
         self.model, self.device_type = model, device_type
         self._saved: dict[str, tuple[nn.Module, Any]] = {}
+        self._waiting: list[str] = []  # asked for between runs: applied at the next run's start
+        self._run: WatchedRun | None = None
 
     @property
     def names(self) -> list[str]:
         """The modules kept in float32 now, in the order they were asked for."""
         return list(self._saved)
 
-    def keep(self, name: str) -> str:
-        """Run module ``name`` in float32 from its next call; returns the name as the model
-        knows it. A name as the numerics origin gives it (the root's class first) works too.
+    @property
+    def waiting(self) -> list[str]:
+        """The modules asked for between runs, kept in float32 from the next run's first step."""
+        return list(self._waiting)
+
+    @property
+    def running(self) -> bool:
+        """A run is on: a module asked for now is kept in float32 from its next call."""
+        return self._run is not None
+
+    def begin(self, run: WatchedRun) -> None:
+        """A run begins: the modules asked for before it wait for its first step."""
+        self._run = run
+
+    def before_forward(self, step: int, first: bool) -> None:
+        """The run's steps train: the modules asked for before it are kept from this step on,
+        each noted on the run's history as a switch."""
+        if not self._waiting or self._run is None:
+            return
+        waiting, self._waiting = self._waiting, []
+        for name in waiting:
+            self._apply(name, step)
+
+    def detach(self) -> None:
+        """The run ended: every kept module is put back."""
+        self.release()
+        self._run = None
+
+    def keep(self, name: str, step: int = 0) -> str:
+        """Run module ``name`` in float32: from its next call while a run is on (noted on its
+        history as a switch at ``step``, the first step it runs so), else from the next run's
+        first step (:attr:`waiting` until then). Returns the name as the model knows it. A name as the
+        numerics origin gives it (the root's class first) works too.
 
         Raises:
             MpnbError: no module of that name (the message lists the closest names); nothing
                 changes.
         """
         found = self._resolve(name)
-        if found in self._saved:
+        if found in self._saved or found in self._waiting:
             return found
+        if self._run is None:
+            self._waiting.append(found)
+            return found
+        self._apply(found, step)
+        return found
+
+    def _apply(self, found: str, step: int) -> None:
+        """Keep ``found`` in float32 from its next call, noted on the run's history."""
+        assert self._run is not None
         module = self.model.get_submodule(found)
         before = vars(module).get("forward", _ABSENT)
         forward = module.forward
@@ -81,7 +149,9 @@ class Fp32Modules:
 
         module.forward = in_float32
         self._saved[found] = (module, before)
-        return found
+        self._run.history.note(
+            f"{found} runs in fp32 (autocast off inside it)", kind="switch", step=step, module=found
+        )
 
     def release(self, name: str | None = None) -> None:
         """Put module ``name`` (every kept module for None) back as it was."""
@@ -94,7 +164,8 @@ class Fp32Modules:
 
     def undo_for_reset(self, history: History, step: int) -> None:
         """The session was reset (every switch put back): each kept module runs under autocast
-        again from its next call, noted on ``history`` as a switch at ``step``."""
+        again from its next call, noted on ``history`` as a switch at ``step`` (the first step
+        it runs so)."""
         for name in self.names:
             self.release(name)
             history.note(

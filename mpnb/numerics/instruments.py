@@ -4,8 +4,9 @@
 :func:`fit_instruments` turns a fit's options (``watch_numerics``, ``locate_overflow``) into a
 list of :class:`~mpnb.training.step_record.Instrument`\\ s, which the loop hands to its
 :class:`~mpnb.training.step_record.StepAccount` (the step's moments) and its recorder (the
-flushes, the run's end) without naming any of them. The same object holds the run's remedy
-(``keep_in_fp32``) and the watch's log. :class:`mpnb.Trainer` and the integrations'
+flushes, the run's end) without naming any of them. The run's remedy (``keep_in_fp32``) is one
+of them, first: a module asked for between runs is kept from the next run's first step. The
+same object holds the watch's log. :class:`mpnb.Trainer` and the integrations'
 ``LoopTelemetry`` both build theirs here; a new per-layer statistic is a measure of the watch
 and a column of its figure, nothing here.
 
@@ -14,7 +15,7 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     >>> instruments = fit_instruments(model, "cpu", watch_numerics=2, locate_overflow=True)
     >>> [type(instrument).__name__ for instrument in instruments]
-    ['FirstSkipLocator', 'NextStepsLocator', 'NumericsWatch']
+    ['Fp32Modules', 'FirstSkipLocator', 'NextStepsLocator', 'NumericsWatch']
     >>> instruments.numerics.modules
     ['0', '1']
 """
@@ -55,9 +56,15 @@ class FitInstruments(list["Instrument"]):
         """The modules kept in float32 now."""
         return self._remedy.names
 
-    def keep_in_fp32(self, module: str) -> str:
-        """Run ``module`` in float32 until the run ends (:meth:`Fp32Modules.keep`); its name."""
-        return self._remedy.keep(module)
+    @property
+    def running(self) -> bool:
+        """A run is on: a remedy asked for now applies from the next step."""
+        return self._remedy.running
+
+    def keep_in_fp32(self, module: str, step: int) -> str:
+        """Run ``module`` in float32 from step ``step`` until the run ends, or from the next
+        run's first step when none is on (:meth:`Fp32Modules.keep`); its name."""
+        return self._remedy.keep(module, step)
 
     def undo_for_reset(self, history: History, step: int) -> None:
         """The session was reset: the modules kept in float32 are put back, noted on ``history``."""
@@ -108,7 +115,8 @@ def fit_instruments(
     from mpnb.numerics.watch import NumericsWatch
 
     every = check_watch_numerics(watch_numerics)
-    instruments: list[Instrument] = []
+    remedy = Fp32Modules(model, device_type)
+    instruments: list[Instrument] = [remedy]
     if locate_overflow:
         if replays:
             instruments.append(FirstSkipLocator(model))
@@ -117,6 +125,4 @@ def fit_instruments(
     watch = None if every is None else NumericsWatch(model, every)
     if watch is not None:
         instruments.append(watch)
-    return FitInstruments(
-        instruments, Fp32Modules(model, device_type), None if watch is None else watch.log
-    )
+    return FitInstruments(instruments, remedy, None if watch is None else watch.log)

@@ -38,7 +38,7 @@ import torch
 from mpnb.errors import MpnbError
 from mpnb.precision.modes import Mode
 from mpnb.training.gradients import check_loss, rescale, unscale_and_clip
-from mpnb.training.health import HealthWatch
+from mpnb.training.health import HealthWatch, scale_back
 from mpnb.training.history import History
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.step_record import StepAccount, flush_every_for
@@ -377,6 +377,29 @@ class AmpStep:
         self.precision = precision
         self.scaler = self._scaler(precision.needs_scaler)
         self._forward_context = precision.autocast.context()
+
+    def scale_back(self, cause: str, step: int | None = None) -> bool:
+        """Between two steps, after a change that ends an overflow (the remedy, a switch of mode
+        or op lists): a loss scale that the skips lowered goes back to the scaler's initial scale,
+        noted on the history at ``step`` (default: the next step, the first to use it), and a collapsed scale or zero
+        gradients are reported again should they come back (:func:`~mpnb.training.health.scale_back`).
+        True when the scale was put back.
+
+        Example:
+            >>> model = torch.nn.Linear(4, 1)
+            >>> amp = AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="fp16", device="cpu")
+            >>> with amp.autocast():
+            ...     loss = model(torch.full((8, 4), float("inf"))).float().mean()
+            >>> amp.backward(loss)
+            >>> _ = amp.step(samples=8)  # skipped: the scale halves
+            >>> amp.scaler.get_scale(), amp.scale_back("the input is finite again"), amp.scaler.get_scale()
+            (32768.0, True, 65536.0)
+        """
+        history = self.history  # flushed first: the rows before it are checked at their scale
+        if not scale_back(self.scaler, history, self.steps + 1 if step is None else step, cause):
+            return False
+        self.health.rearm()
+        return True
 
     # -- helpers -----------------------------------------------------------------------
 

@@ -1,4 +1,6 @@
-"""Say when a run stops learning: a non-finite loss on a step the optimizer took, a collapsed loss scale.
+"""Say when a run stops learning: a non-finite loss on a step the optimizer took, a collapsed loss
+scale, an update whose gradients are all zero; and give a collapsed scale back when the overflow
+that lowered it is gone.
 
 Checked on the values the recorder has already brought to the host (no read of its own): a
 :class:`HealthWatch` is a :class:`~mpnb.training.telemetry.Sink`. At the first problem of each
@@ -11,6 +13,12 @@ turns True; the Trainer ends the fit after that step), or only records (``"ignor
   problem. In bf16 and fp32 there is no scaler: the NaN reaches the weights.
 - *collapsed scale*: the fp16 loss scale fell below 1 (from 65536 by default, that is 17
   overflowing steps in a row): gradients overflow at every scale, and every step is skipped.
+- *zero gradients*: a step was taken while the scale stood below 1 (the scaled gradients
+  underflow fp16 to zero), or its recorded gradient norm is 0: the weights do not move.
+
+A change that ends an overflow mid-fit (the remedy of :mod:`mpnb.numerics.fp32_modules`, a
+switch of mode or op lists) leaves behind the scale the skips lowered, too small to train at:
+:func:`scale_back` puts it back to the scaler's initial scale, as an event on the history.
 
 Example:
     >>> from mpnb.training.history import History
@@ -25,8 +33,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from mpnb.errors import InvalidChoiceError, warn_user
 from mpnb.training.history import History
+from mpnb.training.step_watch import initial_scale, scale_in_use
 from mpnb.training.telemetry import Sink
 
 __all__: list[str] = []
@@ -34,6 +45,8 @@ __all__: list[str] = []
 ON_NONFINITE = ("warn", "stop", "ignore")
 #: A loss scale below this has collapsed: the loss is scaled down, and steps are still skipped.
 COLLAPSED_SCALE = 1.0
+#: The kind of the event :func:`scale_back` notes (a dashboard marks it).
+SCALE_BACK_KIND = "scale"
 #: What to try, by the mode the step ran in.
 ADVICE = {
     "fp16": "try bf16, keep the op that overflows in fp32 (%oplist), or lower the learning rate",
@@ -50,8 +63,9 @@ class HealthWatch(Sink):
 
     Attributes:
         stop: True once a problem was found under ``on_nonfinite="stop"``.
-        found: the kinds found so far (``"nonfinite"``, ``"collapse"``), each reported once
-            until :meth:`restart` (each ``fit`` restarts it).
+        found: the kinds found so far (``"nonfinite"``, ``"collapse"``, ``"zero_gradients"``),
+            each reported once until :meth:`restart` (each ``fit`` restarts it) or, for the
+            last two, :meth:`rearm` (a scale given back).
     """
 
     def __init__(self, on_nonfinite: str = "warn") -> None:
@@ -63,14 +77,16 @@ class HealthWatch(Sink):
         self._checked = 0
 
     def update(self, history: History) -> None:
-        losses, skips, scales, unread_losses = (
+        losses, skips, scales, unread_losses, norms = (
             history.loss,
             history.skipped,
             history.loss_scale,
             history.loss_missing,
+            history.grad_norm,
         )
         for index in range(self._checked, len(history)):
             loss, skipped, scale = losses[index], skips[index], scales[index]
+            step = history.step[index]
             unread = unread_losses[index]  # NaN that stands for "unknown", not a diverged loss
             if (
                 "nonfinite" not in self.found
@@ -85,9 +101,26 @@ class HealthWatch(Sink):
                     history,
                     index,
                     "collapse",
-                    f"loss scale collapsed to {scale:g} at step {history.step[index]}: gradients overflow fp16 at "
+                    f"loss scale collapsed to {scale:g} at step {step}: gradients overflow fp16 at "
                     "every scale, so steps are skipped",
                 )
+            if "zero_gradients" not in self.found and not skipped:
+                if scale < COLLAPSED_SCALE:
+                    self._report(
+                        history,
+                        index,
+                        "zero_gradients",
+                        f"step {step} was taken at loss scale {scale:.2g}: its scaled gradients "
+                        "underflow fp16 to zero, so the weights barely move",
+                    )
+                elif norms[index] == 0.0:
+                    self._report(
+                        history,
+                        index,
+                        "zero_gradients",
+                        f"gradient norm 0 at step {step}: every gradient is zero, so the weights "
+                        "do not move",
+                    )
         self._checked = len(history)
 
     def _report(self, history: History, index: int, kind: str, what: str) -> None:
@@ -103,8 +136,47 @@ class HealthWatch(Sink):
         if self.on_nonfinite != "ignore":
             warn_user(message)
 
+    def rearm(self) -> None:
+        """Report a collapsed scale and zero gradients again (the scale was given back)."""
+        self.found -= {"collapse", "zero_gradients"}
+
     def restart(self, history: History) -> None:
         """Check only rows recorded from now on, and report again (a new fit on a continued history)."""
         self._checked = len(history)
         self.stop = False
         self.found.clear()
+
+
+def scale_back(
+    scaler: torch.amp.GradScaler | None, history: History, step: int, cause: str
+) -> bool:
+    """Put a loss scale that overflowing steps lowered back to the scaler's initial scale, noted on
+    ``history`` as a ``"scale"`` event at ``step`` (the first step to use it); ``cause`` says what ended the overflow. Call it
+    between two optimizer steps, after a change that ends the overflow (a remedy, a switch): at a
+    collapsed scale every gradient underflows, and GradScaler alone would take thousands of steps
+    to grow it back. True when the scale was put back; nothing changes when it stands at its
+    initial scale or above, or without an enabled scaler. One host read of the scale.
+
+    Example:
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        >>> _ = scaler.scale(torch.ones(()))  # the scale tensor exists from the first use
+        >>> scaler.update(new_scale=2.0**-40)  # forty overflowing steps later
+        >>> history = History()
+        >>> scale_back(scaler, history, 41, "the remedy ended the overflow"), scaler.get_scale()
+        (True, 1024.0)
+        >>> history.events[0]["message"]
+        'loss scale back to 1024 from 9.1e-13: the remedy ended the overflow'
+    """
+    if scaler is None or not scaler.is_enabled():
+        return False
+    scale, initial = float(scale_in_use(scaler)), initial_scale(scaler)
+    if scale >= initial:
+        return False
+    scaler.update(new_scale=initial)
+    history.note(
+        f"loss scale back to {initial:g} from {scale:.2g}: {cause}",
+        kind=SCALE_BACK_KIND,
+        step=step,
+        scale=initial,
+    )
+    return True

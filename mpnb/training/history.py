@@ -40,7 +40,7 @@ from mpnb.training.history_format import (
 __all__ = ["History", "COLUMNS"]
 
 #: Event kinds that mean the run went wrong (put there by mpnb.training.health).
-ALARM_KINDS = ("nonfinite", "collapse")
+ALARM_KINDS = ("nonfinite", "collapse", "zero_gradients")
 
 
 class _Column:
@@ -134,7 +134,7 @@ class History:
 
     def summary(self) -> RunSummary:
         """The run in a few numbers: steps, skipped, final loss and scale, median step time, peak memory,
-        and the run's alarms (a non-finite loss, a collapsed scale; see :mod:`mpnb.training.health`).
+        and the run's alarms (a non-finite loss, a collapsed scale, zero gradients; see :mod:`mpnb.training.health`).
         A dict that shows itself as a table (see :class:`RunSummary`).
 
         The final loss is the last step the optimizer took, NaN or inf included: a diverged run

@@ -1,6 +1,8 @@
 """A running fit follows the session's switches (mode, fp32 math, op lists), made from the
 control panel or a widget while it trains, at the next step boundary; each one it follows is a
-``"switch"`` event on the history.
+``"switch"`` event on the history. A switch of mode or op lists is how an overflow is ended
+mid-fit: an fp16 loss scale the skips lowered goes back to its initial scale then
+(:meth:`~mpnb.training.amp_step.AmpStep.scale_back`).
 
 Only what still differs at the step boundary is followed: a scoped switch in model code
 (``with mpnb.tf32(False):``) is entered and left within a step and changes nothing here.
@@ -73,6 +75,8 @@ class SessionFollower:
             lists = session.oplists.lists
             text = f"lower {len(lists.lower)}, fp32 {len(lists.fp32)}" if lists else "none"
             trainer.history.note(f"op lists: {text}", kind="switch", step=next_step)
+        if "mode" in changed or "oplists" in changed:
+            trainer.amp.scale_back("the precision changed", step=next_step)
 
     def switch_to(self, precision: TrainingPrecision, next_step: int) -> None:
         """Train in ``precision`` from ``next_step`` on (its fp32-math scope replaces the old one)."""

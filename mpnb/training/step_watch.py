@@ -94,6 +94,16 @@ def scale_in_use(scaler: torch.amp.GradScaler | None) -> torch.Tensor | float:
     )  # get_scale() reads no tensor then
 
 
+def initial_scale(scaler: torch.amp.GradScaler) -> float:
+    """The scale ``scaler`` started from (its ``init_scale``), which GradScaler keeps but does not
+    show.
+
+    >>> initial_scale(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    1024.0
+    """
+    return float(scaler._init_scale)
+
+
 def lr_in_use(optimizer: torch.optim.Optimizer) -> Any:
     """The learning rate of the optimizer's first parameter group, as the next step uses it: a copy when
     it is a tensor (a scheduler changes it in place, and the row is read at a later flush).

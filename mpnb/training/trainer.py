@@ -501,7 +501,7 @@ class Trainer:
                     if checkpoint.changed:
                         self._follower.follow(checkpoint.changed)
                     if "reset" in checkpoint.changed:  # every switch put back, the remedies too
-                        self._instruments.undo_for_reset(self.history, self.amp.steps)
+                        self._instruments.undo_for_reset(self.history, self.amp.steps + 1)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
                     wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
@@ -575,9 +575,11 @@ class Trainer:
 
     def keep_in_fp32(self, module: str) -> str:
         """The remedy for an overflow named in one module: run ``module`` in float32 (autocast
-        off inside it, its inputs cast up) from the next step until the end of this fit (or of
-        the next, when no fit runs), noted on the history as a switch. Call it between steps:
-        from a dashboard button, a callback, or between fits. Returns the module's name.
+        off inside it, its inputs cast up) from the next step until the end of this fit, noted
+        on the history as a switch; the loss scale the skips lowered goes back to the scaler's
+        initial scale (a ``"scale"`` event), else its gradients would underflow to zero. Call it
+        between steps: from a dashboard button, a callback. Asked for between fits, it changes
+        nothing until the next fit, and lasts that fit. Returns the module's name.
 
         ``module`` may be a name as the model gives it (``"transformer.h.1.mlp.c_proj"``) or
         as an ``"origin"`` event gives it (the root's class first).
@@ -587,6 +589,8 @@ class Trainer:
             >>> trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
             >>> trainer.keep_in_fp32("classifier")
             'classifier'
+            >>> "forward" in vars(trainer.model.classifier)  # between fits: not yet
+            False
             >>> trainer.fit(train, max_steps=2).events[-1]["message"]
             'classifier runs in fp32 (autocast off inside it)'
             >>> "forward" in vars(trainer.model.classifier)  # put back when the fit ended
@@ -595,13 +599,9 @@ class Trainer:
         Raises:
             MpnbError: no module of that name (the closest names are listed); nothing changes.
         """
-        found = self._instruments.keep_in_fp32(module)
-        self.history.note(
-            f"{found} runs in fp32 (autocast off inside it)",
-            kind="switch",
-            step=self.amp.steps,
-            module=found,
-        )
+        found = self._instruments.keep_in_fp32(module, self.amp.steps + 1)
+        if self._instruments.running:  # else the next fit applies it, at its first step
+            self.amp.scale_back(f"{found} runs in fp32 now")
         return found
 
     def describe(self) -> str:

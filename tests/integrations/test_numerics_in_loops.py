@@ -67,7 +67,7 @@ def test_the_remedy_stops_the_skips_from_the_next_step_and_is_taken_back_at_the_
     model, _, history = fp16_loop(gpt2_batches(5), remedy=True, flush_every=1)
     assert history.skipped == [True, True, False, False, False]
     switch = next(e for e in history.events if e["kind"] == "switch")
-    assert switch["module"] == "transformer.h.1.mlp.c_proj" and switch["step"] == 2
+    assert switch["module"] == "transformer.h.1.mlp.c_proj" and switch["step"] == 3
     assert "forward" not in vars(model.transformer.h[1].mlp.c_proj)  # put back
 
 
@@ -84,7 +84,7 @@ def test_a_session_reset_undoes_the_remedy_in_a_loop_of_ones_own():
     )
     assert history.skipped == [True, True, False, True, True]
     undone = [e for e in history.events if e["kind"] == "switch"][-1]
-    assert undone["step"] == 3 and "runs under autocast again" in undone["message"]
+    assert undone["step"] == 4 and "runs under autocast again" in undone["message"]
     assert "forward" not in vars(model.transformer.h[1].mlp.c_proj)
 
 

@@ -147,7 +147,7 @@ def test_the_named_module_kept_in_fp32_stops_the_skips_from_the_next_step_of_the
         history = trainer.fit(gpt2_batches(5))
     assert history.skipped == [True, False, False, False, False]
     switch = next(e for e in history.events if e["kind"] == "switch")
-    assert switch["module"] == "transformer.h.1.mlp.c_proj" and switch["step"] == 1
+    assert switch["module"] == "transformer.h.1.mlp.c_proj" and switch["step"] == 2
     # the remedy lasted the fit: the module is as it was, and the next fit skips again
     trainer.control.pollers.remove(remedy_once_named)
     assert "forward" not in vars(trainer.model.transformer.h[1].mlp.c_proj)
@@ -176,7 +176,7 @@ def test_a_session_reset_mid_fit_undoes_the_remedy_from_the_next_step():
         history = trainer.fit(gpt2_batches(5))
     assert history.skipped == [True, False, False, True, True]
     undone = [e for e in history.events if e["kind"] == "switch"][-1]
-    assert undone["step"] == 3 and undone["message"] == (
+    assert undone["step"] == 4 and undone["message"] == (
         "transformer.h.1.mlp.c_proj runs under autocast again (the session was reset)"
     )
     assert not trainer._instruments.kept

@@ -219,3 +219,14 @@ def test_a_fused_optimizer_that_skips_inside_its_step_is_counted_as_skipped():
         amp.backward(loss * math.inf if step in (2, 5) else loss)
         amp.step()
     assert amp.close().skipped_steps == [2, 5]
+
+
+def test_a_step_whose_gradient_norm_is_zero_is_an_alarm_reported_once():
+    """Weights that do not move, whatever the cause (here a loss that does not depend on them)."""
+    trainer, data = trainer_with(
+        lambda output, target: (output * 0).sum(), record_grad_norm=True, on_nonfinite="ignore"
+    )
+    history = trainer.fit(data)
+    (alarm,) = [e for e in history.events if e["kind"] == "zero_gradients"]
+    assert alarm["step"] == 1 and alarm["message"].startswith("gradient norm 0 at step 1")
+    assert history.summary()["alarms"] == [alarm["message"]]
