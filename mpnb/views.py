@@ -17,6 +17,7 @@ Where they show something, they ask this module for a view factory:
   its modes while they train; see :class:`~mpnb.analysis.comparison.ComparisonProgress`
   (``sink_for(mode, steps, warmup)``, ``finished(result)``, ``close(comparison)``).
 - ``advice_figure(advice) -> figure``: the numerics advisor's heatmap (``Advice.figure``).
+- ``whatif_figure(result) -> figure``: the what-if's heatmap, layer x format (``WhatIf.figure``).
 - ``rank_dashboard(kind, title, control) -> RanksView``: how :func:`mpnb.distributed.launch`
   shows every rank's telemetry while they train (``kind`` as for ``dashboard``); see
   :class:`~mpnb.distributed.rank_rows.RanksView`. A Stop button calls ``control.stop()``.
@@ -34,7 +35,7 @@ Example:
     >>> provide(nothing=print)
     Traceback (most recent call last):
     ...
-    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure, memory_figure, numerics_figure, rank_dashboard
+    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure, memory_figure, numerics_figure, rank_dashboard, whatif_figure
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ VIEW_NAMES = (
     "memory_figure",
     "numerics_figure",
     "rank_dashboard",
+    "whatif_figure",
 )
 
 _factories: dict[str, Callable[..., Any] | None] = dict.fromkeys(VIEW_NAMES)

@@ -166,7 +166,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[[], None]]:
+def left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[[], None]]:
     """Run the passes on ``device``; yields a function that resets the model and the random state
     to how they were at the start. Afterwards model, device and random state are as found.
 
@@ -292,7 +292,7 @@ def advise(
     """
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     target = resolve_device(device) if device is not None or first is None else first.device
-    with _left_as_found(model, target) as start_again:
+    with left_as_found(model, target) as start_again:
         reference = _pass(model, batch, loss_fn, target, None)
         low = {}
         for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):

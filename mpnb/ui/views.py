@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from mpnb.distributed.rank_rows import RanksView
     from mpnb.numerics.advisor import Advice
     from mpnb.numerics.watch import NumericsLog
+    from mpnb.numerics.whatif import WhatIf
     from mpnb.training.control import FitControl
     from mpnb.training.history import History
     from mpnb.training.telemetry import Sink
@@ -140,6 +141,13 @@ def advice_figure(advice: Advice) -> Any:
     return advice_heatmap(advice)
 
 
+def whatif_figure(result: WhatIf) -> Any:
+    """The what-if's heatmap, layer x format (plotly)."""
+    from mpnb.ui.plots.whatif_figure import whatif_heatmap
+
+    return whatif_heatmap(result)
+
+
 def install() -> None:
     """Make these the views the core uses.
 
@@ -158,4 +166,5 @@ def install() -> None:
         memory_figure=memory_figure,
         numerics_figure=numerics_figure,
         rank_dashboard=make_rank_dashboard,
+        whatif_figure=whatif_figure,
     )

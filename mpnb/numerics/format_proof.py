@@ -1,0 +1,180 @@
+"""The proof of a what-if's advice: the recommended configuration trained beside bf16.
+
+:func:`prove` builds two runs with the ``make_run`` a comparison takes (``make_run(mode)``
+returns ``(trainer, data)`` or ``(trainer, data, metric)``; see :mod:`mpnb.analysis.runs`):
+bf16, and the format's mode keeping the layers :meth:`~mpnb.numerics.whatif.WhatIf.recommend`
+names. A mode with a ``keep`` option (fp8, and any mode that takes one) gets them there; fp16
+and bf16 run each kept layer in fp32 (``Trainer.keep_in_fp32``). Both train the same number of
+steps from the same fresh run, and the report is the loss gap step by step: its mean over the
+second half of the run and its spread (the standard deviation of the per-step differences),
+beside bf16's own loss.
+
+Example:
+    >>> configuration("fp8", ["lm_head"])
+    (Mode('fp8', keep=('lm_head',)), [])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mpnb.errors import MpnbError
+from mpnb.precision.modes.base import Mode
+from mpnb.precision.modes.registry import mode_names, parse_mode
+
+__all__ = ["Proof"]
+
+#: The mode that trains each format, with the recipe it names; None: no mode trains it (torchao
+#: trains NVFP4 on Blackwell GPUs only, with Triton kernels).
+FORMAT_MODES = {
+    "fp16": "fp16",
+    "bf16": "bf16",
+    "fp8": "fp8:tensorwise",
+    "fp8_rowwise": "fp8:rowwise",
+    "mxfp8": "mxfp8",
+    "nvfp4": None,
+}
+#: The run everything is measured beside.
+BASELINE = "bf16"
+
+
+@dataclasses.dataclass
+class Proof:
+    """The recommended configuration of a format trained beside bf16.
+
+    Attributes:
+        format: the format proved.
+        mode: the mode the configuration ran, as its label (``"fp8:tensorwise"``).
+        keep: the layers kept in higher precision.
+        losses: its loss at each step; ``bf16_losses``: bf16's.
+        gap: the mean of (its loss - bf16's) over the second half of the steps.
+        spread: the standard deviation of those per-step differences.
+
+    Example:
+        >>> proof = Proof("fp8", "fp8:tensorwise", ["4"], [2.0, 1.5, 1.2, 1.0], [2.0, 1.4, 1.1, 1.0])
+        >>> round(proof.gap, 3), round(proof.spread, 3)
+        (0.05, 0.071)
+        >>> print(proof)
+        fp8 (fp8:tensorwise, keeping 4) beside bf16 over 4 steps: loss gap +0.05 (spread 0.0707, over the last 2 steps), 4.8% of bf16's loss 1.05
+    """
+
+    format: str
+    mode: str
+    keep: list[str]
+    losses: list[float]
+    bf16_losses: list[float]
+
+    @property
+    def _window(self) -> tuple[list[float], list[float]]:
+        steps = min(len(self.losses), len(self.bf16_losses))
+        start = steps // 2
+        return self.losses[start:steps], self.bf16_losses[start:steps]
+
+    @property
+    def gap(self) -> float:
+        """Mean per-step loss difference (this configuration minus bf16), second half of the run."""
+        ours, theirs = self._window
+        return statistics.fmean(a - b for a, b in zip(ours, theirs)) if ours else math.nan
+
+    @property
+    def spread(self) -> float:
+        """Standard deviation of the per-step differences the gap averages (0 for one step)."""
+        ours, theirs = self._window
+        differences = [a - b for a, b in zip(ours, theirs)]
+        return statistics.stdev(differences) if len(differences) > 1 else 0.0
+
+    def __str__(self) -> str:
+        ours, theirs = self._window
+        reference = statistics.fmean(theirs) if theirs else math.nan
+        kept = ", ".join(self.keep) if self.keep else "no layer"
+        share = f"{self.gap / reference:.1%}" if reference else "n/a"
+        return (
+            f"{self.format} ({self.mode}, keeping {kept}) beside {BASELINE} over "
+            f"{len(self.losses)} steps: loss gap {self.gap:+.3g} (spread {self.spread:.3g}, over "
+            f"the last {len(ours)} steps), {share} of {BASELINE}'s loss {reference:.3g}"
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def configuration(format: str, keep: Sequence[str]) -> tuple[Mode, list[str]]:
+    """The mode that trains ``format`` keeping ``keep``, and the layers left for
+    ``Trainer.keep_in_fp32`` (those a mode without a ``keep`` option cannot take).
+
+    Raises:
+        MpnbError: no registered mode trains the format; the ones that can are named.
+
+    Example:
+        >>> configuration("fp8_rowwise", ["head"])
+        (Mode('fp8', recipe='rowwise', keep=('head',)), [])
+        >>> configuration("fp16", ["head"])
+        (Mode('fp16'), ['head'])
+    """
+    name = FORMAT_MODES.get(format)
+    if name is None or name.partition(":")[0] not in mode_names():
+        trainable = [
+            f for f, m in FORMAT_MODES.items() if m and m.partition(":")[0] in mode_names()
+        ]
+        raise MpnbError(
+            f"no mode of this installation trains {format!r}"
+            + (" (torchao trains NVFP4 on Blackwell GPUs only)" if format == "nvfp4" else "")
+            + f"; prove can train {', '.join(trainable)}"
+        )
+    mode = parse_mode(name)
+    if keep and "keep" in {field.name for field in mode.option_fields()}:
+        return parse_mode(mode, keep=list(keep)), []
+    return mode, list(keep)
+
+
+def prove(
+    keep: Sequence[str], make_run: Callable[[Any], Sequence[Any]], format: str, steps: int = 20
+) -> Proof:
+    """Train ``format`` keeping the layers ``keep`` (a what-if's advice) and bf16 for ``steps``
+    steps each.
+
+    Args:
+        keep: the layers to keep in higher precision (:meth:`~mpnb.numerics.whatif.WhatIf.recommend`).
+        make_run: ``make_run(mode) -> (trainer, data)`` or ``(trainer, data, metric)``, a fresh
+            run each call, as :func:`mpnb.compare` takes it. It is called with ``"bf16"`` and
+            with the recommended mode, a :class:`~mpnb.precision.modes.base.Mode` carrying its
+            ``keep`` option where it has one: hand it to ``Trainer(mode=...)``.
+        format: a format the what-if measured.
+        steps: optimizer steps of each run.
+
+    Raises:
+        MpnbError: a format no mode trains.
+        TypeError: ``make_run`` returned something else than a trainer and its data.
+        ValueError: ``steps`` is not a whole number >= 1.
+
+    Example:
+        >>> Proof("bf16", "bf16", [], [1.0], [1.0]).gap
+        0.0
+    """
+    keep = list(keep)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
+    mode, in_fp32 = configuration(format, keep)
+    baseline = _losses(make_run, BASELINE, [], steps)
+    losses = _losses(make_run, mode, in_fp32, steps)
+    return Proof(format, mode.label, keep, losses, baseline)
+
+
+def _losses(
+    make_run: Callable[[Any], Sequence[Any]], mode: Any, in_fp32: list[str], steps: int
+) -> list[float]:
+    run = make_run(mode)
+    if not isinstance(run, (tuple, list)) or len(run) not in (2, 3) or not hasattr(run[0], "fit"):
+        raise TypeError(
+            f"make_run({mode!r}) returned {type(run).__name__}; it must return (trainer, data) "
+            "or (trainer, data, metric) with an mpnb.Trainer, as compare's make_run does"
+        )
+    trainer, data = run[0], run[1]
+    for layer in in_fp32:
+        trainer.keep_in_fp32(layer)
+    history = trainer.fit(data, max_steps=steps)
+    return [float(loss) for loss in history.loss]

@@ -1,0 +1,532 @@
+"""What if: which number format can each layer of a model take, before a run.
+
+:func:`whatif` runs one forward and backward pass in fp32 on a batch, through the probe's hooks
+(:mod:`mpnb.numerics.probe`). For every layer that multiplies by a weight (``nn.Linear``, the
+``nn.Conv*`` layers, transformers' ``Conv1D``) it takes the three matmuls of its training step:
+
+- ``forward``: the input times the weight;
+- ``input_grad``: the output's gradient times the weight (the gradient the layer hands back);
+- ``weight_grad``: the output's gradient times the input (the weight's gradient),
+
+and, for each format (:mod:`mpnb.numerics.formats`: fp16, bf16, fp8, fp8_rowwise, mxfp8,
+nvfp4), casts both operands, multiplies them and measures what the format did: the relative
+error of the product against fp32 (Frobenius norms), the share of the operands' elements past
+the format's largest value (overflow or saturation), the share of their nonzero elements
+flushed to zero, and the range of the scales. The scaled formats apply to the linear layers
+only, as torchao's training layers do; a convolution is measured in fp16 and bf16.
+
+A layer's three matmuls are measured as its output's gradient arrives in the backward pass,
+with the input the pass saved anyway, and let go: beyond the step, one layer's tensors at a
+time.
+
+:meth:`WhatIf.recommend` names the layers to keep in higher precision for a format: those where
+any matmul passes the format's :class:`Threshold`. The default thresholds (:data:`THRESHOLDS`)
+sit a few times above what each format does to well-behaved tensors (normal values, measured):
+a layer past one is a layer whose values the format cannot hold, not one that merely rounds.
+fp16's and bf16's flush to zero is left out: on gradients it is loss scaling's work (see
+:func:`~mpnb.numerics.advisor.advise`), not a reason to keep a layer.
+
+Example:
+    >>> import torch
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+    >>> batch = (torch.randn(32, 64), torch.randint(0, 2, (32,)))
+    >>> result = whatif(model, batch, torch.nn.functional.cross_entropy, formats=["fp16", "nvfp4"])
+    >>> len(result.rows), sorted(result.rows[0])
+    (12, ['format', 'layer', 'matmul', 'overflow', 'rel_error', 'scale_range', 'underflow'])
+    >>> result.recommend("fp16")
+    []
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpnb import views
+from mpnb._render import html_table, text_table
+from mpnb.errors import MpnbError
+from mpnb.numerics import formats as fmt
+from mpnb.numerics.advisor import left_as_found
+from mpnb.numerics.probe import ModuleProbe
+from mpnb.training.batches import batch_loss, to_device
+
+__all__ = ["WhatIf", "Threshold", "whatif"]
+
+#: The three matmuls of a layer's training step, in the order of the tables.
+MATMULS = ("forward", "input_grad", "weight_grad")
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Threshold:
+    """When a layer cannot take a format: any of its matmuls past one of these (None: not
+    looked at).
+
+    Attributes:
+        rel_error: relative error of the product against fp32.
+        overflow: share of the operands' elements past the format's largest value.
+        underflow: share of their nonzero elements flushed to zero.
+
+    Example:
+        >>> Threshold(rel_error=0.05, overflow=0.0).passed({"rel_error": 0.2, "overflow": 0.0, "underflow": 0.5})
+        True
+    """
+
+    rel_error: float
+    overflow: float
+    underflow: float | None = None
+
+    def passed(self, row: dict[str, Any]) -> bool:
+        """``row`` (one of :attr:`WhatIf.rows`) is past this threshold."""
+        return (
+            row["rel_error"] > self.rel_error
+            or row["overflow"] > self.overflow
+            or (self.underflow is not None and row["underflow"] > self.underflow)
+        )
+
+
+#: The default thresholds. Each sits a few times above what the format does to normal tensors
+#: (relative error: fp16 3e-4, bf16 2.5e-3, fp8 and fp8_rowwise 4e-2 to 6e-2, mxfp8 4e-2 to
+#: 1e-1, nvfp4 0.09 to 0.14; nvfp4 flushes 5-7% of their elements): past one, a layer holds
+#: values the format cannot, not values it merely rounds. Overflow: any element in fp16, bf16
+#: and fp8 (whose scales leave none past the largest value); mxfp8 and nvfp4 saturate a few
+#: percent by design (power-of-two scales rounded down, e4m3 block scales rounded), up to 12.5%
+#: of a value: 10% of the elements before it counts.
+THRESHOLDS = {
+    "fp16": Threshold(rel_error=0.01, overflow=0.0),
+    "bf16": Threshold(rel_error=0.02, overflow=0.0),
+    "fp8": Threshold(rel_error=0.15, overflow=0.0, underflow=0.01),
+    "fp8_rowwise": Threshold(rel_error=0.15, overflow=0.0, underflow=0.01),
+    "mxfp8": Threshold(rel_error=0.15, overflow=0.1, underflow=0.01),
+    "nvfp4": Threshold(rel_error=0.3, overflow=0.1, underflow=0.15),
+}
+
+
+def whatif(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    formats: Iterable[str] | None = None,
+) -> WhatIf:
+    """Measure, layer by layer, what each number format would do to this model's matmuls.
+
+    Args:
+        model: left as found: weights, buffers, gradients, train/eval flags, random state.
+        batch: one batch, as the Trainer takes it: ``(inputs, targets)`` with a ``loss_fn``;
+            without one, what the model takes to compute its own loss (a dict of keyword
+            arguments, a tuple of positional ones, or one tensor).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar``; None for a model that returns its loss.
+        formats: names from :data:`~mpnb.numerics.formats.FORMATS` (default: all of them).
+
+    Returns:
+        A :class:`WhatIf`: its rows, tables, figure and advice.
+
+    Raises:
+        InvalidChoiceError: an unknown format (the valid ones are named).
+        MpnbError: the model has no layer a format applies to, or the pass measured none.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        >>> batch = (torch.randn(16, 32), torch.randn(16, 4))
+        >>> result = whatif(model, batch, torch.nn.functional.mse_loss, formats=["bf16", "mxfp8"])
+        >>> result.layers, result.formats
+        (['0', '2'], ('bf16', 'mxfp8'))
+        >>> whatif(model, batch, torch.nn.functional.mse_loss, formats=["fp4"])
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.InvalidChoiceError: unknown format 'fp4'; valid: fp16, bf16, fp8, fp8_rowwise, mxfp8, nvfp4
+    """
+    chosen = (
+        fmt.FORMATS
+        if formats is None
+        else tuple(
+            fmt.check_format(name) for name in ([formats] if isinstance(formats, str) else formats)
+        )
+    )
+    layers = {name: module for name, module in model.named_modules() if _multiplies(module)}
+    if not layers:
+        raise MpnbError(
+            f"{type(model).__name__} has no layer a format applies to: what-if measures "
+            "nn.Linear, nn.Conv1d/2d/3d and transformers' Conv1D"
+        )
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    measured = _Measured(chosen)
+    pending: dict[str, list[torch.Tensor]] = {}
+
+    def on_output(name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if inputs and isinstance(inputs[0], torch.Tensor):
+            pending.setdefault(name, []).append(inputs[0].detach())
+
+    def on_gradient(name: str, gradient: torch.Tensor) -> None:
+        if pending.get(name):
+            measured.layer(name, layers[name], pending[name].pop(), gradient.detach())
+
+    with left_as_found(model, device):
+        model.zero_grad(set_to_none=True)
+        with ModuleProbe(model, list(layers), on_output, on_gradient):
+            with torch.autocast(device.type, enabled=False):
+                loss = batch_loss(model, to_device(batch, device), loss_fn, None)
+            loss.float().backward()
+    if not measured.rows:
+        raise MpnbError(
+            "the pass reached none of the model's linear layers with a gradient: is the loss "
+            "computed from the model's output, and does it need a gradient?"
+        )
+    return WhatIf(measured.table(), chosen)
+
+
+def _multiplies(module: nn.Module) -> bool:
+    """A layer with a weight it multiplies by: Linear, a convolution, transformers' ``Conv1D``
+    (a Linear whose weight is stored transposed, known by its name and its ``nf`` width)."""
+    if isinstance(module, nn.Linear) or isinstance(module, _CONVOLUTIONS):
+        return True
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+    )
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """The weight of a linear layer as ``nn.Linear`` holds it: (out features, in features).
+
+    >>> linear_weight(torch.nn.Linear(3, 2)).shape
+    torch.Size([2, 3])
+    """
+    weight = module.weight.detach()
+    return weight if isinstance(module, nn.Linear) else weight.t()
+
+
+def linear_operands(
+    x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor
+) -> dict[str, tuple[tuple[torch.Tensor, str], tuple[torch.Tensor, str]]]:
+    """A linear layer's three matmuls ``a @ b``, each as ((a, its role), (b, its role)), from its
+    input ``x`` (rows of in features), its ``weight`` (out x in) and its output's ``gradient``.
+
+    >>> operands = linear_operands(torch.ones(5, 3), torch.ones(2, 3), torch.ones(5, 2))
+    >>> {name: (a.shape[1], b.shape[0]) for name, ((a, _), (b, _)) in operands.items()}
+    {'forward': (3, 3), 'input_grad': (2, 2), 'weight_grad': (5, 5)}
+    """
+    return {
+        "forward": ((x, "activation"), (weight.t(), "weight")),
+        "input_grad": ((gradient, "gradient"), (weight, "weight")),
+        "weight_grad": ((gradient.t(), "gradient"), (x, "activation")),
+    }
+
+
+class _Measured:
+    """The figures of each (layer, matmul, format), the worst kept where a layer runs twice."""
+
+    def __init__(self, formats: Sequence[str]) -> None:
+        self.formats = formats
+        self.rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+
+    def layer(self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor) -> None:
+        with torch.no_grad():
+            if isinstance(module, _CONVOLUTIONS):
+                self._convolution(name, module, x.float(), gradient.float())
+            else:
+                weight = linear_weight(module).float()
+                x = x.float().reshape(-1, weight.shape[1])
+                gradient = gradient.float().reshape(-1, weight.shape[0])
+                self._linear(name, x, weight, gradient)
+
+    def _linear(
+        self, name: str, x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor
+    ) -> None:
+        for matmul, ((a, role_a), (b, role_b)) in linear_operands(x, weight, gradient).items():
+            reference = a @ b
+            for format_name in self.formats:
+                left = fmt.cast(format_name, a, role_a, dim=1)
+                right = fmt.cast(format_name, b, role_b, dim=0)
+                product = fmt.output(format_name, left.values @ right.values)
+                self._add(name, matmul, format_name, product, reference, (left, right))
+
+    def _convolution(
+        self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor
+    ) -> None:
+        weight = module.weight.detach().float()
+        reference = _convolution_products(module, x, weight, gradient)
+        for format_name in self.formats:
+            if format_name not in fmt.DTYPE_FORMATS:
+                continue  # torchao's scaled training layers convert linear layers only
+            cast = {
+                part: fmt.cast(format_name, tensor, role, dim=1)
+                for part, tensor, role in (
+                    ("x", x, "activation"),
+                    ("weight", weight, "weight"),
+                    ("gradient", gradient, "gradient"),
+                )
+            }
+            products = _convolution_products(
+                module, cast["x"].values, cast["weight"].values, cast["gradient"].values
+            )
+            operands = {
+                "forward": (cast["x"], cast["weight"]),
+                "input_grad": (cast["gradient"], cast["weight"]),
+                "weight_grad": (cast["gradient"], cast["x"]),
+            }
+            for matmul in MATMULS:
+                product = fmt.output(format_name, products[matmul])
+                self._add(name, matmul, format_name, product, reference[matmul], operands[matmul])
+
+    def _add(
+        self,
+        layer: str,
+        matmul: str,
+        format_name: str,
+        product: torch.Tensor,
+        reference: torch.Tensor,
+        operands: tuple[fmt.Operand, fmt.Operand],
+    ) -> None:
+        row = {
+            "layer": layer,
+            "matmul": matmul,
+            "format": format_name,
+            "rel_error": relative_error(product, reference),
+            "overflow": sum(o.overflow for o in operands) / sum(o.elements for o in operands),
+            "underflow": sum(o.flushed for o in operands)
+            / max(1, sum(o.nonzero for o in operands)),
+            "scale_range": (
+                min(o.scales[0] for o in operands),
+                max(o.scales[1] for o in operands),
+            ),
+        }
+        key = (layer, matmul, format_name)
+        seen = self.rows.get(key)
+        if seen is not None:  # a layer called twice: its worst call
+            row = {
+                **row,
+                **{k: max(row[k], seen[k]) for k in ("rel_error", "overflow", "underflow")},
+                "scale_range": (
+                    min(row["scale_range"][0], seen["scale_range"][0]),
+                    max(row["scale_range"][1], seen["scale_range"][1]),
+                ),
+            }
+        self.rows[key] = row
+
+    def table(self) -> list[dict[str, Any]]:
+        """The rows in forward order of the layers (their gradients arrive backwards)."""
+        order: dict[str, int] = {}
+        for layer, _, _ in reversed(list(self.rows)):
+            order.setdefault(layer, len(order))
+        return sorted(
+            self.rows.values(),
+            key=lambda row: (
+                order[row["layer"]],
+                MATMULS.index(row["matmul"]),
+                self.formats.index(row["format"]),
+            ),
+        )
+
+
+def _convolution_products(
+    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """A convolution's three products: its output (no bias) and, from ``gradient``, the
+    gradients of its input and weight, through the module's own convolution (its padding mode
+    included)."""
+    x = x.detach().requires_grad_()
+    weight = weight.detach().requires_grad_()
+    with torch.enable_grad():
+        out = module._conv_forward(x, weight, None)
+        input_grad, weight_grad = torch.autograd.grad(out, (x, weight), gradient)
+    return {"forward": out.detach(), "input_grad": input_grad, "weight_grad": weight_grad}
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||value - reference|| / ||reference||`` (Frobenius); inf when ``value`` is not all
+    finite, 0 when both are zero.
+
+    >>> round(relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])), 6)
+    0.707107
+    """
+    difference = float((value - reference).norm())
+    if not math.isfinite(difference):
+        return math.inf
+    scale = float(reference.norm())
+    return difference / scale if scale else (0.0 if difference == 0 else math.inf)
+
+
+class WhatIf:
+    """What each format would do to each layer's matmuls: the rows, the tables, the figure and
+    the advice (:meth:`recommend`, checked by :meth:`prove`).
+
+    Attributes:
+        rows: one dict per layer x matmul x format: ``layer``, ``matmul`` (``forward``,
+            ``input_grad``, ``weight_grad``), ``format``, ``rel_error``, ``overflow``,
+            ``underflow`` (shares, 0 to 1) and ``scale_range`` (smallest, largest scale).
+        formats: the formats measured.
+        layers: the layers measured, in forward order.
+        thresholds: format -> :class:`Threshold`, a copy of :data:`THRESHOLDS` to change freely.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        >>> batch = (torch.randn(8, 16), torch.randint(0, 2, (8,)))
+        >>> result = whatif(model, batch, torch.nn.functional.cross_entropy, formats=["fp16", "bf16"])
+        >>> result.thresholds["bf16"] = Threshold(rel_error=1e-9, overflow=0.0)  # stricter: keep all
+        >>> result.recommend("bf16"), result.recommend("fp16")
+        (['0', '2'], [])
+        >>> print(str(result).splitlines()[0].split())
+        ['layer', 'matmul', 'format', 'rel_error', 'overflow', 'underflow', 'scale_range']
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], formats: Sequence[str]) -> None:
+        self.rows = rows
+        self.formats = tuple(formats)
+        self.layers = list(dict.fromkeys(row["layer"] for row in rows))
+        self.thresholds = dict(THRESHOLDS)
+
+    def worst(self, layer: str, format: str) -> dict[str, Any] | None:
+        """The row of ``layer``'s matmul that fares worst in ``format`` (past its threshold
+        first, then by error); None where the format does not apply to the layer.
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Conv1d(2, 2, 3))
+        >>> batch = (torch.randn(4, 2, 8), torch.randn(4, 2, 6))
+        >>> result = whatif(model, batch, torch.nn.functional.mse_loss)
+        >>> result.worst("0", "mxfp8") is None, result.worst("0", "bf16")["format"]
+        (True, 'bf16')
+        """
+        threshold = self.thresholds[fmt.check_format(format)]
+        rows = [r for r in self.rows if r["layer"] == layer and r["format"] == format]
+        return max(rows, key=lambda r: (threshold.passed(r), r["rel_error"]), default=None)
+
+    def recommend(self, format: str) -> list[str]:
+        """The layers to keep in higher precision for ``format``: those with a matmul past
+        ``thresholds[format]``. The list goes as it is into a mode's ``keep`` option
+        (``Trainer(mode=mpnb.Mode-or-name, keep=...)``, ``%amp fp8 --keep``) or, for fp16 and
+        bf16, into ``Trainer.keep_in_fp32`` one name at a time.
+
+        Raises:
+            InvalidChoiceError: an unknown format.
+            MpnbError: a format this what-if did not measure.
+
+        Example:
+            >>> import torch
+            >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+            >>> result = whatif(model, (torch.randn(4, 8), torch.randn(4, 8)), torch.nn.functional.mse_loss, ["bf16"])
+            >>> result.recommend("bf16")
+            []
+        """
+        self._measured(format)
+        threshold = self.thresholds[format]
+        return [
+            layer
+            for layer in self.layers
+            if any(
+                threshold.passed(r)
+                for r in self.rows
+                if r["layer"] == layer and r["format"] == format
+            )
+        ]
+
+    def _measured(self, format: str) -> None:
+        fmt.check_format(format)
+        if format not in self.formats:
+            raise MpnbError(
+                f"format {format!r} was not measured; this what-if measured "
+                f"{', '.join(self.formats)}: run whatif(..., formats=[{format!r}, ...])"
+            )
+
+    def figure(self) -> Any:
+        """A heatmap layer x format, each cell the worst matmul's error, cells past the
+        format's threshold marked (the UI's ``whatif_figure`` view, plotly)."""
+        return views.view("whatif_figure")(self)
+
+    def prove(self, make_run: Callable[[Any], Sequence[Any]], format: str, steps: int = 20):
+        """Train the recommended configuration for ``format`` beside bf16 for ``steps`` steps
+        and report the loss gap: the advice checked on a short run before it is trusted.
+
+        Args:
+            make_run: ``make_run(mode) -> (trainer, data)``, a fresh run each call, as
+                :func:`mpnb.compare` takes it; called with ``"bf16"`` and with the recommended
+                mode (a :class:`~mpnb.precision.modes.base.Mode` carrying ``keep`` where the
+                mode has that option: hand it to ``Trainer(mode=...)``).
+            format: a format this what-if measured.
+            steps: optimizer steps of each run.
+
+        Returns:
+            A :class:`~mpnb.numerics.format_proof.Proof`: both loss curves, the gap, its spread.
+
+        Raises:
+            InvalidChoiceError: an unknown format.
+            MpnbError: a format not measured, or one no mode trains (nvfp4 outside Blackwell).
+
+        Example:
+            >>> import mpnb.examples as ex, torch
+            >>> def make_run(mode):
+            ...     trainer, train, _ = ex.example_trainer(mode, "cpu", model="mlp", widths=(16, 16), dashboard=None)
+            ...     return trainer, train
+            >>> trainer, train = make_run("fp32")
+            >>> result = whatif(trainer.model, next(iter(train)), torch.nn.functional.cross_entropy, ["fp16"])
+            >>> proof = result.prove(make_run, "fp16", steps=3)
+            >>> proof.keep, len(proof.losses), "loss gap" in str(proof)
+            ([], 3, True)
+        """
+        from mpnb.numerics.format_proof import prove
+
+        return prove(self.recommend(format), make_run, format, steps)
+
+    def _cells(self, row: dict[str, Any]) -> list[str]:
+        low, high = row["scale_range"]
+        return [
+            row["layer"],
+            row["matmul"],
+            row["format"],
+            f"{row['rel_error']:.3g}",
+            f"{row['overflow']:.3g}",
+            f"{row['underflow']:.3g}",
+            f"{low:.3g}..{high:.3g}",
+        ]
+
+    def __str__(self) -> str:
+        headers = ("layer", "matmul", "format", "rel_error", "overflow", "underflow", "scale_range")
+        return text_table(headers, [self._cells(row) for row in self.rows])
+
+    def __repr__(self) -> str:
+        return (
+            f"<mpnb.WhatIf {len(self.layers)} layers x {len(self.formats)} formats; "
+            + "; ".join(f"{f} keeps {len(self.recommend(f))}" for f in self.formats)
+            + ">"
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        """Layer x format: the worst matmul's error, its overflow and flush shares; a cell past
+        the threshold in bold, with the advice under the table."""
+        body = []
+        for layer in self.layers:
+            cells = [layer]
+            for format_name in self.formats:
+                row = self.worst(layer, format_name)
+                if row is None:
+                    cells.append("-")
+                    continue
+                text = (
+                    f"{row['rel_error']:.2g} ({row['matmul']}; over {row['overflow']:.1%}, "
+                    f"flushed {row['underflow']:.1%})"
+                )
+                cells.append(("KEEP " if self.thresholds[format_name].passed(row) else "") + text)
+            body.append(cells)
+        advice = "".join(
+            f"<li>{f}: keep {', '.join(self.recommend(f)) or 'none'}</li>" for f in self.formats
+        )
+        return (
+            "<b>mpnb what-if: relative error of each layer's worst matmul</b>"
+            f"{html_table(('layer', *self.formats), body)}<ul class='mpnb-whatif'>{advice}</ul>"
+        )

@@ -1,0 +1,289 @@
+"""The what-if: each layer's three matmuls in each format, measured against torchao's casts
+called by hand; planted outliers found where they were planted and nowhere else; the advice
+proved on a short run; the model, the switches and the hooks as found."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import mpnb
+from mpnb.errors import InvalidChoiceError, MpnbError
+from mpnb.numerics.whatif import THRESHOLDS, WhatIf, whatif
+
+pytest.importorskip("torchao")
+
+from torchao.float8.config import ScalingGranularity  # noqa: E402
+from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
+from torchao.float8.float8_training_tensor import LinearMMConfig  # noqa: E402
+from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
+from torchao.prototype.mx_formats.nvfp4_tensor import (  # noqa: E402
+    NVFP4Tensor,
+    per_tensor_amax_to_scale,
+)
+
+FORMATS = ("fp16", "bf16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4")
+OUTLIERS = (3, 40)
+
+
+def _by_hand(format: str, tensor: torch.Tensor, gradient: bool, dim: int) -> torch.Tensor:
+    """``tensor`` cast by torchao (or torch) directly, along ``dim``, back in float32."""
+    if format in ("fp16", "bf16"):
+        return tensor.to(torch.float16 if format == "fp16" else torch.bfloat16).float()
+    if format in ("fp8", "fp8_rowwise"):
+        rowwise = format == "fp8_rowwise"
+        dtype = torch.float8_e5m2 if gradient and not rowwise else torch.float8_e4m3fn
+        cast = hp_tensor_to_float8_dynamic(
+            tensor,
+            dtype,
+            LinearMMConfig(),
+            scaling_granularity=ScalingGranularity.AXISWISE
+            if rowwise
+            else ScalingGranularity.TENSORWISE,
+            axiswise_dim=(-1 if dim == 1 else 0) if rowwise else None,
+            round_scales_to_power_of_2=rowwise,
+        )
+        return cast.to_original_precision().float()
+    rows = tensor if dim == 1 else tensor.t()
+    block = 32 if format == "mxfp8" else 16
+    padded = nn.functional.pad(rows, (0, -rows.shape[1] % block)).contiguous()  # as kernels need
+    if format == "mxfp8":
+        values = MXTensor.to_mx(padded, torch.float8_e4m3fn, 32).dequantize(torch.float32)
+    else:
+        scale = per_tensor_amax_to_scale(padded.abs().max())
+        values = NVFP4Tensor.to_nvfp4(padded, per_tensor_scale=scale).dequantize(torch.float32)
+    values = values[:, : rows.shape[1]]
+    return values if dim == 1 else values.t()
+
+
+class Outliers(nn.Module):
+    """Multiplies two input channels by 1e5: an outlier feature planted before one layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.ones(x.shape[-1], device=x.device)
+        scale[list(OUTLIERS)] = 1e5
+        return x * scale
+
+
+def _planted() -> nn.Module:
+    """Four linear layers; the third takes two normalized channels x1e5, its weight / 1e5 on
+    them, so the model computes what it would without and only that layer sees the outliers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.LayerNorm(64),
+        Outliers(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+    with torch.no_grad():
+        model[5].weight[:, list(OUTLIERS)] /= 1e5
+    return model
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(64, 64, generator=generator), torch.randint(
+        0, 10, (64,), generator=generator
+    )
+
+
+@pytest.fixture(scope="module")
+def planted() -> WhatIf:
+    return whatif(_planted(), _batch(), nn.functional.cross_entropy)
+
+
+def test_each_error_is_torchaos_cast_applied_by_hand_to_the_recorded_tensors(planted):
+    model = _planted()
+    recorded: dict[str, dict[str, torch.Tensor]] = {}
+
+    def keep_input(name):
+        def hook(module, inputs, output):
+            recorded[name] = {"x": inputs[0].detach()}
+            output.register_hook(lambda grad: recorded[name].update(dy=grad.detach()))
+
+        return hook
+
+    for name in ("0", "2", "5", "7"):
+        model.get_submodule(name).register_forward_hook(keep_input(name))
+    x, y = _batch()
+    nn.functional.cross_entropy(model(x), y).backward()
+    for name, tensors in recorded.items():
+        w, x, dy = model.get_submodule(name).weight.detach(), tensors["x"], tensors["dy"]
+        matmuls = {
+            "forward": ((x, False), (w.t(), False)),
+            "input_grad": ((dy, True), (w, False)),
+            "weight_grad": ((dy.t(), True), (x, False)),
+        }
+        for matmul, ((a, a_grad), (b, b_grad)) in matmuls.items():
+            reference = a @ b
+            for format in FORMATS:
+                product = _by_hand(format, a, a_grad, 1) @ _by_hand(format, b, b_grad, 0)
+                if format in ("fp16", "bf16"):
+                    product = product.to(torch.float16 if format == "fp16" else torch.bfloat16)
+                product = product.float()
+                expected = (product - reference).norm() / reference.norm()
+                expected = float(expected) if torch.isfinite(product).all() else math.inf
+                (row,) = [
+                    r
+                    for r in planted.rows
+                    if (r["layer"], r["matmul"], r["format"]) == (name, matmul, format)
+                ]
+                assert row["rel_error"] == pytest.approx(expected, rel=1e-4), (name, matmul, format)
+
+
+def test_fp16_overflows_at_the_planted_layer_only_and_the_advice_keeps_it(planted):
+    overflowing = {r["layer"] for r in planted.rows if r["format"] == "fp16" and r["overflow"] > 0}
+    assert overflowing == {"5"}
+    assert planted.recommend("fp16") == ["5"]
+    assert planted.recommend("bf16") == []
+    for format in ("fp8", "fp8_rowwise", "mxfp8", "nvfp4"):
+        assert planted.recommend(format) == ["5"], format
+
+
+def test_nvfp4_is_worse_than_mxfp8_everywhere(planted):
+    error = {(r["layer"], r["matmul"], r["format"]): r["rel_error"] for r in planted.rows}
+    for layer in planted.layers:
+        for matmul in ("forward", "input_grad", "weight_grad"):
+            assert error[layer, matmul, "nvfp4"] > error[layer, matmul, "mxfp8"], (layer, matmul)
+
+
+def test_rows_tables_and_shares(planted):
+    assert planted.layers == ["0", "2", "5", "7"]
+    assert len(planted.rows) == 4 * 3 * 6
+    row = planted.worst("5", "fp16")
+    assert row["rel_error"] == math.inf and 0 < row["overflow"] < 1
+    assert all(
+        0 <= r["underflow"] <= 1 and r["scale_range"][0] <= r["scale_range"][1]
+        for r in planted.rows
+    )
+    assert next(r for r in planted.rows if r["format"] == "mxfp8")["scale_range"][0] < 1
+    text = str(planted)
+    assert len(text.splitlines()) == 1 + len(planted.rows)
+    html = planted._repr_html_()
+    assert "fp16: keep 5" in html and "bf16: keep none" in html
+    assert "fp16 keeps 1" in repr(planted)
+
+
+def test_thresholds_are_the_users_to_set(planted):
+    assert planted.thresholds == THRESHOLDS and planted.thresholds is not THRESHOLDS
+    result = WhatIf(planted.rows, planted.formats)
+    result.thresholds["bf16"] = mpnb.numerics.whatif.Threshold(rel_error=0.0, overflow=0.0)
+    assert result.recommend("bf16") == result.layers
+    assert planted.recommend("bf16") == []
+
+
+def test_a_convolution_takes_the_torch_dtypes_only():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 8 * 8, 2))
+    batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 2, (8,)))
+    result = whatif(model, batch, nn.functional.cross_entropy)
+    conv = {(r["matmul"], r["format"]) for r in result.rows if r["layer"] == "0"}
+    assert conv == {
+        (m, f) for m in ("forward", "input_grad", "weight_grad") for f in ("fp16", "bf16")
+    }
+    row = result.worst("0", "bf16")
+    assert 1e-4 < row["rel_error"] < 1e-2
+    assert result.worst("0", "fp8") is None
+
+
+def test_gpt2_with_planted_outlier_features_finds_the_planted_layers():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        n_positions=32,
+        vocab_size=128,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    planted = {"transformer.h.1.mlp.c_fc": "transformer.h.1.ln_2", "lm_head": "transformer.ln_f"}
+    with torch.no_grad():
+        for layer, norm in planted.items():
+            # outlier features after the norm, the consuming weight scaled down: the same model
+            norm = model.get_submodule(norm)
+            norm.weight[list(OUTLIERS)] *= 1e5
+            norm.bias[list(OUTLIERS)] *= 1e5
+            weight = model.get_submodule(layer).weight
+            if layer == "lm_head":  # tied to the token embedding: untie it first
+                model.lm_head.weight = nn.Parameter(weight.detach().clone())
+                weight = model.lm_head.weight
+                weight[:, list(OUTLIERS)] /= 1e5
+            else:  # transformers' Conv1D: (in, out)
+                weight[list(OUTLIERS), :] /= 1e5
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    result = whatif(model, {"input_ids": ids, "labels": ids})
+    assert "transformer.h.0.attn.c_attn" in result.layers and "lm_head" in result.layers
+    assert result.recommend("fp16") == list(planted)
+    assert result.recommend("fp8") == list(planted)
+    assert result.recommend("bf16") == []
+
+
+def test_model_switches_and_hooks_are_as_found_even_on_error():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+    rng = torch.get_rng_state()
+    whatif(model, (x, y), nn.functional.cross_entropy, formats=["bf16", "fp8"])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert model.training and not torch.is_autocast_enabled("cpu")
+
+    def broken(output, target):
+        raise RuntimeError("a loss that fails")
+
+    with pytest.raises(RuntimeError, match="a loss that fails"):
+        whatif(model, (x, y), broken)
+    assert all(not m._forward_hooks for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_bad_names_are_refused_with_the_valid_ones(planted):
+    with pytest.raises(InvalidChoiceError, match="unknown format 'fp4'; valid: fp16, bf16, fp8"):
+        whatif(_planted(), _batch(), nn.functional.cross_entropy, formats=["fp4"])
+    with pytest.raises(InvalidChoiceError, match="unknown format 'int8'"):
+        planted.recommend("int8")
+    result = WhatIf([r for r in planted.rows if r["format"] == "bf16"], ["bf16"])
+    with pytest.raises(
+        MpnbError, match="format 'fp8' was not measured; this what-if measured bf16"
+    ):
+        result.recommend("fp8")
+    with pytest.raises(MpnbError, match="has no layer a format applies to"):
+        whatif(
+            nn.Sequential(nn.ReLU()), (torch.randn(2, 2), torch.randn(2, 2)), nn.functional.mse_loss
+        )
+
+
+def _make_run(mode):
+    torch.manual_seed(0)
+    model = _planted()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)  # SGD: the 1e5 columns blow up
+    trainer = mpnb.Trainer(
+        model, optimizer, nn.functional.cross_entropy, mode=mode, device="cpu", dashboard=None
+    )
+    x, y = _batch()
+    return trainer, [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+
+
+def test_prove_trains_the_advice_beside_bf16_and_reports_the_gap(planted):
+    proof = planted.prove(_make_run, "fp8", steps=4)
+    assert proof.keep == ["5"] and proof.mode == "fp8"
+    assert len(proof.losses) == len(proof.bf16_losses) == 4
+    assert math.isfinite(proof.gap) and proof.spread >= 0
+    assert "loss gap" in str(proof) and "keeping 5" in str(proof)
+    fp16 = planted.prove(_make_run, "fp16", steps=2)
+    assert fp16.keep == ["5"] and math.isfinite(fp16.gap)
+    with pytest.raises(MpnbError, match="trains NVFP4 on Blackwell GPUs only"):
+        planted.prove(_make_run, "nvfp4", steps=2)
