@@ -1,9 +1,12 @@
-"""Files mpnb writes (histories, op lists, traces, reports) land whole or not at all.
+"""Files mpnb writes (histories, op lists, traces, reports) land whole or not at all; files it
+reads are regular files, read no further than their size.
 
 :func:`atomic_write` writes to a new file beside the destination and renames it over the
 destination once it is complete: a reader never sees half a file, an error leaves the old file
 as it was, and a symbolic link someone planted at the destination is replaced, not written
 through (``open(path, "w")`` would truncate and fill whatever file the link names).
+:func:`open_regular` and :func:`read_regular` refuse a device, a pipe, a socket or a folder
+(``/dev/zero``, or a link to it, would be read until memory ran out) before reading a byte.
 
 Example:
     >>> import pathlib, tempfile
@@ -22,6 +25,8 @@ import secrets
 import stat
 from collections.abc import Iterator
 from typing import IO, Any
+
+from mpnb.errors import MpnbError
 
 __all__: list[str] = []
 
@@ -134,3 +139,86 @@ def _sync_folder(folder: str) -> None:
             os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def open_regular(path: str | os.PathLike[str], *, what: str = "a file") -> IO[bytes]:
+    """``open(path, "rb")``, for a regular file only: a link is followed, and its target must be one.
+
+    The file is opened without waiting (a pipe with no writer would hang ``open``) and looked at
+    through its descriptor, so what is checked is what is read.
+
+    Args:
+        path: the file.
+        what: what the caller reads, for the message (``"a checkpoint"``).
+
+    Raises:
+        MpnbError: ``path`` is a device, a pipe, a socket or a folder (named, with what it is).
+        FileNotFoundError: there is no such file.
+
+    Example:
+        >>> try:
+        ...     open_regular("/dev/zero", what="a history")
+        ... except MpnbError as error:
+        ...     print(error)
+        '/dev/zero' is a character device: a history is read from a regular file
+    """
+    name = os.fspath(path)
+    descriptor = os.open(
+        name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    )
+    try:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            raise MpnbError(f"{name!r} is {file_kind(mode)}: {what} is read from a regular file")
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def read_regular(
+    path: str | os.PathLike[str], *, what: str = "a file", limit: int | None = None
+) -> bytes:
+    """The bytes of the regular file ``path`` (see :func:`open_regular`), no more than its size
+    when opened, and no more than ``limit``.
+
+    Raises:
+        MpnbError: not a regular file, or larger than ``limit`` bytes (both sizes named).
+        FileNotFoundError: there is no such file.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "list.txt"
+        >>> _ = path.write_text("softmax\\n")
+        >>> read_regular(path, limit=1024)
+        b'softmax\\n'
+    """
+    with open_regular(path, what=what) as file:
+        size = os.fstat(file.fileno()).st_size
+        if limit is not None and size > limit:
+            raise MpnbError(
+                f"{os.fspath(path)!r} is {size:,} bytes; {what} is at most {limit:,} bytes"
+            )
+        return file.read(size)
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` (``os.stat``'s ``st_mode``) is, in words.
+
+    >>> import os
+    >>> file_kind(os.lstat("/dev/null").st_mode)
+    'a character device'
+    """
+    for test, kind in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISLNK, "a link"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from mpnb._files import atomic_write
+from mpnb._files import atomic_write, open_regular
 from mpnb.errors import InvalidChoiceError, MpnbError, quoted
 
 __all__ = [
@@ -423,9 +423,10 @@ def read_op_file(path: str | os.PathLike[str]) -> list[str]:
     """Op names from a UTF-8 text file: one per line; blank lines and ``#`` comments ignored.
 
     Raises:
-        MpnbError: the file is larger than :data:`MAX_OP_FILE_BYTES` (1 MiB: some thousand
-            times every aten operator name), not UTF-8 text, or names an op that cannot be
-            listed (the message names the file and the line).
+        MpnbError: the file is not a regular file (a device or a pipe: refused unread), is
+            larger than :data:`MAX_OP_FILE_BYTES` (1 MiB: some thousand times every aten
+            operator name), is not UTF-8 text, or names an op that cannot be listed (the
+            message names the file and the line).
         OSError: the file cannot be read.
 
     Example:
@@ -438,13 +439,13 @@ def read_op_file(path: str | os.PathLike[str]) -> list[str]:
         ['softmax', 'F.log_softmax']
     """
     name = os.fspath(path)
-    size = os.path.getsize(path)
-    if size > MAX_OP_FILE_BYTES:
-        raise MpnbError(
-            f"op-list file {quoted(name)} is {size:,} bytes; op-list files are limited to 1 MiB"
-        )
-    with open(path, "rb") as file:
-        raw = file.read()
+    with open_regular(name, what="an op-list file") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size > MAX_OP_FILE_BYTES:
+            raise MpnbError(
+                f"op-list file {quoted(name)} is {size:,} bytes; op-list files are limited to 1 MiB"
+            )
+        raw = file.read(size)
     names = []
     for number, line in enumerate(raw.splitlines(), start=1):
         try:

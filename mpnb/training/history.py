@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from mpnb import views
-from mpnb._files import atomic_write
+from mpnb._files import atomic_write, read_regular
 from mpnb._render import html_table, text_table
 from mpnb.precision.backends.base import format_bytes
 from mpnb.training.history_format import (
@@ -229,11 +229,11 @@ class History:
 
         Raises:
             ValueError: the file is not an mpnb history, or not a sound one: the message names
-                the file and the line (CSV) or the field (JSON), and what is wrong there.
+                the file and the line (CSV) or the field (JSON), and what is wrong there. A
+                device, a pipe or a folder (a link to one too) is refused before it is read.
         """
         name = os.fspath(path)
-        with open(path, "rb") as file:
-            raw = file.read()
+        raw = read_regular(name, what="a history")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as error:

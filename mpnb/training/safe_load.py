@@ -5,11 +5,15 @@ while it loads. :func:`load_plain` reads a ``torch.save`` file with ``weights_on
 torch refuses it, names the globals it refused. A sharded checkpoint (DCP) is read by
 :func:`read_dcp_metadata` and :func:`load_dcp`: torch's own reader unpickles its ``.metadata`` with
 a plain ``pickle.load`` and its planner loads the shards' non-tensor entries with
-``weights_only=False``; here the metadata is unpickled admitting only the data classes DCP writes
-(:func:`metadata_globals`), and every entry of the shards with ``weights_only=True``.
+``weights_only=False``; here the metadata is read by :mod:`mpnb.training.dcp_metadata` (fresh DCP
+records only, every shard a regular file inside the folder, every record inside its shard), and
+every entry of the shards with ``weights_only=True``.
 
-This module is an adapter around torch's private details: the DCP classes its metadata pickles
-(``filesystem._StorageInfo``, ``metadata._MEM_FORMAT_ENCODING``...), ``FileSystemReader``'s
+Every file is a regular file (a device or a pipe is refused before a byte is read), and a
+``torch.save`` archive's records must be stored as they are, never deflated: torch would inflate
+a record whole before it compares its size with the tensor's (:func:`check_records`).
+
+This module is an adapter around torch's private details: ``FileSystemReader``'s
 ``_get_metadata_path`` and ``_slice_file``, ``DefaultLoadPlanner.load_bytes``, and torch's
 weights-only allow list (for the legacy file format, which torch's public check does not read).
 ``tests/training/test_safe_load.py`` fails when torch changes any of them.
@@ -29,13 +33,16 @@ import io
 import os
 import pickle
 import pickletools
+import stat
 import zipfile
 from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 
+from mpnb._files import open_regular
 from mpnb.errors import MpnbError
+from mpnb.training.dcp_metadata import check_shards, read_metadata_file
 
 __all__: list[str] = []
 
@@ -51,12 +58,51 @@ def load_plain(path: str | os.PathLike[str], map_location: Any = None) -> Any:
         FileNotFoundError: there is no such file.
     """
     name = os.fspath(path)
+    with open_regular(name, what="a checkpoint") as file:
+        check_records(file, name)
+        try:
+            return torch.load(file, map_location=map_location, weights_only=True)
+        except Exception as error:  # torch reports a truncated or foreign file in many ways
+            file.seek(0)
+            raise _unreadable(name, error, file) from None
+
+
+def check_records(file: IO[bytes], name: str) -> None:
+    """Refuse a ``torch.save`` archive with a record that is not stored as is: torch.save never
+    compresses, and torch's reader inflates a deflated record whole before it looks at its size.
+    Only the archive's directory is read; ``file`` is left at its start.
+
+    Raises:
+        MpnbError: a compressed record, named with its stored and declared sizes.
+
+    Example:
+        >>> import io, zipfile
+        >>> buffer = io.BytesIO()
+        >>> with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        ...     archive.writestr("archive/data/0", bytes(1 << 20))
+        >>> try:
+        ...     check_records(buffer, "run.pt")
+        ... except MpnbError as error:
+        ...     print(str(error).split(" (")[0])
+        'run.pt' refused: its record 'archive/data/0' is compressed
+    """
     try:
-        return torch.load(name, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as error:  # torch reports a truncated or foreign file in many ways
-        raise _unreadable(name, error, name) from None
+        if not zipfile.is_zipfile(file):
+            return
+        file.seek(0)
+        with zipfile.ZipFile(file) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):  # damaged: torch reports it
+        return
+    finally:
+        file.seek(0)
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED or record.compress_size != record.file_size:
+            raise MpnbError(
+                f"{name!r} refused: its record {record.filename!r} is compressed "
+                f"({record.compress_size:,} bytes said to inflate to {record.file_size:,}); "
+                "torch.save stores every record as is"
+            )
 
 
 def unsafe_globals(source: str | os.PathLike[str] | IO[bytes]) -> list[str]:
@@ -74,8 +120,8 @@ def unsafe_globals(source: str | os.PathLike[str] | IO[bytes]) -> list[str]:
         True
     """
     try:
-        file = source if hasattr(source, "read") else open(os.fspath(source), "rb")  # type: ignore[arg-type]
-    except OSError:
+        file = source if hasattr(source, "read") else open_regular(source)  # type: ignore[arg-type]
+    except (OSError, MpnbError):
         return []
     try:
         try:
@@ -158,93 +204,6 @@ def _weights_only_allowed() -> set[str]:
 
 
 @functools.cache
-def metadata_globals() -> dict[str, Any]:
-    """What a DCP ``.metadata`` file may name, by qualified name, and what each is read as:
-    the metadata's data classes, ``torch.Size``, torch's dtypes, its layout and memory-format
-    encodings, and the checkpoint's path (read as a pure path: the loading side never opens it).
-
-    Example:
-        >>> admitted = metadata_globals()
-        >>> admitted["torch.distributed.checkpoint.metadata.Metadata"].__name__, "posix.system" in admitted
-        ('Metadata', False)
-    """
-    import pathlib
-
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    classes = [
-        metadata.Metadata,
-        metadata.StorageMeta,
-        metadata.TensorStorageMetadata,
-        metadata.BytesStorageMetadata,
-        metadata.ChunkStorageMetadata,
-        metadata.TensorProperties,
-        metadata.MetadataIndex,
-        metadata._MEM_FORMAT_ENCODING,
-        filesystem._StorageInfo,
-        torch.Size,
-    ]
-    admitted: dict[str, Any] = {f"{kind.__module__}.{kind.__qualname__}": kind for kind in classes}
-    admitted["torch.serialization._get_layout"] = (
-        torch.serialization._get_layout
-    )  # a torch.layout by its name
-    admitted.update(
-        {
-            f"torch.{name}": value
-            for name, value in vars(torch).items()
-            if isinstance(value, torch.dtype)
-        }
-    )
-    admitted["pathlib.PosixPath"] = pathlib.PurePosixPath
-    admitted["pathlib.WindowsPath"] = pathlib.PureWindowsPath
-    return admitted
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file: IO[bytes], name: str) -> None:
-        super().__init__(file)
-        self._name = name
-
-    def find_class(self, module: str, name: str) -> Any:
-        qualified = f"{module}.{name}"
-        if qualified not in metadata_globals():
-            raise _refusal(
-                self._name, [qualified], "only torch's checkpoint records and plain data are read"
-            )
-        return metadata_globals()[qualified]
-
-
-def _read_metadata_file(name: str) -> Any:
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        Metadata,
-        TensorStorageMetadata,
-    )
-
-    with open(name, "rb") as file:
-        try:
-            metadata = _MetadataUnpickler(file, name).load()
-        except MpnbError:
-            raise
-        except Exception as error:  # a damaged pickle fails in many ways
-            raise MpnbError(
-                f"{name!r} cannot be read as a checkpoint's metadata (damaged?): {error!r}"
-            ) from None
-    entries = getattr(metadata, "state_dict_metadata", None)
-    if not isinstance(metadata, Metadata) or not isinstance(entries, dict):
-        raise MpnbError(f"{name!r} is not a torch.distributed.checkpoint metadata file")
-    for key, entry in entries.items():
-        if not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)) or (
-            isinstance(entry, TensorStorageMetadata)
-            and not isinstance(getattr(entry, "size", None), torch.Size)
-        ):
-            raise MpnbError(
-                f"{name!r} describes its entry {key!r} as {type(entry).__name__}, not a tensor or value"
-            )
-    return metadata
-
-
-@functools.cache
 def _dcp_reading() -> tuple[type, type]:
     """DCP's file reader and load planner, made to unpickle nothing unsafe; built on first use
     because importing torch.distributed.checkpoint takes about a second."""
@@ -256,7 +215,8 @@ def _dcp_reading() -> tuple[type, type]:
         _reading: Any = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = _read_metadata_file(os.fspath(self._get_metadata_path(kwargs.get("rank"))))
+            metadata = read_metadata_file(os.fspath(self._get_metadata_path(kwargs.get("rank"))))
+            check_shards(metadata, os.fspath(self.path))
             if metadata.storage_meta is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -265,7 +225,15 @@ def _dcp_reading() -> tuple[type, type]:
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
             # read_data does not say which item failed: a refusal names its file
             self._reading = sinfo
-            return super()._slice_file(file, sinfo)
+            name = os.path.join(os.fspath(self.path), sinfo.relative_path)
+            found = os.fstat(file.fileno())  # the file opened: checked again, as it is now
+            if not stat.S_ISREG(found.st_mode) or sinfo.offset + sinfo.length > found.st_size:
+                raise MpnbError(
+                    f"{name!r} changed while it was read: it no longer holds its records"
+                )
+            piece = super()._slice_file(file, sinfo)
+            check_records(piece, name)
+            return piece
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             try:
@@ -275,7 +243,7 @@ def _dcp_reading() -> tuple[type, type]:
                 if item is None:
                     raise
                 name = os.path.join(os.fspath(self.path), item.relative_path)
-                with open(name, "rb") as file:
+                with open_regular(name, what="a checkpoint's shard") as file:
                     file.seek(item.offset)
                     raise _unreadable(name, error, io.BytesIO(file.read(item.length))) from None
 
@@ -295,10 +263,14 @@ def _dcp_reading() -> tuple[type, type]:
 
 
 def read_dcp_metadata(directory: str | os.PathLike[str]) -> Any:
-    """The ``.metadata`` of a DCP checkpoint ``directory``, unpickled admitting only :func:`metadata_globals`.
+    """The ``.metadata`` of a DCP checkpoint ``directory``, read by
+    :func:`~mpnb.training.dcp_metadata.read_metadata_file` and held to the folder's files by
+    :func:`~mpnb.training.dcp_metadata.check_shards`.
 
     Raises:
-        MpnbError: it names any other global (named in the message), or is not DCP metadata.
+        MpnbError: it names any other global or changes anything but a fresh record (named in
+            the message), is not DCP metadata, or names a shard that is not a regular file
+            inside ``directory`` or a record that does not fit its shard.
         FileNotFoundError: there is no ``.metadata`` in ``directory``.
     """
     reader, _ = _dcp_reading()
@@ -317,6 +289,8 @@ def load_dcp(state: dict[str, Any], directory: str | os.PathLike[str]) -> None:
     from torch.distributed import checkpoint as dcp
 
     reader, planner = _dcp_reading()
+    # DCP folds a failed metadata read into an AssertionError of its own: a refusal is raised here
+    read_dcp_metadata(directory)
     try:
         dcp.load(state, storage_reader=reader(os.fspath(directory)), planner=planner())
     # every rank's failures, gathered: this rank's own first

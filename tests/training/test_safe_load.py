@@ -13,13 +13,8 @@ import pytest
 import torch
 
 from mpnb.errors import MpnbError
-from mpnb.training.safe_load import (
-    load_dcp,
-    load_plain,
-    metadata_globals,
-    read_dcp_metadata,
-    unsafe_globals,
-)
+from mpnb.training.dcp_metadata import metadata_globals
+from mpnb.training.safe_load import load_dcp, load_plain, read_dcp_metadata, unsafe_globals
 
 from .test_checkpoint_code import SYSTEM, CreatesMarker
 
