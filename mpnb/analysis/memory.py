@@ -6,8 +6,9 @@ highest point, with torch's own tracker (see :mod:`mpnb.analysis._torch_memory`)
 - **parameters** (and buffers), **gradients**, **optimizer state**;
 - **activations**: tensors the forward made that are alive at the peak, mostly those saved for
   backward; under autocast they are half the size, the main saving of mixed precision;
-- **weight copies**: autocast's fp16/bf16 copies of fp32 weights, saved for backward: what
-  mixed precision *adds*;
+- **weight copies**: autocast's fp16/bf16 copies of fp32 weights, saved for backward, and the
+  low-precision copies the layer-swapping modes make (fp8's and MXFP8's one-byte elements with
+  their scales): what mixed precision *adds*;
 - **workspace**: temporaries alive at the peak; **batch**: the batch's own tensors.
 
 The account runs the step on a shape-only copy of the model (fake tensors: nothing computed,

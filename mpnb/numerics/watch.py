@@ -39,17 +39,19 @@ from torch import nn
 from mpnb import views
 from mpnb.numerics.limits import FP16_LARGEST_FINITE, underflow_share
 from mpnb.numerics.probe import ModuleProbe, leaf_names
-from mpnb.precision.modes.fp8 import fp8_cast_measures, is_float8
+from mpnb.precision.modes.layer_swap import swapped_layers_of
 from mpnb.training.history import History
 from mpnb.training.step_record import Instrument, WatchedRun
 
 __all__ = ["NumericsLog"]
 
-#: The measures kept per module and sampled step, in the order of a stacked row. The fp8 ones
-#: (mode fp8's float8 layers only, NaN elsewhere): the input's amax, from which torchao makes its
-#: scale, the shares of input and weight values that saturate or flush to zero in e4m3, and the
-#: share of the output's gradient values that flush to zero in e5m2. The last: the gradient's
-#: fp16 underflow share, as the backward carries it (scaled by the loss scale).
+#: The measures kept per module and sampled step, in the order of a stacked row. The ``fp8_``
+#: ones, for the layers a layer-swapping mode put in (fp8's float8, mxfp8's MX layers; NaN
+#: elsewhere): the input's amax, from which the scale is made, the shares of input and weight
+#: values that saturate or flush to zero in their format (e4m3), the share of the output's
+#: gradient values that flush to zero in the gradient's format (e5m2 for fp8, e4m3 for MX), and
+#: for MX layers the range of the input's block scales in powers of two. The last: the
+#: gradient's fp16 underflow share, as the backward carries it (scaled by the loss scale).
 MEASURES = (
     "activation_max",
     "nonfinite",
@@ -59,6 +61,7 @@ MEASURES = (
     "fp8_saturated",
     "fp8_flushed",
     "fp8_grad_flushed",
+    "block_scale_range",
     "gradient_underflow_share",
 )
 _GRADIENT_MAX, _FP8_GRAD_FLUSHED, _GRADIENT_UNDERFLOW = (
@@ -81,8 +84,8 @@ class NumericsLog:
         steps: the sampled optimizer steps.
         modules: the watched modules' names.
         activation_max, nonfinite, underflow_share, gradient_max: module name -> values.
-        fp8_amax, fp8_saturated, fp8_flushed, fp8_grad_flushed: the same for mode fp8's float8
-            layers (see :data:`MEASURES`).
+        fp8_amax, fp8_saturated, fp8_flushed, fp8_grad_flushed, block_scale_range: the same for
+            the layers of fp8 and mxfp8 (see :data:`MEASURES`).
         gradient_underflow_share: the output's gradient's fp16 underflow share, scaled as the
             backward carries it.
         limit: the largest finite value of the dtype the watch compares with.
@@ -106,6 +109,7 @@ class NumericsLog:
     fp8_saturated: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     fp8_flushed: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     fp8_grad_flushed: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    block_scale_range: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     gradient_underflow_share: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def add(self, step: int, rows: list[list[float]]) -> None:
@@ -140,6 +144,7 @@ class NumericsLog:
                     f"{_worst(self.underflow_share.get(name, [])):.0%}",
                     f"{int(_worst(self.nonfinite.get(name, [])))}",
                     *(self._fp8_cells(name) if self.fp8_modules else []),
+                    *(self._block_cells(name) if self.block_modules else []),
                 ]
             )
         headers = (
@@ -154,13 +159,25 @@ class NumericsLog:
                 if self.fp8_modules
                 else ()
             ),
+            *(("block-scale range",) if self.block_modules else ()),
         )
         return text_table(headers, rows)
 
     @property
     def fp8_modules(self) -> list[str]:
-        """The watched modules that ran as fp8 layers (mode fp8) on a sampled step."""
+        """The watched modules that ran as low-precision layers (modes fp8 and mxfp8) on a
+        sampled step."""
         return [name for name in self.modules if _measured(self.fp8_amax.get(name, []))]
+
+    @property
+    def block_modules(self) -> list[str]:
+        """The watched modules that ran as block-scaled layers (mode mxfp8) on a sampled step."""
+        return [name for name in self.modules if _measured(self.block_scale_range.get(name, []))]
+
+    def _block_cells(self, name: str) -> list[str]:
+        if name not in self.block_modules:
+            return ["-"]
+        return [f"2^{_worst(self.block_scale_range[name]):.0f}"]
 
     def _fp8_cells(self, name: str) -> list[str]:
         if name not in self.fp8_modules:
@@ -251,10 +268,10 @@ class ModuleMeasures:
             (~torch.isfinite(out)).sum().float(),
             underflow_share(magnitude),
             torch.zeros((), device=out.device),
-            *_fp8_measures(module, inputs, out.device),
+            *_layer_measures(module, inputs, out.device),
             torch.zeros((), device=out.device),  # the gradient's underflow, if a gradient comes
         ]
-        if is_float8(module):  # the gradient's e5m2 cast, measured when it comes
+        if swapped_layers_of(module) is not None:  # the gradient's cast, measured when it comes
             self._fp8_modules[name] = module
 
     def _gradient(self, name: str, grad: torch.Tensor) -> None:
@@ -266,8 +283,9 @@ class ModuleMeasures:
         row[_GRADIENT_MAX] = largest / self._scale
         row[_GRADIENT_UNDERFLOW] = underflow_share(grad)
         module = self._fp8_modules.get(name)
-        if module is not None:
-            row[_FP8_GRAD_FLUSHED] = fp8_cast_measures(module, grad, "grad_output")[2]
+        layers = swapped_layers_of(module) if module is not None else None
+        if layers is not None:
+            row[_FP8_GRAD_FLUSHED] = layers.cast_measures(module, grad, "grad_output")[2]
 
     def _row(self, name: str, device: torch.device) -> torch.Tensor:
         values = self._rows.get(name)
@@ -359,18 +377,21 @@ class NumericsWatch(Instrument):
         self.update(history)
 
 
-def _fp8_measures(module: nn.Module, inputs: Any, device: torch.device) -> list[torch.Tensor]:
-    """A float8 layer's input amax and the shares of its input and weight values that saturate
-    or flush in e4m3 (:func:`~mpnb.precision.modes.fp8.fp8_cast_measures`); NaN for other modules."""
+def _layer_measures(module: nn.Module, inputs: Any, device: torch.device) -> list[torch.Tensor]:
+    """A low-precision layer's input amax, the shares of its input and weight values that
+    saturate or flush in its format, and its input's block-scale range (the layer's
+    :meth:`~mpnb.precision.modes.layer_swap.LayerSwap.cast_measures`); NaN for other modules."""
     first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
-    if not is_float8(module) or first is None:
-        return [torch.full((), _NAN, device=device)] * 4
-    amax, saturated, flushed = fp8_cast_measures(module, first, "input")
-    _, weight_saturated, weight_flushed = fp8_cast_measures(module, module.weight, "weight")
+    layers = swapped_layers_of(module)
+    if layers is None or first is None:
+        return [torch.full((), _NAN, device=device)] * 5
+    amax, saturated, flushed, octaves = layers.cast_measures(module, first, "input")
+    _, weight_saturated, weight_flushed, _ = layers.cast_measures(module, module.weight, "weight")
     share = first.numel() / (first.numel() + module.weight.numel())
     return [
         amax,
         saturated * share + weight_saturated * (1 - share),
         flushed * share + weight_flushed * (1 - share),
         torch.full((), _NAN, device=device),  # the gradient's, set by its hook if it runs
+        octaves.to(device),
     ]

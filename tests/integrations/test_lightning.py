@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+import mpnb
+
 L = pytest.importorskip("lightning", reason="the lightning extra: pip install 'mpnb[lightning]'")
 
 from mpnb.errors import InvalidChoiceError  # noqa: E402
@@ -478,3 +480,41 @@ def test_float8_layers_converted_in_configure_model_are_read_as_fp8(widths, aske
     else:
         assert len(said) == 1 and notice in said[0]
         assert [e["kind"] for e in callback.history.events][-1] == "precision_mismatch"
+
+
+class MxClassifier(Float8Classifier):
+    """The same pattern with MXFP8: the Linear layers swapped in ``configure_model`` by
+    ``mpnb.mx_layers`` (torchao's MXFP8Linear, emulated on a CPU)."""
+
+    def configure_model(self) -> None:
+        layers = mpnb.mx_layers(self.net, device="cpu")
+        if layers.converted:
+            layers.convert()
+        for module in self.net:
+            module.register_forward_pre_hook(lambda m, args: self.ran.add(type(m).__name__))
+
+
+@pytest.mark.parametrize(
+    "widths, asked, mode, notice",
+    [
+        ((32, 64, 64, 16), "mxfp8", "mxfp8", None),
+        ((32, 64, 64, 16), None, "mxfp8", None),  # bf16-mixed with MX layers is mxfp8
+        ((32, 48, 16), "mxfp8", "bf16", "asked for mxfp8 but trains in bf16: no layer of the"),
+    ],
+)
+def test_mx_layers_converted_in_configure_model_are_read_as_mxfp8(widths, asked, mode, notice):
+    pytest.importorskip("torchao.prototype.mx_formats", reason="mxfp8 needs torchao (mpnb[fp8])")
+    callback = MpnbCallback(dashboard=None, precision=asked)
+    module = MxClassifier(widths)
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(24, 32, generator=generator), torch.randint(0, 16, (24,), generator=generator)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = quiet_trainer(callback, precision="bf16-mixed", max_steps=3)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
+    assert callback.history.mode == [mode] * 3
+    assert ("MXFP8Linear" in module.ran) == (mode == "mxfp8")
+    assert said == [] if notice is None else (len(said) == 1 and notice in said[0])

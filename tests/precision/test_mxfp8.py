@@ -236,3 +236,55 @@ def test_the_cli_trains_mxfp8_and_refuses_nvfp4_in_one_line(tmp_path, capsys):
     assert "mxfp8 on cpu (emulated" in printed and "converted: layers.3" in printed
     assert main([*args[:1], "--mode", "nvfp4", *args[1:], str(tmp_path / "nv")]) != 0
     assert "Blackwell" in capsys.readouterr().err
+
+
+def test_the_memory_account_counts_the_mx_copies_and_scales_of_the_converted_weights():
+    from mpnb.analysis.memory import memory
+
+    def make_run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+            nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10),
+        )  # fmt: skip
+        trainer = mpnb.Trainer(
+            model, torch.optim.AdamW(model.parameters()), nn.functional.cross_entropy,
+            mode=mode, device="cpu", dashboard=None,
+        )  # fmt: skip
+        return trainer, [(torch.randn(64, 256), torch.randint(0, 10, (64,)))]
+
+    report = memory(make_run, ["bf16", "mxfp8"], measure=False)
+    bf16, mx = (report.result(mode).categories["weight copies"] for mode in ("bf16", "mxfp8"))
+    converted = 2 * 512 * 512  # layers 2 and 4: one byte an element in e4m3, a scale per 32
+    assert mx - bf16 >= converted + converted // 32
+
+
+def test_the_numerics_watch_shows_an_mx_layers_block_scales_spread_where_fp8_would_flush():
+    """An outlier feature 1e7 times the rest at layer 1's input: MX gives its block its own
+    scale (the range of block scales shows it; only the outlier's 31 neighbours flush), where
+    fp8's one scale a tensor flushes the rest of the input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 4))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(64))
+        model[0].weight[0, 0] = 1e7
+        model[0].bias.zero_()
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 64, generator=generator), torch.randint(0, 4, (32,), generator=generator))
+            for _ in range(2)]  # fmt: skip
+    logs = {}
+    for mode in ("fp8", "mxfp8"):
+        copied = copy.deepcopy(model)
+        trainer = mpnb.Trainer(
+            copied, torch.optim.SGD(copied.parameters(), 0.0),
+            nn.functional.cross_entropy, mode=mode, device="cpu", dashboard=None,
+            watch_numerics=1,
+        )  # fmt: skip
+        trainer.fit(data)
+        logs[mode] = trainer.numerics
+    mx, fp8 = logs["mxfp8"], logs["fp8"]
+    assert mx.fp8_modules == ["1", "2"] and mx.block_modules == ["1", "2"]
+    assert min(mx.block_scale_range["1"]) >= 20  # 1e7 against ~1: about 23 powers of two
+    assert max(mx.block_scale_range["2"]) < min(mx.block_scale_range["1"]) - 5
+    assert 0 < max(mx.fp8_flushed["1"]) < min(fp8.fp8_flushed["1"]) / 2
+    assert "block-scale range" in str(mx).splitlines()[0] and fp8.block_modules == []

@@ -277,6 +277,12 @@ class Fp8Layers(LayerSwap):
             self.model, module_filter_fn=lambda _, name: name in wanted, config=self.config
         )
 
+    @classmethod
+    def cast_measures(
+        cls, module: nn.Module, tensor: torch.Tensor, role: str
+    ) -> list[torch.Tensor]:
+        return [*fp8_cast_measures(module, tensor, role), torch.full((), float("nan"))]
+
     def describe_recipe(self) -> str:
         return self.recipe
 

@@ -224,6 +224,18 @@ class LayerSwap:
         """The format's layer in place of ``linear``, holding ``linear``'s own parameters."""
         raise NotImplementedError
 
+    @classmethod
+    def cast_measures(
+        cls, module: nn.Module, tensor: torch.Tensor, role: str
+    ) -> list[torch.Tensor]:
+        """What the format's cast does to ``tensor``, the layer ``module``'s ``"input"``,
+        ``"weight"`` or ``"grad_output"``: its largest magnitude, the share of its values that
+        saturate, the share of its nonzero values that flush to zero, and the range of its block
+        scales in powers of two (NaN for a format without blocks). 0-d tensors on the tensor's
+        device (the numerics watch reads them at its flush); NaN where the format's cast is not
+        measured."""
+        return [torch.full((), float("nan"), device=tensor.device)] * 4
+
     def describe_recipe(self) -> str:
         """The recipe's words, first in :meth:`describe`'s brackets (empty: none)."""
         return ""
@@ -441,6 +453,18 @@ _HOOK_TABLES = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
+
+
+def swapped_layers_of(module: nn.Module) -> type[LayerSwap] | None:
+    """The :class:`LayerSwap` of the registered mode whose layer ``module`` is (None: a layer of
+    no layer-swapping mode)."""
+    from mpnb.precision.modes.registry import registered
+
+    for mode in registered(converts_layers=True):
+        layers = getattr(mode, "layers", None)
+        if isinstance(layers, type) and issubclass(layers, LayerSwap) and layers.is_layer(module):
+            return layers
+    return None
 
 
 def is_conv1d(module: nn.Module) -> bool:

@@ -114,6 +114,46 @@ def _layer_type(transposed: bool = False) -> type[nn.Linear]:
     return MXFP8Linear
 
 
+#: e4m3's largest finite value, and half its last step: a scaled value up to their sum rounds
+#: down to the largest, beyond it the cast clips (saturates).
+_E4M3_MAX, _E4M3_ROUNDS_DOWN = float(torch.finfo(torch.float8_e4m3fn).max), 16.0
+
+
+def mx_cast_measures(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """What torchao's MXFP8 cast (``to_mx``: e4m3 elements, an e8m0 scale per 32 values along
+    the last dimension, RCEIL rounding, as ``MXFP8Linear`` casts) does to ``tensor``: its largest
+    magnitude, the share of its values that saturate (beyond e4m3's range once their block is
+    scaled), the share of its nonzero values that flush to zero, and the range of its block
+    scales in powers of two (the largest e8m0 exponent less the smallest, over blocks that hold
+    a nonzero value). Four 0-d tensors on the tensor's device; nothing is read to the host.
+
+    Example:
+        >>> x = torch.ones(2, 64)
+        >>> x[0, :32] = 1e4      # one block of large values: its own scale
+        >>> x[1, 0] = 1e-12      # a value 1e-12 of its block's largest: flushed to zero
+        >>> amax, saturated, flushed, octaves = mx_cast_measures(x)
+        >>> float(amax), float(saturated), round(float(flushed), 4), float(octaves)
+        (10000.0, 0.0, 0.0078, 13.0)
+    """
+    cast = import_torchao("torchao.prototype.mx_formats.mx_tensor", "mxfp8").to_mx
+    rounding = import_torchao("torchao.prototype.mx_formats.config", "mxfp8").ScaleCalculationMode
+    values = tensor.detach().float().nan_to_num(0.0, 0.0, 0.0)
+    values = values.reshape(-1, values.shape[-1]).contiguous()
+    scale, data = cast(values, torch.float8_e4m3fn, MX_BLOCK, rounding.RCEIL)
+    exponents = scale.view(torch.uint8).float()  # e8m0: a biased power of two
+    blocks = values.abs().reshape(*exponents.shape, MX_BLOCK)
+    scaled = blocks / torch.exp2(exponents - 127).unsqueeze(-1)
+    nonzero = (values != 0).float()
+    saturated = (scaled > _E4M3_MAX + _E4M3_ROUNDS_DOWN).float().mean()
+    flushed = ((data.float() == 0).float() * nonzero).sum() / nonzero.sum().clamp(min=1)
+    used = blocks.amax(dim=-1) > 0
+    lowest = torch.where(used, exponents, torch.full_like(exponents, 255.0)).amin()
+    octaves = (torch.where(used, exponents, torch.zeros_like(exponents)).amax() - lowest).clamp(
+        min=0
+    )
+    return [values.abs().amax(), saturated, flushed, octaves]
+
+
 class MxLayers(LayerSwap):
     """The eligible Linear layers of ``model`` swapped for torchao's ``MXFP8Linear``, undone
     exactly (:class:`~mpnb.precision.modes.layer_swap.LayerSwap`: which layers, the swap, the
@@ -156,6 +196,12 @@ class MxLayers(LayerSwap):
     @classmethod
     def import_layers(cls) -> None:
         _layer_type()
+
+    @classmethod
+    def cast_measures(
+        cls, module: nn.Module, tensor: torch.Tensor, role: str
+    ) -> list[torch.Tensor]:
+        return mx_cast_measures(tensor)
 
     def make_layer(self, linear: nn.Module) -> nn.Module:
         kernels = import_torchao(
