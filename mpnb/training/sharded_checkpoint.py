@@ -13,11 +13,18 @@ Before anything is loaded, the run record is checked against the trainer and the
 weight names and shapes against the model's; a mismatch raises :class:`~mpnb.errors.MpnbError`
 naming the directory and changes nothing. Nothing in the directory is unpickled with code
 allowed to run (:mod:`mpnb.training.safe_load`): a file that holds code is refused, named.
+
+A save writes every rank's files into a new private folder beside the destination and renames
+it into place when all are written: a reader never sees half a checkpoint, and a link someone
+planted in the destination (at a shard's or the metadata's name) is never written through.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
+import shutil
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,20 +59,131 @@ def run_file(path: str | os.PathLike[str], rank: int) -> str:
 
 
 def save_sharded(trainer: Checkpointed, path: str | os.PathLike[str]) -> None:
-    """Write ``trainer``'s checkpoint into the directory ``path`` (made if missing); collective."""
+    """Write ``trainer``'s checkpoint into the directory ``path``; collective.
+
+    Every rank writes into one new private folder beside ``path`` (mode 0700, made by rank 0 with
+    a random name: nothing can be planted in it), which then takes ``path``'s place whole: an
+    older checkpoint there is replaced, and a link planted in it is removed, never written
+    through. The folder ends with the permissions ``os.mkdir`` would give it.
+
+    Raises:
+        MpnbError: ``path`` is a file or a link, or a folder holding anything but a sharded
+            checkpoint's files (named); nothing is written.
+    """
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    name = os.fspath(path)
+    name = os.path.abspath(os.fspath(path))
+    _check_destination(name)
+    staging = _staging_folder(name, trainer.device)
+    try:
+        model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
+        with atomic_write(run_file(staging, dist.get_rank()), binary=True) as file:
+            torch.save({**run_record(trainer), "sharded": True}, file)
+        dist.barrier()  # every rank's files are written
+        if dist.get_rank() == 0:
+            _put_in_place(staging, name)
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    dist.barrier()  # no rank reads the directory before it is in place
+
+
+#: What a sharded checkpoint's folder holds: DCP's metadata (global and per rank) and shards,
+#: the run records, and what an interrupted write of either leaves.
+_CHECKPOINT_FILE = re.compile(
+    r"(\.metadata(\.tmp)?|__\d+\.metadata|__\d+_\d+\.distcp|run-rank\d+\.pt"
+    r"|\.run-rank\d+\.pt\.[0-9a-f]+\.tmp)"
+)
+
+
+def _check_destination(name: str) -> None:
+    if os.path.islink(name):
+        raise MpnbError(
+            f"{name!r} is a link: a sharded checkpoint is written as a folder of its own, "
+            "never through a link (save to the folder the link names, or remove the link)"
+        )
     if os.path.exists(name) and not os.path.isdir(name):
         raise MpnbError(
             f"{name!r} is a file, not a directory: a sharded checkpoint is a directory of shards"
         )
-    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=name)
-    with atomic_write(run_file(name, dist.get_rank()), binary=True) as file:
-        torch.save({**run_record(trainer), "sharded": True}, file)
-    dist.barrier()  # no rank reads the directory before every run record is there
+    if os.path.isdir(name):
+        foreign = sorted(
+            entry for entry in os.listdir(name) if not _CHECKPOINT_FILE.fullmatch(entry)
+        )
+        if foreign:
+            raise MpnbError(
+                f"{name!r} holds {foreign[0]!r}, which is not part of a sharded checkpoint, and "
+                "saving replaces the folder whole: save into a new folder or an older checkpoint's"
+            )
+
+
+def _staging_folder(name: str, device: torch.device) -> str:
+    """A new private folder beside ``name`` for every rank to write into; collective.
+
+    Rank 0 makes it (``os.mkdir`` refuses a name that exists, a planted link included) and sends
+    its random part to the other ranks as a tensor: no pickle between ranks.
+    """
+    parent, base = os.path.split(name)
+    token = torch.zeros(_TOKEN_BYTES + 1, dtype=torch.int64, device=device)
+    problem = "see rank 0"
+    if dist.get_rank() == 0:
+        try:
+            drawn = _make_staging(parent, base)
+            token = torch.tensor([1, *drawn], dtype=torch.int64, device=device)
+        except OSError as error:
+            problem = str(error)
+    dist.broadcast(token, src=0)
+    values = token.tolist()
+    if not values[0]:
+        raise MpnbError(
+            f"no folder could be made beside {name!r} to write the checkpoint into ({problem})"
+        )
+    return _staging_name(parent, base, bytes(values[1:]))
+
+
+_TOKEN_BYTES = 8
+
+
+def _staging_name(parent: str, base: str, token: bytes) -> str:
+    return os.path.join(parent, f".{base[:40]}.{token.hex()}.saving")
+
+
+def _make_staging(parent: str, base: str) -> bytes:
+    while True:
+        token = secrets.token_bytes(_TOKEN_BYTES)
+        try:
+            os.mkdir(_staging_name(parent, base, token), 0o700)
+            return token
+        except FileExistsError:
+            continue
+
+
+def _put_in_place(staging: str, name: str) -> None:
+    """Rename the finished ``staging`` folder to ``name``; an older checkpoint there is moved
+    aside first and removed after (links in it are removed, not followed)."""
+    os.chmod(staging, 0o777 & ~_umask())
+    if not os.path.lexists(name):
+        os.rename(staging, name)
+        return
+    replaced = staging.removesuffix(".saving") + ".replaced"
+    os.rename(name, replaced)
+    os.rename(staging, name)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (Linux); 0o022 where it cannot be read."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def load_sharded(trainer: Checkpointed, path: str | os.PathLike[str]) -> None:
