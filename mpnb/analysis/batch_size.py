@@ -10,8 +10,15 @@ size that does not fit is bisected with real steps. A size that fits draws the l
 through the two largest real steps, and the search climbs while that line moves the answer up
 (at most four more real steps): a buffer that does not grow with the batch looks, from small
 batches, as if it did. A real step that would take longer than
-``trial_seconds`` (bf16 at a large batch on a CPU without bf16 units) is not run, and the
-report says the answer is the account's.
+``trial_seconds`` (5 s by default: a transformer at a few thousand samples on a CPU) is not
+run, and the report says the answer is the account's. Its time is foreseen in proportion to the
+largest real step's own time (the training, not the building of the run): an upper bound, as
+the step's fixed costs are counted as if they grew too. So the default search takes seconds:
+a doubling of real steps, then a search of the accounts, as Lightning's batch-size finder
+doubles and then bisects, with a real step only where it is cheap.
+
+An answer equal to ``limit`` is a lower bound (the search looked no higher): the table
+prints it ``>= limit``.
 
 The batch of each trial is the run's first batch, grown along its first dimension (any batch a
 :class:`~mpnb.Trainer` accepts: tensors, tuples, dicts, dataclasses, nested). On a CPU the
@@ -94,7 +101,9 @@ class Trial:
         fits: its peak is within the budget, and it did not run out of memory.
         peak: bytes at the step's peak: the account's (with the measured extra) for an
             ``"account"`` trial, torch's allocator for a ``"step"`` (a real one).
-        seconds: how long it took.
+        seconds: how long it took (a real step: building its run included).
+        step_seconds: a real step's training alone (its warm-up sample and the batch); NaN
+            for an account.
         kind: ``"account"`` (counted, nothing computed) or ``"step"`` (trained for real).
         out_of_memory: a real step ran out of memory.
     """
@@ -105,6 +114,7 @@ class Trial:
     seconds: float
     kind: str = "step"
     out_of_memory: bool = False
+    step_seconds: float = math.nan
 
 
 @dataclasses.dataclass
@@ -169,18 +179,29 @@ class BatchSizeReport:
             if result.skipped_reason:
                 rows.append([result.mode, "-", "-", "-", "-", f"not run: {result.skipped_reason}"])
                 continue
-            ratio = self.ratio_to_fp32(result.mode)
             rows.append(
                 [
                     result.mode,
-                    str(result.batch_size),
-                    "-" if math.isnan(ratio) else f"{ratio:.2f}x",
+                    f">= {result.batch_size}" if _capped(result) else str(result.batch_size),
+                    self._ratio_text(result),
                     format_bytes(result.peak) if math.isfinite(result.peak) else "-",
-                    result.limited_by,
+                    "the search's limit; pass limit=..." if _capped(result) else result.limited_by,
                     "a real step" if result.checked else f"the account: {result.note}",
                 ]
             )
         return rows
+
+    def _ratio_text(self, result: ModeBatchSize) -> str:
+        """The ratio to fp32, marked as a bound where an answer is one (the search's limit)."""
+        ratio = self.ratio_to_fp32(result.mode)
+        if math.isnan(ratio):
+            return "-"
+        if result.mode == reference_name():
+            return f"{ratio:.2f}x"
+        fp32 = next((r for r in self.results if r.mode == reference_name()), None)
+        bound = (_capped(result), fp32 is not None and _capped(fp32))
+        sign = {(False, False): "", (True, False): ">= ", (False, True): "<= "}.get(bound)
+        return "-" if sign is None else f"{sign}{ratio:.2f}x"
 
     _HEADERS = ("mode", "max batch size", "vs fp32", "peak memory", "limited by", "checked by")
 
@@ -195,6 +216,11 @@ class BatchSizeReport:
         return html_table(self._HEADERS, self._rows())
 
 
+def _capped(result: ModeBatchSize) -> bool:
+    """The answer is the largest size the search looked at, so a lower bound."""
+    return result.limited_by == "limit" and bool(result.batch_size)
+
+
 def max_batch_size(
     make_run: MakeRun,
     modes: Iterable[str] = ("fp32", "bf16"),
@@ -202,7 +228,7 @@ def max_batch_size(
     start: int = 16,
     limit: int = 65536,
     memory_budget: int | float | str | None = None,
-    trial_seconds: float = 30.0,
+    trial_seconds: float = 5.0,
 ) -> BatchSizeReport:
     """Find the largest batch size that fits, per mode (see the module's docstring).
 
@@ -211,11 +237,14 @@ def max_batch_size(
         modes: modes to measure; checked before anything runs.
         start: the batch size of the first real step (the second is twice as large, or 1.5
             times when twice would take longer than ``trial_seconds``).
-        limit: the largest size considered.
+        limit: the largest size considered; an answer equal to it is a lower bound, printed
+            ``>= limit``.
         memory_budget: bytes (or ``"4 GiB"``) a step's peak may use. Default: the device's
             memory on an accelerator (running out of memory decides), half the available memory
             on a CPU.
-        trial_seconds: a real step expected to take longer than this is not run.
+        trial_seconds: a real step expected to take longer than this is not run (its time
+            foreseen in proportion to the largest real step's); the answer is then the
+            account's, and the report says so.
 
     Raises:
         InvalidChoiceError: an unknown mode.
@@ -334,11 +363,13 @@ class _Search:
         """Train a fresh run on a batch of ``size`` (after a warm-up step on one sample); its
         peak is the allocator's (on a CPU, counted from the profiler's events)."""
         started = time.perf_counter()
-        out_of_memory, peak = False, math.inf
+        out_of_memory, peak, step_seconds = False, math.inf, math.nan
         try:
             trainer, _, _ = built_run(self.make_run, self.mode)
             batch = with_batch_size(self.sample, size)
+            training = time.perf_counter()
             measured = measure_step(trainer, batch, self._counted(size))
+            step_seconds = time.perf_counter() - training
             peak = float(measured.allocator)
             del trainer, batch
         except Exception as error:
@@ -349,7 +380,7 @@ class _Search:
         self.backend.release_cached_memory()
         seconds = time.perf_counter() - started
         fits = not out_of_memory and (self.budget is None or peak <= self.budget)
-        trial = Trial(size, fits, peak, seconds, "step", out_of_memory)
+        trial = Trial(size, fits, peak, seconds, "step", out_of_memory, step_seconds)
         self.trials.append(trial)
         return trial
 
@@ -473,16 +504,19 @@ class _Search:
         return self.device.type != "cpu" or self._seconds_for(size) <= self.trial_seconds
 
     def _seconds_for(self, size: int) -> float:
-        """The time a real step of ``size`` would take: on the line through the last two real
-        steps' times (a run's setup is the part that does not grow), or in proportion to one."""
-        timed = [(t.batch_size, t.seconds) for t in self.trials if t.kind == "step" and t.fits]
-        if len(timed) >= 2 and timed[-1][0] != timed[-2][0]:
-            (small, small_seconds), (large, large_seconds) = timed[-2], timed[-1]
-            per_sample = max(0.0, (large_seconds - small_seconds) / (large - small))
-            return large_seconds + per_sample * (size - large)
-        if timed:
-            return timed[-1][1] * size / timed[-1][0]
-        return 0.0
+        """The time a real step of ``size`` would take, in proportion to the largest real
+        step's training time. An upper bound: the step's fixed costs are scaled up with the
+        rest. A line through two small steps' times is no guide: at a few dozen samples their
+        noise is larger than what grows, and such a line once foresaw 1 s for a 45-s step."""
+        timed = [
+            (t.batch_size, t.step_seconds)
+            for t in self.trials
+            if t.kind == "step" and t.fits and math.isfinite(t.step_seconds)
+        ]
+        if not timed:
+            return 0.0
+        largest, seconds = max(timed)
+        return seconds * size / largest
 
     def _stepped(self) -> list[int]:
         return [t.batch_size for t in self.trials if t.kind == "step"]
@@ -497,7 +531,7 @@ class _Search:
         note = ""
         if not real and size:
             seconds = self._seconds_for(size)
-            note = f"a real step of {size} would take about {seconds:.0f} s here (trial_seconds={self.trial_seconds:g})"
+            note = f"a real step of {size} could take up to {seconds:.0f} s here (trial_seconds={self.trial_seconds:g})"
         account = self._counted(size) if size else None
         return ModeBatchSize(
             self.mode, size, peak, reason, bool(real), note, account, list(self.trials)

@@ -6,6 +6,7 @@ import gc
 import importlib.util
 import math
 import pathlib
+import time
 
 import psutil
 import pytest
@@ -317,3 +318,47 @@ def test_the_seeds_cnn_answer_agrees_with_a_direct_measurement_in_fresh_processe
     for mode, size in direct.items():
         assert report.result(mode).batch_size == pytest.approx(size, rel=0.1), (str(report), direct)
     assert report.ratio_to_fp32("bf16") == pytest.approx(direct["bf16"] / direct["fp32"], rel=0.1)
+
+
+class _Slow(torch.nn.Module):
+    """A layer whose time grows with the batch as a large model's does: 2 ms a sample (only when
+    it computes: the accounts run it on shape-only tensors, which cost no time in a real model)."""
+
+    def forward(self, x):
+        if not isinstance(x, FakeTensor):
+            time.sleep(2e-3 * x.shape[0])
+        return x
+
+
+def slow_run(mode):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        _Slow(), torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+    )
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.Adam(model.parameters()),
+        torch.nn.functional.cross_entropy,
+        mode=mode,
+        device="cpu",
+        dashboard=None,
+    )
+    return trainer, [(torch.randn(16, 64), torch.randint(0, 10, (16,)))]
+
+
+def test_the_default_search_runs_no_real_step_longer_than_a_few_seconds():
+    """The time of a real step is foreseen from the steps' own time, not from building a run: a
+    step at the budget's edge (here ~4,000 samples, 8 s of sleep) is left to the account."""
+    report = mpnb.max_batch_size(slow_run, ["fp32"], memory_budget="48 MiB")
+    result = report.result("fp32")
+    assert result.batch_size > 2000 and not result.checked, str(report)
+    assert max(t.seconds for t in result.trials) < 4, result.trials
+    assert "a real step of" in str(report)
+
+
+def test_an_answer_at_the_search_limit_is_printed_as_a_lower_bound():
+    report = mpnb.max_batch_size(make_run, ["fp32", "bf16"], memory_budget="1 GiB", limit=64)
+    text = str(report)
+    assert report.result("bf16").limited_by == "limit"
+    assert ">= 64" in text and "the search's limit; pass limit=..." in text, text
+    assert "1.00x" not in text.splitlines()[2]  # bf16 over fp32: both bounds, no ratio
