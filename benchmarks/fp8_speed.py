@@ -1,4 +1,4 @@
-"""fp8 against bf16: the Trainer's step time on a transformer MLP block, per width and recipe.
+"""fp8 and mxfp8 against bf16: the Trainer's step time on a transformer MLP block, per width and recipe.
 
 Mode fp8 runs a model's large Linear layers through torchao's float8 training (``torch._scaled_mm``
 on a GPU of compute capability 8.9+) and the rest under bf16 autocast, so the gain is the share
@@ -7,6 +7,11 @@ of the step spent in those layers' matmuls, less the cost of the casts to float8
 times bf16 and each fp8 recipe, each written by hand with torchao and through the Trainer (and
 with ``--compiled`` the hand loops under ``torch.compile``), in rounds that take every runner in
 turn (:func:`paired_rounds.round_robin`), ``--block`` steps (one ``fit``) a round.
+
+Mode mxfp8 (torchao's MXFP8Linear through the Trainer, and ``mpnb.mx_layers`` in the hand loop,
+eager and with ``--compiled`` compiled) is timed beside them: real on a GPU of compute
+capability 10.0+ (B200, B300), emulated below (an H100 has no MX units) and on a CPU; the JSON
+says which for each format.
 
 On a CPU fp8 is emulated (numerics only): the script still runs, on a small width, and the JSON
 says "emulated".
@@ -27,6 +32,7 @@ from torch import nn
 
 import mpnb
 from mpnb.precision.modes.fp8 import fp8_hardware
+from mpnb.precision.modes.mxfp8 import MxLayers
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -49,15 +55,18 @@ class Block(nn.Module):
         return self.out(h)
 
 
-def trainer_timer(model: nn.Module, batches: list, device: torch.device, recipe: str | None):
+def trainer_timer(
+    model: nn.Module, batches: list, device: torch.device, recipe: str | None, mode: str = "fp8"
+):
     """A function of the round's index that runs one ``Trainer.fit`` over ``batches`` and returns
-    the seconds a step took: mode bf16 when ``recipe`` is None, else mode fp8 with that recipe."""
+    the seconds a step took: mode bf16 when ``recipe`` is None and ``mode`` is fp8, else
+    ``mode`` with that recipe (mxfp8: none)."""
     trainer = mpnb.Trainer(
         model,
         torch.optim.SGD(model.parameters(), lr=1e-4),
         nn.functional.mse_loss,
-        mode="bf16" if recipe is None else "fp8",
-        recipe=recipe,
+        mode="bf16" if recipe is None and mode == "fp8" else mode,
+        **({"recipe": recipe} if recipe is not None else {}),
         device=device,
         dashboard=None,
     )
@@ -78,9 +87,12 @@ def hand_timer(
     compiled: bool = False,
 ):
     """The same steps written by hand: torchao's ``convert_to_float8_training`` on the MLP's two
-    layers when ``recipe`` is given, bf16 autocast, SGD; ``compiled``: the model under
-    ``torch.compile``, as torchao's own figures are taken."""
-    if recipe is not None:
+    layers when ``recipe`` is given (``"mx"``: ``mpnb.mx_layers``, torchao's MXFP8Linear), bf16
+    autocast, SGD; ``compiled``: the model under ``torch.compile``, as torchao's own figures are
+    taken."""
+    if recipe == "mx":
+        mpnb.mx_layers(model, device=device).convert()  # for the benchmark's life
+    elif recipe is not None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(
@@ -121,10 +133,15 @@ def measure(
     for recipe in RECIPES:
         timers[f"fp8 {recipe}, torchao by hand"] = hand_timer(model(), batches, device, recipe)
         timers[f"fp8 {recipe}, Trainer"] = trainer_timer(model(), batches, device, recipe)
+    timers["mxfp8, mx_layers by hand"] = hand_timer(model(), batches, device, "mx")
+    timers["mxfp8, Trainer"] = trainer_timer(model(), batches, device, None, mode="mxfp8")
     if compiled:
         timers["bf16, by hand, compiled"] = hand_timer(model(), batches, device, None, True)
         timers["fp8 tensorwise, torchao by hand, compiled"] = hand_timer(
             model(), batches, device, "tensorwise", True
+        )
+        timers["mxfp8, mx_layers by hand, compiled"] = hand_timer(
+            model(), batches, device, "mx", True
         )
     times = round_robin(timers, rounds)
     baseline = times["bf16, by hand"]
@@ -167,6 +184,7 @@ def main() -> None:
         {
             "device": device_label(device),
             "fp8": hardware,
+            "mxfp8": MxLayers.hardware(device),
             "rounds": args.rounds,
             "steps_per_round": args.block,
             "results": results,
