@@ -392,3 +392,20 @@ def test_a_nan_loss_inside_the_trainer_is_followed_into_the_next_step(tmp_path):
     assert origin["step"] == 2 and "watched after step 1's loss was nan" in origin["message"]
     assert (origin["module"], origin["problem"]) == ("GPT2LMHeadModel.transformer.wte", "input")
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_mx_layers_swapped_around_the_trainer_are_read_as_mxfp8(tmp_path):
+    pytest.importorskip("torchao.prototype.mx_formats", reason="mxfp8 needs torchao (mpnb[fp8])")
+    import mpnb
+
+    model = gpt2_model()  # 32 wide: its Conv1D projections are MX-eligible
+    callback = MpnbCallback(dashboard=None)
+    args = TrainingArguments(
+        str(tmp_path), use_cpu=True, per_device_train_batch_size=8, max_steps=3,
+        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
+        **precision_args("bf16"),
+    )  # fmt: skip
+    with mpnb.mx_layers(model, device="cpu") as layers:
+        Trainer(model=model, args=args, train_dataset=token_data(), callbacks=[callback]).train()
+    assert layers.converted and callback.history.mode == ["mxfp8"] * 3
+    assert type(model.transformer.h[1].mlp.c_fc).__name__ == "Conv1D"  # given back
