@@ -75,6 +75,12 @@ class HeldModel:
         describe = getattr(self.change, "describe", None)
         return describe() if callable(describe) else self.mode.label
 
+    def layer_lines(self) -> list[str]:
+        """Which layers were converted and which kept, with the reason (empty for a change that
+        does not say)."""
+        lines = getattr(self.change, "layer_lines", None)
+        return lines() if callable(lines) else []
+
     def release(self) -> None:
         """Put the model's layers back as they were."""
         self._scope.__exit__(None, None, None)

@@ -123,7 +123,10 @@ def status() -> Status:
         mode_rows=(
             *session.mode.status_rows(device),
             *(
-                [("model", f"{session.held.describe()}, until the mode changes")]
+                [
+                    ("model", f"{session.held.describe()}, until the mode changes"),
+                    *(("", line) for line in session.held.layer_lines()),
+                ]
                 if session.held
                 else []
             ),

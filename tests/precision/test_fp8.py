@@ -775,3 +775,42 @@ def test_the_panels_options_keep_a_held_model_held_and_empty_means_the_default()
         panel.close()
     session.reset()
     assert type(model[2]) is nn.Linear
+
+
+def _converted_lines(lines) -> list[str]:
+    return [line.strip() for line in lines if line.strip().startswith(("converted", "kept"))]
+
+
+@pytest.mark.parametrize("keep", [[], ["2"]])
+def test_the_trainer_and_the_magic_convert_the_same_layers_for_a_recipe_and_keep(ip, keep):
+    ip.user_ns["net"] = mlp()
+    run(ip, "%amp fp8 --model net --recipe rowwise" + "".join(f" --keep {k}" for k in keep))
+    by_magic = _converted_lines(value for _, value in mpnb.status().rows())
+    run(ip, "%amp off")
+    trainer, data = _fp8_trainer(mode="fp8", recipe="rowwise", keep=keep)
+    by_trainer = _converted_lines(trainer.fit(data).meta["layers"])
+    assert by_magic == by_trainer
+    assert by_trainer[0] == ("converted: 4" if keep else "converted: 2, 4")
+
+
+def test_the_cli_converts_the_layers_the_trainer_does(tmp_path, capsys):
+    from mpnb.cli import main
+    from mpnb.examples import DigitsMLP
+
+    net = DigitsMLP()  # the CLI's --model mlp
+    trainer = mpnb.Trainer(
+        net, torch.optim.SGD(net.parameters(), 0.1), nn.functional.cross_entropy, mode="fp8",
+        recipe="rowwise", device="cpu", dashboard=None,
+    )  # fmt: skip
+    history = trainer.fit([(torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))])
+    args = ["train", "--mode", "fp8", "--recipe", "rowwise", "--model", "mlp", "--steps", "1"]
+    assert main([*args, "--out", str(tmp_path / "cli")]) == 0
+    by_cli = _converted_lines(capsys.readouterr().out.splitlines())
+    assert (
+        by_cli
+        == _converted_lines(history.meta["layers"])
+        == [
+            "converted: layers.3",
+            "kept in bf16: layers.1 (the first Linear layer), layers.5 (the last Linear layer)",
+        ]
+    )
