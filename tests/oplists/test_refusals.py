@@ -1,5 +1,6 @@
-"""An op whose kernel refuses the autocast dtype (oneDNN's LSTM on a CPU without bf16 units):
-recognised in torch's own error, and said by Trainer.fit and advise with the op and the fix."""
+"""An op whose kernel refuses the autocast dtype (oneDNN's LSTM where the CPU lacks the units
+oneDNN asks for that dtype): recognised in torch's own error, and said by Trainer.fit and advise
+with the op, the reason read from this CPU, and the fix."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def _lstm_error(dtype: torch.dtype) -> RuntimeError | None:
 def _refused_here(name: str) -> RuntimeError:
     error = _lstm_error(DTYPES[name])
     if error is None:
-        pytest.skip(f"oneDNN runs LSTM in {name} on this CPU (it has bf16 units): nothing refuses")
+        pytest.skip(f"oneDNN runs LSTM in {name} on this CPU: nothing refuses")
     return error
 
 
@@ -67,6 +68,23 @@ def test_torchs_own_lstm_refusal_is_recognised(name):
     assert message.startswith(f"lstm cannot run in {name}")
     assert "`%oplist add fp32 lstm`" in message
     assert 'OpLists.of(fp32=["lstm"])' in message
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_the_reason_is_what_this_cpu_has_and_what_runs_here(name):
+    """The reason is read from this CPU's units (as torch reports them) and from an LSTM run in the
+    other dtype, never assumed: an AVX512-BF16 CPU refuses fp16 for want of AVX512-FP16."""
+    message = str(refusal_error(_refused_here(name), DTYPES[name]))
+    units = torch.cpu.get_capabilities()
+    cpu = units["cpu_name"]
+    needed = "AVX512-FP16" if name == "fp16" else "AVX-512"
+    assert f"{needed} or AVX2-VNNI-2" in message, message
+    assert f"this CPU ({cpu}) has neither" in message, message
+    if units.get("avx512_bf16") or units.get("amx_bf16"):
+        assert "without bf16 units" not in message, message
+    other = "bf16" if name == "fp16" else "fp16"
+    runs = _lstm_error(DTYPES[other]) is None
+    assert (f"{other} autocast runs it here" in message) is runs, message
 
 
 def test_other_torch_errors_are_not_taken_for_a_refusal():
