@@ -26,8 +26,21 @@ _TEXT_MARK = "'"
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Left-aligned columns separated by two spaces."""
-    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    """Left-aligned columns separated by two spaces; a header with a newline takes two lines
+    (its last line beside the other headers' one line).
+
+    >>> print(text_table(["mode", "median\\nstep (ms)"], [["bf16", "1.5"]]))
+          median
+    mode  step (ms)
+    bf16  1.5
+    """
+    split = [str(h).split("\n") for h in headers]
+    height = max((len(lines) for lines in split), default=1)
+    header_rows = [
+        [lines[len(lines) - height + i] if i >= height - len(lines) else "" for lines in split]
+        for i in range(height)
+    ]
+    cells = [*header_rows, *[[str(c) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 

@@ -128,12 +128,13 @@ def test_compare_end_to_end_writes_table_csv_json_and_a_self_contained_report(tm
     )
     assert result.returncode == 0, result.stderr
     assert "bf16  done: 5 steps, median " in result.stdout  # a progress bar per mode, then its end
-    table = result.stdout[result.stdout.index("mode  median step") :].splitlines()
+    table = result.stdout[result.stdout.index("mode  step (ms)") :].splitlines()
     assert [line.split()[0] for line in table[1:4]] == [
         "fp32",
         "bf16",
         "fp16",
     ] and "1.00x" in table[1]
+    assert max(len(line) for line in table[: table.index("")]) <= 120, table
     out = tmp_path / "mpnb-compare"
     assert [m["mode"] for m in json.loads((out / "comparison.json").read_text())["modes"]] == [
         "fp32",

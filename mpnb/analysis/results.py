@@ -25,6 +25,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 from typing import Any
 
 from mpnb._files import atomic_write
@@ -51,6 +52,19 @@ _COLUMNS = (
     "skipped steps",
     "note",
 )
+#: The terminal's headers, on two lines where a header is longer than its cells (no note column:
+#: the notes are said once each, under the table).
+_TEXT_HEADERS = {
+    "median step (ms)": "median\nstep (ms)",
+    "IQR (ms)": "IQR\n(ms)",
+    "speedup vs fp32": "speedup\nvs fp32",
+    "peak memory of the run": "peak memory\nof the run",
+    "added by training": "added by\ntraining",
+    "final loss": "final\nloss",
+    "skipped steps": "skipped\nsteps",
+}
+#: The width the notes under the terminal table are wrapped to.
+_TEXT_WIDTH = 100
 
 
 @dataclasses.dataclass
@@ -310,8 +324,54 @@ class Comparison:
         """Each mode's memory account, by category (modes without one are left out)."""
         return MemoryReport([r.memory for r in self.results if r.memory is not None], {})
 
+    def _text_table(self) -> str:
+        """The table for a terminal: under 120 columns (two-line headers, no note column), then
+        each note once, with the modes it concerns (none named when it concerns every mode).
+        HTML, CSV and JSON keep every column and each row's own notes."""
+        headers = [
+            _TEXT_HEADERS.get(column, column) for column in _COLUMNS[:-1] if column != "metric"
+        ]
+        metric = self.metric_name  # on the headers' last line, beside "mode", unless long
+        headers.insert(
+            _COLUMNS.index("metric"),
+            metric if len(metric) <= 16 else "\n".join(textwrap.wrap(metric, 16, max_lines=2)),
+        )
+        table, notes, spreads = [], {}, []
+        for result, row, cells in zip(self.results, self.rows(), self._table()):
+            if row["skipped_reason"]:
+                table.append(cells[:-1])
+                notes.setdefault(f"not run: {row['skipped_reason']}", []).append(row["mode"])
+                continue
+            verdict = row["speedup_verdict"]
+            if verdict in (NO_EFFECT, EMULATED, "no clear difference"):
+                speedup = "-" if verdict in (NO_EFFECT, EMULATED) else _interval_text(row)
+                explained = "no clear difference from fp32 (its interval holds 1.00x)"
+                notes.setdefault(
+                    explained if verdict == "no clear difference" else verdict, []
+                ).append(row["mode"])
+                cells = [*cells[:3], speedup, *cells[4:]]
+            table.append(cells[:-1])
+            for note in result.notes:
+                notes.setdefault(note, []).append(row["mode"])
+            if result.step_times.spread_warning:
+                spreads.append(f"{result.step_times.relative_spread:.0%} {row['mode']}")
+        if spreads:
+            notes[_spread_note(spreads)] = [row["mode"] for row in self.rows()]
+        text = text_table(headers, table)
+        everyone = [row["mode"] for row in self.rows()]
+        lines = [
+            textwrap.fill(
+                note if modes == everyone else f"{', '.join(modes)}: {note}",
+                _TEXT_WIDTH,
+                initial_indent="- ",
+                subsequent_indent="  ",
+            )
+            for note, modes in notes.items()
+        ]
+        return f"{text}\n\nnotes:\n" + "\n".join(lines) if lines else text
+
     def __str__(self) -> str:
-        text = text_table(self._columns(), self._table())
+        text = self._text_table()
         memory = self.memory_report()
         if memory.accounts:
             text += f"\n\n{_MEMORY_TITLE}:\n{text_table(memory.headers(), memory.table())}"
@@ -370,6 +430,19 @@ def _number(value: float, pattern: str) -> str:
 
 def _bytes(value: float) -> str:
     return format_bytes(value) if math.isfinite(value) else "-"
+
+
+def _spread_note(spreads: list[str]) -> str:
+    """The step-time spread warning, once for every mode it concerns."""
+    return (
+        f"step times spread (IQR/median) {', '.join(spreads)}: other load on the machine is the "
+        "likely cause; more --steps narrow it"
+    )
+
+
+def _interval_text(row: dict[str, Any]) -> str:
+    """``"1.02x (0.97-1.08)"``."""
+    return f"{row['speedup_vs_fp32']:.2f}x ({row['speedup_low']:.2f}-{row['speedup_high']:.2f})"
 
 
 def _speedup_text(row: dict[str, Any]) -> str:

@@ -44,7 +44,7 @@ def test_compare_runs_each_mode_from_the_same_start_and_fills_the_table(tmp_path
     first_losses = {mode: result.result(mode).history.loss[0] for mode in rows}
     assert abs(first_losses["fp32"] - first_losses["bf16"]) < 0.05  # same model, same first batch
     text = str(result)
-    assert text.splitlines()[0].startswith("mode") and "test accuracy" in text.splitlines()[0]
+    assert text.splitlines()[1].startswith("mode") and "test accuracy" in text.splitlines()[1]
     result.to_json(tmp_path / "r.json")
     result.to_csv(tmp_path / "r.csv")
     assert [m["mode"] for m in json.loads((tmp_path / "r.json").read_text())["modes"]] == [
@@ -179,3 +179,43 @@ def test_compare_with_accumulation_times_full_windows_only():
 
     row = compare(accumulating_run, ["fp32"], steps=9, warmup=0, progress=None).rows()[0]
     assert row["timed_steps"] == 6  # three epochs of two full windows and a short one
+
+
+def _noisy_result(mode, seconds, notes=()):
+    from mpnb.analysis.results import ModeResult
+    from mpnb.training.history import History
+
+    history = History()
+    steps = 12
+    times = [seconds * (1 + (i % 4)) for i in range(steps)]  # a spread of ~70%: a busy machine
+    history.extend({"step": list(range(1, steps + 1)), "loss": [2.0] * steps, "step_time": times})
+    blocks = [(i, i + 2) for i in range(0, steps, 2)]
+    return ModeResult(mode, history, blocks=blocks, notes=list(notes), metric=0.5)
+
+
+def test_the_terminal_table_fits_120_columns_and_says_a_shared_note_once(tmp_path):
+    from mpnb.analysis.results import Comparison, ModeResult
+
+    slow = "fp16 convolutions on a CPU run slowly: measured 3.1x bf16's step here"
+    comparison = Comparison(
+        [
+            _noisy_result("fp32", 0.020),
+            _noisy_result("tf32", 0.020),
+            _noisy_result("fp16", 0.020, [slow]),
+            _noisy_result("bf16", 0.010),
+            ModeResult("fp8", None, skipped_reason="torchao is not installed: pip install torchao"),
+        ],
+        steps=12,
+        warmup=0,
+        metric_name="a long metric name: validation accuracy",
+    )
+    text = str(comparison)
+    assert max(len(line) for line in text.splitlines()) <= 120, text
+    assert text.count("other load on the machine") == 1, text  # said once, under the table
+    assert text.count(slow) == 1 and "torchao is not installed" in text, text
+    # HTML, CSV and JSON keep every column and every row's own notes
+    page = comparison._repr_html_()
+    assert page.count("other load on the machine") == 4 and "peak memory of the run" in page
+    comparison.to_csv(tmp_path / "c.csv")
+    rows = list(csv.DictReader(open(tmp_path / "c.csv")))
+    assert all("other load" in row["notes"] for row in rows[:4]) and slow in rows[2]["notes"]

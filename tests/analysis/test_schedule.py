@@ -96,14 +96,14 @@ def test_a_large_temporary_counts_for_its_own_mode_only_whatever_the_order(order
     assert rows["bf16"]["added_memory"] < 100 * mib, rows["bf16"]
     assert rows["fp32"]["peak_memory"] - rows["bf16"]["peak_memory"] > 150 * mib
     table = str(result)
-    assert "peak memory of the run" in table and "added by training" in table
+    assert "peak memory" in table and "of the run" in table and "added by" in table
 
 
 def test_each_mode_reports_median_and_iqr_in_table_csv_and_json(tmp_path):
     result = compare(dropout_run, ["fp32", "bf16"], steps=8, warmup=1, progress=None)
     for row in result.rows():
         assert 0 <= row["step_time_iqr_s"] < row["median_step_s"] * 10 and row["timed_steps"] == 8
-    assert "IQR (ms)" in str(result).splitlines()[0]
+    assert "IQR" in str(result).splitlines()[0] and "(ms)" in str(result).splitlines()[1]
     result.to_csv(tmp_path / "c.csv")
     result.to_json(tmp_path / "c.json")
     with open(tmp_path / "c.csv", newline="") as file:

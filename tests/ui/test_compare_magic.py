@@ -58,7 +58,7 @@ def test_the_cell_runs_once_per_mode_in_that_mode_within_the_step_budget(shell, 
         assert comparison.result(mode).timed_from == 2
     rows = {row["mode"]: row for row in comparison.rows()}
     assert all(0 <= row["metric"] <= 1 for row in rows.values())
-    header = str(comparison).splitlines()[0]
+    header = str(comparison).splitlines()[1]
     assert (
         " accuracy " in header and "mpnb.examples" not in header
     )  # a short name, not the expression
@@ -243,7 +243,7 @@ def test_each_modes_metric_reads_the_names_that_mode_bound(shell):
     )
     rows = {row["mode"]: row for row in comparison.rows()}
     assert (rows["fp32"]["metric"], rows["bf16"]["metric"]) == (0.0, 1.0)
-    assert "is bf16" in str(comparison).splitlines()[0]
+    assert "is bf16" in str(comparison).splitlines()[1]
     assert (
         shell.user_ns["trainer"].mode.label == "bf16"
     )  # the namespace ends as the last mode left it
