@@ -43,6 +43,9 @@ FORMATS = ("fp16", "bf16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4")
 #: The formats that are a torch dtype: they apply to any operation, convolutions included; the
 #: scaled ones to the matmuls of linear layers only, as torchao's training layers do.
 DTYPE_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+#: The formats whose scales follow the axis a matmul sums over (a row's, a block's): a tensor
+#: multiplied along another axis is cast again. fp16, bf16 and tensorwise fp8 cast it once.
+AXIS_FORMATS = frozenset({"fp8_rowwise", "mxfp8", "nvfp4"})
 #: An operand's part in a matmul: the recipes cast gradients to their own element type.
 ROLES = ("activation", "weight", "gradient")
 
@@ -79,9 +82,10 @@ def check_format(name: str) -> str:
     return name
 
 
-def cast(name: str, tensor: torch.Tensor, role: str, dim: int) -> Operand:
-    """``tensor`` (2-D) in format ``name``, scaled along ``dim`` (the matmul's contraction: 1 for
-    the left operand, 0 for the right), as an operand in the part ``role``.
+def cast(name: str, tensor: torch.Tensor, role: str, dim: int, zeros: int | None = None) -> Operand:
+    """``tensor`` (2-D) in format ``name``, scaled along ``dim`` (the axis the matmul sums over:
+    1 for the left operand of ``a @ b``, 0 for the right), as an operand in the part ``role``;
+    ``zeros``: its count of zeros, when known.
 
     Raises:
         InvalidChoiceError: an unknown format or role.
@@ -90,11 +94,15 @@ def cast(name: str, tensor: torch.Tensor, role: str, dim: int) -> Operand:
     if role not in ROLES:
         raise InvalidChoiceError("role", role, ROLES)
     tensor = tensor.detach().float()
+    if zeros is None:
+        zeros = tensor.numel() - int(torch.count_nonzero(tensor))
     if name in DTYPE_FORMATS:
         dtype = DTYPE_FORMATS[name]
-        overflow = int((tensor.abs() >= _rounding_limit(dtype)).sum())
-        return _operand(tensor, tensor.to(dtype).float(), overflow, (1.0, 1.0))
-    return _SCALED[name](tensor, role, dim)
+        limit = _rounding_limit(dtype)
+        magnitude = tensor.abs()
+        overflow = int(torch.count_nonzero(magnitude >= limit)) if magnitude.max() >= limit else 0
+        return _operand(tensor, zeros, tensor.to(dtype).float(), overflow, (1.0, 1.0))
+    return _operand(tensor, zeros, *_SCALED[name](tensor, role, dim))
 
 
 def output(name: str, result: torch.Tensor) -> torch.Tensor:
@@ -127,14 +135,17 @@ def _rounding_limit(
 
 
 def _operand(
-    tensor: torch.Tensor, values: torch.Tensor, overflow: int, scales: tuple[float, float]
+    tensor: torch.Tensor,
+    zeros: int,
+    values: torch.Tensor,
+    overflow: int,
+    scales: tuple[float, float],
 ) -> Operand:
     """``tensor`` cast to ``values``; a zero stays zero, so the zeros added are the flushed."""
-    zeros = int((tensor == 0).sum())
     return Operand(
         values=values,
         overflow=overflow,
-        flushed=int((values == 0).sum()) - zeros,
+        flushed=values.numel() - int(torch.count_nonzero(values)) - zeros,
         elements=tensor.numel(),
         nonzero=tensor.numel() - zeros,
         scales=scales,
@@ -147,11 +158,15 @@ def _scale_range(scales: torch.Tensor, amax: torch.Tensor) -> tuple[float, float
     return (float(used.min()), float(used.max())) if used.numel() else (1.0, 1.0)
 
 
-def _float8_recipe(recipe: str) -> Callable[[torch.Tensor, str, int], Operand]:
+#: A scaled cast: ``(tensor, role, dim) -> (values, overflow, scale range)``.
+_ScaledCast = Callable[[torch.Tensor, str, int], tuple[torch.Tensor, int, tuple[float, float]]]
+
+
+def _float8_recipe(recipe: str) -> _ScaledCast:
     """A cast by torchao's float8 recipe ``recipe``: its element type for the role, its scaling
     granularity, its scales rounded to powers of two where the recipe rounds them."""
 
-    def cast_float8(tensor: torch.Tensor, role: str, dim: int) -> Operand:
+    def cast_float8(tensor: torch.Tensor, role: str, dim: int) -> tuple:
         from torchao.float8.config import Float8LinearConfig, ScalingGranularity
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax, to_fp8_saturated
 
@@ -171,33 +186,33 @@ def _float8_recipe(recipe: str) -> Callable[[torch.Tensor, str, int], Operand]:
             amax, dtype, round_scales_to_power_of_2=config.round_scales_to_power_of_2
         )
         scaled = tensor * multiplier
-        overflow = int((scaled.abs() >= _rounding_limit(dtype)).sum())
+        overflow = int(torch.count_nonzero(scaled.abs() >= _rounding_limit(dtype)))
         values = to_fp8_saturated(scaled, dtype).float() / multiplier
-        return _operand(tensor, values, overflow, _scale_range(1 / multiplier, amax))
+        return values, overflow, _scale_range(1 / multiplier, amax)
 
     return cast_float8
 
 
 def _blocked(
     quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, float]], block: int
-) -> Callable[[torch.Tensor, str, int], Operand]:
+) -> _ScaledCast:
     """A block-scaled cast along ``dim``. ``quantize`` casts along the last dimension and hands
     back the values, one scale a block and where its element type stops rounding to its largest
     value (:func:`_rounding_limit`); a ``dim`` of 0 is
     cast transposed, and a contraction that is no multiple of the block is padded with zeros,
     as the kernels need."""
 
-    def cast_blocked(tensor: torch.Tensor, role: str, dim: int) -> Operand:
+    def cast_blocked(tensor: torch.Tensor, role: str, dim: int) -> tuple:
         rows = tensor if dim == 1 else tensor.t()
         length = rows.shape[1]
         padded = F.pad(rows, (0, -length % block)).contiguous()
         values, scales, limit = quantize(padded)
         magnitude = padded.abs().reshape(len(padded), -1, block)
         scales = scales.float().reshape(magnitude.shape[:2])
-        overflow = int((magnitude >= limit * scales.unsqueeze(-1)).sum())
+        overflow = int(torch.count_nonzero(magnitude >= limit * scales.unsqueeze(-1)))
         values = values[:, :length]
         scale_range = _scale_range(scales, magnitude.amax(-1))
-        return _operand(tensor, values if dim == 1 else values.t(), overflow, scale_range)
+        return (values if dim == 1 else values.t()), overflow, scale_range
 
     return cast_blocked
 
@@ -221,7 +236,7 @@ def _nvfp4(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     return nv.dequantize(torch.float32), nv.get_hp_scales(), limit
 
 
-_SCALED: dict[str, Callable[[torch.Tensor, str, int], Operand]] = {
+_SCALED: dict[str, _ScaledCast] = {
     "fp8": _float8_recipe("tensorwise"),
     "fp8_rowwise": _float8_recipe("rowwise"),
     "mxfp8": _blocked(_mxfp8, 32),

@@ -208,21 +208,15 @@ def linear_weight(module: nn.Module) -> torch.Tensor:
     return weight if isinstance(module, nn.Linear) else weight.t()
 
 
-def linear_operands(
-    x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor
-) -> dict[str, tuple[tuple[torch.Tensor, str], tuple[torch.Tensor, str]]]:
-    """A linear layer's three matmuls ``a @ b``, each as ((a, its role), (b, its role)), from its
-    input ``x`` (rows of in features), its ``weight`` (out x in) and its output's ``gradient``.
-
-    >>> operands = linear_operands(torch.ones(5, 3), torch.ones(2, 3), torch.ones(5, 2))
-    >>> {name: (a.shape[1], b.shape[0]) for name, ((a, _), (b, _)) in operands.items()}
-    {'forward': (3, 3), 'input_grad': (2, 2), 'weight_grad': (5, 5)}
-    """
-    return {
-        "forward": ((x, "activation"), (weight.t(), "weight")),
-        "input_grad": ((gradient, "gradient"), (weight, "weight")),
-        "weight_grad": ((gradient.t(), "gradient"), (x, "activation")),
-    }
+#: A linear layer's three matmuls from its input ``x`` (tokens x in features), its ``weight``
+#: (out x in) and its output's ``gradient`` (tokens x out): each matmul's two operands (which
+#: tensor, and its axis the matmul sums over) and how they multiply.
+LINEAR_MATMULS: dict[str, tuple[tuple[str, int], tuple[str, int], Callable]] = {
+    "forward": (("x", 1), ("weight", 1), lambda x, weight: x @ weight.t()),
+    "input_grad": (("gradient", 1), ("weight", 0), lambda gradient, weight: gradient @ weight),
+    "weight_grad": (("gradient", 0), ("x", 0), lambda gradient, x: gradient.t() @ x),
+}
+_ROLES = {"x": "activation", "weight": "weight", "gradient": "gradient"}
 
 
 class _Measured:
@@ -231,6 +225,7 @@ class _Measured:
     def __init__(self, formats: Sequence[str]) -> None:
         self.formats = formats
         self.rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._references: dict[str, torch.Tensor] = {}
 
     def layer(self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor) -> None:
         with torch.no_grad():
@@ -245,13 +240,27 @@ class _Measured:
     def _linear(
         self, name: str, x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor
     ) -> None:
-        for matmul, ((a, role_a), (b, role_b)) in linear_operands(x, weight, gradient).items():
-            reference = a @ b
-            for format_name in self.formats:
-                left = fmt.cast(format_name, a, role_a, dim=1)
-                right = fmt.cast(format_name, b, role_b, dim=0)
-                product = fmt.output(format_name, left.values @ right.values)
-                self._add(name, matmul, format_name, product, reference, (left, right))
+        tensors = {"x": x, "weight": weight, "gradient": gradient}
+        zeros = {key: t.numel() - int(torch.count_nonzero(t)) for key, t in tensors.items()}
+        for format_name in self.formats:
+            casts: dict[tuple[str, int | None], fmt.Operand] = {}
+            for matmul, (left, right, multiply) in LINEAR_MATMULS.items():
+                a, b = (
+                    _cast_once(casts, format_name, tensors[key], key, axis, zeros[key])
+                    for key, axis in (left, right)
+                )
+                product = fmt.output(format_name, multiply(a.values, b.values))
+                reference = self._reference(matmul, multiply, tensors[left[0]], tensors[right[0]])
+                self._add(name, matmul, format_name, product, reference, (a, b))
+        self._references.clear()
+
+    def _reference(
+        self, matmul: str, multiply: Callable, a: torch.Tensor, b: torch.Tensor
+    ) -> torch.Tensor:
+        """The matmul in fp32, once per layer call."""
+        if matmul not in self._references:
+            self._references[matmul] = multiply(a, b)
+        return self._references[matmul]
 
     def _convolution(
         self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor
@@ -329,6 +338,22 @@ class _Measured:
                 self.formats.index(row["format"]),
             ),
         )
+
+
+def _cast_once(
+    casts: dict[tuple[str, int | None], fmt.Operand],
+    format_name: str,
+    tensor: torch.Tensor,
+    key: str,
+    axis: int,
+    zeros: int,
+) -> fmt.Operand:
+    """``tensor`` (``key``) in the format, cast once, or once per axis where the format's
+    scales follow the axis the matmul sums over."""
+    along = axis if format_name in fmt.AXIS_FORMATS else None
+    if (key, along) not in casts:
+        casts[key, along] = fmt.cast(format_name, tensor, _ROLES[key], dim=axis, zeros=zeros)
+    return casts[key, along]
 
 
 def _convolution_products(
