@@ -134,11 +134,14 @@ class NumericsLog:
             return (_worst(self.nonfinite.get(name, [])) == 0, self.headroom(name))
 
         rows = []
-        for name in sorted(self.modules, key=nearest_trouble):
+        for name in sorted(self.ran, key=nearest_trouble):
             rows.append(
                 [
                     name,
-                    f"{_worst(self.activation_max.get(name, [])):.2g}",
+                    _activation_cell(
+                        _worst(self.activation_max.get(name, [])),
+                        _worst(self.nonfinite.get(name, [])),
+                    ),
                     _headroom_cell(self.headroom(name), _worst(self.nonfinite.get(name, []))),
                     f"{_worst(self.gradient_max.get(name, [])):.2g}",
                     f"{_worst(self.underflow_share.get(name, [])):.0%}",
@@ -161,7 +164,25 @@ class NumericsLog:
             ),
             *(("block-scale range",) if self.block_modules else ()),
         )
-        return text_table(headers, rows)
+        table = text_table(headers, rows)
+        never = self.never_ran
+        if never:
+            table += (
+                f"\nnot called as modules on a sampled step, so not measured: {', '.join(never)}"
+            )
+        return table
+
+    @property
+    def ran(self) -> list[str]:
+        """The watched modules called as modules on at least one sampled step."""
+        return [name for name in self.modules if _measured(self.activation_max.get(name, []))]
+
+    @property
+    def never_ran(self) -> list[str]:
+        """The watched modules no sampled step called as a module: their owner uses their
+        weights directly (``nn.MultiheadAttention``'s ``out_proj``), or they were not on the
+        path; they have nothing to show."""
+        return [name for name in self.modules if name not in self.ran]
 
     @property
     def fp8_modules(self) -> list[str]:
@@ -196,6 +217,11 @@ class NumericsLog:
         """A heatmap: module x sampled step, the colour the headroom to the limit (needs the
         notebook extras)."""
         return views.view("numerics_figure")(self)
+
+
+def _activation_cell(largest: float, nonfinite: float) -> str:
+    """``"6e+04"``; ``"inf"`` for a module that made an inf; ``"nan"`` when it made only NaN."""
+    return "nan" if nonfinite and largest == 0 else f"{largest:.2g}"
 
 
 def _headroom_cell(headroom: float, nonfinite: float) -> str:
@@ -264,7 +290,7 @@ class ModuleMeasures:
         """A watched module's output, reduced on the device to its row (gradient to come)."""
         magnitude = out.abs().float()
         self._rows[name] = [
-            magnitude.nan_to_num(0.0, 0.0, 0.0).amax(),
+            magnitude.nan_to_num(nan=0.0, posinf=math.inf).amax(),  # an inf is its largest
             (~torch.isfinite(out)).sum().float(),
             underflow_share(magnitude),
             torch.zeros((), device=out.device),

@@ -85,4 +85,4 @@ class SessionFollower:
             return
         message = f"mode {trainer.mode.label} -> {precision.mode.label}"
         trainer.use_precision(precision)
-        trainer.history.note(message, kind="switch", step=next_step)
+        trainer.history.note(message, kind="switch", step=next_step, mode=precision.mode.label)

@@ -67,7 +67,8 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
         from mpnb.training.trainer import Trainer
         from mpnb.ui.widgets.remedy_view import RemedyView
 
-        remedy = RemedyView(subject)
+        # a Trainer keeps a remedy asked for between fits for the next; a loop's run is over
+        remedy = RemedyView(subject, waits_between_fits=isinstance(subject, Trainer))
         shown.append(remedy.widget)
         sinks.append(remedy)
         if isinstance(subject, Trainer):  # mpnb drives the steps: one can be counted by category

@@ -3,15 +3,23 @@
 Used by the live widget (:mod:`mpnb.ui.plots.live`), by ``History.plot()`` and by the HTML
 report of ``mpnb train``: one layout, one mapping from history rows to traces.
 
+The history's events (a switch, an alarm, a named origin, a loss scale given back) are dotted
+vertical lines through every panel and a marker at the top of the loss panel whose hover text
+is the event, and they are listed, one line each, under the plots: no text is written into a
+panel, where labels of nearby events would overlap. Steps whose loss is NaN or inf are markers
+at the bottom of the loss panel, so its axis runs as far as the others. Nothing non-finite is
+sent to the page.
+
 Example:
     >>> from mpnb.training.history import ALARM_KINDS, History
     >>> h = History()
     >>> h.extend({"step": [1, 2], "loss": [1.0, 0.5], "loss_scale": [8.0, 4.0], "skipped": [True, False]})
+    >>> h.note("mode fp16 -> bf16", kind="switch", step=2)
     >>> fig = dashboard_figure(h)
     >>> [t.name for t in fig.data]
-    ['loss', 'loss scale', 'skipped step', 'memory in use', 'peak memory', 'samples/s']
-    >>> fig.data[2].x.tolist()
-    [1.0]
+    ['loss', 'loss scale', 'skipped step', 'memory in use', 'peak memory', 'samples/s', 'non-finite loss', 'events']
+    >>> fig.data[2].x.tolist(), fig.data[-1].hovertext, fig.layout.annotations[-1].text
+    ([1.0], ('from step 2: mode fp16 -> bf16',), 'from step 2: mode fp16 -> bf16')
 """
 
 from __future__ import annotations
@@ -26,8 +34,8 @@ from mpnb.training.history import ALARM_KINDS, History
 
 __all__: list[str] = []
 
-#: The history events a dashboard marks with a vertical line.
-MARKED_KINDS = ("switch", "origin", *ALARM_KINDS)
+#: The history events a dashboard marks with a vertical line and lists under the plots.
+MARKED_KINDS = ("switch", "origin", "scale", *ALARM_KINDS)
 
 MIB = 2.0**20
 
@@ -39,7 +47,15 @@ TRACES: dict[str, tuple[int, int]] = {
     "memory in use": (2, 1),
     "peak memory": (2, 1),
     "samples/s": (2, 2),
+    "non-finite loss": (1, 1),
 }
+#: The loss panel's second y axis, 0 at its bottom and 1 at its top, hidden: where the markers
+#: of non-finite losses and of events stand, whatever the loss's own range.
+MARK_AXIS = "y5"
+#: Where on :data:`MARK_AXIS` each kind of marker stands.
+NONFINITE_AT, EVENT_AT = 0.03, 0.97
+#: Events listed under the plots (the latest; the history keeps them all), and the longest line.
+LISTED_EVENTS, LISTED_CHARACTERS = 6, 120
 
 _STYLE = {
     "loss": {"line": {"color": "#1f77b4"}},
@@ -48,7 +64,17 @@ _STYLE = {
     "memory in use": {"line": {"color": "#9467bd"}},
     "peak memory": {"line": {"color": "#9467bd", "dash": "dot"}},
     "samples/s": {"line": {"color": "#ff7f0e"}},
+    "non-finite loss": {
+        "mode": "markers",
+        "marker": {"color": "#d62728", "symbol": "line-ns-open", "size": 10},
+        "yaxis": MARK_AXIS,
+        "hovertemplate": "step %{x}: loss NaN or inf<extra></extra>",
+    },
 }
+_ALARM_COLOR, _EVENT_COLOR = "#c0392b", "#555"
+#: The dashboards' height and bottom margin without listed events, in pixels, and how far under
+#: the plots (past the step axis's title and the legend) the list of events starts.
+_HEIGHT, _BOTTOM, _LIST_BELOW = 520, 40, 72
 
 
 def empty_figure(title: str = "") -> go.Figure:
@@ -62,6 +88,37 @@ def empty_figure(title: str = "") -> go.Figure:
         figure.add_trace(
             go.Scatter(x=[], y=[], name=name, **{"mode": "lines", **_STYLE[name]}), row=row, col=col
         )
+    figure.update_layout(
+        {f"yaxis{MARK_AXIS[1:]}": {"overlaying": "y", "range": [0, 1], "visible": False}}
+    )
+    figure.update_traces(yaxis=MARK_AXIS, selector={"name": "non-finite loss"})
+    figure.add_trace(
+        go.Scatter(
+            x=[],
+            y=[],
+            name="events",
+            mode="markers",
+            marker={"symbol": "triangle-down", "size": 10, "color": []},
+            hovertemplate="%{hovertext}<extra></extra>",
+            hovertext=[],
+            xaxis="x",
+            yaxis=MARK_AXIS,
+        )
+    )
+    figure.add_annotation(
+        name="events",
+        text="",
+        xref="paper",
+        yref="paper",
+        x=0,
+        y=0,
+        xanchor="left",
+        yanchor="top",
+        align="left",
+        showarrow=False,
+        visible=False,
+        font={"size": 11, "color": _EVENT_COLOR},
+    )
     return figure
 
 
@@ -87,8 +144,8 @@ def four_panels(
     figure.update_xaxes(title_text="step", row=2)
     figure.update_layout(
         title={"text": title, "font": {"size": 14}},
-        height=520,
-        margin={"l": 50, "r": 20, "t": 70, "b": 40},
+        height=_HEIGHT,
+        margin={"l": 50, "r": 20, "t": 70, "b": _BOTTOM},
         legend={"orientation": "h", "y": -0.12},
         template="plotly_white",
     )
@@ -110,42 +167,107 @@ def trace_points(history: History, start: int = 0) -> dict[str, tuple[list[float
         "memory in use": (steps, [v / MIB for v in history.memory_used[start:]]),
         "peak memory": (steps, [v / MIB for v in history.memory_peak[start:]]),
         "samples/s": (steps, history.samples_per_s[start:]),
+        "non-finite loss": _nonfinite_losses(history, start),
     }
 
 
+def _nonfinite_losses(history: History, start: int) -> tuple[list[float], list[float]]:
+    """The steps whose loss is NaN or inf (not merely unread), at the loss panel's bottom."""
+    rows = zip(history.step[start:], history.loss[start:], history.loss_missing[start:])
+    steps = [step for step, loss, unread in rows if not (math.isfinite(loss) or unread)]
+    return steps, [NONFINITE_AT] * len(steps)
+
+
 def marked_events(history: History, start: int = 0) -> list[dict]:
-    """The events a dashboard marks, ``start`` onwards: switches (a mode, fp32-math or op-list change
-    during a run) and alarms (a non-finite loss, a collapsed loss scale)."""
+    """The events a dashboard marks, ``start`` onwards: switches (a mode, fp32-math or op-list
+    change during a run, a remedy), a loss scale given back, a named origin and alarms (a
+    non-finite loss, a collapsed loss scale, zero gradients)."""
     return [event for event in history.events[start:] if event.get("kind") in MARKED_KINDS]
 
 
+def event_x(event: dict) -> float:
+    """Where ``event`` stands on the step axis: a switch or a scale given back acts from its step,
+    so between it and the one before; an alarm or a named origin is about its own step."""
+    own_step = event.get("kind") in ALARM_KINDS or event.get("kind") == "origin"
+    return event["step"] if own_step else event["step"] - 0.5
+
+
+def event_text(event: dict) -> str:
+    """One line for ``event``, its step said once: ``"from step 5: mode fp16 -> bf16"`` (a switch
+    acts from there), ``"step 1 skipped: ..."``, ``"step 18: loss scale collapsed ..."``."""
+    message, step = event["message"], event["step"]
+    if message.startswith(f"step {step} ") or message.startswith(f"step {step}:"):
+        return message
+    return f"{'step' if event_x(event) == step else 'from step'} {step}: {message}"
+
+
 def mark_event(figure: go.Figure, event: dict) -> None:
-    """A dotted vertical line on every panel where a switch took effect, an alarm went off or a
-    skipped step's origin was named, labelled on the loss panel (alarms in red)."""
-    alarm = event.get("kind") in ALARM_KINDS
-    color = "#c0392b" if alarm else "#555"
-    # a switch acts between two steps; an alarm or a named origin is about its own step
-    x = event["step"] if alarm or event.get("kind") == "origin" else event["step"] - 0.5
-    figure.add_vline(x=x, line={"dash": "dot", "color": color, "width": 1}, row="all", col="all")
-    figure.add_annotation(
-        x=x,
-        y=1,
-        yref="y domain",
-        text=event["message"],
-        showarrow=False,
-        xanchor="left",
-        font={"size": 10, "color": color},
-        row=1,
-        col=1,
+    """A dotted vertical line through every panel at ``event`` (alarms in red)."""
+    color = _ALARM_COLOR if event.get("kind") in ALARM_KINDS else _EVENT_COLOR
+    x = event_x(event)
+    for panel in ("", "2", "3", "4"):  # drawn as shapes: the marks' overlaid axis is no panel
+        figure.add_shape(
+            type="line",
+            x0=x,
+            x1=x,
+            y0=0,
+            y1=1,
+            xref=f"x{panel}",
+            yref=f"y{panel} domain",
+            line={"dash": "dot", "color": color, "width": 1},
+        )
+
+
+def show_events(figure: go.Figure, events: list[dict], title: str) -> None:
+    """The marked ``events`` (all of them so far) on ``figure``: a marker each at the top of the
+    loss panel, its hover text the event; the latest :data:`LISTED_EVENTS` listed under the
+    plots, one line each (the figure grows to hold them); the title says the mode a switch
+    changed to. Their lines: :func:`mark_event`."""
+    marker = figure.data[len(TRACES)]
+    marker.x = [event_x(event) for event in events]
+    marker.y = [EVENT_AT] * len(events)
+    marker.hovertext = [event_text(event) for event in events]
+    marker.marker.color = [
+        _ALARM_COLOR if event.get("kind") in ALARM_KINDS else _EVENT_COLOR for event in events
+    ]
+    listed = events[-LISTED_EVENTS:]
+    lines = [_listed(event) for event in listed]
+    if len(events) > len(listed):
+        lines.append(f"... and {len(events) - len(listed)} earlier (history.events)")
+    bottom = _LIST_BELOW + 16 * len(lines) + 10 if lines else _BOTTOM
+    figure.layout.annotations[-1].update(
+        text="<br>".join(lines), visible=bool(lines), yshift=-_LIST_BELOW
     )
+    figure.layout.update(height=_HEIGHT + bottom - _BOTTOM, margin={"b": bottom})
+    switched = [event for event in events if event.get("kind") == "switch" and "mode" in event]
+    if switched:
+        last = switched[-1]
+        title = f"{title} (now {last['mode']}, from step {last['step']})"
+    figure.layout.title.text = title
+
+
+def _listed(event: dict) -> str:
+    """The event's line in the list, cut to :data:`LISTED_CHARACTERS` (its marker's hover text
+    has it whole); an alarm in red."""
+    text = event_text(event)
+    if len(text) > LISTED_CHARACTERS:
+        text = text[: LISTED_CHARACTERS - 3] + "..."
+    text = text.replace("<", "&lt;")  # plotly reads a "<" as the start of a tag
+    if event.get("kind") in ALARM_KINDS:
+        return f'<span style="color:{_ALARM_COLOR}">{text}</span>'
+    return text
 
 
 def dashboard_figure(history: History, title: str | None = None) -> go.Figure:
     """A static dashboard of a whole history (every point; no decimation)."""
-    figure = empty_figure(history.meta.get("model", "") if title is None else title)
+    title = history.meta.get("model", "") if title is None else title
+    figure = empty_figure(title)
     for trace, (xs, ys) in zip(figure.data, trace_points(history).values()):
-        trace.x = np.asarray(xs, dtype=np.float64)
-        trace.y = np.asarray([v if math.isfinite(v) else math.nan for v in ys], dtype=np.float64)
-    for event in marked_events(history):
+        finite = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]
+        trace.x = np.asarray([x for x, _ in finite], dtype=np.float64)
+        trace.y = np.asarray([y for _, y in finite], dtype=np.float64)
+    events = marked_events(history)
+    for event in events:
         mark_event(figure, event)
+    show_events(figure, events, title)
     return figure

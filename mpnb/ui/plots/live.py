@@ -4,8 +4,10 @@ Redraws are throttled (at most one per ``min_interval`` seconds, plus a final on
 never more often than keeps redrawing under ``max_share`` of the run's time) and batched
 (one widget message per redraw). Each trace is decimated by streaming min/max
 buckets, so a redraw sends at most ``max_points`` points per trace: message size and
-redraw time stay flat however long the run. The full history stays in the recorder. A switch made during the run (mode, fp32 math, op
-lists) is drawn as a labelled vertical line where it took effect.
+redraw time stay flat however long the run. The full history stays in the recorder. A switch made
+during the run (mode, fp32 math, op lists, a remedy), an alarm or a named origin is drawn as a
+vertical line with a marker whose hover text says it, and listed under the plots
+(:func:`~mpnb.ui.plots.figure.show_events`).
 
 Example:
     >>> from mpnb.training.history import History
@@ -23,7 +25,14 @@ import plotly.graph_objects as go
 
 from mpnb.training.history import History
 from mpnb.ui.plots.decimate import MinMaxSeries
-from mpnb.ui.plots.figure import TRACES, empty_figure, mark_event, marked_events, trace_points
+from mpnb.ui.plots.figure import (
+    TRACES,
+    empty_figure,
+    mark_event,
+    marked_events,
+    show_events,
+    trace_points,
+)
 from mpnb.ui.plots.pacing import PacedPlot
 
 __all__: list[str] = []
@@ -54,17 +63,25 @@ class LiveDashboard(PacedPlot):
     ) -> None:
         self.figure = go.FigureWidget(empty_figure(title))
         super().__init__(min_interval, max_share)
+        self._title = title
         self._series = {name: MinMaxSeries(max_points) for name in TRACES}
         self._seen = 0
         self._events_seen = 0
+        self._events: list[dict] = []  # the marked ones
 
     def _ingest(self, history: History) -> None:
         for name, (xs, ys) in trace_points(history, self._seen).items():
             self._series[name].extend(xs, ys)
         self._seen = len(history)
-        for event in marked_events(history, self._events_seen):
-            mark_event(self.figure, event)
+        fresh = marked_events(history, self._events_seen)
         self._events_seen = len(history.events)
+        if not fresh:
+            return
+        self._events.extend(fresh)
+        with self.figure.batch_update():
+            for event in fresh:
+                mark_event(self.figure, event)
+            show_events(self.figure, self._events, self._title)
 
     def _draw(self) -> None:
         """Send every trace's decimated points in one message."""

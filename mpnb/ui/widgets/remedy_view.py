@@ -5,22 +5,26 @@ The button appears under the live dashboard of a Trainer, or of a framework's lo
 (transformers, Lightning, Accelerate), at the first ``"origin"`` event of its history
 (:mod:`mpnb.numerics.origin`) and calls its ``keep_in_fp32``
 (:meth:`mpnb.Trainer.keep_in_fp32`). A click while the fit runs is delivered between two
-optimizer steps, like Stop and Pause; the module is put back when the fit ends.
+optimizer steps, like Stop and Pause; the module is put back when the fit ends. When the fit has
+ended, a Trainer's button stays: a click then keeps the module from the next fit's first step (the
+model is not changed between fits); a framework loop's is disabled, its run being over. The
+button says the module's whole name; the note beside it says the origin as the history does,
+its step once.
 
 Example:
     >>> import mpnb.examples as ex
     >>> from mpnb.training.history import History
     >>> trainer, _, _ = ex.example_trainer("fp16", "cpu", widths=(4, 8), dashboard=None)
-    >>> view = RemedyView(trainer)
+    >>> view = RemedyView(trainer, waits_between_fits=True)
     >>> view.button.layout.display
     'none'
-    >>> trainer.history.note("step 1 skipped: ...", kind="origin", module="DigitsCNN.classifier")
+    >>> trainer.history.note("step 1 skipped: ...", kind="origin", step=1, module="DigitsCNN.classifier")
     >>> view.update(trainer.history)
-    >>> view.button.description, view.button.layout.display
-    ('Run classifier in fp32', None)
-    >>> view.button.click()
-    >>> view.note.value
-    'classifier runs in fp32 from the next step, until the fit ends'
+    >>> view.button.description, view.button.layout.display, view.note.value
+    ('Run classifier in fp32', None, 'step 1 skipped: ...')
+    >>> view.button.click()  # no fit runs: it waits for the next one
+    >>> view.note.value, "forward" in vars(trainer.model.classifier)
+    ("classifier runs in fp32 from the next fit's first step, until that fit ends", False)
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ import ipywidgets as widgets
 
 from mpnb.errors import MpnbError
 from mpnb.numerics.origin import ORIGIN_KIND
+from mpnb.training.control import FitState
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
+from mpnb.ui.plots.figure import event_text
 
 __all__: list[str] = []
 
@@ -41,15 +47,23 @@ class RemedyView(Sink):
     """A button offering the remedy for the last named origin of ``trainer``'s history
     (``trainer``: a Trainer, or a framework loop's telemetry).
 
+    Args:
+        trainer: what the remedy is asked of (its ``keep_in_fp32`` and ``control``).
+        waits_between_fits: asked for after the fit ended, the remedy waits for the next fit
+            (a Trainer); otherwise the button is disabled when the run ends.
+
     Attributes:
         widget: what to display (hidden until an origin is named).
     """
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, *, waits_between_fits: bool = False) -> None:
         self.trainer = trainer
+        self.waits_between_fits = waits_between_fits
         self.module: str | None = None
         self.button = widgets.Button(
-            icon="wrench", tooltip="autocast off inside this module, its inputs cast up"
+            icon="wrench",
+            tooltip="autocast off inside this module, its inputs cast up",
+            layout=widgets.Layout(width="auto"),  # the module's whole name, never cut
         )
         self.button.layout.display = "none"
         self.note = widgets.Label("")
@@ -62,20 +76,44 @@ class RemedyView(Sink):
         if not named or named[-1]["module"] == self.module:
             return
         self.module = named[-1]["module"]
-        short = self.module.split(".", 1)[1] if "." in self.module else self.module
+        short = _short(self.module)
         self.button.description = f"Run {short} in fp32"
+        self.button.tooltip = f"run {short} with autocast off inside it, its inputs cast up"
         self.button.layout.display = None
         self.button.disabled = False
-        self.note.value = f"step {named[-1]['step']}: {named[-1]['message']}"
+        self.note.value = event_text(named[-1])  # its step said once, as the dashboard says it
+
+    def close(self, history: History) -> None:
+        """The fit ended: say what a click does now (or disable the button: see the class)."""
+        self.update(history)
+        if self.module is None or self.button.disabled:
+            return
+        short = _short(self.module)
+        if self.waits_between_fits:
+            self.note.value = f"the fit ended: a click runs {short} in fp32 from the next fit"
+        else:
+            self.button.disabled = True
+            self.note.value = f"the run ended: {short} could be kept in fp32 while a run trains"
 
     def apply(self) -> None:
-        """Keep the module in float32 from the next step (see :meth:`mpnb.Trainer.keep_in_fp32`)."""
+        """Keep the module in float32 from the next step (see :meth:`mpnb.Trainer.keep_in_fp32`),
+        or from the next fit's first step when none runs."""
         if self.module is None:
             return
+        running = self.trainer.control.state is not FitState.IDLE
         try:
             found = self.trainer.keep_in_fp32(self.module)
         except MpnbError as error:
             self.note.value = str(error)
             return
         self.button.disabled = True
-        self.note.value = f"{found} runs in fp32 from the next step, until the fit ends"
+        self.note.value = (
+            f"{found} runs in fp32 from the next step, until the fit ends"
+            if running
+            else f"{found} runs in fp32 from the next fit's first step, until that fit ends"
+        )
+
+
+def _short(module: str) -> str:
+    """The module's name inside the model (an origin's name starts with the root's class)."""
+    return module.split(".", 1)[1] if "." in module else module
