@@ -555,3 +555,35 @@ class WhatIf:
             "<b>mpnb what-if: relative error of each layer's worst matmul</b>"
             f"{html_table(('layer', *self.formats), body)}<ul class='mpnb-whatif'>{advice}</ul>"
         )
+
+
+def whatif_of_fit(trainer: Any, formats: Iterable[str] | None = None) -> WhatIf:
+    """:func:`whatif` on a Trainer's model and the last batch its fit took, with its loss
+    function: what the panel's "what if" button and ``%whatif TRAINER`` run.
+
+    Raises:
+        MpnbError: the trainer has not taken a batch yet, or computes its loss with a
+            ``step_fn`` (the what-if needs the model's own forward pass).
+
+    Example:
+        >>> import mpnb.examples as ex
+        >>> trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+        >>> whatif_of_fit(trainer)
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: this trainer has taken no batch yet: fit it for a step first, or call mpnb.whatif(model, batch, loss_fn)
+        >>> _ = trainer.fit(train, max_steps=1)
+        >>> whatif_of_fit(trainer, ["bf16"]).layers[-1]
+        'classifier'
+    """
+    if trainer.last_batch is None:
+        raise MpnbError(
+            "this trainer has taken no batch yet: fit it for a step first, or call "
+            "mpnb.whatif(model, batch, loss_fn)"
+        )
+    if trainer.step_fn is not None:
+        raise MpnbError(
+            "this trainer computes its loss with a step_fn; call mpnb.whatif(model, batch, "
+            "loss_fn) with a loss function of the model's output"
+        )
+    return whatif(trainer.model, trainer.last_batch, trainer.loss_fn, formats)

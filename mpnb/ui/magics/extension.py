@@ -23,6 +23,7 @@ from mpnb.ui.magics.compare import CompareMagics
 from mpnb.ui.magics.distributed import DistributedMagics
 from mpnb.ui.magics.oplist import OpListMagics
 from mpnb.ui.magics.precision import PrecisionMagics
+from mpnb.ui.magics.whatif import WhatIfMagics
 
 __all__: list[str] = []
 
@@ -80,6 +81,7 @@ def load(shell) -> None:
         OpListMagics(shell),
         CompareMagics(shell),
         DistributedMagics(shell),
+        WhatIfMagics(shell),
     ]
     for instance in magics:
         shell.register_magics(instance)

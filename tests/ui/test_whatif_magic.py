@@ -1,0 +1,53 @@
+"""``%whatif`` through a real InteractiveShell: the same result as ``mpnb.whatif``, a Trainer's
+last batch, and bad input said as a UsageError naming what is valid."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpnb.numerics.whatif import WhatIf
+from tests.conftest import run, usage_error
+
+pytest.importorskip("torchao")
+
+SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+batch = (torch.randn(32, 8), torch.randint(0, 2, (32,)))
+loss_fn = torch.nn.functional.cross_entropy
+"""
+
+
+def test_whatif_on_a_model_and_batch_is_mpnb_whatif(ip):
+    run(ip, SETUP)
+    result = run(ip, "%whatif model batch --loss loss_fn --formats fp16 bf16")
+    assert isinstance(result, WhatIf)
+    assert result.layers == ["0", "2"] and result.formats == ("fp16", "bf16")
+    direct = run(
+        ip,
+        "mpnb_direct = __import__('mpnb').whatif(model, batch, loss_fn, ['fp16', 'bf16'])\nmpnb_direct",
+    )
+    assert [r["rel_error"] for r in result.rows] == [r["rel_error"] for r in direct.rows]
+    assert "fp16: keep none" in result._repr_html_()
+
+
+def test_whatif_on_a_trainer_takes_its_last_batch(ip):
+    run(
+        ip,
+        SETUP
+        + "import mpnb\ntrainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, device='cpu', dashboard=None)",
+    )
+    assert "has taken no batch yet" in usage_error(ip, "%whatif trainer")
+    run(ip, "_ = trainer.fit([batch], max_steps=1)")
+    result = run(ip, "%whatif trainer --formats bf16")
+    assert result.layers == ["0", "2"]
+
+
+def test_bad_input_names_the_valid_values(ip):
+    run(ip, SETUP)
+    assert "unknown format 'fp4'; valid: fp16, bf16, fp8" in usage_error(
+        ip, "%whatif model batch --loss loss_fn --formats fp4"
+    )
+    assert "cannot read 'nothing'" in usage_error(ip, "%whatif nothing batch")
+    assert "give a batch after the model" in usage_error(ip, "%whatif model")
