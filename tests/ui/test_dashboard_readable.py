@@ -232,7 +232,17 @@ def test_buttons_say_the_whole_module_name_and_the_note_one_step(watched_fit):
     memory = MemoryView(trainer)
     assert memory.button.layout.width == "auto"
     origin = next(e for e in trainer.history.events if e["kind"] == "origin")
-    assert remedy.note.value == origin["message"]  # "step 1 skipped: ...", its step said once
+    offered = History()
+    offered.events.append(origin)
+    fresh = RemedyView(trainer)
+    fresh.update(offered)
+    assert fresh.note.value == origin["message"]  # "step 1 skipped: ...", its step said once
+    offered.events.append(next(e for e in trainer.history.events if e["kind"] == "switch"))
+    fresh.update(offered)  # kept in fp32 by code, not by the button: the view says so
+    assert fresh.button.disabled and fresh.note.value == (
+        f"from step 9: {PLANTED} runs in fp32 (autocast off inside it), until the fit ends"
+    )
+    assert remedy.note.value == f"the fit ended: a click runs {PLANTED} in fp32 in the next fit"
 
 
 def test_a_remedy_clicked_after_the_fit_waits_for_the_next_fit(capsys):

@@ -71,29 +71,51 @@ class RemedyView(Sink):
         self.button.on_click(lambda _: self.apply())
 
     def update(self, history: History) -> None:
-        """Offer the remedy for the latest origin named in a module."""
+        """Offer the remedy for the latest origin named in a module; once it is applied (by the
+        button or by code), say from which step."""
         named = [e for e in history.events if e.get("kind") == ORIGIN_KIND and e.get("module")]
-        if not named or named[-1]["module"] == self.module:
-            return
-        self.module = named[-1]["module"]
-        short = _short(self.module)
-        self.button.description = f"Run {short} in fp32"
-        self.button.tooltip = f"run {short} with autocast off inside it, its inputs cast up"
-        self.button.layout.display = None
-        self.button.disabled = False
-        self.note.value = event_text(named[-1])  # its step said once, as the dashboard says it
+        if named and named[-1]["module"] != self.module:
+            self.module = named[-1]["module"]
+            short = _short(self.module)
+            self.button.description = f"Run {short} in fp32"
+            self.button.tooltip = f"run {short} with autocast off inside it, its inputs cast up"
+            self.button.layout.display = None
+            self.button.disabled = False
+            self.note.value = event_text(named[-1])  # its step said once, as the dashboard does
+        kept = self._kept(history)
+        if kept is not None:
+            self.button.disabled = True
+            self.note.value = f"{event_text(kept)}, until the fit ends"
 
     def close(self, history: History) -> None:
         """The fit ended: say what a click does now (or disable the button: see the class)."""
         self.update(history)
-        if self.module is None or self.button.disabled:
+        if self.module is None:
             return
         short = _short(self.module)
-        if self.waits_between_fits:
-            self.note.value = f"the fit ended: a click runs {short} in fp32 from the next fit"
+        if self.waits_between_fits:  # a remedy lasts its fit: offered again for the next
+            self.button.disabled = False
+            self.note.value = f"the fit ended: a click runs {short} in fp32 in the next fit"
         else:
             self.button.disabled = True
-            self.note.value = f"the run ended: {short} could be kept in fp32 while a run trains"
+            self.note.value = f"the run ended: {short} can be kept in fp32 while a run trains"
+
+    def _kept(self, history: History) -> dict | None:
+        """The switch that keeps this view's module in fp32, if one came after its origin."""
+        if self.module is None:
+            return None
+        short = _short(self.module)
+        origin_at = max(
+            e["step"] for e in history.events if e.get("kind") == ORIGIN_KIND and e.get("module")
+        )
+        return next(
+            (
+                e
+                for e in reversed(history.events)
+                if e.get("kind") == "switch" and e.get("module") == short and e["step"] > origin_at
+            ),
+            None,
+        )
 
     def apply(self) -> None:
         """Keep the module in float32 from the next step (see :meth:`mpnb.Trainer.keep_in_fp32`),
