@@ -328,9 +328,12 @@ def _step(trainer: Trainer, batch: Any, samples: int | None = None) -> Any:
 
     def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         sized = batch if samples is None else with_batch_size(batch, samples)
-        with precision.model_scope(model), precision.autocast.context():  # fp8: its layers
-            loss = batch_loss(model, sized, trainer.loss_fn, trainer.step_fn)
-        loss.backward()
+        # A mode's own layers (fp8's) stay in place through the backward pass, as in a fit:
+        # torch's tracker follows each module there, and warned of every one gone before.
+        with precision.model_scope(model):
+            with precision.autocast.context():
+                loss = batch_loss(model, sized, trainer.loss_fn, trainer.step_fn)
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

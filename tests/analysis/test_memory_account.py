@@ -248,3 +248,18 @@ def test_a_measured_step_leaves_no_profiler_marks_on_stderr_and_nothing_else_is_
     )
     assert child.returncode == 0, child.stderr.decode()
     assert child.stderr == b"kept\nafter\n"
+
+
+def test_fp8s_account_counts_its_layers_backward_and_warns_nothing():
+    """fp8's layers are swapped in for the forward: its backward runs while they are still in
+    place, so torch's tracker finds each module alive (it warned "Module is None. Skipping
+    PRE_BW hook." for every one, twice per compare)."""
+    import warnings
+
+    pytest.importorskip("torchao")
+    trainer, train, _ = ex.example_trainer("fp8", "cpu", model="mlp", dashboard=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        account = account_step(trainer, next(iter(train)))
+    assert [str(w.message) for w in caught] == []
+    assert account.categories["gradients"] > 0 or account.categories["activations"] > 0
