@@ -23,20 +23,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpnb.errors import MpnbError
+from mpnb.numerics.formats import check_format
 from mpnb.precision.modes.base import Mode
 from mpnb.precision.modes.registry import mode_names, parse_mode
 
 __all__ = ["Proof"]
 
-#: The mode that trains each format, with the recipe it names; None: no mode trains it (torchao
-#: trains NVFP4 on Blackwell GPUs only, with Triton kernels).
-FORMAT_MODES = {
+#: The mode that trains each format, with the recipe it names. A mode the machine cannot run
+#: refuses itself as the run is built, saying why (nvfp4 trains on Blackwell GPUs only).
+FORMAT_MODES: dict[str, str] = {
     "fp16": "fp16",
     "bf16": "bf16",
     "fp8": "fp8:tensorwise",
     "fp8_rowwise": "fp8:rowwise",
     "mxfp8": "mxfp8",
-    "nvfp4": None,
+    "nvfp4": "nvfp4",
 }
 #: The run everything is measured beside.
 BASELINE = "bf16"
@@ -107,6 +108,7 @@ def configuration(format: str, keep: Sequence[str]) -> tuple[Mode, list[str]]:
     ``Trainer.keep_in_fp32`` (those a mode without a ``keep`` option cannot take).
 
     Raises:
+        InvalidChoiceError: an unknown format.
         MpnbError: no registered mode trains the format; the ones that can are named.
 
     Example:
@@ -115,15 +117,11 @@ def configuration(format: str, keep: Sequence[str]) -> tuple[Mode, list[str]]:
         >>> configuration("fp16", ["head"])
         (Mode('fp16'), ['head'])
     """
-    name = FORMAT_MODES.get(format)
-    if name is None or name.partition(":")[0] not in mode_names():
-        trainable = [
-            f for f, m in FORMAT_MODES.items() if m and m.partition(":")[0] in mode_names()
-        ]
+    name = FORMAT_MODES[check_format(format)]
+    if name.partition(":")[0] not in mode_names():
+        trainable = [f for f, m in FORMAT_MODES.items() if m.partition(":")[0] in mode_names()]
         raise MpnbError(
-            f"no mode of this installation trains {format!r}"
-            + (" (torchao trains NVFP4 on Blackwell GPUs only)" if format == "nvfp4" else "")
-            + f"; prove can train {', '.join(trainable)}"
+            f"no mode of this installation trains {format!r}; prove can train {', '.join(trainable)}"
         )
     mode = parse_mode(name)
     if keep and "keep" in {field.name for field in mode.option_fields()}:
@@ -147,7 +145,9 @@ def prove(
         steps: optimizer steps of each run.
 
     Raises:
-        MpnbError: a format no mode trains.
+        InvalidChoiceError: an unknown format.
+        MpnbError: a format no registered mode trains; the mode's own refusal where this
+            machine cannot run it (nvfp4 off Blackwell GPUs), raised by ``make_run``.
         TypeError: ``make_run`` returned something else than a trainer and its data.
         ValueError: ``steps`` is not a whole number >= 1.
 

@@ -488,7 +488,8 @@ class WhatIf:
 
         Raises:
             InvalidChoiceError: an unknown format.
-            MpnbError: a format not measured, or one no mode trains (nvfp4 outside Blackwell).
+            MpnbError: a format not measured, or one this machine cannot train (the mode says
+                why: nvfp4 trains on Blackwell GPUs only).
 
         Example:
             >>> import mpnb.examples as ex, torch
