@@ -93,8 +93,10 @@ def test_cell_value_and_namespace(ip):
     assert run(ip, "%%autocast\nw = 1") is None
 
 
-def test_autocast_cell_understands_ipython_syntax(ip):
-    assert run(ip, "%%autocast\nv = %amp status\nv.active_here") == "bf16 autocast on cpu"
+def test_autocast_cell_understands_ipython_syntax(ip, capsys):
+    capsys.readouterr()
+    assert run(ip, "%%autocast\n%amp status\n1 + 1") == 2
+    assert "bf16 autocast on cpu" in capsys.readouterr().out
 
 
 def test_nested_cells_keep_scopes_paired(ip):
@@ -107,11 +109,14 @@ def test_nested_cells_keep_scopes_paired(ip):
     assert not torch.is_autocast_enabled("cpu")
 
 
-def test_amp_status_returns_the_status_object(ip):
-    assert run(ip, "%amp status").mode == "off"
+def test_amp_status_shows_the_status_wherever_it_stands_in_a_cell(ip, capsys):
+    capsys.readouterr()
+    assert run(ip, "%amp status\n1 + 1") == 2  # not the cell's last line: shown all the same
+    assert "mode" in capsys.readouterr().out and mpnb.status().mode == "off"
     run(ip, "%amp half")
-    current = run(ip, "%amp")
-    assert current.mode == "fp16" and current.active_here == "fp16 autocast on cpu"
+    capsys.readouterr()
+    run(ip, "%amp")  # status, the default
+    assert "fp16 autocast on cpu" in capsys.readouterr().out
 
 
 def test_amp_prints_the_mode_and_warnings(ip, capsys):
@@ -206,3 +211,22 @@ def test_help_text_comes_from_the_docstrings_and_arguments(ip):
     help_text = ip.magics_manager.magics["cell"]["autocast"].__doc__
     assert "--dtype" in help_text and "--no-cache" in help_text and "--off" in help_text
     assert "fp32, tf32, fp16, bf16" in ip.magics_manager.magics["line"]["amp"].__doc__
+
+
+def test_amp_status_prints_in_a_script_that_ipython_runs_as_one_cell(tmp_path):
+    """``ipython file.ipy`` runs the file as one cell: the status is printed there too."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "session.ipy"
+    script.write_text("%load_ext mpnb\n%amp bf16\n%amp status\nprint('end of script')\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "IPython", "--quick", "--no-banner", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    shown = result.stdout[: result.stdout.index("end of script")]
+    assert "bf16" in shown and "mode" in shown.split("mpnb: mode bf16", 1)[1], result.stdout

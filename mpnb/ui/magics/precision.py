@@ -176,7 +176,10 @@ class PrecisionMagics(Magics):
 
                 panel()
                 return None
-            return status()
+            # shown, not returned: a value is shown only as a cell's last line, and `ipython
+            # file.ipy` runs a whole file as one cell (mpnb.status() returns the object)
+            display(status())
+            return None
         model = self._model(args.model) if args.model else None
         with as_usage_error():
             mode = session.set_mode(args.mode, args.device, model=model, **read_options(args))
