@@ -35,11 +35,17 @@ from typing import Any
 
 import torch
 
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, warn_user
 from mpnb.precision.modes import Mode
 from mpnb.training.gradients import check_loss, rescale, unscale_and_clip
 from mpnb.training.health import HealthWatch, scale_back
 from mpnb.training.history import History
+from mpnb.training.master_weights import (
+    LOW_PRECISION_WEIGHTS,
+    check_scalable,
+    low_precision_notice,
+    unscale_refusal,
+)
 from mpnb.training.step_precision import TrainingPrecision
 from mpnb.training.step_record import StepAccount, flush_every_for
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
@@ -84,6 +90,11 @@ class AmpStep:
         steps: optimizer steps taken or skipped so far.
         health: finds non-finite losses and a collapsed scale in what is recorded.
         epoch: written into each row; a training loop sets it.
+
+    Raises:
+        UnscalableWeightsError: the optimizer trains fp16 weights in a mode that scales the loss
+            (GradScaler cannot unscale their gradients): ``model.float()`` keeps fp32 master
+            weights, and autocast casts each op (:mod:`mpnb.training.master_weights`).
 
     Example (fp16, with a real loss scaler):
         >>> model = torch.nn.Linear(4, 1)
@@ -167,6 +178,8 @@ class AmpStep:
                     else f"mode {mode!r} does not scale the loss: leave scaler= out, or give GradScaler(..., enabled=False)"
                 )
             self._scalers[scaler.is_enabled()] = scaler  # a later switch of mode comes back to it
+        # fp16 weights refused before anything is hooked (GradScaler cannot unscale them)
+        check_scalable(optimizer, self.precision.needs_scaler)
         self.scaler = self._scaler(self.precision.needs_scaler)
         self.health = HealthWatch(on_nonfinite)
         all_sinks = [
@@ -187,6 +200,7 @@ class AmpStep:
         self._step_watch = OptimizerStepWatch(optimizer)
         self.last_skipped: torch.Tensor | bool = False  # the last optimizer step's, as measured
         self.last_scale: torch.Tensor | float = 1.0  # the loss scale it used
+        self._weights_checked = False  # check_weights, at the first step unless called before
 
     # -- the three calls of a training step ---------------------------------------------
 
@@ -313,6 +327,17 @@ class AmpStep:
 
     def _optimizer_step(self) -> bool:
         """Unscale, clip, step, update the scale and record the window's row."""
+        if not self._weights_checked:
+            self.check_weights()
+        try:
+            return self._unscale_and_step()
+        except ValueError as error:  # weights made fp16 after the check: torch's words, explained
+            refused = unscale_refusal(error, self.optimizer)
+            if refused is not None:
+                raise refused from error
+            raise
+
+    def _unscale_and_step(self) -> bool:
         scale_before = scale_in_use(self.scaler)
         grad_norm = (
             unscale_and_clip(self.scaler, self.optimizer, self.clip_grad_norm)
@@ -358,6 +383,34 @@ class AmpStep:
             self.optimizer.zero_grad(set_to_none=True)
             self._record(scale_before, skipped, grad_norm, lr)
 
+    def check_weights(self, model: torch.nn.Module | None = None) -> None:
+        """Check the weights the optimizer trains against the mode, before they train: fp16
+        weights where the loss is scaled are refused (torch's GradScaler cannot unscale their
+        gradients), and bf16 or fp16 weights under autocast, with no fp32 master copy, are noted on
+        the history (an event of kind ``"low_precision_weights"``) and warned about: updates below
+        their resolution are lost (:mod:`mpnb.training.master_weights`). ``model`` names the
+        parameters. The first step does it unless it was called before; the Trainer calls it at
+        each fit's start.
+
+        Example:
+            >>> import warnings
+            >>> model = torch.nn.Linear(4, 1).to(torch.bfloat16)
+            >>> amp = AmpStep(torch.optim.SGD(model.parameters(), lr=1e-5), mode="bf16", device="cpu")
+            >>> with warnings.catch_warnings(record=True):
+            ...     amp.check_weights(model)
+            >>> print(amp.history.events[0]["message"])
+            2 parameters (weight, bias) are bf16, with no fp32 master copy: ... call model.float() ...
+
+        Raises:
+            UnscalableWeightsError: fp16 weights in a mode that scales the loss; nothing changed.
+        """
+        check_scalable(self.optimizer, self.scaler.is_enabled(), model)
+        self._weights_checked = True
+        notice = low_precision_notice(self.optimizer, self.precision.mode.autocast_dtype, model)
+        if notice is not None:
+            self.recorder.history.note(notice, kind=LOW_PRECISION_WEIGHTS, step=self.steps)
+            warn_user(notice)
+
     def set_precision(self, precision: TrainingPrecision) -> None:
         """Switch mode between two optimizer steps (from a widget while a fit runs, say).
 
@@ -367,6 +420,7 @@ class AmpStep:
         Raises:
             RuntimeError: in the middle of an accumulation window.
             ValueError: another device: the model and optimizer state live on this one.
+            UnscalableWeightsError: into fp16 with fp16 weights (GradScaler cannot unscale them).
         """
         if not self.between_steps:
             raise RuntimeError("the precision can change only between optimizer steps")
@@ -374,6 +428,7 @@ class AmpStep:
             raise ValueError(
                 f"a run cannot move from {self.precision.device} to {precision.device}"
             )
+        check_scalable(self.optimizer, precision.needs_scaler)
         self.precision = precision
         self.scaler = self._scaler(precision.needs_scaler)
         self._forward_context = precision.autocast.context()

@@ -40,6 +40,7 @@ from mpnb.training.control import FitControl, FitEnd, running_on_this_thread
 from mpnb.training.data_position import DataPosition
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
+from mpnb.training.master_weights import UnscalableWeightsError, check_scalable, unscalable
 from mpnb.training.parallel import (
     agreed_stop,
     check_strategy,
@@ -198,23 +199,26 @@ class Trainer:
         _check_optimizer_trains(model, optimizer)
         if recipe is not None or keep is not None:  # options of the mode asked, or of the session's
             mode = parse_mode(get_mode() if mode is None else mode, recipe=recipe, keep=keep)
-        self.amp = AmpStep(
-            optimizer,
-            mode=mode,
-            device=device,
-            on_nonfinite=on_nonfinite,
-            scheduler=scheduler,
-            accumulate=accumulate,
-            clip_grad_norm=clip_grad_norm,
-            record_grad_norm=record_grad_norm,
-            scaler=scaler,
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            min_scale=min_scale,
-            flush_every=flush_every,
-        )
+        try:
+            self.amp = AmpStep(
+                optimizer,
+                mode=mode,
+                device=device,
+                on_nonfinite=on_nonfinite,
+                scheduler=scheduler,
+                accumulate=accumulate,
+                clip_grad_norm=clip_grad_norm,
+                record_grad_norm=record_grad_norm,
+                scaler=scaler,
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                min_scale=min_scale,
+                flush_every=flush_every,
+            )
+        except UnscalableWeightsError as refused:  # said again, naming the model's parameters
+            raise (unscalable(optimizer, model) or refused) from None
         self.strategy = strategy
         self.model = wrap_model(
             model.to(self.device), strategy, self.device, optimizer, self.amp.precision.mode
@@ -272,10 +276,12 @@ class Trainer:
         scope in place of the running one (a fit's precision, switched between steps).
 
         Raises:
-            MpnbError: a switch into or out of fp8 with ``strategy="fsdp"``, or a model the new
-                mode cannot convert: the fit goes on in its mode, nothing changed.
+            MpnbError: a switch into or out of fp8 with ``strategy="fsdp"``, a model the new
+                mode cannot convert, or fp16 weights in a mode that scales the loss: the fit goes
+                on in its mode, nothing changed.
         """
         check_switch(self.strategy, self.mode, precision.mode)
+        check_scalable(self.optimizer, precision.needs_scaler, self.model)
         running = self.amp.precision
         self._math.close()  # the running mode's layers put back: the new mode converts its own
         try:
@@ -376,6 +382,7 @@ class Trainer:
             raise MpnbError(
                 f"data must be an iterable of batches (a list, a DataLoader, a generator), got {type(data).__name__}"
             )
+        self.amp.check_weights(self.model)  # fp16 weights under the scaler refused; bf16 noted
         if self.strategy is not None:
             data = rank_share(data)
         capture = active_capture()
