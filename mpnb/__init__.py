@@ -109,11 +109,12 @@ __all__ = [
 ]
 
 
-def panel():
+def panel(trainer=None):
     """Show the control panel (ipywidgets): mode, device, fp32 math and op lists, in sync with the magics.
 
-    Returns the :class:`mpnb.ui.widgets.panel.ControlPanel`. Outside a notebook the widgets show
-    as text.
+    With a ``trainer``, its *what if* button runs :func:`whatif` on the last batch of that
+    trainer's fit. Returns the :class:`mpnb.ui.widgets.panel.ControlPanel`. Outside a notebook
+    the widgets show as text.
 
     Example:
         >>> control_panel = panel()
@@ -124,7 +125,7 @@ def panel():
     """
     from mpnb.ui.widgets.panel import panel as show_panel
 
-    return show_panel()
+    return show_panel(trainer)
 
 
 def load_ipython_extension(ipython) -> None:

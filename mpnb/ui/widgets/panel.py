@@ -8,6 +8,10 @@ the next cell runs in, or, while a fit runs, the mode of its next step. Invalid 
 refused with a visible message and changes nothing; after ``%unload_ext mpnb`` the panel
 is disabled with a note.
 
+Given a trainer (``mpnb.panel(trainer)``), the panel has a *what if* button beside the modes:
+it runs :func:`mpnb.whatif` on the last batch of the trainer's fit and shows which layers
+each format would have to keep (:func:`~mpnb.numerics.whatif.whatif_of_fit`).
+
 Example:
     >>> from mpnb.precision.policy import session
     >>> panel = ControlPanel()
@@ -31,6 +35,7 @@ import ipywidgets as widgets
 import traitlets
 
 from mpnb.errors import MpnbError
+from mpnb.numerics.whatif import whatif_of_fit
 from mpnb.oplists.lists import LIST_NAMES, PRESETS
 from mpnb.precision.backends import available_device_types, backend_for
 from mpnb.precision.modes import mode_names, registered
@@ -62,6 +67,8 @@ class ControlPanel:
     Attributes:
         state: the declarative state (:class:`PanelState`).
         widget: the whole panel, to display.
+        trainer: the trainer whose last batch the *what if* button measures (None: the button
+            is off).
 
     Example (typing op names and pressing add, as a user does):
         >>> control = ControlPanel()
@@ -76,8 +83,9 @@ class ControlPanel:
         >>> control.close(); session.reset()
     """
 
-    def __init__(self, owner: Session = session) -> None:
+    def __init__(self, owner: Session = session, trainer: object | None = None) -> None:
         self.session = owner
+        self.trainer = trainer
         self.state = PanelState()
         self._shown_in_cell: int | None = None
         self._syncing = False
@@ -115,9 +123,15 @@ class ControlPanel:
         self.lists_view = widgets.HTML()
         self.status_view = widgets.HTML()
         self.message_view = widgets.HTML()
+        self.whatif_button = widgets.Button(
+            description="what if",
+            tooltip="which format each layer can take, measured on the last batch of the fit",
+            disabled=trainer is None,
+        )
+        self.whatif_view = widgets.HTML()
         self.widget = widgets.VBox(
             [
-                self.mode,
+                widgets.HBox([self.mode, self.whatif_button]),
                 widgets.HBox(self._option_widgets()),
                 widgets.HBox([self.device, self.reduced_fp32_math]),
                 widgets.HBox([self.list_name, self.op_names, self.add_button, self.remove_button]),
@@ -125,6 +139,7 @@ class ControlPanel:
                 self.lists_view,
                 self.status_view,
                 self.message_view,
+                self.whatif_view,
             ]
         )
         for name in ("mode", "device", "reduced_fp32_math"):
@@ -148,6 +163,7 @@ class ControlPanel:
             lambda _: self._apply(lambda: self.session.oplists.preset(self.preset.value))
         )
         self.reset_button.on_click(lambda _: self._apply(self.session.oplists.reset))
+        self.whatif_button.on_click(lambda _: self._whatif())
         self._unsubscribe = owner.subscribe(self._on_session)
         self.refresh()
 
@@ -189,6 +205,16 @@ class ControlPanel:
         self.refresh()
 
     # -- panel -> core -------------------------------------------------------------------
+
+    def _whatif(self) -> None:
+        """The what-if on the last batch of the trainer's fit, shown under the panel."""
+        try:
+            result = whatif_of_fit(self.trainer)
+        except MpnbError as error:
+            self.state.message = _note(str(error), error=True)
+            return
+        self.state.message = ""
+        self.whatif_view.value = result._repr_html_()
 
     def _apply(self, change: Callable[[], object]) -> bool:
         """Run one core call; on bad input show why, change nothing, and show the session as it is."""
@@ -333,8 +359,9 @@ def _lists_html(owner: Session) -> str:
     return "op lists: " + "; ".join(parts)
 
 
-def panel() -> ControlPanel:
-    """Show a control panel for the session and return it (``%amp panel`` does the same).
+def panel(trainer: object | None = None) -> ControlPanel:
+    """Show a control panel for the session and return it (``%amp panel`` does the same); with
+    a ``trainer``, its *what if* button measures the last batch of that trainer's fit.
 
     Example (outside a notebook, showing it prints the widgets' text form):
         >>> shown = panel()
@@ -344,7 +371,7 @@ def panel() -> ControlPanel:
         >>> shown.close()
     """
 
-    control_panel = ControlPanel()
+    control_panel = ControlPanel(trainer=trainer)
     control_panel._ipython_display_()
     return control_panel
 
