@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,11 +55,23 @@ class Origin:
         would_be: the largest magnitude the output has when the op runs in float32 (NaN when
             not an overflow or not computable).
         limit: the largest finite value of ``dtype``.
+        producer: where the op is a cast (autocast casting a module's input down), the module
+            whose output the values are: they were made there, the cast only found them too
+            large (``""``: not a cast, or made outside a module).
+        producer_max: the largest magnitude of those values.
 
     Example:
         >>> origin = Origin("GPT2.h.1.mlp.c_proj", "aten.mm", "backward", "overflow", "float16", 7.1e4, 65504.0)
         >>> str(origin)
         'float16 overflow first in GPT2.h.1.mlp.c_proj, backward (aten.mm): 7.1e+04 > 65504'
+        >>> origin.remedy()
+        'trainer.keep_in_fp32("h.1.mlp.c_proj")'
+        >>> cast = Origin("Bert.layer.1.intermediate.dense", "aten._to_copy", "forward", "overflow",
+        ...               "float16", 1.2e5, 65504.0, "Bert.layer.1.attention.output.LayerNorm", 1.2e5)
+        >>> print(cast)
+        float16 overflow first in Bert.layer.1.intermediate.dense, forward (aten._to_copy): 1.2e+05 > 65504, in values made by Bert.layer.1.attention.output.LayerNorm (largest 1.2e+05)
+        >>> print(cast.remedy())
+        train in bf16, or bring the output of layer.1.attention.output.LayerNorm into fp16's range (its weights, a normalization): keeping the module that casts it in fp32 only moves the cast
     """
 
     module: str
@@ -68,6 +81,8 @@ class Origin:
     dtype: str
     would_be: float = math.nan
     limit: float = math.nan
+    producer: str = ""
+    producer_max: float = math.nan
 
     def __str__(self) -> str:
         where = f"in {self.module}" if self.module else "outside every module (the loss?)"
@@ -75,13 +90,41 @@ class Origin:
             value = (
                 f": {self.would_be:.2g} > {self.limit:.0f}" if math.isfinite(self.would_be) else ""
             )
-            return f"{self.dtype} overflow first {where}, {self.phase} ({self.op}){value}"
+            made = (
+                f", in values made by {self.producer} (largest {self.producer_max:.2g})"
+                if self.producer
+                else ""
+            )
+            return f"{self.dtype} overflow first {where}, {self.phase} ({self.op}){value}{made}"
         if self.kind == "nan":
             return f"{self.dtype} NaN first {where}, {self.phase} ({self.op})"
         return (
             f"inf/NaN already in the inputs of {self.op} {where}, {self.phase}: "
             "the weights or the batch hold them, so the step cannot show where they began"
         )
+
+    def remedy(self, owner: str = "trainer") -> str:
+        """What to call or change, in a phrase: ``trainer.keep_in_fp32("h.1.mlp.c_proj")`` for an
+        op that overflowed in a module (``owner``: the object that has ``keep_in_fp32``); for a
+        cast of values a producer made, the producer's range or bf16 (fp32 for the consumer only
+        moves the cast); outside every module, the loss; for inputs already non-finite, the
+        weights or the batch."""
+        if self.kind == "input":
+            return "find where the weights or the batch took the inf/NaN (a step before this one)"
+        if self.producer:
+            return (
+                f"train in bf16, or bring the output of {_own_name(self.producer)} into "
+                f"{'fp16' if self.dtype == 'float16' else self.dtype}'s range (its weights, a "
+                "normalization): keeping the module that casts it in fp32 only moves the cast"
+            )
+        if not self.module or "." not in self.module:
+            return "compute the loss in fp32 (cast the model's output up first), or train in bf16"
+        return f'{owner}.keep_in_fp32("{_own_name(self.module)}")'
+
+
+def _own_name(qualified: str) -> str:
+    """A module's name as its model gives it: ``h.1.mlp`` for ``GPT2.h.1.mlp``."""
+    return qualified.partition(".")[2] or qualified
 
 
 def locate_nonfinite(
@@ -131,6 +174,7 @@ def locate_nonfinite(
         watch.loss_done(loss)
         if watch.origin is None and loss.requires_grad:
             (loss.float() * scale).backward()
+            watch.backward_done()
     return watch.origin
 
 
@@ -151,6 +195,8 @@ def _replay(model: nn.Module, device_type: str, state: RandomState | None) -> It
                     buffer.copy_(saved)
 
 
+#: The ops autocast casts with: an overflow there was made by whatever produced their input.
+_CASTS = ("aten._to_copy", "aten.to", "aten._autocast_to_reduced_precision")
 #: Ops whose output holds whatever the memory held (filled by the next op): never an origin.
 _UNINITIALIZED = ("aten.empty", "aten.new_empty", "aten.resize_", "aten.set_")
 
@@ -158,13 +204,17 @@ _UNINITIALIZED = ("aten.empty", "aten.new_empty", "aten.resize_", "aten.set_")
 class _Watch(TorchDispatchMode):
     """Follows a step in execution order and keeps where its first inf/NaN was *made*.
 
-    Two levels. At module boundaries (torch's ModTracker hooks): in forward, the first module
-    whose inputs are finite and whose output is not; in backward, the first whose output
-    gradients are finite and whose input gradients are not. Values that stay inside a module
-    (T5 takes the log of 0 to bucket positions, and masks the -inf away) are no origin. At op
-    level (this dispatch mode): the first op of each module that made a non-finite value, which
-    names the op inside the module found. A non-finite loss, or loss gradient, with every module
-    finite is placed outside every module.
+    Two levels. At op level (this dispatch mode): the first op of each module that made a
+    non-finite value, and the module running it. At module boundaries (torch's ModTracker
+    hooks), in forward: the first module whose inputs are finite and whose output is not (its
+    first op names the op). Values that stay inside a module (T5 takes the log of 0 to bucket
+    positions, and masks the -inf away) are no origin. In backward the boundaries cannot tell
+    modules apart (a ReLU's hook sits on the very tensor the Linear before it in the graph made,
+    and fires first; a parameter's gradient crosses no boundary; a parent's own matmul runs
+    between its children's hooks), so there the first op that *made* an inf or NaN from finite
+    inputs is the origin, in the module running it; a non-finite gradient with no such op was
+    made outside every module (the loss's backward), and after the backward a parameter
+    gradient gone non-finite names its module.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -181,9 +231,10 @@ class _Watch(TorchDispatchMode):
             pre_bw_hook=self._before_backward,
             post_bw_hook=self._after_backward,
         )
+        self._modules = {id(module): module for module in model.modules()}
+        self._made_by: dict[int, tuple[str, Any]] = {}  # a module output's id: (module, ref)
         self.origin: Origin | None = None
         self._findings: list[tuple[str, str, Origin]] = []  # (module, phase, the op's own finding)
-        self._finite_out_grads: set[int] = set()
 
     def __enter__(self) -> _Watch:
         self.tracker.__enter__()
@@ -198,19 +249,43 @@ class _Watch(TorchDispatchMode):
     def _after_forward(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
         if self.origin is None and not _finite(outputs) and _finite(inputs):
             self._name(self.names.get(id(module), ""), "forward")
+        name = self.names.get(id(module), "")
+        for output in _floats(outputs):  # the innermost module that returned it names it
+            if id(output) not in self._made_by or self._made_by[id(output)][1]() is not output:
+                self._made_by[id(output)] = (name, weakref.ref(output))
 
     def _before_backward(self, module: nn.Module, grad_outputs: Any) -> None:
-        if self.origin is not None:
-            return
-        if _finite(grad_outputs):
-            self._finite_out_grads.add(id(module))
-        else:  # no module made it: the loss's own backward did
-            self._name("", "backward")
+        if self.origin is None and not _finite(grad_outputs):
+            self._name_made_in_backward()
 
     def _after_backward(self, module: nn.Module, grad_inputs: Any) -> None:
-        if self.origin is None and id(module) in self._finite_out_grads:
-            if not _finite(grad_inputs):
-                self._name(self.names.get(id(module), ""), "backward")
+        if self.origin is None and not _finite(grad_inputs):
+            self._name_made_in_backward()
+
+    def backward_done(self) -> None:
+        """The backward finished: an inf/NaN made where no hook saw it (a parameter's gradient
+        only) is named by the op that made it, or else by the module whose parameters hold it."""
+        if self.origin is not None:
+            return
+        if any(when == "backward" and f.kind != "input" for _, when, f in self._findings):
+            self._name_made_in_backward()
+            return
+        for module_id, name in self.names.items():
+            module = self._modules.get(module_id)
+            grads = [p.grad for p in module.parameters(recurse=False)] if module else []
+            if not _finite([g for g in grads if g is not None]):
+                self.origin = Origin(name, "?", "backward", "overflow", "?")
+                return
+
+    def _name_made_in_backward(self) -> None:
+        """The first op that made an inf/NaN from finite inputs in backward, in the module that
+        ran it; none such: the loss's own backward made it."""
+        made = [(where, f) for where, when, f in self._findings if when == "backward"]
+        first = next(((where, f) for where, f in made if f.kind != "input"), None)
+        if first is None:
+            self._name("", "backward")
+        else:
+            self.origin = dataclasses.replace(first[1], module=first[0], phase="backward")
 
     def loss_done(self, loss: torch.Tensor) -> None:
         """The forward returned ``loss``: non-finite with every module finite, it was made
@@ -258,6 +333,11 @@ class _Watch(TorchDispatchMode):
         would_be = math.nan
         if kind == "overflow" and bad.dtype in (torch.float16, torch.bfloat16):
             would_be = _in_float32(func, args, kwargs)
+        producer, producer_max = "", math.nan
+        if kind == "overflow" and _op_name(func) in _CASTS and args:
+            made = self._made_by.get(id(args[0]))
+            if made is not None and made[1]() is args[0]:
+                producer, producer_max = made[0], float(args[0].detach().abs().max())
         return Origin(
             module="",
             op=_op_name(func),
@@ -266,6 +346,8 @@ class _Watch(TorchDispatchMode):
             dtype=str(bad.dtype).removeprefix("torch."),
             would_be=would_be,
             limit=torch.finfo(bad.dtype).max,
+            producer=producer,
+            producer_max=producer_max,
         )
 
 
@@ -368,14 +450,17 @@ class FirstSkipLocator(Instrument):
         run.tell_sinks()  # a dashboard offers the remedy before the next step
 
 
-def note_origin(history: Any, step: int, origin: Origin, what: str) -> None:
+def note_origin(history: Any, step: int, origin: Origin, what: str, owner: str = "trainer") -> None:
     """Note ``origin`` on ``history`` as an ``"origin"`` event of ``step`` (``what`` happened
-    there), with its fields (``kind`` as ``problem``) for dashboards and alarms to read."""
+    there), with its fields (``kind`` as ``problem``) and its remedy (what ``owner`` is to call)
+    for dashboards, text and alarms to read."""
+    remedy = origin.remedy(owner)
     history.note(
-        f"{what}: {origin}",
+        f"{what}: {origin}; remedy: {remedy}",
         kind=ORIGIN_KIND,
         step=step,
         origin=str(origin),
+        remedy=remedy,
         **{
             ("problem" if name == "kind" else name): value
             for name, value in dataclasses.asdict(origin).items()
@@ -422,12 +507,14 @@ class NextStepsLocator(Instrument):
         self._trouble = ""  # what armed it: "step 3 skipped", "step 3's loss was nan"
         self._watch: _Watch | None = None
         self._history: Any = None
+        self._events_before = 0
 
     def begin(self, run: WatchedRun) -> None:
         """A run begins: one origin to find in it, from its own rows."""
         self.detach()
         self.done, self._left, self._trouble = False, 0, ""
         self._rows_seen, self._history = len(run.history), run.history
+        self._events_before = len(run.history.events)
 
     @property
     def armed(self) -> bool:
@@ -439,6 +526,12 @@ class NextStepsLocator(Instrument):
         fresh = range(self._rows_seen, len(history))
         self._rows_seen = len(history)
         if self.done or self.armed:
+            return
+        if any(  # a replay of the first skip named it already: one origin a run
+            event.get("kind") == ORIGIN_KIND and event.get("module") is not None
+            for event in history.events[self._events_before :]
+        ):
+            self.done = True
             return
         for row in fresh:
             loss, step = history.loss[row], history.step[row]
@@ -463,10 +556,17 @@ class NextStepsLocator(Instrument):
         history = self._history
         watch, self._watch = self._watch, None
         watch.__exit__(None, None, None)
+        watch.backward_done()
         self._left -= 1
         if watch.origin is not None:
             self.done, self._left = True, 0
-            note_origin(history, step, watch.origin, f"step {step} (watched after {self._trouble})")
+            note_origin(
+                history,
+                step,
+                watch.origin,
+                f"step {step} (watched after {self._trouble})",
+                owner="callback",
+            )
         elif not self._left:
             self.done = True
             cause = (

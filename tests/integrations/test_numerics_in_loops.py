@@ -214,3 +214,33 @@ def test_a_loops_live_dashboard_offers_the_remedy_and_draws_the_heatmaps(capsys)
     (heatmaps,) = [view for view in views if isinstance(view, NumericsView)]
     marked = next(t for t in heatmaps.figure.data if t.name == "origin of the overflow")
     assert (marked.y[0], marked.x[0]) == ("transformer.h.1.mlp.c_proj", 2)
+
+
+def test_a_loop_whose_skips_come_from_a_parameter_gradient_names_it_instead_of_an_all_clear():
+    """Only the second layer's weight gradient overflows (its input is large): every step
+    skips, and the steps watched after the first one must say where, not that they fit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, backoff_factor=0.99)
+    recorder = LoopRecorder.start(
+        "my loop", model, optimizer, scaler=scaler, device="cpu", dashboard=None, flush_every=1
+    )
+    generator = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(4):
+            x = torch.randn(32, 64, generator=generator) * 30
+            y = torch.randint(0, 4, (32,), generator=generator)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            recorder.record(loss, batch=x)
+        history = recorder.close()
+    assert all(history.skipped)
+    (origin,) = [e for e in history.events if e["kind"] == "origin"]
+    assert (origin["module"], origin["phase"]) == ("Sequential.1", "backward"), origin["message"]
+    assert "stayed finite" not in origin["message"]

@@ -1,6 +1,7 @@
 """Plain-text progress for scripts, CI logs and editors without widgets.
 
-One line every ``interval`` seconds while training runs, and a summary at the end.
+One line every ``interval`` seconds while training runs, each overflow's origin with its remedy
+as soon as it is named (a fit's first skipped step), and a summary at the end.
 
 Example:
     >>> import io
@@ -39,6 +40,7 @@ class TextProgress(Sink):
         self.stream = stream
         self._last_line = -math.inf
         self._started = False
+        self._events_seen = 0
 
     def _print(self, text: str) -> None:
         print(text, file=self.stream or sys.stdout, flush=True)
@@ -52,12 +54,22 @@ class TextProgress(Sink):
             self._print(f"training {self.title}" if self.title else "training")
             for line in history.meta.get("layers", ()):  # a mode that swaps layers: which
                 self._print(f"  {line}")
+        self._print_origins(history)
         now = time.perf_counter()
         if self.due(now) and len(history):
             self._last_line = now
             self._print(progress_line(history))
 
+    def _print_origins(self, history: History) -> None:
+        """Each new ``"origin"`` event, once, as soon as it is on the history: where an overflow
+        began and what to call (a script shows it at the first skip, not at the alarm)."""
+        fresh, self._events_seen = history.events[self._events_seen :], len(history.events)
+        for event in fresh:
+            if event.get("kind") == "origin":
+                self._print(f"mpnb: {event['message']}")
+
     def close(self, history: History) -> None:
+        self._print_origins(history)
         if not len(history):
             # a run that failed before its first step (its error follows) has nothing to sum up
             self._print("no steps recorded")

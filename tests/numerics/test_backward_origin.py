@@ -1,0 +1,185 @@
+"""Overflows made in backward, located: in a module's own backward under a ReLU that shares its
+tensor, in a parameter's gradient only, and in a parent's own op (GPT-2's attention matmul).
+
+Each planted case is checked against an independent reference built here from plain torch
+hooks: per module, whether its parameters' gradients or its input gradients are the first
+non-finite ones, in the order autograd computes them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mpnb
+from mpnb.numerics.origin import locate_nonfinite
+from tests.conformance.models import gpt2_model
+
+
+def first_nonfinite_parameter_gradient(model: nn.Module, loss: torch.Tensor) -> str:
+    """The reference: the module whose parameter gradient autograd makes non-finite first
+    (hooks on every parameter, in the order they fire), by name."""
+    order: list[str] = []
+    handles = [
+        parameter.register_hook(
+            lambda grad, name=name: order.append(name) if not torch.isfinite(grad).all() else None
+        )
+        for name, parameter in model.named_parameters()
+    ]
+    try:
+        loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.zero_grad(set_to_none=True)
+    return order[0].rpartition(".")[0] if order else ""
+
+
+def test_an_overflow_in_a_modules_backward_is_named_there_not_at_the_relu_sharing_its_tensor():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    model[2].weight.data.mul_(1e3)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    origin = locate_nonfinite(
+        model, lambda: F.cross_entropy(model(x), y), dtype=torch.float16, scale=2.0**16
+    )
+    assert origin is not None and origin.phase == "backward" and origin.kind == "overflow"
+    assert origin.module == "Sequential.2", str(origin)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    reference = first_nonfinite_parameter_gradient(model, loss.float() * 2.0**16)
+    assert reference in ("0", "2")  # the inf reaches layer 0's gradients through layer 2's
+
+
+def test_an_overflow_in_a_parameters_gradient_only_is_named_in_its_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    x, y = torch.randn(32, 64) * 30, torch.randint(0, 4, (32,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    assert first_nonfinite_parameter_gradient(model, loss.float() * 2.0**16) == "1"
+    origin = locate_nonfinite(
+        model, lambda: F.cross_entropy(model(x), y), dtype=torch.float16, scale=2.0**16
+    )
+    assert origin is not None, "the replay must see the parameter gradient's overflow"
+    assert origin.module == "Sequential.1" and origin.phase == "backward", str(origin)
+    assert origin.kind == "overflow"
+
+
+class Scores(nn.Module):
+    """Attention scores as GPT-2's attention makes them: two projections (children) and the
+    parent's own ops between them (a matmul of the two, then one with a mixing matrix of its
+    own), which no child's hook surrounds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.mix = nn.Parameter(torch.eye(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.query(x) @ self.key(x).transpose(-1, -2)) @ self.mix
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.scores, self.head = nn.Linear(8, 16), Scores(), nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.scores(self.embed(x)))
+
+
+def test_an_overflow_in_a_parents_own_backward_op_is_named_in_the_parent():
+    torch.manual_seed(0)
+    model = Net()
+    scores = model.scores
+    with torch.no_grad():  # tiny queries through a large mix: finite forward, a large gradient
+        scores.query.weight.mul_(1e-4)
+        scores.query.bias.mul_(1e-4)
+        scores.mix.mul_(1e4)
+    x, y = torch.randn(4, 12, 8), torch.randint(0, 3, (4, 12))
+
+    def loss() -> torch.Tensor:
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    # the reference: the same ops by hand, gradients kept: the parent's product is the first
+    # tensor of the backward whose gradient is not finite
+    with torch.autocast("cpu", dtype=torch.float16):
+        hidden = model.embed(x)
+        product = scores.query(hidden) @ scores.key(hidden).transpose(-1, -2)
+        out = product @ scores.mix
+        product.retain_grad(), out.retain_grad()
+        reference = F.cross_entropy(model.head(out).flatten(0, 1), y.flatten())
+    assert torch.isfinite(reference)
+    (reference.float() * 2.0**12).backward()
+    assert torch.isfinite(out.grad).all() and not torch.isfinite(product.grad).all()
+    model.zero_grad(set_to_none=True)
+
+    origin = locate_nonfinite(model, loss, dtype=torch.float16, scale=2.0**12)
+    assert origin is not None, "the backward overflows"
+    assert (origin.module, origin.phase, origin.op) == ("Net.scores", "backward", "aten.mm"), str(
+        origin
+    )
+
+
+def test_a_gpt2_backward_overflow_is_named_where_the_scaled_gradient_first_leaves_fp16():
+    model = gpt2_model(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
+    origin = locate_nonfinite(
+        model, lambda: model(input_ids=ids, labels=ids).loss, dtype=torch.float16, scale=2.0**20
+    )
+    assert str(origin).startswith("float16 overflow first in GPT2LMHeadModel.lm_head, backward")
+
+
+def test_a_cast_that_overflows_names_the_module_that_made_the_values_and_its_remedy():
+    """BERT's LayerNorm with its gain scaled: its fp32 output fits fp32, and overflows only
+    when the next Linear casts it to fp16. The origin names the LayerNorm as the producer."""
+    from tests.conformance.models import bert_model
+
+    model = bert_model(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    norm = model.bert.encoder.layer[1].attention.output.LayerNorm
+    with torch.no_grad():
+        norm.weight.mul_(1e5)
+    generator = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 96, (4, 16), generator=generator), torch.tensor([0, 1, 2, 0])
+    with torch.autocast("cpu", dtype=torch.float16):  # the reference: the LayerNorm's own output
+        made = []
+        handle = norm.register_forward_hook(lambda m, i, out: made.append(out.detach()))
+        model(input_ids=ids, labels=labels)
+        handle.remove()
+    assert made[0].dtype == torch.float32 and torch.isfinite(made[0]).all()
+    assert made[0].abs().max() > 65504  # too large for fp16, made here
+    origin = locate_nonfinite(
+        model, lambda: model(input_ids=ids, labels=labels).loss, dtype=torch.float16
+    )
+    prefix = "BertForSequenceClassification.bert.encoder.layer.1."
+    assert origin.module == prefix + "intermediate.dense" and origin.op == "aten._to_copy"
+    assert origin.producer == prefix + "attention.output.LayerNorm"
+    assert origin.producer_max == pytest.approx(float(made[0].abs().max()), rel=1e-3)
+    assert "keep_in_fp32" not in origin.remedy()
+    assert "attention.output.LayerNorm into fp16's range" in origin.remedy()
+
+
+def test_the_first_skip_prints_where_and_what_to_call_in_a_script(capsys):
+    from tests.numerics.test_origin import gpt2_batches, overflowing_gpt2
+
+    model = overflowing_gpt2()
+    trainer = mpnb.Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4), mode="fp16", device="cpu",
+        dashboard="text", init_scale=1.0,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        history = trainer.fit(gpt2_batches(2))
+    (origin,) = [e for e in history.events if e["kind"] == "origin"]
+    call = 'trainer.keep_in_fp32("transformer.h.1.mlp.c_proj")'
+    assert origin["remedy"] == call and origin["message"].endswith(f"remedy: {call}")
+    printed = capsys.readouterr().out.splitlines()
+    said = [i for i, line in enumerate(printed) if line.startswith("mpnb: step 1 skipped")]
+    finished = next(i for i, line in enumerate(printed) if line.startswith("finished"))
+    assert said and said[0] < finished  # printed as it happened, before the fit's summary
+    assert "(aten.addmm): " in printed[said[0]] and call in printed[said[0]]
