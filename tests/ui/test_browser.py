@@ -324,6 +324,76 @@ def test_panel_and_live_dashboard_control_a_running_fit(jupyter_server, browser,
         close_sessions(port)
 
 
+#: The step numbers of the live dashboard's loss trace after ``after``, and their loss range.
+_LOSS_AFTER = """(after) => { const p = document.querySelector('.js-plotly-plot');
+  const xs = Array.from(p.data[0].x || []), ys = Array.from(p.data[0].y || []);
+  const late = ys.filter((_, i) => xs[i] > after);
+  return [late.length, late.length ? Math.max(...late) - Math.min(...late) : 0]; }"""
+
+
+def test_a_remedy_clicked_late_brings_the_scale_back_and_the_loss_moves(jupyter_server, browser):
+    """The fp16 fit of a TransformerEncoder with a planted overflow, trained on one batch again
+    and again: every step overflows and skips until the loss scale has collapsed; the remedy,
+    clicked then, must bring the scale back, so that the loss, flat without training, moves."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    work, port = jupyter_server("lab")
+    model_source = (ROOT / "tests" / "ui" / "planted_encoder.py").read_text()
+    (work / "late-remedy.ipynb").write_text(
+        notebook(
+            [
+                "%load_ext mpnb\nimport torch, mpnb\n" + model_source,
+                "model = planted_encoder()\n"
+                "trainer = mpnb.Trainer(model, torch.optim.AdamW(model.parameters(), 1e-3),\n"
+                "    torch.nn.functional.cross_entropy, mode='fp16', device='cpu',\n"
+                "    watch_numerics=10, backoff_factor=2.0**-4, record_grad_norm=True,\n"
+                "    on_nonfinite='ignore', flush_every=1)\n"
+                "history = trainer.fit([encoder_batch()] * 400)",
+                "kept = [e['step'] for e in history.events if e['kind'] == 'switch']\n"
+                "back = [e['message'] for e in history.events if e['kind'] == 'scale']\n"
+                "norms = history.grad_norm[kept[0] - 1:]\n"
+                "print('RESULT', back[0].split(' from')[0], min(norms) > 0, len(set(history.loss[kept[0]:])) > 3)",
+            ]
+        )
+    )
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1300})
+        errors = console_errors(page)
+        run_all_cells(page, port, "/lab/workspaces/mpnb-remedy/tree/late-remedy.ipynb?reset")
+        remedy = page.locator("button", has_text="Run encoder.layers.1.linear2 in fp32")
+        remedy.wait_for(timeout=120_000)
+        page.wait_for_function(  # late: the loss scale has collapsed below 1
+            "() => { const p = document.querySelector('.js-plotly-plot');"
+            " return p && p.data[1].y && Array.from(p.data[1].y).some(v => v < 1); }",
+            timeout=120_000,
+        )
+        for button in page.locator(".widget-button").all():  # no label cut ("Run encoder.la...")
+            fits = button.evaluate("b => b.scrollWidth <= b.clientWidth")
+            assert fits, button.inner_text()
+        dashboard = page.locator(".js-plotly-plot").first
+        dashboard.evaluate("e => e.scrollIntoView({block: 'start'})")
+        page.screenshot(path=str(ARTIFACTS / "late-remedy-before.png"))
+        clicked_at = page.evaluate(
+            "() => Math.max(...document.querySelector('.js-plotly-plot').data[1].x)"
+        )
+        remedy.click()
+        page.wait_for_function(f"() => ({_LOSS_AFTER})({clicked_at + 2})[0] >= 8", timeout=120_000)
+        drawn, spread = page.evaluate(f"({_LOSS_AFTER})({clicked_at + 2})")
+        assert spread > 1e-3, (drawn, spread)  # one batch: a flat loss is a model not training
+        dashboard.evaluate("e => e.scrollIntoView({block: 'start'})")
+        page.screenshot(path=str(ARTIFACTS / "late-remedy-after.png"))
+        heatmaps = page.locator(".js-plotly-plot").last
+        heatmaps.evaluate("e => e.scrollIntoView({block: 'end'})")
+        page.screenshot(path=str(ARTIFACTS / "late-remedy-heatmaps.png"))
+        page.locator("button", has_text="Stop").first.click()
+        result = page.locator(".jp-OutputArea-output", has_text="RESULT")
+        result.wait_for(timeout=90_000)
+        assert result.inner_text().strip() == "RESULT loss scale back to 65536 True True"
+        assert not page.locator(".jp-OutputArea-output", has_text="not JSON compliant").count()
+        assert not errors, errors
+    finally:
+        close_sessions(port)
+
+
 def _without_outputs(notebook_text: str) -> str:
     """The lesson as a reader opens it fresh: the outputs stored for the docs would otherwise
     stand on the page before its cells run again."""

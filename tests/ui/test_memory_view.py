@@ -46,12 +46,14 @@ def test_the_remedy_button_offered_for_a_named_overflow_stops_the_skips_mid_fit(
     from tests.numerics.test_origin import gpt2_batches, gpt2_trainer
 
     trainer = gpt2_trainer()
-    view = RemedyView(trainer)
+    view = RemedyView(trainer, waits_between_fits=True)
     trainer.amp.recorder.sinks.append(view)
+    notes = []
 
     def click_when_offered():  # a poller runs at each checkpoint, as a delivered click does
         if view.module is not None and not view.button.disabled:
             view.button.click()
+        notes.append(view.note.value)
 
     trainer.control.pollers.append(click_when_offered)
     with warnings.catch_warnings():
@@ -59,4 +61,5 @@ def test_the_remedy_button_offered_for_a_named_overflow_stops_the_skips_mid_fit(
         history = trainer.fit(gpt2_batches(4))
     assert view.button.description == "Run transformer.h.1.mlp.c_proj in fp32"
     assert history.skipped == [True, False, False, False]
-    assert "runs in fp32 from the next step" in view.note.value
+    assert "runs in fp32 from the next step, until the fit ends" in notes[1]
+    assert view.note.value.startswith("the fit ended: a click runs")  # offered for the next

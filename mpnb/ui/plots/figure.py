@@ -69,6 +69,7 @@ _STYLE = {
         "marker": {"color": "#d62728", "symbol": "line-ns-open", "size": 10},
         "yaxis": MARK_AXIS,
         "hovertemplate": "step %{x}: loss NaN or inf<extra></extra>",
+        "showlegend": False,  # its hover says it; a seventh entry would wrap the legend
     },
 }
 _ALARM_COLOR, _EVENT_COLOR = "#c0392b", "#555"
@@ -103,6 +104,7 @@ def empty_figure(title: str = "") -> go.Figure:
             hovertext=[],
             xaxis="x",
             yaxis=MARK_AXIS,
+            showlegend=False,
         )
     )
     figure.add_annotation(
@@ -144,6 +146,7 @@ def four_panels(
     figure.update_xaxes(title_text="step", row=2)
     figure.update_layout(
         title={"text": title, "font": {"size": 14}},
+        autosize=True,  # the output's width (plotly.js draws 700 pixels wide otherwise)
         height=_HEIGHT,
         margin={"l": 50, "r": 20, "t": 70, "b": _BOTTOM},
         legend={"orientation": "h", "y": -0.12},
@@ -201,35 +204,34 @@ def event_text(event: dict) -> str:
     return f"{'step' if event_x(event) == step else 'from step'} {step}: {message}"
 
 
-def mark_event(figure: go.Figure, event: dict) -> None:
-    """A dotted vertical line through every panel at ``event`` (alarms in red)."""
-    color = _ALARM_COLOR if event.get("kind") in ALARM_KINDS else _EVENT_COLOR
-    x = event_x(event)
-    for panel in ("", "2", "3", "4"):  # drawn as shapes: the marks' overlaid axis is no panel
-        figure.add_shape(
-            type="line",
-            x0=x,
-            x1=x,
-            y0=0,
-            y1=1,
-            xref=f"x{panel}",
-            yref=f"y{panel} domain",
-            line={"dash": "dot", "color": color, "width": 1},
-        )
-
-
 def show_events(figure: go.Figure, events: list[dict], title: str) -> None:
-    """The marked ``events`` (all of them so far) on ``figure``: a marker each at the top of the
-    loss panel, its hover text the event; the latest :data:`LISTED_EVENTS` listed under the
-    plots, one line each (the figure grows to hold them); the title says the mode a switch
-    changed to. Their lines: :func:`mark_event`."""
+    """The marked ``events`` (all of them so far) on ``figure``: a dotted vertical line through
+    every panel and a marker at the top of the loss panel, its hover text the event (alarms in
+    red); the latest :data:`LISTED_EVENTS` listed under the plots, one line each (the figure
+    grows to hold them); the title says the mode a switch changed to."""
+    colors = [
+        _ALARM_COLOR if event.get("kind") in ALARM_KINDS else _EVENT_COLOR for event in events
+    ]
+    # every line at once: shapes added one by one inside a widget's batch update get mixed up
+    figure.layout.shapes = [
+        {
+            "type": "line",
+            "x0": event_x(event),
+            "x1": event_x(event),
+            "y0": 0,
+            "y1": 1,
+            "xref": f"x{panel}",
+            "yref": f"y{panel} domain",
+            "line": {"dash": "dot", "color": color, "width": 1},
+        }
+        for event, color in zip(events, colors)
+        for panel in ("", "2", "3", "4")
+    ]
     marker = figure.data[len(TRACES)]
     marker.x = [event_x(event) for event in events]
     marker.y = [EVENT_AT] * len(events)
     marker.hovertext = [event_text(event) for event in events]
-    marker.marker.color = [
-        _ALARM_COLOR if event.get("kind") in ALARM_KINDS else _EVENT_COLOR for event in events
-    ]
+    marker.marker.color = colors
     listed = events[-LISTED_EVENTS:]
     lines = [_listed(event) for event in listed]
     if len(events) > len(listed):
@@ -266,8 +268,5 @@ def dashboard_figure(history: History, title: str | None = None) -> go.Figure:
         finite = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]
         trace.x = np.asarray([x for x, _ in finite], dtype=np.float64)
         trace.y = np.asarray([y for _, y in finite], dtype=np.float64)
-    events = marked_events(history)
-    for event in events:
-        mark_event(figure, event)
-    show_events(figure, events, title)
+    show_events(figure, marked_events(history), title)
     return figure

@@ -28,7 +28,6 @@ from mpnb.ui.plots.decimate import MinMaxSeries
 from mpnb.ui.plots.figure import (
     TRACES,
     empty_figure,
-    mark_event,
     marked_events,
     show_events,
     trace_points,
@@ -79,8 +78,6 @@ class LiveDashboard(PacedPlot):
             return
         self._events.extend(fresh)
         with self.figure.batch_update():
-            for event in fresh:
-                mark_event(self.figure, event)
             show_events(self.figure, self._events, self._title)
 
     def _draw(self) -> None:

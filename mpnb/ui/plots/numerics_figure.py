@@ -112,6 +112,7 @@ def numerics_heatmap(log: NumericsLog, origin: OriginCell | None = None) -> go.F
     bottom = 110 + 16 * len(lines)
     figure.update_layout(
         template="plotly_white",
+        autosize=True,  # the output's width (plotly.js draws 700 pixels wide otherwise)
         height=40 + 22 * len(modules) + bottom + 40,
         margin={"l": 160, "r": 20, "t": 40, "b": bottom},
         showlegend=False,

@@ -45,7 +45,9 @@ class MemoryView:
             description="Memory by category",
             icon="bar-chart",
             tooltip="count a step on the last batch: parameters, gradients, activations...",
-            layout=widgets.Layout(width="auto"),  # the whole description, never cut
+            layout=widgets.Layout(
+                width="auto", flex="0 0 auto"
+            ),  # the whole description, never cut
         )
         self.note = widgets.Label("")
         # made at the first count: each FigureWidget sends plotly.js (about 5 MB) to the page

@@ -63,7 +63,9 @@ class RemedyView(Sink):
         self.button = widgets.Button(
             icon="wrench",
             tooltip="autocast off inside this module, its inputs cast up",
-            layout=widgets.Layout(width="auto"),  # the module's whole name, never cut
+            layout=widgets.Layout(
+                width="auto", flex="0 0 auto"
+            ),  # the module's whole name, never cut
         )
         self.button.layout.display = "none"
         self.note = widgets.Label("")
