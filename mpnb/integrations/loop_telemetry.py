@@ -63,6 +63,11 @@ from mpnb.precision.policy import session
 from mpnb.training.control import FitControl
 from mpnb.training.health import HealthWatch, scale_back
 from mpnb.training.history import History
+from mpnb.training.master_weights import (
+    LOW_PRECISION_WEIGHTS,
+    check_scalable,
+    low_precision_notice,
+)
 from mpnb.training.step_record import StepAccount, WatchedRun, flush_every_for
 from mpnb.training.step_watch import OptimizerStepWatch, lr_in_use, scale_in_use
 from mpnb.training.telemetry import Recorder, Sink, check_dashboard, dashboard_sinks
@@ -71,6 +76,9 @@ if TYPE_CHECKING:  # the type of a result handed on; the watch itself is not nam
     from mpnb.numerics.instruments import NumericsLog
 
 __all__: list[str] = []
+
+#: The observed precisions of weights that are themselves bf16 or fp16 (no fp32 master copy).
+_LOW_PRECISION_WEIGHTS = ("bf16-true", "fp16-true")
 
 
 class LoopTelemetry:
@@ -158,9 +166,16 @@ class LoopTelemetry:
         batch; the micro-batches of an unfinished accumulation window are dropped, unstepped). A
         run that never reached :meth:`end` (its framework raised) is ended first. Each run is marked in the history (an event of kind ``"run"`` at the
         step it starts after) and says its notices anew.
+
+        Raises:
+            UnscalableWeightsError: ``optimizer`` trains fp16 weights and ``scaler`` scales the
+                loss: GradScaler would refuse them at the first step (``model.float()`` is the
+                fix; :mod:`mpnb.training.master_weights`). Nothing is attached.
         """
         asked = check_precision(asked)
         device = torch.device(device)
+        # before anything changes: GradScaler would refuse fp16 weights at the first step
+        check_scalable(optimizer, scaler is not None and scaler.is_enabled(), model)
         if self._run is not None:
             self.end()
         instruments = fit_instruments(
@@ -289,6 +304,11 @@ class LoopTelemetry:
             )
             scaling = fp16_without_scaling(observed, run.scaler, self.framework)
             self.notices.say("fp16_without_scaling", scaling, self.steps)
+            # bf16 / fp16 weights where they were not asked for as such: updates below their
+            # resolution are lost (the observer names the weights' dtype before autocast's)
+            if observed in _LOW_PRECISION_WEIGHTS and run.asked != observed:
+                weights = low_precision_notice(run.optimizer, run.model)
+                self.notices.say(LOW_PRECISION_WEIGHTS, weights, self.steps)
         # delivers the dashboard's requests (a Stop), waits while paused
         checkpoint = self.control.checkpoint()
         if "reset" in checkpoint.changed:  # every switch put back, the remedies too

@@ -406,7 +406,9 @@ class AmpStep:
         """
         check_scalable(self.optimizer, self.scaler.is_enabled(), model)
         self._weights_checked = True
-        notice = low_precision_notice(self.optimizer, self.precision.mode.autocast_dtype, model)
+        if self.precision.mode.autocast_dtype is None:
+            return  # training in the weights' own dtype is the choice made
+        notice = low_precision_notice(self.optimizer, model)
         if notice is not None:
             self.recorder.history.note(notice, kind=LOW_PRECISION_WEIGHTS, step=self.steps)
             warn_user(notice)

@@ -24,7 +24,7 @@ Example:
     ... except UnscalableWeightsError as refused:
     ...     print(refused)
     2 parameters (weight, bias) are fp16 and fp16 mode scales the loss: ... call model.float() ...
-    >>> print(low_precision_notice(optimizer, torch.bfloat16, model))
+    >>> print(low_precision_notice(optimizer, model))
     2 parameters (weight, bias) are fp16, with no fp32 master copy: ... about 1/2048 of its weight ...
 """
 
@@ -106,15 +106,12 @@ def unscale_refusal(
 
 
 def low_precision_notice(
-    optimizer: torch.optim.Optimizer,
-    autocast_dtype: torch.dtype | None,
-    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer, model: nn.Module | None = None
 ) -> str | None:
-    """What to say when ``optimizer`` trains bf16 (or fp16) weights under autocast: updates below
-    the weights' resolution are lost. None when autocast is off (``autocast_dtype`` None: a mode
-    that trains in the weights' own dtype on purpose) or every trained weight is fp32."""
-    if autocast_dtype is None:
-        return None
+    """What to say when ``optimizer`` trains bf16 (or fp16) weights where mixed precision was
+    meant (call it under an autocast mode, not where training in the weights' own dtype is the
+    choice made): updates below the weights' resolution are lost. None when every weight it
+    trains is fp32 (or wider)."""
     for dtype in (torch.bfloat16, torch.float16):
         names = _trainable(optimizer, dtype, model)
         if names:
