@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import html
+import textwrap
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +44,18 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [*header_rows, *[[str(c) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def text_notes(notes: Sequence[str], width: int = 100) -> str:
+    """Notes under a text table, one ``- note`` each, wrapped at ``width`` columns.
+
+    >>> print(text_notes(["a note long enough to wrap"], width=16))
+    - a note long
+      enough to wrap
+    """
+    return "\n".join(
+        textwrap.fill(note, width, initial_indent="- ", subsequent_indent="  ") for note in notes
+    )
 
 
 def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mpnb import views
-from mpnb._render import html_table, text_table
+from mpnb._render import html_list, html_table, text_notes, text_table
 from mpnb.analysis._torch_memory import cpu_allocator_peak, fake_mode, storage_bytes, tracked_peak
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.errors import MpnbError
@@ -59,6 +59,29 @@ CATEGORIES = (
     "workspace",
     "batch",
     "other",
+)
+
+#: What each column of the memory table counts, said under it.
+COLUMN_MEANINGS = {
+    "parameters": "the model's weights and buffers",
+    "gradients": "the parameters' gradients alive at the peak (0 B where the peak comes before "
+    "backward has made them)",
+    "optimizer state": "what the optimizer keeps between steps (Adam: two moments a weight)",
+    "activations": "tensors the forward pass saved for backward, and outputs still alive",
+    "weight copies": "autocast's low-precision copies of the weights, saved for backward",
+    "workspace": "temporaries of the step alive at the peak",
+    "batch": "the batch's tensors",
+    "other": "tensors the tracker could not place",
+    "inside kernels": "what torch's allocator held beyond the counted tensors at a measured "
+    "step's peak: kernels' own buffers",
+    "outside the allocator": "what the process held beyond torch's allocator: heap overhead, "
+    "libraries",
+    "counted": "the sum of the categories at the peak",
+}
+#: Said first under the memory table: when its columns are read.
+READ_AT_PEAK = (
+    "every column is read at the step's peak (the moment the counted tensors were largest), "
+    "not at its own largest: a category made later or freed earlier reads 0 B there"
 )
 
 #: An account or a measured step runs two optimizer steps: a warm-up on one sample, where the
@@ -173,6 +196,13 @@ class MemoryReport:
         """The table's column names."""
         return ["mode", "batch", *self._columns(), "counted"]
 
+    def notes(self) -> list[str]:
+        """What the table's columns count, and when they are read: said under it."""
+        return [
+            READ_AT_PEAK,
+            *(f"{column}: {COLUMN_MEANINGS[column]}" for column in self.headers()[2:]),
+        ]
+
     def figure(self) -> Any:
         """Stacked bars: a bar per mode, a segment per line (needs the notebook extras)."""
         return views.view("memory_figure")(self)
@@ -186,14 +216,15 @@ class MemoryReport:
         device = self.accounts[0].device if self.accounts else "-"
         return (
             text_table(self.headers(), self.table())
-            + f"\n({device}; {'; '.join(notes) or 'measured'})"
+            + f"\n({device}; {'; '.join(notes) or 'measured'})\n"
+            + text_notes(self.notes())
         )
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
-        return html_table(self.headers(), self.table())
+        return html_table(self.headers(), self.table()) + html_list(self.notes(), "mpnb-notes")
 
 
 def _bytes(value: int | None) -> str:

@@ -29,7 +29,7 @@ import textwrap
 from typing import Any
 
 from mpnb._files import atomic_write
-from mpnb._render import csv_cell, html_table, text_table
+from mpnb._render import csv_cell, html_list, html_table, text_notes, text_table
 from mpnb.analysis.memory import CATEGORIES, MemoryAccount, MemoryReport
 from mpnb.analysis.timing import NO_SPEEDUP, Speedup, StepTimeStats, speedup_over, step_time_stats
 from mpnb.precision.backends import format_bytes
@@ -63,8 +63,6 @@ _TEXT_HEADERS = {
     "final loss": "final\nloss",
     "skipped steps": "skipped\nsteps",
 }
-#: The width the notes under the terminal table are wrapped to.
-_TEXT_WIDTH = 100
 
 
 @dataclasses.dataclass
@@ -360,21 +358,17 @@ class Comparison:
         text = text_table(headers, table)
         everyone = [row["mode"] for row in self.rows()]
         lines = [
-            textwrap.fill(
-                note if modes == everyone else f"{', '.join(modes)}: {note}",
-                _TEXT_WIDTH,
-                initial_indent="- ",
-                subsequent_indent="  ",
-            )
+            note if modes == everyone else f"{', '.join(modes)}: {note}"
             for note, modes in notes.items()
         ]
-        return f"{text}\n\nnotes:\n" + "\n".join(lines) if lines else text
+        return f"{text}\n\nnotes:\n{text_notes(lines)}" if lines else text
 
     def __str__(self) -> str:
         text = self._text_table()
         memory = self.memory_report()
         if memory.accounts:
             text += f"\n\n{_MEMORY_TITLE}:\n{text_table(memory.headers(), memory.table())}"
+            text += f"\n{text_notes(memory.notes())}"
         return text
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -385,6 +379,7 @@ class Comparison:
         memory = self.memory_report()
         if memory.accounts:
             page += f"<p>{_MEMORY_TITLE}:</p>{html_table(memory.headers(), memory.table())}"
+            page += html_list(memory.notes(), "mpnb-notes")
         return page
 
     def to_json(self, path: str | os.PathLike[str]) -> None:

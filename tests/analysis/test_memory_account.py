@@ -263,3 +263,19 @@ def test_fp8s_account_counts_its_layers_backward_and_warns_nothing():
         account = account_step(trainer, next(iter(train)))
     assert [str(w.message) for w in caught] == []
     assert account.categories["gradients"] > 0 or account.categories["activations"] > 0
+
+
+def test_the_memory_table_says_what_each_column_counts_and_when_it_is_read():
+    import html
+
+    from mpnb.analysis.memory import MemoryAccount, MemoryReport
+
+    accounts = [
+        MemoryAccount("fp32", 8, "cpu", {"parameters": 4096, "gradients": 4096, "activations": 9}),
+        MemoryAccount("fp16", 8, "cpu", {"parameters": 4096, "gradients": 0, "activations": 99}),
+    ]
+    report = MemoryReport(accounts, {})
+    for shown in (" ".join(str(report).split()), html.unescape(report._repr_html_())):
+        assert "read at the step's peak" in shown, shown
+        assert "gradients: " in shown and "activations: " in shown and "parameters: " in shown
+        assert "workspace: " not in shown  # a column no mode shows is not explained
