@@ -54,6 +54,7 @@ from mpnb._render import html_table, text_table
 from mpnb.errors import MpnbError
 from mpnb.numerics import formats as fmt
 from mpnb.numerics.advisor import left_as_found
+from mpnb.numerics.format_proof import Proof, prove
 from mpnb.numerics.probe import ModuleProbe
 from mpnb.training.batches import batch_loss, to_device
 
@@ -471,7 +472,9 @@ class WhatIf:
         format's threshold marked (the UI's ``whatif_figure`` view, plotly)."""
         return views.view("whatif_figure")(self)
 
-    def prove(self, make_run: Callable[[Any], Sequence[Any]], format: str, steps: int = 20):
+    def prove(
+        self, make_run: Callable[[Any], Sequence[Any]], format: str, steps: int = 20
+    ) -> Proof:
         """Train the recommended configuration for ``format`` beside bf16 for ``steps`` steps
         and report the loss gap: the advice checked on a short run before it is trusted.
 
@@ -502,8 +505,6 @@ class WhatIf:
             >>> proof.keep, len(proof.losses), "loss gap" in str(proof)
             ([], 3, True)
         """
-        from mpnb.numerics.format_proof import prove
-
         return prove(self.recommend(format), make_run, format, steps)
 
     def _cells(self, row: dict[str, Any]) -> list[str]:
