@@ -586,7 +586,8 @@ class Trainer:
         on the history as a switch; the loss scale the skips lowered goes back to the scaler's
         initial scale (a ``"scale"`` event), else its gradients would underflow to zero. Call it
         between steps: from a dashboard button, a callback. Asked for between fits, it changes
-        nothing until the next fit, and lasts that fit. Returns the module's name.
+        nothing until the next fit, and lasts that fit, which starts from the initial scale.
+        Returns the module's name.
 
         ``module`` may be a name as the model gives it (``"transformer.h.1.mlp.c_proj"``) or
         as an ``"origin"`` event gives it (the root's class first).
@@ -607,8 +608,9 @@ class Trainer:
             MpnbError: no module of that name (the closest names are listed); nothing changes.
         """
         found = self._instruments.keep_in_fp32(module, self.amp.steps + 1)
-        if self._instruments.running:  # else the next fit applies it, at its first step
-            self.amp.scale_back(f"{found} runs in fp32 now")
+        # between fits the next fit applies it, at its first step: the scale goes back for it
+        when = "now" if self._instruments.running else "from the next fit"
+        self.amp.scale_back(f"{found} runs in fp32 {when}")
         return found
 
     def describe(self) -> str:

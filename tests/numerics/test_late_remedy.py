@@ -158,3 +158,25 @@ def test_a_switch_of_op_lists_that_ends_the_overflow_gives_the_scale_back():
     assert all(norm > 0 for norm in history.grad_norm[4:])
     (back,) = [e for e in history.events if e["kind"] == "scale"]
     assert back["step"] == 5 and back["message"].endswith("the precision changed")
+
+
+def test_a_remedy_asked_between_fits_gives_the_lowered_scale_back_for_the_next_fit():
+    """The simple path of lesson 12: fit, read the origin, keep_in_fp32, fit again. The skips of
+    the first fit lowered the scale (1.0 to 0.25); the next fit starts from the initial scale, so
+    its gradients do not underflow and no alarm is raised."""
+    model = overflowing_gpt2()
+    trainer = mpnb.Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4), mode="fp16", device="cpu",
+        dashboard=None, init_scale=1.0,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        trainer.fit(gpt2_batches(2))
+    trainer.keep_in_fp32(PLANTED)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = trainer.fit(gpt2_batches(3))
+    assert history.skipped[2:] == [False, False, False] and history.loss_scale[2] == 1.0
+    assert [str(w.message) for w in caught if w.category is RuntimeWarning] == []
+    later = [e["kind"] for e in history.events if e["step"] > 2]
+    assert "zero_gradients" not in later and "collapse" not in later, history.events
