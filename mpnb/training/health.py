@@ -125,10 +125,13 @@ class HealthWatch(Sink):
 
     def _report(self, history: History, index: int, kind: str, what: str) -> None:
         self.found.add(kind)
-        # where the first skipped step's overflow began, when a replay named it (the origin)
+        # where the last located overflow began (the origin) and what to call for it, when a
+        # replay or the watched steps named it; else the mode's general advice
         named = [e for e in history.events if e.get("kind") == "origin" and "origin" in e]
         where = f" (step {named[-1]['step']}: {named[-1]['origin']})" if named else ""
-        message = f"{what}{where}; {ADVICE.get(history.mode[index], ADVICE[''])}"
+        remedy = named[-1].get("remedy") if named else None
+        advice = f"remedy: {remedy}" if remedy else ADVICE.get(history.mode[index], ADVICE[""])
+        message = f"{what}{where}; {advice}"
         if self.on_nonfinite == "stop":
             self.stop = True
             message += " (stopping: on_nonfinite='stop')"

@@ -230,3 +230,32 @@ def test_a_step_whose_gradient_norm_is_zero_is_an_alarm_reported_once():
     (alarm,) = [e for e in history.events if e["kind"] == "zero_gradients"]
     assert alarm["step"] == 1 and alarm["message"].startswith("gradient norm 0 at step 1")
     assert history.summary()["alarms"] == [alarm["message"]]
+
+
+def test_a_scale_below_1_is_the_alarm_naming_where_the_overflow_began_and_what_to_call():
+    """A GPT-2 whose MLP projection overflows fp16 at every scale: 2 and 1 skip (no alarm yet, 1
+    is not below 1), 0.5 is the collapse, said with the located origin and its remedy."""
+    from tests.numerics.test_origin import gpt2_batches, overflowing_gpt2
+
+    model = overflowing_gpt2()
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-4),
+        mode="fp16",
+        device="cpu",
+        dashboard=None,
+        init_scale=2.0,
+    )
+    with pytest.warns(RuntimeWarning, match="loss scale collapsed to 0.5 at step 3") as caught:
+        history = trainer.fit(gpt2_batches(4))
+    assert history.loss_scale == [2.0, 1.0, 0.5, 0.25] and all(history.skipped)
+    (collapse,) = [e for e in history.events if e["kind"] == "collapse"]
+    assert collapse["step"] == 3
+    assert (
+        "(step 1: float16 overflow first in GPT2LMHeadModel.transformer.h.1.mlp.c_proj"
+        in (collapse["message"])
+    )
+    assert collapse["message"].endswith(
+        'remedy: trainer.keep_in_fp32("transformer.h.1.mlp.c_proj")'
+    )
+    assert len([w for w in caught if "collapsed" in str(w.message)]) == 1
