@@ -247,7 +247,7 @@ def test_switches_are_drawn_as_labelled_lines():
     live.close(history)
     for figure in (live.figure, dashboard_figure(history)):
         assert [shape.x0 for shape in figure.layout.shapes] == [2.5] * 4
-        assert figure.layout.annotations[-1].text == "mode bf16 -> fp16"
+        assert figure.layout.annotations[-1].text == "from step 3: mode bf16 -> fp16"
 
 
 def test_the_fp32_math_switch_says_when_it_has_no_effect_here(panel):
