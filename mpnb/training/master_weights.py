@@ -23,9 +23,9 @@ Example:
     ...     check_scalable(optimizer, scales_loss=True, model=model)
     ... except UnscalableWeightsError as refused:
     ...     print(refused)
-    2 parameters (weight, bias) are fp16 and fp16 mode scales the loss: ... call model.float() ...
+    2 parameters (weight, bias) are fp16 and the loss is scaled (fp16 mixed precision): ...
     >>> print(low_precision_notice(optimizer, model))
-    2 parameters (weight, bias) are fp16, with no fp32 master copy: ... about 1/2048 of its weight ...
+    2 parameters (weight, bias) are fp16, with no fp32 master copy: ... about 1/2048 of its ...
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ class UnscalableWeightsError(MpnbError):
     def __init__(self, parameters: list[str]) -> None:
         self.parameters = parameters
         super().__init__(
-            f"{_counted(parameters)} {'is' if len(parameters) == 1 else 'are'} fp16 and fp16 mode "
-            "scales the loss: torch's GradScaler cannot unscale fp16 gradients (the first step "
-            'would end in "ValueError: Attempting to unscale FP16 gradients."). Keep fp32 master '
-            "weights: call model.float() before training (the optimizer keeps its parameters), "
-            "and autocast casts each op to fp16 itself"
+            f"{_counted(parameters)} {'is' if len(parameters) == 1 else 'are'} fp16 and the loss "
+            "is scaled (fp16 mixed precision): torch's GradScaler cannot unscale fp16 gradients "
+            '(the first step would end in "ValueError: Attempting to unscale FP16 gradients."). '
+            "Keep fp32 master weights: call model.float() before training (the optimizer keeps "
+            "its parameters), and autocast casts each op to fp16 itself"
         )
 
 

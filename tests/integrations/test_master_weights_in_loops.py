@@ -17,7 +17,12 @@ from mpnb.training.master_weights import LOW_PRECISION_WEIGHTS, UnscalableWeight
 L = pytest.importorskip("lightning", reason="the lightning extra: pip install 'mpnb[lightning]'")
 
 from mpnb.integrations.lightning import MpnbCallback  # noqa: E402
-from tests.integrations.test_lightning import Classifier, fp16_with_scaler, loader, quiet_trainer  # noqa: E402
+from tests.integrations.test_lightning import (  # noqa: E402
+    Classifier,
+    fp16_with_scaler,
+    loader,
+    quiet_trainer,
+)
 
 
 def mlp() -> nn.Module:
