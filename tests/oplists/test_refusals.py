@@ -120,14 +120,15 @@ def test_fit_names_the_refused_op_and_the_fix(name):
     assert "finished" not in printed and "nan" not in printed, printed
 
 
-def test_the_fix_the_error_names_trains():
-    _refused_here("bf16")
+@pytest.mark.parametrize("name", DTYPES)
+def test_the_fix_the_error_names_trains(name):
+    _refused_here(name)
     model = Tagger()
     trainer = mpnb.Trainer(
         model,
         torch.optim.SGD(model.parameters(), 0.1),
         nn.functional.cross_entropy,
-        mode="bf16",
+        mode=name,
         device="cpu",
         dashboard=None,
     )
