@@ -99,8 +99,7 @@ def cast(name: str, tensor: torch.Tensor, role: str, dim: int, zeros: int | None
     if name in DTYPE_FORMATS:
         dtype = DTYPE_FORMATS[name]
         limit = _rounding_limit(dtype)
-        magnitude = tensor.abs()
-        overflow = int(torch.count_nonzero(magnitude >= limit)) if magnitude.max() >= limit else 0
+        overflow = _count_past(tensor.abs(), limit) if _largest(tensor) >= limit else 0
         return _operand(tensor, zeros, tensor.to(dtype).float(), overflow, (1.0, 1.0))
     return _operand(tensor, zeros, *_SCALED[name](tensor, role, dim))
 
@@ -152,6 +151,17 @@ def _operand(
     )
 
 
+def _largest(tensor: torch.Tensor) -> float:
+    """The largest magnitude in ``tensor``, from one pass (its smallest and largest values)."""
+    low, high = torch.aminmax(tensor)
+    return max(-float(low), float(high))
+
+
+def _count_past(magnitude: torch.Tensor, limit: float | torch.Tensor) -> int:
+    """How many of ``magnitude`` are at or past ``limit``."""
+    return int(torch.count_nonzero(magnitude >= limit))
+
+
 def _scale_range(scales: torch.Tensor, amax: torch.Tensor) -> tuple[float, float]:
     """The smallest and largest of ``scales`` where the values they scale are not all zero."""
     used = scales.float()[amax > 0]
@@ -186,7 +196,10 @@ def _float8_recipe(recipe: str) -> _ScaledCast:
             amax, dtype, round_scales_to_power_of_2=config.round_scales_to_power_of_2
         )
         scaled = tensor * multiplier
-        overflow = int(torch.count_nonzero(scaled.abs() >= _rounding_limit(dtype)))
+        limit = _rounding_limit(dtype)
+        # the scale maps each amax to the largest value: a pass only where rounding passed it
+        past = bool((amax * multiplier >= limit).any())
+        overflow = _count_past(scaled.abs(), limit) if past else 0
         values = to_fp8_saturated(scaled, dtype).float() / multiplier
         return values, overflow, _scale_range(1 / multiplier, amax)
 
@@ -209,9 +222,11 @@ def _blocked(
         values, scales, limit = quantize(padded)
         magnitude = padded.abs().reshape(len(padded), -1, block)
         scales = scales.float().reshape(magnitude.shape[:2])
-        overflow = int(torch.count_nonzero(magnitude >= limit * scales.unsqueeze(-1)))
+        amax = magnitude.amax(-1)
+        past = bool((amax >= limit * scales).any())  # a block's largest first: most pass none
+        overflow = _count_past(magnitude, limit * scales.unsqueeze(-1)) if past else 0
         values = values[:, :length]
-        scale_range = _scale_range(scales, magnitude.amax(-1))
+        scale_range = _scale_range(scales, amax)
         return (values if dim == 1 else values.t()), overflow, scale_range
 
     return cast_blocked

@@ -227,6 +227,8 @@ class _Measured:
         self.formats = formats
         self.rows: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._references: dict[str, torch.Tensor] = {}
+        #: each fp32 product's norm, by the product's id, for the layer call being measured
+        self._norms: dict[int, float] = {}
 
     def layer(self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor) -> None:
         with torch.no_grad():
@@ -254,6 +256,12 @@ class _Measured:
                 reference = self._reference(matmul, multiply, tensors[left[0]], tensors[right[0]])
                 self._add(name, matmul, format_name, product, reference, (a, b))
         self._references.clear()
+        self._norms.clear()
+
+    def _norm(self, reference: torch.Tensor) -> float:
+        if id(reference) not in self._norms:
+            self._norms[id(reference)] = float(reference.norm())
+        return self._norms[id(reference)]
 
     def _reference(
         self, matmul: str, multiply: Callable, a: torch.Tensor, b: torch.Tensor
@@ -290,6 +298,7 @@ class _Measured:
             for matmul in MATMULS:
                 product = fmt.output(format_name, products[matmul])
                 self._add(name, matmul, format_name, product, reference[matmul], operands[matmul])
+        self._norms.clear()
 
     def _add(
         self,
@@ -304,7 +313,7 @@ class _Measured:
             "layer": layer,
             "matmul": matmul,
             "format": format_name,
-            "rel_error": relative_error(product, reference),
+            "rel_error": relative_error(product, reference, self._norm(reference)),
             "overflow": sum(o.overflow for o in operands) / sum(o.elements for o in operands),
             "underflow": sum(o.flushed for o in operands)
             / max(1, sum(o.nonzero for o in operands)),
@@ -371,9 +380,11 @@ def _convolution_products(
     return {"forward": out.detach(), "input_grad": input_grad, "weight_grad": weight_grad}
 
 
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_error(
+    value: torch.Tensor, reference: torch.Tensor, reference_norm: float | None = None
+) -> float:
     """``||value - reference|| / ||reference||`` (Frobenius); inf when ``value`` is not all
-    finite, 0 when both are zero.
+    finite, 0 when both are zero. ``reference_norm``: ``||reference||``, when known.
 
     >>> round(relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])), 6)
     0.707107
@@ -381,7 +392,7 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     difference = float((value - reference).norm())
     if not math.isfinite(difference):
         return math.inf
-    scale = float(reference.norm())
+    scale = float(reference.norm()) if reference_norm is None else reference_norm
     return difference / scale if scale else (0.0 if difference == 0 else math.inf)
 
 
