@@ -2,8 +2,9 @@
 
 :func:`trace` watches the aten operators that actually run (after autocast and the op
 lists have cast their inputs) with a ``TorchDispatchMode``, and records for each the
-phase, the module it ran in, its input dtypes and output dtype, and the casts autocast
-inserted. Modules are found with global forward hooks (forward) and by tagging each
+phase, the module it ran in, its input dtypes and output dtype, the casts autocast
+inserted, and how many of its calls gave an output holding an inf or a NaN (counted on the
+device, read once when the block ends), so the op where an fp16 overflow appears stands out. Modules are found with global forward hooks (forward) and by tagging each
 autograd node with the module that created it (backward), so no model needs changing.
 Tracing only observes: every op runs exactly as it would have. ``detach`` calls (autograd's
 own bookkeeping) are left out.
@@ -49,7 +50,9 @@ _MODULE_TAG = "mpnb.module"
 _TOP_LEVEL = "(top level)"
 _USER_CASTS = frozenset({"to", "type", "type_as", "half", "bfloat16", "float", "double"})
 _BOOKKEEPING = frozenset({torch.ops.aten.detach.default})
-_COLUMNS = ("phase", "module", "kind", "op", "inputs", "output", "count")
+#: A call number above any: "no call of this kind gave a non-finite output".
+_NEVER = 2**62
+_COLUMNS = ("phase", "module", "kind", "op", "inputs", "output", "count", "non-finite")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +67,20 @@ class TraceRow:
         inputs: the dtypes of its tensor inputs, comma-separated.
         output: the dtype of its first tensor output (``"-"`` when it has none).
         count: how many times it ran.
+        nonfinite: how many of those calls gave an output holding an inf or a NaN.
 
     Example:
         >>> linear = torch.nn.Linear(4, 2)
         >>> with trace(linear) as t, torch.autocast("cpu", dtype=torch.bfloat16):
         ...     _ = linear(torch.randn(3, 4))
         >>> t.filter(op="addmm").rows
-        [TraceRow(phase='forward', module='Linear', kind='op', op='addmm', inputs='bf16, bf16, bf16', output='bf16', count=1)]
+        [TraceRow(phase='forward', module='Linear', kind='op', op='addmm', inputs='bf16, bf16, bf16', output='bf16', count=1, nonfinite=0)]
+        >>> _ = torch.nn.init.ones_(linear.weight)
+        >>> x = torch.full((3, 4), 60000.0)
+        >>> with trace(linear) as t, torch.autocast("cpu", dtype=torch.float16):
+        ...     _ = linear(x)  # 240000: beyond fp16's 65504
+        >>> t.filter(op="addmm").rows[0].nonfinite, t.summary()
+        (1, '2 ops: 100% fp16, 3 casts; 1 call gave inf/NaN, first addmm in Linear (forward)')
     """
 
     phase: str
@@ -80,6 +90,7 @@ class TraceRow:
     inputs: str
     output: str
     count: int
+    nonfinite: int = 0
 
 
 @dataclasses.dataclass
@@ -93,6 +104,8 @@ class Trace:
     """
 
     rows: list[TraceRow] = dataclasses.field(default_factory=list)
+    #: The row of the first call, in the order they ran, whose output held an inf or a NaN.
+    first_nonfinite: TraceRow | None = None
 
     def ops(self) -> list[TraceRow]:
         """The rows of real ops (casts left out)."""
@@ -120,6 +133,13 @@ class Trace:
         if other:
             listed = ", ".join(f"{dtype} {count}" for dtype, count in other.most_common())
             text += f" (+{sum(other.values())} non-floating: {listed})"
+        calls = sum(row.nonfinite for row in self.rows)
+        first = self.first_nonfinite
+        if calls and first is not None:
+            text += (
+                f"; {calls} call{'s' if calls > 1 else ''} gave inf/NaN, "
+                f"first {first.op} in {first.module} ({first.phase})"
+            )
         return text
 
     def filter(
@@ -145,9 +165,7 @@ class Trace:
             writer.writerows(map(csv_cell, dataclasses.astuple(row)) for row in self.rows)
 
     def __str__(self) -> str:
-        table = [_COLUMNS] + [
-            tuple(str(value) for value in dataclasses.astuple(row)) for row in self.rows
-        ]
+        table = [_COLUMNS] + [_cells(row) for row in self.rows]
         widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
         lines = [
             "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
@@ -164,8 +182,8 @@ class Trace:
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{name}</th>" for name in _COLUMNS)
         body = "".join(
-            "<tr>"
-            + "".join(f"<td>{html.escape(str(value))}</td>" for value in dataclasses.astuple(row))
+            ('<tr style="color:#c0392b;font-weight:bold">' if row.nonfinite else "<tr>")
+            + "".join(f"<td>{html.escape(value)}</td>" for value in _cells(row))
             + "</tr>"
             for row in self.rows
         )
@@ -173,6 +191,12 @@ class Trace:
             f"<p><b>{html.escape(self.summary())}</b></p>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
         )
+
+
+def _cells(row: TraceRow) -> tuple[str, ...]:
+    """A row's cells as the tables show them: its non-finite count only where there is one."""
+    *cells, nonfinite = (str(value) for value in dataclasses.astuple(row))
+    return (*cells, nonfinite if row.nonfinite else "")
 
 
 class _ModulePaths:
@@ -259,6 +283,11 @@ class _RecordOps(TorchDispatchMode):
         self.paths = paths
         self.tags = tags
         self.counts: collections.Counter[tuple[str, ...]] = collections.Counter()
+        #: Per key, how many calls gave a non-finite output, and the first such call's number:
+        #: device tensors, read at the end (no read of the device per op).
+        self.nonfinite: dict[tuple[str, ...], torch.Tensor] = {}
+        self.first_bad: dict[tuple[str, ...], torch.Tensor] = {}
+        self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -279,10 +308,34 @@ class _RecordOps(TorchDispatchMode):
             and inputs[0] != output
         )
         name = func._schema.name.removeprefix("aten::")
-        self.counts[
-            (phase, module, "cast" if is_cast else "op", name, ", ".join(inputs), output)
-        ] += 1
+        key = (phase, module, "cast" if is_cast else "op", name, ", ".join(inputs), output)
+        self.counts[key] += 1
+        first = next((v for v in tree_leaves(result) if isinstance(v, torch.Tensor)), None)
+        if first is not None and first.is_floating_point() and first.layout == torch.strided:
+            self.calls += 1
+            with torch._C.DisableTorchFunction():  # the check is no user op: _TagNodes skips it
+                bad = torch.logical_not(torch.isfinite(first)).any()
+                number = torch.where(bad, self.calls, _NEVER)
+                if key in self.nonfinite:
+                    self.nonfinite[key] = self.nonfinite[key] + bad
+                    self.first_bad[key] = torch.minimum(self.first_bad[key], number)
+                else:
+                    self.nonfinite[key], self.first_bad[key] = bad.to(torch.int64), number
         return result
+
+    def nonfinite_counts(self) -> tuple[dict[tuple[str, ...], int], tuple[str, ...] | None]:
+        """Per key, how many calls gave a non-finite output, and the key of the first such call
+        (None when none did): one read of the device."""
+        keys = list(self.nonfinite)
+        if not keys:
+            return {}, None
+        counts, firsts = (
+            torch.stack([values[key].to("cpu") for key in keys]).tolist()
+            for values in (self.nonfinite, self.first_bad)
+        )
+        earliest = min(range(len(keys)), key=firsts.__getitem__)
+        first = keys[earliest] if firsts[earliest] < _NEVER else None
+        return dict(zip(keys, counts)), first
 
 
 class trace:  # noqa: N801 - a context manager used like torch.autocast
@@ -330,6 +383,11 @@ class trace:  # noqa: N801 - a context manager used like torch.autocast
             mode.__exit__(*exc_info)
         for handle in self._handles:
             handle.remove()
+        nonfinite, first = self._recorder.nonfinite_counts()
         self.result.rows[:] = [
-            TraceRow(*key, count) for key, count in self._recorder.counts.items()
+            TraceRow(*key, count, nonfinite.get(key, 0))
+            for key, count in self._recorder.counts.items()
         ]
+        self.result.first_nonfinite = next(
+            (row for row in self.result.rows if first == dataclasses.astuple(row)[:6]), None
+        )

@@ -162,3 +162,29 @@ def test_a_trace_csv_that_cannot_be_written_leaves_the_old_file_whole(tmp_path):
     with pytest.raises(UnicodeEncodeError):
         Trace(rows).to_csv(tmp_path / "trace.csv")
     assert (tmp_path / "trace.csv").read_bytes() == before and files_in(tmp_path) == ["trace.csv"]
+
+
+def test_the_op_whose_fp16_output_overflowed_is_marked_and_named_in_the_summary():
+    from tests.ui.planted_encoder import encoder_batch, planted_encoder
+
+    model = planted_encoder()
+    with mpnb.trace(model) as trace, torch.autocast("cpu", dtype=torch.float16):
+        model(encoder_batch()[0])
+    overflowed = trace.first_nonfinite  # in the order the calls ran
+    assert (overflowed.module, overflowed.op, overflowed.output) == (
+        "EncoderClassifier.encoder.layers.1.linear2",
+        "addmm",
+        "fp16",
+    )
+    assert "gave inf/NaN, first addmm in EncoderClassifier.encoder.layers.1.linear2" in (
+        trace.summary()
+    )
+    cells = next(
+        line.split()
+        for line in str(trace).splitlines()[1:]  # under the summary
+        if "layers.1.linear2" in line and "addmm" in line
+    )
+    assert cells[-2:] == ["1", "1"]  # count, non-finite
+    assert '<tr style="color:#c0392b' in trace._repr_html_()
+    clean = [row for row in trace.rows if "layers.0" in row.module]
+    assert clean and not any(row.nonfinite for row in clean)
