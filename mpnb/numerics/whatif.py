@@ -15,9 +15,9 @@ the format's largest value (overflow or saturation), the share of their nonzero 
 flushed to zero, and the range of the scales. The scaled formats apply to the linear layers
 only, as torchao's training layers do; a convolution is measured in fp16 and bf16.
 
-A layer's three matmuls are measured as its output's gradient arrives in the backward pass,
-with the input the pass saved anyway, and let go: beyond the step, one layer's tensors at a
-time.
+A layer's three matmuls are measured (:mod:`mpnb.numerics.layer_matmuls`) as its output's
+gradient arrives in the backward pass, with the input the pass saved anyway, and let go: beyond
+the step, one layer's tensors at a time.
 
 :meth:`WhatIf.recommend` names the layers to keep in higher precision for a format: those where
 any matmul passes the format's :class:`Threshold`. The default thresholds (:data:`THRESHOLDS`)
@@ -42,7 +42,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -55,14 +54,11 @@ from mpnb.errors import MpnbError
 from mpnb.numerics import formats as fmt
 from mpnb.numerics.advisor import left_as_found
 from mpnb.numerics.format_proof import Proof, prove
+from mpnb.numerics.layer_matmuls import LayerMatmuls, multiplies
 from mpnb.numerics.probe import ModuleProbe
 from mpnb.training.batches import batch_loss, to_device
 
 __all__ = ["WhatIf", "Threshold", "whatif"]
-
-#: The three matmuls of a layer's training step, in the order of the tables.
-MATMULS = ("forward", "input_grad", "weight_grad")
-_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +148,7 @@ def whatif(
             fmt.check_format(name) for name in ([formats] if isinstance(formats, str) else formats)
         )
     )
-    layers = {name: module for name, module in model.named_modules() if _multiplies(module)}
+    layers = {name: module for name, module in model.named_modules() if multiplies(module)}
     if not layers:
         raise MpnbError(
             f"{type(model).__name__} has no layer a format applies to: what-if measures "
@@ -160,7 +156,7 @@ def whatif(
         )
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
-    measured = _Measured(chosen)
+    measured = LayerMatmuls(chosen)
     pending: dict[str, list[torch.Tensor]] = {}
 
     def on_output(name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
@@ -183,217 +179,6 @@ def whatif(
             "computed from the model's output, and does it need a gradient?"
         )
     return WhatIf(measured.table(), chosen)
-
-
-def _multiplies(module: nn.Module) -> bool:
-    """A layer with a weight it multiplies by: Linear, a convolution, transformers' ``Conv1D``
-    (a Linear whose weight is stored transposed, known by its name and its ``nf`` width)."""
-    if isinstance(module, nn.Linear) or isinstance(module, _CONVOLUTIONS):
-        return True
-    weight = getattr(module, "weight", None)
-    return (
-        type(module).__name__ == "Conv1D"
-        and hasattr(module, "nf")
-        and isinstance(weight, torch.Tensor)
-        and weight.dim() == 2
-    )
-
-
-def linear_weight(module: nn.Module) -> torch.Tensor:
-    """The weight of a linear layer as ``nn.Linear`` holds it: (out features, in features).
-
-    >>> linear_weight(torch.nn.Linear(3, 2)).shape
-    torch.Size([2, 3])
-    """
-    weight = module.weight.detach()
-    return weight if isinstance(module, nn.Linear) else weight.t()
-
-
-#: A linear layer's three matmuls from its input ``x`` (tokens x in features), its ``weight``
-#: (out x in) and its output's ``gradient`` (tokens x out): each matmul's two operands (which
-#: tensor, and its axis the matmul sums over) and how they multiply.
-LINEAR_MATMULS: dict[str, tuple[tuple[str, int], tuple[str, int], Callable]] = {
-    "forward": (("x", 1), ("weight", 1), lambda x, weight: x @ weight.t()),
-    "input_grad": (("gradient", 1), ("weight", 0), lambda gradient, weight: gradient @ weight),
-    "weight_grad": (("gradient", 0), ("x", 0), lambda gradient, x: gradient.t() @ x),
-}
-_ROLES = {"x": "activation", "weight": "weight", "gradient": "gradient"}
-
-
-class _Measured:
-    """The figures of each (layer, matmul, format), the worst kept where a layer runs twice."""
-
-    def __init__(self, formats: Sequence[str]) -> None:
-        self.formats = formats
-        self.rows: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self._references: dict[str, torch.Tensor] = {}
-        #: each fp32 product's norm, by the product's id, for the layer call being measured
-        self._norms: dict[int, float] = {}
-
-    def layer(self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor) -> None:
-        with torch.no_grad():
-            if isinstance(module, _CONVOLUTIONS):
-                self._convolution(name, module, x.float(), gradient.float())
-            else:
-                weight = linear_weight(module).float()
-                x = x.float().reshape(-1, weight.shape[1])
-                gradient = gradient.float().reshape(-1, weight.shape[0])
-                self._linear(name, x, weight, gradient)
-
-    def _linear(
-        self, name: str, x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor
-    ) -> None:
-        tensors = {"x": x, "weight": weight, "gradient": gradient}
-        zeros = {key: t.numel() - int(torch.count_nonzero(t)) for key, t in tensors.items()}
-        for format_name in self.formats:
-            casts: dict[tuple[str, int | None], fmt.Operand] = {}
-            for matmul, (left, right, multiply) in LINEAR_MATMULS.items():
-                a, b = (
-                    _cast_once(casts, format_name, tensors[key], key, axis, zeros[key])
-                    for key, axis in (left, right)
-                )
-                product = fmt.output(format_name, multiply(a.values, b.values))
-                reference = self._reference(matmul, multiply, tensors[left[0]], tensors[right[0]])
-                self._add(name, matmul, format_name, product, reference, (a, b))
-        self._references.clear()
-        self._norms.clear()
-
-    def _norm(self, reference: torch.Tensor) -> float:
-        if id(reference) not in self._norms:
-            self._norms[id(reference)] = float(reference.norm())
-        return self._norms[id(reference)]
-
-    def _reference(
-        self, matmul: str, multiply: Callable, a: torch.Tensor, b: torch.Tensor
-    ) -> torch.Tensor:
-        """The matmul in fp32, once per layer call."""
-        if matmul not in self._references:
-            self._references[matmul] = multiply(a, b)
-        return self._references[matmul]
-
-    def _convolution(
-        self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor
-    ) -> None:
-        weight = module.weight.detach().float()
-        reference = _convolution_products(module, x, weight, gradient)
-        for format_name in self.formats:
-            if format_name not in fmt.DTYPE_FORMATS:
-                continue  # torchao's scaled training layers convert linear layers only
-            cast = {
-                part: fmt.cast(format_name, tensor, role, dim=1)
-                for part, tensor, role in (
-                    ("x", x, "activation"),
-                    ("weight", weight, "weight"),
-                    ("gradient", gradient, "gradient"),
-                )
-            }
-            products = _convolution_products(
-                module, cast["x"].values, cast["weight"].values, cast["gradient"].values
-            )
-            operands = {
-                "forward": (cast["x"], cast["weight"]),
-                "input_grad": (cast["gradient"], cast["weight"]),
-                "weight_grad": (cast["gradient"], cast["x"]),
-            }
-            for matmul in MATMULS:
-                product = fmt.output(format_name, products[matmul])
-                self._add(name, matmul, format_name, product, reference[matmul], operands[matmul])
-        self._norms.clear()
-
-    def _add(
-        self,
-        layer: str,
-        matmul: str,
-        format_name: str,
-        product: torch.Tensor,
-        reference: torch.Tensor,
-        operands: tuple[fmt.Operand, fmt.Operand],
-    ) -> None:
-        row = {
-            "layer": layer,
-            "matmul": matmul,
-            "format": format_name,
-            "rel_error": relative_error(product, reference, self._norm(reference)),
-            "overflow": sum(o.overflow for o in operands) / sum(o.elements for o in operands),
-            "underflow": sum(o.flushed for o in operands)
-            / max(1, sum(o.nonzero for o in operands)),
-            "scale_range": (
-                min(o.scales[0] for o in operands),
-                max(o.scales[1] for o in operands),
-            ),
-        }
-        key = (layer, matmul, format_name)
-        seen = self.rows.get(key)
-        if seen is not None:  # a layer called twice: its worst call
-            row = {
-                **row,
-                **{k: max(row[k], seen[k]) for k in ("rel_error", "overflow", "underflow")},
-                "scale_range": (
-                    min(row["scale_range"][0], seen["scale_range"][0]),
-                    max(row["scale_range"][1], seen["scale_range"][1]),
-                ),
-            }
-        self.rows[key] = row
-
-    def table(self) -> list[dict[str, Any]]:
-        """The rows in forward order of the layers (their gradients arrive backwards)."""
-        order: dict[str, int] = {}
-        for layer, _, _ in reversed(list(self.rows)):
-            order.setdefault(layer, len(order))
-        return sorted(
-            self.rows.values(),
-            key=lambda row: (
-                order[row["layer"]],
-                MATMULS.index(row["matmul"]),
-                self.formats.index(row["format"]),
-            ),
-        )
-
-
-def _cast_once(
-    casts: dict[tuple[str, int | None], fmt.Operand],
-    format_name: str,
-    tensor: torch.Tensor,
-    key: str,
-    axis: int,
-    zeros: int,
-) -> fmt.Operand:
-    """``tensor`` (``key``) in the format, cast once, or once per axis where the format's
-    scales follow the axis the matmul sums over."""
-    along = axis if format_name in fmt.AXIS_FORMATS else None
-    if (key, along) not in casts:
-        casts[key, along] = fmt.cast(format_name, tensor, _ROLES[key], dim=axis, zeros=zeros)
-    return casts[key, along]
-
-
-def _convolution_products(
-    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """A convolution's three products: its output (no bias) and, from ``gradient``, the
-    gradients of its input and weight, through the module's own convolution (its padding mode
-    included)."""
-    x = x.detach().requires_grad_()
-    weight = weight.detach().requires_grad_()
-    with torch.enable_grad():
-        out = module._conv_forward(x, weight, None)
-        input_grad, weight_grad = torch.autograd.grad(out, (x, weight), gradient)
-    return {"forward": out.detach(), "input_grad": input_grad, "weight_grad": weight_grad}
-
-
-def relative_error(
-    value: torch.Tensor, reference: torch.Tensor, reference_norm: float | None = None
-) -> float:
-    """``||value - reference|| / ||reference||`` (Frobenius); inf when ``value`` is not all
-    finite, 0 when both are zero. ``reference_norm``: ``||reference||``, when known.
-
-    >>> round(relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])), 6)
-    0.707107
-    """
-    difference = float((value - reference).norm())
-    if not math.isfinite(difference):
-        return math.inf
-    scale = float(reference.norm()) if reference_norm is None else reference_norm
-    return difference / scale if scale else (0.0 if difference == 0 else math.inf)
 
 
 class WhatIf:
