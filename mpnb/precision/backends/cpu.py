@@ -99,9 +99,10 @@ class CpuBackend(Backend):
     def dtype_warnings(self, dtype: torch.dtype) -> list[str]:
         notes = []
         if dtype == torch.float16:
-            notes.append(
-                "fp16 on CPU: convolution backward in fp16 has no fast CPU kernel "
-                f"(a small CNN measured {FP16_CONV_SLOWDOWN}x slower than fp32); use bf16 on CPU."
+            notes.append(  # said of no model in particular: %amp has none in view
+                "fp16 on CPU: a model with convolutions trains slowly, their backward having no "
+                f"fast fp16 kernel (a small CNN measured {FP16_CONV_SLOWDOWN}x slower than fp32): "
+                "use bf16 for it."
             )
         emulated = self.emulated(dtype)
         if emulated:
