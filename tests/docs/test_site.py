@@ -265,3 +265,49 @@ def test_the_front_page_and_a_lesson_in_a_real_browser(site, tmp_path):
     assert errors == []
     for name in ("docs-front-page.png", "docs-lesson-01.png"):
         assert (browser_tests.ARTIFACTS / name).stat().st_size > 20_000, name
+
+
+def test_the_front_page_counts_the_lessons_there_are(site):
+    count = len(list((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+    number = _hook("lesson_count").NUMBERS[count]
+    assert f"The {number} lessons" in _text(site / "index.html")
+
+
+def test_every_in_page_link_of_a_lesson_lands_on_an_anchor(site):
+    """The table of contents slugs a heading without its inline code; the page gave the heading
+    an id with it (lesson 8's "Pitfall 1: `fp16=True` on a CPU"): six links landed nowhere."""
+    broken = {}
+    for page in sorted(site.glob("lessons/*/index.html")):
+        markup = page.read_text()
+        ids = set(re.findall(r'\bid="([^"]+)"', markup))
+        missing = sorted({a for a in re.findall(r'href="#([^"]+)"', markup) if a not in ids})
+        if missing:
+            broken[page.parent.name] = missing
+    assert broken == {}
+
+
+def test_lesson_outputs_and_code_scroll_rather_than_wrap_or_cut(site):
+    page = (site / "lessons/10_memory/index.html").read_text()
+    sheet = re.search(r'href="([^"]*css/lessons\.css)"', page)
+    assert sheet, "the lesson pages load the site's lesson style sheet"
+    rules = (site / "css/lessons.css").read_text()
+    assert "white-space: pre" in rules and "overflow-x: auto" in rules
+
+
+def test_the_sites_search_finds_a_name_inside_code(site):
+    """The search index splits text as its separator says: `trainer.keep_in_fp32(...)` must
+    give the token `keep_in_fp32` (the default splits only at spaces and dashes, so a search
+    found 3 of the pages that name it)."""
+    index = json.loads((site / "search/search_index.json").read_text())
+    separator = re.compile(index["config"]["separator"])
+    for name in ("keep_in_fp32", "max_batch_size"):
+        mentioning = [d for d in index["docs"] if name in _plain(d["text"])]
+        found = [d for d in mentioning if name in separator.split(_plain(d["text"]))]
+        assert len(mentioning) > 3 and len(found) == len(mentioning), (
+            name,
+            [d["location"] for d in mentioning if d not in found][:5],
+        )
+
+
+def _plain(text: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", " ", text))
