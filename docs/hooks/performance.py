@@ -21,14 +21,36 @@ MACHINE_KEYS = ("device", "torch", "machine", "cpus", "threads", "cpu")
 TITLE_KEYS = ("benchmark",)
 
 
+#: Keys whose figures are bytes: shown in KiB, MiB or GiB.
+BYTE_KEYS = ("budget", "bytes", "memory", "peak")
+
+
+def _bytes(value: float) -> str:
+    """``1073741824`` -> ``"1.0 GiB"``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _header(key: str) -> str:
+    """A JSON key in words: ``median_step_s_cache_on`` -> ``median step, cache on``: the unit
+    suffix ``_s`` goes (the cells say ms or s), underscores become spaces."""
+    words = key.replace("_s_", ", ").removesuffix("_s").replace("_", " ")
+    return words.replace(" over ", " / ")
+
+
 def _number(key: str, value: float) -> str:
-    """A figure as a reader wants it: times in ms or us, ratios as 1.023x, shares in percent."""
+    """A figure as a reader wants it: times in ms or us, bytes in KiB to GiB, ratios as 1.023x,
+    shares in percent."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
+    last = key.rsplit(".", 1)[-1]
+    if any(last == word or last.endswith("_" + word) for word in BYTE_KEYS):
+        return _bytes(value)
     if isinstance(value, int):
         return str(value)
-    last = key.rsplit(".", 1)[-1]
-    if last.endswith("_s") or "_s_" in last or last == "seconds":
+    if last.endswith(("_s", "seconds")) or "_s_" in last:
         if abs(value) >= 1:
             return f"{value:.2f} s"
         if abs(value) >= 1e-3:
@@ -72,11 +94,11 @@ def _tables(figures: dict) -> list[str]:
     for columns, members in groups.items():
         lines += [
             "",
-            "| | " + " | ".join(f"`{column}`" for column in columns) + " |",
+            "| | " + " | ".join(_header(column) for column in columns) + " |",
             "|---|" + "---|" * len(columns),
         ]
         for row, cells in members:
-            label = " / ".join(row) or "(the run)"
+            label = " / ".join(_header(part) for part in row) or "(the run)"
             lines.append(f"| {label} | " + " | ".join(cells[c] for c in columns) + " |")
     return lines
 

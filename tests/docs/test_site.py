@@ -311,3 +311,12 @@ def test_the_sites_search_finds_a_name_inside_code(site):
 
 def _plain(text: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", " ", text))
+
+
+def test_the_performance_page_reads_as_prose_units_not_json_keys(site):
+    """Headers in words (no snake_case), bytes in KiB/MiB/GiB, no raw byte counts."""
+    page = (site / "performance/index.html").read_text()
+    headers = re.findall(r"<th[^>]*>(.*?)</th>", page, flags=re.DOTALL)
+    assert headers and not [h for h in headers if "_" in h], [h for h in headers if "_" in h][:5]
+    text = _text(site / "performance/index.html")
+    assert "1.0 GiB" in text and "1073741824" not in text  # batch_size_answer's budget
