@@ -320,3 +320,11 @@ def test_the_performance_page_reads_as_prose_units_not_json_keys(site):
     assert headers and not [h for h in headers if "_" in h], [h for h in headers if "_" in h][:5]
     text = _text(site / "performance/index.html")
     assert "1.0 GiB" in text and "1073741824" not in text  # batch_size_answer's budget
+
+
+def test_the_fp8_guide_gives_each_idea_a_heading_and_an_example_with_its_output(site):
+    page = (site / "guide/fp8/index.html").read_text()
+    headings = re.findall(r"<h2[^>]*>(.*?)</h2>", page, flags=re.DOTALL)
+    assert len(headings) >= 5, headings
+    text = _text(site / "guide/fp8/index.html")
+    assert "converted: ['layers.3']" in text and "fp8:rowwise on cpu" in text
