@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import plotly.graph_objects as go
@@ -197,9 +198,15 @@ def event_x(event: dict) -> float:
 
 def event_text(event: dict) -> str:
     """One line for ``event``, its step said once: ``"from step 5: mode fp16 -> bf16"`` (a switch
-    acts from there), ``"step 1 skipped: ..."``, ``"step 18: loss scale collapsed ..."``."""
+    acts from there), ``"step 1 skipped: ..."``, ``"loss scale collapsed to 0.5 at step 18: ..."``.
+
+    >>> event_text({"kind": "collapse", "step": 18, "message": "loss scale collapsed at step 18"})
+    'loss scale collapsed at step 18'
+    >>> event_text({"kind": "zero_gradients", "step": 3, "message": "gradients all zero"})
+    'step 3: gradients all zero'
+    """
     message, step = event["message"], event["step"]
-    if message.startswith(f"step {step} ") or message.startswith(f"step {step}:"):
+    if re.search(rf"\bstep {step}\b", message):  # it says its step already
         return message
     return f"{'step' if event_x(event) == step else 'from step'} {step}: {message}"
 
