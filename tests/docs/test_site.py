@@ -328,3 +328,15 @@ def test_the_fp8_guide_gives_each_idea_a_heading_and_an_example_with_its_output(
     assert len(headings) >= 5, headings
     text = _text(site / "guide/fp8/index.html")
     assert "converted: ['layers.3']" in text and "fp8:rowwise on cpu" in text
+
+
+def test_the_performance_page_draws_the_committed_peer_results(site):
+    page = (site / "performance/index.html").read_text()
+    section = page[page.index('<h3 id="peers">') :]  # peers.json's; peers-cuda*.json come first
+    plots = re.findall(r'<figure class="mpnb-plot"><svg.*?</svg>', section, flags=re.DOTALL)
+    peers = json.loads((ROOT / "benchmarks/results/peers.json").read_text())["results"]
+    assert len(plots) >= len(peers)
+    bars = re.findall(r"<title>mpnb\.Trainer, batch (\d+): ([\d.]+)x</title>", plots[0])
+    first_mode = next(iter(peers.values()))
+    expected = [(b, f"{cells['mpnb.Trainer']['ratio']:.3f}") for b, cells in first_mode.items()]
+    assert bars == expected
