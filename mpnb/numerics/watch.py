@@ -166,7 +166,7 @@ class NumericsLog:
         )
         table = text_table(headers, rows)
         never = self.never_ran
-        if never:
+        if never and self.steps:  # before the first sampled step no module has run yet
             table += (
                 f"\nnot called as modules on a sampled step, so not measured: {', '.join(never)}"
             )

@@ -366,6 +366,9 @@ def test_a_remedy_clicked_late_brings_the_scale_back_and_the_loss_moves(jupyter_
             " return p && p.data[1].y && Array.from(p.data[1].y).some(v => v < 1); }",
             timeout=120_000,
         )
+        for plot in page.locator(".js-plotly-plot").all():  # the output's width, not 700 pixels
+            width, room = plot.evaluate("p => [p._fullLayout.width, p.parentElement.clientWidth]")
+            assert width >= room - 2, (width, room)
         for button in page.locator(".widget-button").all():  # no label cut ("Run encoder.la...")
             fits = button.evaluate("b => b.scrollWidth <= b.clientWidth")
             assert fits, button.inner_text()

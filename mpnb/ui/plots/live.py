@@ -7,7 +7,8 @@ buckets, so a redraw sends at most ``max_points`` points per trace: message size
 redraw time stay flat however long the run. The full history stays in the recorder. A switch made
 during the run (mode, fp32 math, op lists, a remedy), an alarm or a named origin is drawn as a
 vertical line with a marker whose hover text says it, and listed under the plots
-(:func:`~mpnb.ui.plots.figure.show_events`).
+(:func:`~mpnb.ui.plots.figure.show_events`). The figure takes the output's whole width
+(:func:`fill_output_width`).
 
 Example:
     >>> from mpnb.training.history import History
@@ -35,6 +36,24 @@ from mpnb.ui.plots.figure import (
 from mpnb.ui.plots.pacing import PacedPlot
 
 __all__: list[str] = []
+
+
+def fill_output_width(figure: go.FigureWidget) -> None:
+    """Size ``figure`` to the width of the output it is shown in, once the page has it.
+
+    plotly.js sizes a figure to its container when it first draws, but a FigureWidget's view
+    first draws before the page attaches it, so it falls back to 700 pixels (in a 968 pixel
+    output, measured in JupyterLab 4), and resizes itself only when the window does. Asking for
+    autosize again once the view is on the page makes plotly.js measure the container then.
+    Call it at a redraw (the view is on the page by then); it costs two small layout messages.
+    """
+    figure.layout.autosize = False
+    figure.layout.autosize = True
+
+
+#: The first redraws that size the figure to its output: the first may come before the page
+#: shows the figure (a fast fit), the next ones after.
+_SIZINGS = 3
 
 
 class LiveDashboard(PacedPlot):
@@ -67,6 +86,7 @@ class LiveDashboard(PacedPlot):
         self._seen = 0
         self._events_seen = 0
         self._events: list[dict] = []  # the marked ones
+        self._sized = 0  # the redraws that sized the figure to its output (see fill_output_width)
 
     def _ingest(self, history: History) -> None:
         for name, (xs, ys) in trace_points(history, self._seen).items():
@@ -82,6 +102,9 @@ class LiveDashboard(PacedPlot):
 
     def _draw(self) -> None:
         """Send every trace's decimated points in one message."""
+        if self._sized < _SIZINGS:
+            self._sized += 1
+            fill_output_width(self.figure)
         points = [series.points() for series in self._series.values()]
         self.figure.plotly_restyle(
             {"x": [x for x, _ in points], "y": [y for _, y in points]},

@@ -27,6 +27,7 @@ import plotly.graph_objects as go
 from mpnb.numerics.origin import ORIGIN_KIND
 from mpnb.training.history import History
 from mpnb.training.telemetry import Sink
+from mpnb.ui.plots.live import fill_output_width
 from mpnb.ui.plots.numerics_figure import OriginCell, numerics_heatmap
 
 __all__: list[str] = []
@@ -61,6 +62,7 @@ class NumericsView(Sink):
             self.figure.data = []
             self.figure.layout = drawn.layout
             self.figure.add_traces(list(drawn.data))
+        fill_output_width(self.figure)  # its layout was replaced: its width with it
         span = f"{log.steps[0]}-{log.steps[-1]}" if len(log.steps) > 1 else f"{log.steps[0]}"
         self.note.value = f"sampled steps {span}, {len(log.modules)} modules" + (
             f"; overflow began in {origin[0]} at step {origin[1]}" if origin else ""
