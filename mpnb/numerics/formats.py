@@ -107,13 +107,13 @@ def cast(name: str, tensor: torch.Tensor, role: str, dim: int, zeros: int | None
 def output(name: str, result: torch.Tensor) -> torch.Tensor:
     """A matmul's float32 result as format ``name`` returns it: fp16 and bf16 matmuls write
     their own dtype (an fp16 result past 65504 is inf); torchao's scaled matmuls write the
-    high precision they were given.
+    high precision they were given. ``result`` is rounded in place.
 
     >>> output("fp16", torch.tensor([7e4])).tolist(), output("fp8", torch.tensor([7e4])).tolist()
     ([inf], [70000.0])
     """
     dtype = DTYPE_FORMATS.get(check_format(name))
-    return result if dtype is None else result.to(dtype).float()
+    return result if dtype is None else result.copy_(result.to(dtype))
 
 
 def _rounding_limit(
@@ -200,7 +200,7 @@ def _float8_recipe(recipe: str) -> _ScaledCast:
         # the scale maps each amax to the largest value: a pass only where rounding passed it
         past = bool((amax * multiplier >= limit).any())
         overflow = _count_past(scaled.abs(), limit) if past else 0
-        values = to_fp8_saturated(scaled, dtype).float() / multiplier
+        values = to_fp8_saturated(scaled, dtype).float().div_(multiplier)
         return values, overflow, _scale_range(1 / multiplier, amax)
 
     return cast_float8
@@ -218,14 +218,16 @@ def _blocked(
     def cast_blocked(tensor: torch.Tensor, role: str, dim: int) -> tuple:
         rows = tensor if dim == 1 else tensor.t()
         length = rows.shape[1]
-        padded = F.pad(rows, (0, -length % block)).contiguous()
+        padding = -length % block
+        padded = (F.pad(rows, (0, padding)) if padding else rows).contiguous()
         values, scales, limit = quantize(padded)
-        magnitude = padded.abs().reshape(len(padded), -1, block)
-        scales = scales.float().reshape(magnitude.shape[:2])
-        amax = magnitude.amax(-1)
+        blocks = padded.reshape(len(padded), -1, block)
+        scales = scales.float().reshape(blocks.shape[:2])
+        low, high = torch.aminmax(blocks, dim=-1)
+        amax = torch.maximum(-low, high)
         past = bool((amax >= limit * scales).any())  # a block's largest first: most pass none
-        overflow = _count_past(magnitude, limit * scales.unsqueeze(-1)) if past else 0
-        values = values[:, :length]
+        overflow = _count_past(blocks.abs(), limit * scales.unsqueeze(-1)) if past else 0
+        values = values[:, :length] if padding else values
         scale_range = _scale_range(scales, amax)
         return (values if dim == 1 else values.t()), overflow, scale_range
 

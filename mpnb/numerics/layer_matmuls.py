@@ -166,7 +166,7 @@ class LayerMatmuls:
             "layer": layer,
             "matmul": matmul,
             "format": format_name,
-            "rel_error": relative_error(product, reference, self._norm(reference)),
+            "rel_error": relative_error(product, reference, self._norm(reference), in_place=True),
             "overflow": sum(o.overflow for o in operands) / sum(o.elements for o in operands),
             "underflow": sum(o.flushed for o in operands)
             / max(1, sum(o.nonzero for o in operands)),
@@ -234,16 +234,23 @@ def _convolution_products(
 
 
 def relative_error(
-    value: torch.Tensor, reference: torch.Tensor, reference_norm: float | None = None
+    value: torch.Tensor,
+    reference: torch.Tensor,
+    reference_norm: float | None = None,
+    *,
+    in_place: bool = False,
 ) -> float:
     """``||value - reference|| / ||reference||`` (Frobenius); inf when ``value`` is not all
-    finite, 0 when both are zero. ``reference_norm``: ``||reference||``, when known.
+    finite, 0 when both are zero. ``reference_norm``: ``||reference||``, when known;
+    ``in_place``: ``value`` may be overwritten with the difference (a product no one reads
+    again: one tensor fewer to allocate).
 
     >>> round(relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])), 6)
     0.707107
     """
-    difference = float((value - reference).norm())
-    if not math.isfinite(difference):
+    difference = value.sub_(reference) if in_place else value - reference
+    error = float(difference.norm())
+    if not math.isfinite(error):
         return math.inf
     scale = float(reference.norm()) if reference_norm is None else reference_norm
-    return difference / scale if scale else (0.0 if difference == 0 else math.inf)
+    return error / scale if scale else (0.0 if error == 0 else math.inf)

@@ -224,8 +224,8 @@ def test_gpt2_with_planted_outlier_features_finds_the_planted_layers():
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     result = whatif(model, {"input_ids": ids, "labels": ids})
     assert "transformer.h.0.attn.c_attn" in result.layers and "lm_head" in result.layers
-    assert result.recommend("fp16") == list(planted)
-    assert result.recommend("fp8") == list(planted)
+    for format in ("fp16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4"):
+        assert result.recommend(format) == list(planted), format
     assert result.recommend("bf16") == []
 
 
