@@ -29,6 +29,7 @@ import json
 import math
 import numbers
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -95,12 +96,15 @@ def record_csv(record: Mapping[str, Any]) -> str:
 
     A spreadsheet splits the first line at its commas too, so a comma inside its JSON strings is
     written ``\\u002c``: every piece then starts at the JSON's own ``, `` and none can be a
-    formula (an event message ``"a,=cmd|..."`` would otherwise start a cell with ``=``).
+    formula (an event message ``"a,=cmd|..."`` would otherwise start a cell with ``=``). A piece
+    may start with a JSON string (an item of a list in the meta, a key), which a spreadsheet that
+    trims the space reads as a quoted cell: a string's first character that starts a formula is
+    written as its ``\\u`` escape (``"=SUM(2;3)"`` as ``"\\u003dSUM(2;3)"``).
     """
     header = json.dumps(
         {"version": record["version"], "meta": record["meta"], "events": record["events"]}
     )
-    header = _JSON_STRING.sub(lambda string: string[0].replace(",", "\\u002c"), header)
+    header = _JSON_STRING.sub(_inert_json_string, header)
     columns = record["columns"]
     buffer = io.StringIO()
     buffer.write(CSV_HEADER_PREFIX + header + "\n" + ",".join(columns) + "\n")
@@ -108,6 +112,20 @@ def record_csv(record: Mapping[str, Any]) -> str:
     writer = csv.writer(buffer, lineterminator="\n", quoting=csv.QUOTE_NONNUMERIC)
     writer.writerows(map(csv_cell, row) for row in zip(*columns.values()))
     return buffer.getvalue()
+
+
+def _inert_json_string(string: re.Match[str]) -> str:
+    """A JSON string token that no spreadsheet cell made from it runs: no comma, and a first
+    character that would start a formula escaped (JSON reads both back as they were)."""
+    text = string[0].replace(",", "\\u002c")
+    if text[1:2] in _FORMULA_CHARACTERS:
+        text = f'"\\u{ord(text[1]):04x}{text[2:]}'
+    return text
+
+
+#: The characters that start a formula and that json.dumps writes as themselves (a tab or a
+#: carriage return it already writes as an escape).
+_FORMULA_CHARACTERS = frozenset("=+-@")
 
 
 def _json_safe(value: Any) -> Any:
@@ -186,7 +204,7 @@ def _column_names(row: list[str] | None, where: str) -> list[str]:
     unknown = sorted(set(row) - set(COLUMNS))
     if unknown:
         raise ValueError(f"{where}: unknown columns {_shown(unknown)}; valid: {', '.join(COLUMNS)}")
-    repeated = sorted({column for column in row if row.count(column) > 1})
+    repeated = sorted(column for column, count in Counter(row).items() if count > 1)
     if repeated:
         raise ValueError(f"{where}: columns named twice: {_shown(repeated)}")
     return row

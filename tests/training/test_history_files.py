@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -294,3 +295,30 @@ def test_a_csv_that_cannot_be_written_leaves_the_old_file_whole(tmp_path):
     with pytest.raises(UnicodeEncodeError):
         broken.to_csv(tmp_path / "run.csv")
     assert (tmp_path / "run.csv").read_bytes() == before and files_in(tmp_path) == ["run.csv"]
+
+
+def test_strings_in_meta_lists_and_keys_never_start_a_formula_on_line_1(tmp_path):
+    """A spreadsheet splits line 1 at its commas and, trimming the space after one, reads a piece
+    that starts with a quote as a quoted cell: ``, "=SUM(2;3)"`` must not become ``=SUM(2;3)``."""
+    hostile = ["=SUM(2;3)", '=HYPERLINK("http://evil.example";"click")', "+1+1", "-2+3", "@A1"]
+    history = History(meta={"tags": hostile, "nested": [{"=key": hostile}], "-k": "@v"})
+    history.extend({"step": [1], "loss": [0.5]})
+    history.note("=cmd", kind="switch")
+    history.to_csv(tmp_path / "run.csv")
+    first = (tmp_path / "run.csv").read_text(encoding="utf-8").splitlines()[0]
+    cells = next(csv.reader([first], skipinitialspace=True))
+    assert [cell for cell in cells if cell.startswith(FORMULA_STARTS)] == [], cells
+    assert History.load(tmp_path / "run.csv").meta == history.meta
+
+
+def test_a_header_of_many_repeated_column_names_is_refused_in_linear_time(tmp_path):
+    history = History()
+    history.extend({"step": [1], "loss": [0.5]})
+    history.to_csv(tmp_path / "run.csv")
+    first = (tmp_path / "run.csv").read_text(encoding="utf-8").splitlines()[0]
+    repeated = ",".join(["step"] * 40_000)
+    (tmp_path / "hostile.csv").write_text(f"{first}\n{repeated}\n{repeated}\n", encoding="utf-8")
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="line 2: columns named twice: \\['step'\\]"):
+        History.load(tmp_path / "hostile.csv")
+    assert time.perf_counter() - started < 0.5  # 10 s when each name was counted in the whole row
