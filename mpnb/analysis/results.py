@@ -344,9 +344,11 @@ class Comparison:
             if verdict in (NO_EFFECT, EMULATED, "no clear difference"):
                 speedup = "-" if verdict in (NO_EFFECT, EMULATED) else _interval_text(row)
                 explained = "no clear difference from fp32 (its interval holds 1.00x)"
-                notes.setdefault(
-                    explained if verdict == "no clear difference" else verdict, []
-                ).append(row["mode"])
+                said = verdict == EMULATED and any("emulated" in n for n in result.notes)
+                if not said:  # the mode's own note says it is emulated, and why
+                    notes.setdefault(
+                        explained if verdict == "no clear difference" else verdict, []
+                    ).append(row["mode"])
                 cells = [*cells[:3], speedup, *cells[4:]]
             table.append(cells[:-1])
             for note in result.notes:

@@ -195,6 +195,7 @@ def _noisy_result(mode, seconds, notes=()):
 
 def test_the_terminal_table_fits_120_columns_and_says_a_shared_note_once(tmp_path):
     from mpnb.analysis.results import Comparison, ModeResult
+    from mpnb.precision.modes.base import EMULATED
 
     slow = "fp16 convolutions on a CPU run slowly: measured 3.1x bf16's step here"
     comparison = Comparison(
@@ -213,6 +214,13 @@ def test_the_terminal_table_fits_120_columns_and_says_a_shared_note_once(tmp_pat
     assert max(len(line) for line in text.splitlines()) <= 120, text
     assert text.count("other load on the machine") == 1, text  # said once, under the table
     assert text.count(slow) == 1 and "torchao is not installed" in text, text
+    emulated = Comparison(
+        [_noisy_result("fp32", 0.02), _noisy_result("fp8", 0.05, ["fp8 is emulated here"])],
+        steps=12,
+        warmup=0,
+    )
+    emulated.results[1].verdict = EMULATED  # as the fp8 mode gives it on a CPU
+    assert str(emulated).count("emulated") == 1, str(emulated)
     # HTML, CSV and JSON keep every column and every row's own notes
     page = comparison._repr_html_()
     assert page.count("other load on the machine") == 4 and "peak memory of the run" in page
