@@ -340,3 +340,15 @@ def test_the_performance_page_draws_the_committed_peer_results(site):
     first_mode = next(iter(peers.values()))
     expected = [(b, f"{cells['mpnb.Trainer']['ratio']:.3f}") for b, cells in first_mode.items()]
     assert bars == expected
+
+
+def test_the_lessons_page_shows_each_notebook_on_binders_machine(site):
+    """Every lesson and the precision lab, measured on one core with 2 GB
+    (benchmarks/binder_lessons.py): each row of the committed results, and each fits."""
+    figures = json.loads((ROOT / "benchmarks/results/binder_lessons.json").read_text())
+    names = [p.name for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))]
+    assert set(names) | {"precision_lab.ipynb"} <= set(figures["notebooks"])
+    text = _text(site / "lessons/index.html")
+    for name, row in figures["notebooks"].items():
+        assert f"{name} {row['seconds']:.0f} s" in text, name
+    assert all(row["fits"] for row in figures["notebooks"].values()), figures["notebooks"]
