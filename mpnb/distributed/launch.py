@@ -102,10 +102,10 @@ class Launched:
 
 @dataclasses.dataclass(frozen=True)
 class _Link:
-    """What a worker needs to reach the launching process: the channel's address and secret, whether
+    """What a worker needs to reach the launching process: the channel's socket and secret, whether
     to stream rows, and whether the launch is on this machine alone (its sockets then stay on loopback)."""
 
-    address: tuple[str, int]
+    address: str
     secret: bytes = dataclasses.field(repr=False)
     stream: bool
     local: bool
@@ -222,18 +222,24 @@ def launch(
     local = nnodes == 1
     run_id = f"mpnb-{uuid.uuid4().hex[:8]}" if local else "mpnb"
     payload = cloudpickle.dumps((fn, args))
-    channel_secret = new_secret()
-    channel = LauncherChannel(
-        channel_secret, ranks=range(node_rank * nproc, (node_rank + 1) * nproc)
-    )
-    link = _Link(channel.address, channel_secret, stream=dashboard is not None, local=local)
     control = control or FitControl()
     view = _ranks_view(
         dashboard, f"{getattr(fn, '__name__', 'launch')} on {nproc * nnodes} ranks", control
     )
-    supervisor = Supervisor(channel, view, control)
-    # error files and stacks, removed after
-    with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs:
+    channel_secret = new_secret()
+    # the channel's socket, error files and stacks: a private folder (0700), removed after
+    with (
+        tempfile.TemporaryDirectory(prefix="mpnb-launch-") as logs,
+        contextlib.closing(
+            LauncherChannel(
+                channel_secret,
+                ranks=range(node_rank * nproc, (node_rank + 1) * nproc),
+                folder=logs,
+            )
+        ) as channel,
+    ):
+        link = _Link(channel.address, channel_secret, stream=dashboard is not None, local=local)
+        supervisor = Supervisor(channel, view, control)
         config = _launch_config(
             nproc=nproc,
             nnodes=nnodes,

@@ -1,5 +1,6 @@
 """A launch on a shared machine: another local process, knowing no secret, runs no code in it,
-forges no rows, stops nothing; nothing listens beyond loopback (2 gloo processes)."""
+forges no rows, stops nothing; the launching process listens on no TCP port, and the workers'
+sockets stay on loopback (2 gloo processes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import pickle
 import shutil
 import socket
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -21,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mpnb.distributed import LaunchError, RankRows, RanksView, launch
-from mpnb.distributed.channel import LauncherChannel, WorkerChannel
+from mpnb.distributed.channel import MAX_FRAME_BYTES, LauncherChannel, WorkerChannel, frame
 from mpnb.distributed.rows_message import MAX_MESSAGE_BYTES, Refused, RowsMessage, decode, encode
 from mpnb.distributed.signing import Signer, new_secret
 from mpnb.distributed.supervise import Supervisor
@@ -145,8 +148,7 @@ def test_a_local_attacker_runs_no_code_forges_no_rows_and_stops_nothing():
     listeners = Listeners()
     view = Final()
     try:
-        with pytest.warns(RuntimeWarning, match="dropped a message on its telemetry channel"):
-            launched = launch(train_rank, steps, nproc=2, dashboard=view, timeout=180)
+        launched = launch(train_rank, steps, nproc=2, dashboard=view, timeout=180)
     finally:
         seen = listeners.stop()
         report = attacker.finish()
@@ -155,22 +157,19 @@ def test_a_local_attacker_runs_no_code_forges_no_rows_and_stops_nothing():
         (steps, False),
         (steps, False),
     ]  # every rank ran every step, none was stopped
-    for rank, streamed in view.streamed.items():  # the attacker may have taken some rows
-        assert only_real_rows(streamed, launched.histories[rank][0].loss)
+    for rank, streamed in view.streamed.items():  # no row lost or made up on the way
+        assert streamed == launched.histories[rank][0].loss
     assert view.final.ranks == [0, 1]
-    for rank in (0, 1):  # the last look holds every row the rank returned, the stolen ones too
+    for rank in (0, 1):
         assert view.final.histories[rank][0].loss == launched.histories[rank][0].loss
     assert seen and all(ip == "127.0.0.1" for _, ip, _ in seen), (
         f"listening beyond loopback: {sorted(seen)}"
     )
-    launcher_ports = {port for who, _, port in seen if who == "launcher"}
-    assert (
-        len(launcher_ports) == 1
-    )  # mpnb's channel; torch's rendezvous and the workers' store have no socket
-    assert launcher_ports <= {int(port) for port in report["stores"]}, (
-        report
-    )  # and the attacker reached it
-    assert report["pushed"] > 0 and report["stops"] > 0
+    # mpnb's channel is a Unix-domain socket in the launch's private folder; torch's rendezvous
+    # and the workers' store have no socket: the launching process listens on no TCP port at all
+    assert not {port for who, _, port in seen if who == "launcher"}
+    assert report["listeners"], "the attacker found no port to attack"  # the workers' gloo ports
+    assert report["pushed"] == 0 and report["stops"] == 0, report  # none of them is a store
 
 
 def dies_without_a_word() -> None:
@@ -210,7 +209,8 @@ def free_port() -> int:
 
 def test_two_nodes_drop_rows_that_lack_the_secret(tmp_path):
     """Two launch calls on this machine form one two-node launch (a loopback endpoint); the
-    attacker pushes unsigned rows and stop keys into every store it finds."""
+    attacker pushes unsigned rows and stop keys into every store it finds (torch's rendezvous
+    store: mpnb's channel is no store)."""
     steps, endpoint = 30, f"127.0.0.1:{free_port()}"
     environment = child_environment(MPNB_LAUNCH_SECRET=new_secret().hex())
     attacker = Attacker("--rows-only")
@@ -240,9 +240,8 @@ def test_two_nodes_drop_rows_that_lack_the_secret(tmp_path):
             node = json.load(file)
         assert node["results"] == [[steps, False]]  # each launch returns its own node's rank
         assert node["streamed_ranks"] == [rank] and node["streamed_losses"] == node["losses"]
-        assert any(
-            "dropped a message on its telemetry channel" in text for text in node["warnings"]
-        ), node
+        # each node's channel is a socket in its launch's private folder: nothing reached it
+        assert not any("dropped a message" in text for text in node["warnings"]), node
 
 
 def test_a_node_given_another_secret_is_refused_at_the_rendezvous(tmp_path):
@@ -296,10 +295,20 @@ def test_a_rendezvous_state_written_without_the_secret_is_refused_unread(tmp_pat
 
 
 @pytest.fixture
-def channel():
+def channel(tmp_path):
     secret = new_secret()
-    launcher = LauncherChannel(secret, ranks=range(2, 4))
-    return launcher, WorkerChannel(launcher.address, secret, rank=2), secret
+    folder = tmp_path / "launch"
+    folder.mkdir(mode=0o700)
+    launcher = LauncherChannel(secret, ranks=range(2, 4), folder=str(folder))
+    yield launcher, WorkerChannel(launcher.address, secret, rank=2), secret
+    launcher.close()
+
+
+def raw_connection(launcher: LauncherChannel) -> socket.socket:
+    """A connection of the launch's own user, writing whatever it likes."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(launcher.address)
+    return connection
 
 
 def test_rows_signed_with_the_launch_secret_arrive_in_order(channel):
@@ -342,33 +351,64 @@ def test_a_message_that_fails_a_check_is_refused_with_its_reason(reason):
         decode(Signer(secret), hostile_messages(secret)[reason], ranks=range(2, 4))
 
 
+def sent_while_read(launcher: LauncherChannel, messages: list[bytes]) -> list:
+    """``messages`` sent by another connection of the launch's user, from a thread (the socket's
+    buffer holds less than they take), while this one reads the channel; what arrived."""
+    connection = raw_connection(launcher)
+
+    def send() -> None:
+        with contextlib.suppress(OSError):  # an oversized message ends the connection
+            for message in messages:
+                connection.sendall(frame(message))
+        connection.close()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    arrived = []
+    while sender.is_alive():
+        arrived += launcher.received()
+        time.sleep(0.01)
+    sender.join()
+    return arrived + launcher.received()
+
+
 def test_refused_and_replayed_messages_are_dropped_counted_and_said_once(channel):
     launcher, worker, secret = channel
     worker.send(0, {"step": [1], "loss": [0.5]})
-    replay = launcher.store.queue_pop("mpnb/rows", block=False)
-    launcher.store.queue_push("mpnb/rows", replay)
-    launcher.store.queue_push("mpnb/rows", replay)  # the same signed batch again: a replay
-    for message in hostile_messages(secret).values():
-        launcher.store.queue_push("mpnb/rows", message)
+    replay = encode(Signer(secret), RowsMessage(2, 0, 0, {"step": [1], "loss": [0.5]}))
+    hostile = hostile_messages(secret)
+    oversized = hostile.pop("more than the")  # last: it ends its connection
     with pytest.warns(RuntimeWarning, match="dropped a message") as said:
-        arrived = launcher.received()
+        # a replay: batch 0 again, twice
+        arrived = sent_while_read(launcher, [replay, replay, *hostile.values(), oversized])
     assert [rows["loss"] for _, _, rows in arrived] == [[0.5]]
-    assert sum(launcher.refused.values()) == 1 + len(hostile_messages(secret))
+    assert sum(launcher.refused.values()) == 3 + len(hostile)
     assert len(said) == 1
 
 
-def test_the_views_last_look_holds_the_rows_another_process_took_off_the_queue(channel):
+def test_a_message_longer_than_a_frame_ends_its_connection_unread(channel):
     launcher, worker, _ = channel
-    worker.send(0, {"step": [1], "loss": [0.9]})
-    thief = dist.TCPStore("127.0.0.1", launcher.address[1], is_master=False)
-    assert thief.queue_pop(
-        "mpnb/rows", block=False
-    )  # step 1's rows, gone before the launcher looks
+    with raw_connection(launcher) as connection:
+        connection.sendall(struct.pack(">I", MAX_FRAME_BYTES + 1) + b"\0" * 1024)
+        with pytest.warns(RuntimeWarning, match="a message of more than 4194336 bytes"):
+            launcher.received()
+        with pytest.raises(OSError):  # cut off: what it writes next goes nowhere
+            for _ in range(64):
+                connection.sendall(b"\0" * (1 << 20))
+    worker.send(0, {"step": [1], "loss": [0.5]})  # the workers' own connections go on
+    assert [rows["step"] for _, _, rows in launcher.received()] == [[1]]
+
+
+def test_the_views_last_look_holds_the_rows_that_never_arrived(channel):
+    launcher, worker, secret = channel
     whole = History()
     whole.extend({"step": [1, 2], "loss": [0.9, 0.7]})
 
     def ranks_train() -> dict[int, list[History]]:
-        worker.send(0, {"step": [2], "loss": [0.7]})
+        signer = Signer(secret)  # step 1's batch is lost on the way: batch 1 arrives alone
+        with raw_connection(launcher) as connection:
+            rows = {"step": [2], "loss": [0.7]}
+            connection.sendall(frame(encode(signer, RowsMessage(2, 0, 1, rows))))
         return {2: [whole]}  # what rank 2 returned when it ended
 
     view = Final()
@@ -378,22 +418,30 @@ def test_the_views_last_look_holds_the_rows_another_process_took_off_the_queue(c
     assert view.final.ranks == [2] and view.final.latest()[2].loss == [0.9, 0.7]
 
 
-def test_a_stop_key_written_without_the_secret_is_ignored(channel):
-    launcher, worker, _ = channel
-    launcher.store.set("mpnb/stop", b"1")
+def test_a_stop_reaches_a_worker_only_when_the_launch_asks_even_one_that_connects_later(channel):
+    launcher, worker, secret = channel
+    launcher.received()
     assert not worker.stop_asked()
     launcher.ask_stop()
     assert worker.stop_asked()
+    later = WorkerChannel(launcher.address, secret, rank=3)
+    launcher.ask_stop()  # the launch's next look
+    assert later.stop_asked()
 
 
-def test_the_channel_listens_on_loopback_only(channel):
-    launcher, _, _ = channel
+def test_the_channel_is_a_socket_only_its_user_reaches_and_opens_no_tcp_port(channel, tmp_path):
+    launcher, _, secret = channel
+    assert launcher.address == str(tmp_path / "launch" / "channel.sock")
+    assert stat.S_ISSOCK(os.stat(launcher.address).st_mode)
+    assert stat.S_IMODE(os.stat(tmp_path / "launch").st_mode) == 0o700
     listening = [
-        c.laddr
-        for c in psutil.Process().net_connections(kind="inet")
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == launcher.address[1]
+        c for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
     ]
-    assert [address.ip for address in listening] == ["127.0.0.1"]
+    assert listening == []
+    open_folder = tmp_path / "open"
+    open_folder.mkdir(mode=0o755)
+    with pytest.raises(PermissionError, match="open to other users"):
+        LauncherChannel(secret, ranks=range(2), folder=str(open_folder))
 
 
 def test_several_machines_need_a_shared_secret_and_it_must_be_long_enough(monkeypatch):
