@@ -54,6 +54,8 @@ _STOP_WORDS = b"mpnb: stop every rank"
 STOP_POLL_S = 0.25
 #: The most messages one look at the channel takes (the workers send one a flush each).
 MAX_MESSAGES_PER_LOOK = 10_000
+#: Seconds a worker's send waits for the launching process to read before it gives up.
+SEND_TIMEOUT_S = 30.0
 #: The most connections the launching process keeps open (its workers connect once each).
 MAX_CONNECTIONS = 256
 #: The longest message a frame may carry: a rows message and its tag.
@@ -266,12 +268,23 @@ class LauncherChannel:
 
 
 class WorkerChannel:
-    """A worker's end: sends its rows, says whether the launch asked to stop."""
+    """A worker's end: sends its rows, says whether the launch asked to stop.
 
-    def __init__(self, address: str, secret: bytes, rank: int) -> None:
+    Args:
+        address: the launch's socket (:attr:`LauncherChannel.address`).
+        secret: the launch's secret.
+        rank: this worker's global rank.
+        send_timeout_s: how long a send may wait for the launch to read before it fails with
+            ``TimeoutError`` (the socket's buffer holds some 200 kB: many flushes).
+    """
+
+    def __init__(
+        self, address: str, secret: bytes, rank: int, send_timeout_s: float = SEND_TIMEOUT_S
+    ) -> None:
         self.rank = rank
+        self._timeout = send_timeout_s
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._socket.settimeout(60)
+        self._socket.settimeout(send_timeout_s)
         self._socket.connect(address)
         self._signer = Signer(secret)
         self._seq: Counter[int] = Counter()
@@ -292,7 +305,7 @@ class WorkerChannel:
                 messages, _ = self._arrived.read(MAX_MESSAGES_PER_LOOK)
             finally:
                 if self._arrived.open:
-                    self._socket.settimeout(60)
+                    self._socket.settimeout(self._timeout)
             self._stopped = any(self._signer.open(data) == _STOP_WORDS for data in messages)
         return self._stopped
 
@@ -320,10 +333,13 @@ class RankStream(Sink):
     def update(self, history: History) -> None:
         end = len(history)
         if self.send_rows and end > self._sent:
-            self.channel.send(
-                self.index,
-                {name: values[self._sent : end] for name, values in history.columns.items()},
-            )
+            try:
+                self.channel.send(
+                    self.index,
+                    {name: values[self._sent : end] for name, values in history.columns.items()},
+                )
+            except OSError:  # the launch reads no more (its view failed, or it ends): train on
+                self.send_rows = False  # the view ends showing the histories the ranks return
             self._sent = end
 
     def close(self, history: History) -> None:

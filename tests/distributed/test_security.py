@@ -24,11 +24,18 @@ import torch.distributed as dist
 from torch import nn
 
 from mpnb.distributed import LaunchError, RankRows, RanksView, launch
-from mpnb.distributed.channel import MAX_FRAME_BYTES, LauncherChannel, WorkerChannel, frame
+from mpnb.distributed.channel import (
+    MAX_FRAME_BYTES,
+    LauncherChannel,
+    RankStream,
+    WorkerChannel,
+    frame,
+)
 from mpnb.distributed.rows_message import MAX_MESSAGE_BYTES, Refused, RowsMessage, decode, encode
 from mpnb.distributed.signing import Signer, new_secret
 from mpnb.distributed.supervise import Supervisor
 from mpnb.errors import MpnbError
+from mpnb.training.control import FitControl
 from mpnb.training.history import History
 from tests.child_process import child_environment
 
@@ -427,6 +434,19 @@ def test_a_stop_reaches_a_worker_only_when_the_launch_asks_even_one_that_connect
     later = WorkerChannel(launcher.address, secret, rank=3)
     launcher.ask_stop()  # the launch's next look
     assert later.stop_asked()
+
+
+def test_a_worker_whose_launch_reads_no_more_trains_on_without_streaming(channel):
+    launcher, _, secret = channel
+    worker = WorkerChannel(launcher.address, secret, rank=2, send_timeout_s=0.2)
+    history = History()
+    stream = RankStream(worker, 0, history, FitControl())
+    for step in range(1, 2001):  # the launcher never reads: its socket's buffer fills
+        history.extend({"step": [step], "loss": [0.5], "mode": ["x" * 1000]})
+        stream.update(history)
+        if not stream.send_rows:
+            break
+    assert not stream.send_rows and step < 2000  # gave up streaming, raised nothing
 
 
 def test_the_channel_is_a_socket_only_its_user_reaches_and_opens_no_tcp_port(channel, tmp_path):
