@@ -176,8 +176,8 @@ def test_every_bad_value_is_one_line_naming_it_and_its_range_with_nothing_create
         (["compare", "--seed", str(2**64)], [str(2**64), "0 to 18446744073709551615"]),
         (["train", "--steps", "2.5"], ["'2.5'", "a positive whole number"]),
         (["train", "--lr", "inf"], ["inf", "a positive number"]),
-        (["train", "--out", "a/../b", "--mode", "fp4"], ["'fp4'", "valid: off, fp32"]),
-        (["compare", "--out", "c/../d", "--modes", "fp4"], ["'fp4'", "valid:"]),
+        (["train", "--out", "a/../b", "--mode", "fp5"], ["'fp5'", "valid: off, fp32"]),
+        (["compare", "--out", "c/../d", "--modes", "fp5"], ["'fp5'", "valid:"]),
     ]
     for args, said in cases:
         result = mpnb(*args, cwd=tmp_path)
