@@ -16,11 +16,11 @@ from mpnb.numerics.whatif import THRESHOLDS, WhatIf, whatif
 
 pytest.importorskip("torchao")
 
-from torchao.float8.config import ScalingGranularity  # noqa: E402
-from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
-from torchao.float8.float8_training_tensor import LinearMMConfig  # noqa: E402
-from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
-from torchao.prototype.mx_formats.nvfp4_tensor import (  # noqa: E402
+from torchao.float8.config import ScalingGranularity
+from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+from torchao.float8.float8_training_tensor import LinearMMConfig
+from torchao.prototype.mx_formats.mx_tensor import MXTensor
+from torchao.prototype.mx_formats.nvfp4_tensor import (
     NVFP4Tensor,
     per_tensor_amax_to_scale,
 )

@@ -365,7 +365,7 @@ def panel(trainer: object | None = None) -> ControlPanel:
 
     Example (outside a notebook, showing it prints the widgets' text form):
         >>> shown = panel()
-        VBox(children=(ToggleButtons(description='mode', ...
+        VBox(children=(HBox(children=(ToggleButtons(description='mode', ...
         >>> shown
         <mpnb.ControlPanel mode=off device=...>
         >>> shown.close()
