@@ -94,6 +94,18 @@ def _foreign_metadata(trainer, directory: str, marker: str) -> None:
     dist.barrier()
 
 
+def _build_on_pathlib(trainer, directory: str, marker: str) -> None:
+    """Metadata that names only an admitted class, sets ``_str`` on it with BUILD, then is refused."""
+    if dist.get_rank() == 0:
+        state = pickle.dumps((None, {"_str": marker}), protocol=2)[2:-1]  # without PROTO, STOP
+        module, name = SYSTEM.split(".")
+        refused = f"c{module}\n{name}\n".encode()
+        hostile = b"\x80\x02cpathlib\nPosixPath\n" + state + b"b0" + refused + b"."
+        with open(os.path.join(directory, ".metadata"), "wb") as file:
+            file.write(hostile)
+    dist.barrier()
+
+
 def _plant_in_shards(trainer, directory: str, marker: str) -> None:
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -122,6 +134,7 @@ def planted_checkpoints_rank(root: str) -> dict[str, str]:
         ("shards", _plant_in_shards),
         ("run file", _plant_in_run_file),
         ("foreign metadata", _foreign_metadata),
+        ("pathlib build", _build_on_pathlib),
     ):
         directory = os.path.join(root, place.replace(" ", "-"))
         trainer.save(directory)
@@ -131,6 +144,7 @@ def planted_checkpoints_rank(root: str) -> dict[str, str]:
             os.path.join(root, f"marker-{place.replace(' ', '-')}-rank{dist.get_rank()}"),
         )
         messages[place] = _attempt_load(directory)
+    messages["a path afterwards"] = str(pathlib.Path("mine.csv"))
     return messages
 
 
@@ -201,3 +215,9 @@ def test_a_checkpoint_of_plain_data_in_the_wrong_shape_is_an_mpnb_error_and_chan
     assert all(
         torch.equal(before[name], tensor) for name, tensor in trainer.model.state_dict().items()
     )
+
+
+def test_a_refused_metadata_leaves_every_path_of_the_process_as_it_was(planted):
+    for messages in planted[1]:
+        assert "refused: pickle's BUILD on type" in messages["pathlib build"], messages
+        assert messages["a path afterwards"] == "mine.csv"
