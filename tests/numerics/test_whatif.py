@@ -147,6 +147,20 @@ def test_fp16_overflows_at_the_planted_layer_only_and_the_advice_keeps_it(plante
         assert planted.recommend(format) == ["5"], format
 
 
+def test_the_advice_goes_straight_into_a_modes_keep(planted):
+    model = _planted()
+    trainer = mpnb.Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.functional.cross_entropy,
+        mode="fp8",
+        keep=planted.recommend("fp8"),
+        device="cpu",
+        dashboard=None,
+    )
+    assert trainer.amp.precision.mode.keep == ("5",)
+
+
 def test_nvfp4_is_worse_than_mxfp8_everywhere(planted):
     error = {(r["layer"], r["matmul"], r["format"]): r["rel_error"] for r in planted.rows}
     for layer in planted.layers:
