@@ -32,11 +32,13 @@ Example (both ends in one process):
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import struct
 import tempfile
 import time
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -168,6 +170,8 @@ class LauncherChannel:
         os.chmod(self.address, 0o600)
         self._listener.listen(MAX_CONNECTIONS)
         self._listener.setblocking(False)
+        if self._made is not None:  # a folder of its own: gone with the channel, closed or not
+            weakref.finalize(self, shutil.rmtree, self._made, True)
         self._connections: list[_Frames] = []
         self._stop: bytes | None = None
 
