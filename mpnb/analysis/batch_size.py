@@ -12,8 +12,7 @@ through the two largest real steps, and the search climbs while that line moves 
 batches, as if it did. A real step that would take longer than
 ``trial_seconds`` (5 s by default: a transformer at a few thousand samples on a CPU) is not
 run, and the report says the answer is the account's. Its time is foreseen in proportion to the
-largest real step's own time (the training, not the building of the run): an upper bound, as
-the step's fixed costs are counted as if they grew too. So the default search takes seconds:
+largest real step's own time (as its history timed it, not the building of the run). So the default search takes seconds:
 a doubling of real steps, then a search of the accounts, as Lightning's batch-size finder
 doubles and then bisects, with a real step only where it is cheap.
 
@@ -102,8 +101,8 @@ class Trial:
         peak: bytes at the step's peak: the account's (with the measured extra) for an
             ``"account"`` trial, torch's allocator for a ``"step"`` (a real one).
         seconds: how long it took (a real step: building its run included).
-        step_seconds: a real step's training alone (its warm-up sample and the batch); NaN
-            for an account.
+        step_seconds: a real step's training of the batch alone, as its history timed it
+            (no warm-up, no building of the run); NaN for an account.
         kind: ``"account"`` (counted, nothing computed) or ``"step"`` (trained for real).
         out_of_memory: a real step ran out of memory.
     """
@@ -367,9 +366,8 @@ class _Search:
         try:
             trainer, _, _ = built_run(self.make_run, self.mode)
             batch = with_batch_size(self.sample, size)
-            training = time.perf_counter()
             measured = measure_step(trainer, batch, self._counted(size))
-            step_seconds = time.perf_counter() - training
+            step_seconds = float(trainer.history.step_time[-1])  # the batch's step alone
             peak = float(measured.allocator)
             del trainer, batch
         except Exception as error:
@@ -505,9 +503,10 @@ class _Search:
 
     def _seconds_for(self, size: int) -> float:
         """The time a real step of ``size`` would take, in proportion to the largest real
-        step's training time. An upper bound: the step's fixed costs are scaled up with the
-        rest. A line through two small steps' times is no guide: at a few dozen samples their
-        noise is larger than what grows, and such a line once foresaw 1 s for a 45-s step."""
+        step's own time (as its history timed it); the step's fixed costs are scaled up with
+        the rest, and a large batch's allocation is not counted. A line through two small trials' whole times (building the
+        run included) is no guide: their noise is larger than what grows, and such a line once
+        foresaw 1 s for a 45-s step."""
         timed = [
             (t.batch_size, t.step_seconds)
             for t in self.trials
@@ -531,7 +530,7 @@ class _Search:
         note = ""
         if not real and size:
             seconds = self._seconds_for(size)
-            note = f"a real step of {size} could take up to {seconds:.0f} s here (trial_seconds={self.trial_seconds:g})"
+            note = f"a real step of {size} would take about {seconds:.0f} s here (trial_seconds={self.trial_seconds:g})"
         account = self._counted(size) if size else None
         return ModeBatchSize(
             self.mode, size, peak, reason, bool(real), note, account, list(self.trials)
