@@ -134,7 +134,7 @@ def test_a_speedup_whose_interval_holds_one_reads_no_clear_difference():
     assert rows["fp16"]["speedup_verdict"] == "faster" and rows["fp16"]["speedup_low"] > 1.5
     assert rows["fp32"]["speedup_verdict"] == "" and rows["fp32"]["speedup_vs_fp32"] == 1.0
     text = str(Comparison([fp32, same, faster], steps=8, warmup=0))
-    assert "no clear difference (" in text and "2.00x (" in text
+    assert "- bf16: no clear difference from fp32" in text and "2.00x (" in text
 
 
 def test_a_mode_that_changes_nothing_here_says_so_instead_of_a_speedup():
