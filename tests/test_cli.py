@@ -101,10 +101,10 @@ def test_train_prints_progress_and_summary_and_writes_history_and_dashboard(tmp_
 
 
 def test_train_rejects_bad_input_naming_the_valid_values(tmp_path):
-    result = mpnb("train", "--mode", "fp4", cwd=tmp_path)
+    result = mpnb("train", "--mode", "fp5", cwd=tmp_path)
     assert (
         result.returncode == 2
-        and "unknown mode 'fp4'; valid: off, fp32, tf32, fp16, bf16, fp8" in result.stderr
+        and "unknown mode 'fp5'; valid: off, fp32, tf32, fp16, bf16, fp8" in result.stderr
     )
     result = mpnb("train", "--steps", "0", cwd=tmp_path)
     assert result.returncode == 2 and "must be a positive whole number, got 0" in result.stderr
@@ -164,7 +164,7 @@ def test_compare_end_to_end_writes_table_csv_json_and_a_self_contained_report(tm
 
 
 def test_compare_rejects_bad_input_before_running():
-    for args, bad in ((["--modes", "fp32,fp4"], "'fp4'"), (["--model", "resnet"], "'resnet'")):
+    for args, bad in ((["--modes", "fp32,fp5"], "'fp5'"), (["--model", "resnet"], "'resnet'")):
         result = mpnb("compare", *args)
         assert result.returncode == 2 and bad in result.stderr and "valid:" in result.stderr
 

@@ -70,8 +70,8 @@ def test_a_mode_the_device_cannot_run_is_listed_with_the_reason():
 
 def test_bad_arguments_run_nothing():
     calls = []
-    with pytest.raises(InvalidChoiceError, match="unknown mode 'fp4'"):
-        compare(lambda mode: calls.append(mode), modes=["bf16", "fp4"])
+    with pytest.raises(InvalidChoiceError, match="unknown mode 'fp5'"):
+        compare(lambda mode: calls.append(mode), modes=["bf16", "fp5"])
     with pytest.raises(ValueError, match="steps must be a whole number >= 1, got 0"):
         compare(lambda mode: calls.append(mode), modes=["bf16"], steps=0)
     assert calls == []

@@ -145,7 +145,7 @@ def test_tf32_magic_in_fp32_mode_switches_mode(ip):
 @pytest.mark.parametrize(
     "cell, words",
     [
-        ("%amp fp4", "'fp4'"),
+        ("%amp fp5", "'fp5'"),
         ("%amp bf16 extra", "extra"),
         ("%amp bf16 --device tpu", "'tpu'"),
         ("%amp status --device cpu", "--device goes with a mode"),
