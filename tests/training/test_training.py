@@ -177,9 +177,9 @@ def test_bad_arguments_are_rejected_with_the_valid_choices():
     ):
         mpnb.AmpStep(optimizer, on_nonfinite="halt")
     with pytest.raises(
-        MpnbError, match="unknown mode 'fp4'; valid: off, fp32, tf32, fp16, bf16, fp8"
+        MpnbError, match="unknown mode 'int4'; valid: off, fp32, tf32, fp16, bf16, fp8, mxfp8, nvfp4"
     ):
-        mpnb.Trainer(model, optimizer, mse, mode="fp4")
+        mpnb.Trainer(model, optimizer, mse, mode="int4")
     with pytest.raises(
         InvalidChoiceError, match="unknown dashboard 'fancy'; valid: auto, live, text"
     ):

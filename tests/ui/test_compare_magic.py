@@ -97,7 +97,7 @@ def test_a_cell_that_trains_nothing_is_told_how(shell):
 @pytest.mark.parametrize(
     ("line", "words"),
     [
-        ("--modes fp32,fp4", "'fp4'"),
+        ("--modes fp32,int4", "'int4'"),
         ("--modes ,", "names no mode"),
         ("--steps 0", "--steps must be >= 1, got 0"),
         ("--warmup -1", "--warmup must be >= 0, got -1"),
@@ -144,7 +144,7 @@ def test_mode_scope_restores_the_session_even_when_the_mode_is_refused():
     with session.mode_scope("fp32"):
         assert mpnb.get_mode() == "fp32" and torch.get_float32_matmul_precision() == "highest"
     assert policy_state() == before
-    with pytest.raises(mpnb.InvalidChoiceError), session.mode_scope("fp4"):
+    with pytest.raises(mpnb.InvalidChoiceError), session.mode_scope("int4"):
         pass
     assert policy_state() == before
 

@@ -56,8 +56,8 @@ def test_modes_persist_across_kernel_cells_and_unload_restores(kernel):
     assert reply["status"] == "error" and reply["ename"] == "ZeroDivisionError"
     assert "torch.float16" in printed
     assert execute(client, "print(linear(x).dtype)")[1].strip() == "torch.bfloat16"
-    reply, printed = execute(client, "%amp fp4")
-    assert reply["status"] == "error" and "'fp4'" in printed
+    reply, printed = execute(client, "%amp int4")
+    assert reply["status"] == "error" and "'int4'" in printed
     execute(client, "%unload_ext mpnb")
     printed = execute(client, "print(linear(x).dtype, torch.is_autocast_enabled('cpu'))")[1]
     assert printed.strip() == "torch.float32 False"
