@@ -97,7 +97,7 @@ class LoopRecorder(WithTelemetry):
         dashboard: str | Sink | None = "auto",
         step_ends: Callable[[], bool] = lambda: True,
         flush_every: int = 64,
-        watch_numerics: int | None = None,
+        watch_numerics: int | bool | None = True,
         locate_overflow: bool = True,
     ) -> LoopRecorder:
         """Attach to ``model`` and ``optimizer`` (the torch optimizer) and show the dashboard.
@@ -174,7 +174,7 @@ def watch(
     optimizer: Any,
     dashboard: str | Sink | None = "auto",
     *,
-    watch_numerics: int | None = None,
+    watch_numerics: int | bool | None = True,
     locate_overflow: bool = True,
 ) -> LoopRecorder:
     """A started :class:`LoopRecorder` for an Accelerate loop: the Accelerator's scaler, device and

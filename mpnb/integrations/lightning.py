@@ -156,7 +156,7 @@ class MpnbCallback(Callback, WithTelemetry):
         precision: str | int | None = None,
         on_nonfinite: str = "warn",
         flush_every: int = 64,
-        watch_numerics: int | None = None,
+        watch_numerics: int | bool | None = True,
         locate_overflow: bool = True,
     ) -> None:
         asked_precision(precision)  # refuse a setting Lightning does not have, now

@@ -95,7 +95,8 @@ class LoopTelemetry:
             1 with ``on_nonfinite="stop"``, so that the framework stops at the bad step).
         watch_numerics: every how many optimizer steps to measure each leaf module's numerics
             (:mod:`mpnb.numerics.watch`; read at the flush, :attr:`numerics`), and every
-            step for a few steps after a flush shows trouble. True: every 50. None or False: off.
+            step for a few steps after a flush shows trouble. True (the default): every
+            :data:`~mpnb.numerics.watch.DEFAULT_EVERY` steps, under 1% of a run. False: off.
         locate_overflow: once a flush shows a skipped step or a non-finite loss, watch the next
             steps as they run to name the module and op where the inf/NaN began (an
             ``"origin"`` event; :class:`~mpnb.numerics.origin.NextStepsLocator`).
@@ -112,7 +113,7 @@ class LoopTelemetry:
         dashboard: str | Sink | None = "auto",
         on_nonfinite: str = "warn",
         flush_every: int = 64,
-        watch_numerics: int | bool | None = None,
+        watch_numerics: int | bool | None = True,
         locate_overflow: bool = True,
     ) -> None:
         check_dashboard(dashboard)

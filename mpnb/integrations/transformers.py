@@ -139,7 +139,7 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
         dashboard: str | Sink | None = "auto",
         on_nonfinite: str = "warn",
         flush_every: int = 64,
-        watch_numerics: int | None = None,
+        watch_numerics: int | bool | None = True,
         locate_overflow: bool = True,
     ) -> None:
         self.telemetry = LoopTelemetry(

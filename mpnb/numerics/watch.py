@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from mpnb import views
-from mpnb.numerics.limits import FP16_LARGEST_FINITE, underflow_share
+from mpnb.numerics.limits import FP16_LARGEST_FINITE, FP16_SMALLEST_SUBNORMAL
 from mpnb.numerics.probe import ModuleProbe, leaf_names
 from mpnb.precision.modes.layer_swap import swapped_layers_of
 from mpnb.training.history import History
@@ -47,11 +47,12 @@ __all__ = ["NumericsLog"]
 
 #: The measures kept per module and sampled step, in the order of a stacked row. The ``fp8_``
 #: ones, for the layers a layer-swapping mode put in (fp8's float8, mxfp8's MX layers; NaN
-#: elsewhere): the input's amax, from which the scale is made, the shares of input and weight
-#: values that saturate or flush to zero in their format (e4m3), the share of the output's
-#: gradient values that flush to zero in the gradient's format (e5m2 for fp8, e4m3 for MX), and
-#: for MX layers the range of the input's block scales in powers of two. The last: the
-#: gradient's fp16 underflow share, as the backward carries it (scaled by the loss scale).
+#: elsewhere): the input's amax, from which the scale is made, the shares of the input's and,
+#: apart, of the weight's values that saturate or flush to zero in their format (e4m3; each a
+#: share of that tensor's own values), the share of the output's gradient values that flush to
+#: zero in the gradient's format (e5m2 for fp8, e4m3 for MX), and for MX layers the range of the
+#: input's block scales in powers of two. The last: the gradient's fp16 underflow share, as the
+#: backward carries it (scaled by the loss scale).
 MEASURES = (
     "activation_max",
     "nonfinite",
@@ -60,18 +61,20 @@ MEASURES = (
     "fp8_amax",
     "fp8_saturated",
     "fp8_flushed",
+    "fp8_weight_saturated",
+    "fp8_weight_flushed",
     "fp8_grad_flushed",
     "block_scale_range",
     "gradient_underflow_share",
 )
-_GRADIENT_MAX, _FP8_GRAD_FLUSHED, _GRADIENT_UNDERFLOW = (
-    MEASURES.index(measure)
-    for measure in ("gradient_max", "fp8_grad_flushed", "gradient_underflow_share")
-)
+#: The low-precision layers' measures, in :data:`MEASURES` order (one tensor a layer).
+_LAYER_MEASURES = MEASURES[4:11]
 _NAN = float("nan")
-#: The sampling interval of ``watch_numerics=True``: its cost was at most 1% of a step on the
-#: example CNN and a small GPT-2 (``benchmarks/numerics_watch_cost.py``).
-DEFAULT_EVERY = 50
+#: The sampling interval of ``watch_numerics=True``, the default: a sampled step costs up to
+#: 2.7 plain steps of a small model on a CPU (its tiny ops are many), so sampling every 200th
+#: keeps the watch under 1% of a fit (``benchmarks/numerics_watch_cost.py``). A fit shorter
+#: than that is sampled after trouble only (each step, :data:`DENSE_STEPS` of them).
+DEFAULT_EVERY = 200
 #: Steps sampled one after another once a flush shows a skipped step or a non-finite loss.
 DENSE_STEPS = 8
 
@@ -84,8 +87,9 @@ class NumericsLog:
         steps: the sampled optimizer steps.
         modules: the watched modules' names.
         activation_max, nonfinite, underflow_share, gradient_max: module name -> values.
-        fp8_amax, fp8_saturated, fp8_flushed, fp8_grad_flushed, block_scale_range: the same for
-            the layers of fp8 and mxfp8 (see :data:`MEASURES`).
+        fp8_amax, fp8_saturated, fp8_flushed, fp8_grad_flushed: the same for the layers of
+            fp8 and mxfp8 (see :data:`MEASURES`), with fp8_weight_saturated,
+            fp8_weight_flushed and block_scale_range.
         gradient_underflow_share: the output's gradient's fp16 underflow share, scaled as the
             backward carries it.
         limit: the largest finite value of the dtype the watch compares with.
@@ -108,6 +112,8 @@ class NumericsLog:
     fp8_amax: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     fp8_saturated: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     fp8_flushed: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    fp8_weight_saturated: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    fp8_weight_flushed: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     fp8_grad_flushed: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     block_scale_range: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     gradient_underflow_share: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -158,7 +164,12 @@ class NumericsLog:
             "fp16-underflow share",
             "non-finite",
             *(
-                ("fp8 input amax", "fp8 saturated", "fp8 flushed", "fp8 gradient flushed")
+                (
+                    "fp8 input amax",
+                    "fp8 saturated (input / weight)",
+                    "fp8 flushed (input / weight)",
+                    "fp8 gradient flushed",
+                )
                 if self.fp8_modules
                 else ()
             ),
@@ -203,10 +214,14 @@ class NumericsLog:
     def _fp8_cells(self, name: str) -> list[str]:
         if name not in self.fp8_modules:
             return ["-", "-", "-", "-"]
+
+        def pair(inputs: dict[str, list[float]], weights: dict[str, list[float]]) -> str:
+            return f"{_worst(inputs[name]):.2%} / {_worst(weights.get(name, [])):.2%}"
+
         return [
             f"{_worst(self.fp8_amax[name]):.2g}",
-            f"{_worst(self.fp8_saturated[name]):.2%}",
-            f"{_worst(self.fp8_flushed[name]):.2%}",
+            pair(self.fp8_saturated, self.fp8_weight_saturated),
+            pair(self.fp8_flushed, self.fp8_weight_flushed),
             f"{_worst(self.fp8_grad_flushed.get(name, [])):.2%}",
         ]
 
@@ -244,20 +259,32 @@ class ModuleMeasures:
     device to a row of :data:`MEASURES`. The watch runs it on sampled steps of a fit,
     :func:`~mpnb.numerics.advisor.advise` on its one batch. Nothing is read to the host here.
 
+    What a sampled step costs is the number of small device ops a module: each output is
+    reduced in one pass to four numbers (its largest magnitude, its non-finite values, its
+    values fp16 would lose and its nonzero ones, stacked into one vector), each gradient to
+    three, and :meth:`stop` makes the rows of every module at once (the shares divided, the
+    gradient unscaled, modules that did not run left NaN) in a few ops for the whole model.
+    The low-precision layers' cast measures run only for the layers a mode swapped in.
+
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
         >>> measures = ModuleMeasures(model, ["0", "1"])
         >>> measures.start()
         >>> model(torch.ones(1, 2)).sum().backward()
-        >>> measures.stop().shape  # a row a module
-        torch.Size([2, 9])
+        >>> rows = measures.stop()
+        >>> rows.shape  # a row a module
+        torch.Size([2, 12])
+        >>> dict(zip(MEASURES, rows[0].tolist()))["gradient_max"]
+        1.0
     """
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
         self.names = list(names)
+        self._index = {name: index for index, name in enumerate(self.names)}
         self._probe = ModuleProbe(model, self.names, self._measure, self._gradient)
-        self._rows: dict[str, list[torch.Tensor]] = {}
-        self._fp8_modules: dict[str, nn.Module] = {}  # the pass's float8 layers, by name
+        self._outputs: dict[str, torch.Tensor] = {}  # a module's 4 output numbers
+        self._gradients: dict[str, torch.Tensor] = {}  # its output gradient's 3
+        self._layers: dict[str, list[torch.Tensor]] = {}  # a low-precision layer's 7
         self._scale: torch.Tensor | float = 1.0
 
     @property
@@ -268,56 +295,87 @@ class ModuleMeasures:
     def start(self, scale: torch.Tensor | float = 1.0) -> None:
         """Hook the modules for a pass whose backward runs at loss scale ``scale``."""
         self._scale = scale
-        self._rows = {}
-        self._fp8_modules = {}
+        self._outputs, self._gradients, self._layers = {}, {}, {}
         self._probe.attach()  # by name: mode fp8 puts torchao's layers in their place
 
     def stop(self) -> torch.Tensor | None:
         """Take the hooks off; the pass's rows stacked, one a module in :attr:`names` order
         (NaN for a module that did not run), on the device; None when no module ran."""
         self._probe.detach()
-        measured = list(self._rows.values())
-        if not measured:
+        if not self._outputs:
             return None
-        device = measured[0][0].device
-        return torch.stack([self._row(name, device) for name in self.names])
+        ran = list(self._outputs)
+        device = self._outputs[ran[0]].device
+        count = len(self.names)
+        outputs = torch.full((count, 4), _NAN, device=device)
+        outputs[[self._index[name] for name in ran]] = torch.stack(list(self._outputs.values()))
+        gradients = torch.full((count, 3), _NAN, device=device)
+        gradients[[self._index[name] for name in ran]] = 0.0  # ran, no gradient: nothing lost
+        if self._gradients:
+            at = [self._index[name] for name in self._gradients]
+            gradients[at] = torch.stack(list(self._gradients.values()))
+        layers = torch.full((count, len(_LAYER_MEASURES)), _NAN, device=device)
+        if self._layers:
+            at = [self._index[name] for name in self._layers]
+            layers[at] = torch.stack([torch.stack(v).float() for v in self._layers.values()])
+        return torch.cat(
+            (
+                outputs[:, :2],
+                (outputs[:, 2] / outputs[:, 3].clamp(min=1)).unsqueeze(1),
+                (gradients[:, 0] / self._scale).unsqueeze(1),
+                layers,
+                (gradients[:, 1] / gradients[:, 2].clamp(min=1)).unsqueeze(1),
+            ),
+            dim=1,
+        )
 
     def detach(self) -> None:
         """Take every hook off, dropping the pass. Safe to call twice."""
         self._probe.detach()
 
     def _measure(self, name: str, module: nn.Module, inputs: Any, out: torch.Tensor) -> None:
-        """A watched module's output, reduced on the device to its row (gradient to come)."""
-        magnitude = out.abs().float()
-        self._rows[name] = [
-            magnitude.nan_to_num(nan=0.0, posinf=math.inf).amax(),  # an inf is its largest
-            (~torch.isfinite(out)).sum().float(),
-            underflow_share(magnitude),
-            torch.zeros((), device=out.device),
-            *_layer_measures(module, inputs, out.device),
-            torch.zeros((), device=out.device),  # the gradient's underflow, if a gradient comes
-        ]
-        if swapped_layers_of(module) is not None:  # the gradient's cast, measured when it comes
-            self._fp8_modules[name] = module
+        """A watched module's output, reduced on the device to four numbers: its largest
+        magnitude (an inf is its largest, NaN left out), how many values are not finite, how
+        many nonzero values fp16 loses, how many are nonzero (inf and NaN count as nonzero
+        values that did not underflow)."""
+        magnitude = out.abs()  # in its own dtype: fp16's threshold is exact in bf16 and fp32
+        count = float(magnitude.numel())
+        zeros = (magnitude == 0).sum(dtype=torch.float32)
+        self._outputs[name] = torch.stack(
+            (
+                magnitude.nan_to_num(nan=0.0, posinf=math.inf).amax().float(),
+                count - (magnitude < math.inf).sum(dtype=torch.float32),  # inf and NaN
+                (magnitude < FP16_SMALLEST_SUBNORMAL).sum(dtype=torch.float32) - zeros,
+                count - zeros,
+            )
+        )
+        layers = swapped_layers_of(module)
+        if layers is not None:  # its gradient's cast is measured when the gradient comes
+            self._layers[name] = _layer_measures(layers, module, inputs, out.device)
 
     def _gradient(self, name: str, grad: torch.Tensor) -> None:
-        """The gradient of that output: its largest magnitude, unscaled, and its underflow share,
-        scaled; for a float8 layer, the share of its values that flush to zero in e5m2 (a share
-        no loss scale changes: the cast scales by the gradient's own amax)."""
-        largest = grad.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax()
-        row = self._rows[name]
-        row[_GRADIENT_MAX] = largest / self._scale
-        row[_GRADIENT_UNDERFLOW] = underflow_share(grad)
-        module = self._fp8_modules.get(name)
-        layers = swapped_layers_of(module) if module is not None else None
-        if layers is not None:
-            row[_FP8_GRAD_FLUSHED] = layers.cast_measures(module, grad, "grad_output")[2]
-
-    def _row(self, name: str, device: torch.device) -> torch.Tensor:
-        values = self._rows.get(name)
-        if values is None:  # not called on this pass
-            return torch.full((len(MEASURES),), float("nan"), device=device)
-        return torch.stack([value.to(device) for value in values])
+        """The gradient of that output, reduced to three numbers: its largest finite magnitude
+        (scaled: :meth:`stop` divides by the loss scale), how many nonzero values fp16 loses as
+        the backward carries them, how many are nonzero; for a low-precision layer, the share
+        of its values that flush to zero in the gradient's format (a share no loss scale
+        changes: the cast scales by the gradient's own amax)."""
+        magnitude = grad.detach().abs()
+        zeros = (magnitude == 0).sum(dtype=torch.float32)
+        self._gradients[name] = torch.stack(
+            (
+                magnitude.nan_to_num(0.0, 0.0, 0.0).amax().float(),
+                (magnitude < FP16_SMALLEST_SUBNORMAL).sum(dtype=torch.float32) - zeros,
+                float(magnitude.numel()) - zeros,
+            )
+        )
+        layer = self._layers.get(name)
+        if layer is not None:
+            module = self._probe.model.get_submodule(name)
+            layers = swapped_layers_of(module)
+            if layers is not None:
+                layer[_LAYER_MEASURES.index("fp8_grad_flushed")] = layers.cast_measures(
+                    module, grad, "grad_output"
+                )[2]
 
 
 class NumericsWatch(Instrument):
@@ -403,21 +461,25 @@ class NumericsWatch(Instrument):
         self.update(history)
 
 
-def _layer_measures(module: nn.Module, inputs: Any, device: torch.device) -> list[torch.Tensor]:
-    """A low-precision layer's input amax, the shares of its input and weight values that
-    saturate or flush in its format, and its input's block-scale range (the layer's
-    :meth:`~mpnb.precision.modes.layer_swap.LayerSwap.cast_measures`); NaN for other modules."""
+def _layer_measures(
+    layers: Any, module: nn.Module, inputs: Any, device: torch.device
+) -> list[torch.Tensor]:
+    """A low-precision layer's measures (:data:`_LAYER_MEASURES`, the layer's
+    :meth:`~mpnb.precision.modes.layer_swap.LayerSwap.cast_measures`): its input's amax, the
+    shares of its input's and of its weight's values that saturate or flush in its format, the
+    gradient's share (NaN until its hook runs), and the input's block-scale range."""
     first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
-    layers = swapped_layers_of(module)
-    if layers is None or first is None:
-        return [torch.full((), _NAN, device=device)] * 5
+    nan = torch.full((), _NAN, device=device)
+    if first is None:
+        return [nan] * len(_LAYER_MEASURES)
     amax, saturated, flushed, octaves = layers.cast_measures(module, first, "input")
     _, weight_saturated, weight_flushed, _ = layers.cast_measures(module, module.weight, "weight")
-    share = first.numel() / (first.numel() + module.weight.numel())
     return [
         amax,
-        saturated * share + weight_saturated * (1 - share),
-        flushed * share + weight_flushed * (1 - share),
-        torch.full((), _NAN, device=device),  # the gradient's, set by its hook if it runs
+        saturated,
+        flushed,
+        weight_saturated.to(device),
+        weight_flushed.to(device),
+        nan,  # the gradient's, set by its hook if it runs
         octaves.to(device),
     ]

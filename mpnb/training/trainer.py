@@ -153,8 +153,9 @@ class Trainer:
         watch_numerics: every how many optimizer steps to measure each leaf module's largest
             activation and gradient, fp16-underflow share and non-finite count (read at the
             telemetry's flush; :attr:`numerics`, :mod:`mpnb.numerics.watch`), and every
-            step for a few steps after a flush shows a skipped step or a non-finite loss. True:
-            every 50 steps (about 1% of a step). None or False: off.
+            step for a few steps after a flush shows a skipped step or a non-finite loss. True
+            (the default): every :data:`~mpnb.numerics.watch.DEFAULT_EVERY` steps, under 1% of a
+            fit (``benchmarks/numerics_watch_cost.py``). False (or None): off.
 
     Attributes:
         history: every step of every ``fit`` call so far.
@@ -188,7 +189,7 @@ class Trainer:
         min_scale: float | None = None,
         flush_every: int = 64,
         locate_overflow: bool = True,
-        watch_numerics: int | bool | None = None,
+        watch_numerics: int | bool | None = True,
     ) -> None:
         if loss_fn is not None and step_fn is not None:
             raise MpnbError(

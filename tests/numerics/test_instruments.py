@@ -103,14 +103,17 @@ def test_the_fp16_limits_are_torchs_and_the_watch_and_the_advisor_share_them():
     assert limits.FP16_SMALLEST_SUBNORMAL == 2.0**-24
     assert torch.tensor(2.0**-24, dtype=torch.float16).item() == 2.0**-24  # fp16 holds it
     assert torch.tensor(2.0**-26, dtype=torch.float16).item() == 0.0  # and loses what is far below
-    assert watch.underflow_share is advisor_underflow() is limits.underflow_share
+    assert watch.FP16_SMALLEST_SUBNORMAL is limits.FP16_SMALLEST_SUBNORMAL
     assert watch.NumericsLog([]).limit == limits.FP16_LARGEST_FINITE
     assert advisor.FP16_LARGEST_FINITE is limits.FP16_LARGEST_FINITE
-
-
-def advisor_underflow():
-    # the advisor takes its underflow share from the watch's engine, which takes it from limits
-    return watch.ModuleMeasures.__init__.__globals__["underflow_share"]
+    # the watch's engine (which the advisor runs) counts what limits.underflow_share counts
+    values = torch.tensor([[0.0, 1e-9, 2.0**-25, 1.0, float("inf"), float("nan"), 1e-3, -1e-8]])
+    layer = torch.nn.Identity()
+    measures = watch.ModuleMeasures(layer, [""])
+    measures.start()
+    layer(values)
+    row = dict(zip(watch.MEASURES, measures.stop()[0].tolist()))
+    assert row["underflow_share"] == pytest.approx(float(limits.underflow_share(values)))
 
 
 def test_the_underflow_share_counts_nonzero_values_below_the_smallest_subnormal():

@@ -113,10 +113,10 @@ def test_a_module_that_made_infs_reads_as_having_no_headroom_not_infinite_headro
     assert head.split()[2] == "2.18e+04x"
 
 
-def test_the_default_interval_samples_every_50th_step_and_densely_after_a_skip():
+def test_the_watch_is_on_by_default_every_200th_step_and_densely_after_a_skip():
     from mpnb.numerics.watch import DENSE_STEPS, NumericsWatch
 
-    assert NumericsWatch.check_every(True) == 50
+    assert NumericsWatch.check_every(True) == 200
     linear = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="True or a whole number of steps >= 1, got 0"):
         mpnb.Trainer(linear, torch.optim.SGD(linear.parameters()), dashboard=None, watch_numerics=0)
@@ -125,9 +125,11 @@ def test_the_default_interval_samples_every_50th_step_and_densely_after_a_skip()
     model = gpt2_model(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
     trainer = mpnb.Trainer(  # a scale of 2**40 overflows the first backward only
         model, torch.optim.SGD(model.parameters(), lr=1e-4), mode="fp16", device="cpu",
-        dashboard=None, init_scale=2.0**40, backoff_factor=2.0**-30, watch_numerics=True,
-        flush_every=1, locate_overflow=False,
+        dashboard=None, init_scale=2.0**40, backoff_factor=2.0**-30, flush_every=1,
+        locate_overflow=False,
     )  # fmt: skip
     history = trainer.fit(gpt2_batches(12))
     assert history.skipped_steps == [1]
     assert trainer.numerics.steps == list(range(2, 2 + DENSE_STEPS))  # after the skip, densely
+    off = mpnb.Trainer(linear, torch.optim.SGD(linear.parameters()), watch_numerics=False)
+    assert off.numerics is None

@@ -449,6 +449,22 @@ def test_the_numerics_watch_names_the_fp8_layer_whose_values_flush():
     assert "fp8 flushed" in str(log).splitlines()[0]
 
 
+def test_the_watch_gives_the_inputs_and_the_weights_flushed_shares_apart():
+    """With an outlier feature 1e7 times the rest, 15 of the 16 input features of layer 1
+    flush in e4m3 (about 15/16 of its nonzero input values) and none of its weights: each share
+    is of its own tensor's values, not the two mixed by element count."""
+    model = four_layer_mlp()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(32, 16))
+        model[0].weight[0, 0] = 1e7
+        model[0].bias.zero_()
+    log = watched_fp8_fit(model, batches=1, every=1)
+    assert log.fp8_flushed["1"][0] == pytest.approx(15 / 16)
+    assert log.fp8_weight_flushed["1"][0] < 0.01 and log.fp8_weight_saturated["1"][0] == 0.0
+    header = str(log).splitlines()[0]
+    assert "fp8 flushed (input / weight)" in header
+
+
 def test_the_numerics_watch_names_the_fp8_layer_whose_gradients_flush_in_e5m2():
     model = four_layer_mlp()
     with torch.no_grad():  # layer 2's output gradient: one feature 1e12 times the other three

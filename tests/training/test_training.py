@@ -177,7 +177,8 @@ def test_bad_arguments_are_rejected_with_the_valid_choices():
     ):
         mpnb.AmpStep(optimizer, on_nonfinite="halt")
     with pytest.raises(
-        MpnbError, match="unknown mode 'int4'; valid: off, fp32, tf32, fp16, bf16, fp8, mxfp8, nvfp4"
+        MpnbError,
+        match="unknown mode 'int4'; valid: off, fp32, tf32, fp16, bf16, fp8, mxfp8, nvfp4",
     ):
         mpnb.Trainer(model, optimizer, mse, mode="int4")
     with pytest.raises(

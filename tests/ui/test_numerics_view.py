@@ -21,9 +21,10 @@ def test_the_heatmaps_are_drawn_while_the_fit_runs_not_only_at_its_end():
     view = trainer.dashboard = NumericsView(trainer)  # after the watch, as a live dashboard is
     drawn_mid_fit = []
     trainer.control.pollers.append(
-        lambda: drawn_mid_fit.append(tuple(view.figure.data[0].x) if view.figure.data else ())
+        lambda: drawn_mid_fit.append(tuple(view.figure.data[0].x) if view.figure else ())
     )
     trainer.fit(train, max_steps=8)
+    assert drawn_mid_fit[0] == ()  # no figure (and no plotly.js sent) before a sampled step
     assert any(drawn_mid_fit[:7]), "nothing drawn before the fit's last step"
     assert view.figure.data[0].x == (2, 4, 6, 8)
     assert list(view.figure.data[0].y) == trainer.numerics.modules
@@ -34,7 +35,9 @@ def test_a_live_dashboard_of_a_watching_trainer_carries_the_numerics_view(capsys
                                         watch_numerics=5)  # fmt: skip
     sinks = make_dashboard("live", "digits", watching.control)
     assert any(isinstance(sink, NumericsView) for sink in sinks)
-    plain, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    plain, _, _ = ex.example_trainer(
+        "bf16", "cpu", widths=(4, 8), dashboard=None, watch_numerics=False
+    )
     assert not any(isinstance(s, NumericsView) for s in make_dashboard("live", "", plain.control))
     capsys.readouterr()
 

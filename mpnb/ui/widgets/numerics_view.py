@@ -36,16 +36,19 @@ __all__: list[str] = []
 class NumericsView(Sink):
     """The live heatmaps of ``trainer``'s numerics watch (:attr:`mpnb.Trainer.numerics`).
 
+    The watch is on in every fit, but a short fit may sample no step: the figure (a plotly
+    FigureWidget, whose state carries plotly.js to the page) is made at the first sampled step.
+
     Attributes:
-        widget: what to display (a note and the figure, empty until the first sampled step).
+        widget: what to display (a note, and the figure from the first sampled step on).
+        figure: the heatmaps' FigureWidget; None until a step was sampled.
     """
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.note = widgets.Label("numerics: waiting for the first sampled step")
-        self.figure = go.FigureWidget()
-        self.figure.layout.height = 10
-        self.widget = widgets.VBox([self.note, self.figure])
+        self.figure: go.FigureWidget | None = None
+        self.widget = widgets.VBox([self.note])
         self._drawn: tuple[int, OriginCell | None] = (0, None)
 
     def update(self, history: History) -> None:
@@ -58,6 +61,9 @@ class NumericsView(Sink):
             return
         self._drawn = (len(log.steps), origin)
         drawn = numerics_heatmap(log, origin)
+        if self.figure is None:
+            self.figure = go.FigureWidget()
+            self.widget.children = (self.note, self.figure)
         with self.figure.batch_update():
             self.figure.data = []
             self.figure.layout = drawn.layout
