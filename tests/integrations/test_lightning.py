@@ -423,6 +423,8 @@ class Float8Classifier(L.LightningModule):
     """Lightning's torchao pattern: the Linear layers converted to float8 training in
     ``configure_model`` (emulated on a CPU), the first and last kept, as torchao's examples do."""
 
+    layer = "Float8Linear"
+
     def __init__(self, widths: tuple[int, ...]) -> None:
         super().__init__()
         self.net = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
@@ -452,39 +454,11 @@ class Float8Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize(
-    "widths, asked, mode, notice",
-    [
-        ((32, 64, 64, 16), None, "fp8", None),  # bf16-mixed with float8 layers is fp8
-        ((32, 64, 64, 16), "fp8", "fp8", None),
-        ((32, 64, 16), "fp8", "bf16", "asked for fp8 but trains in bf16: no layer of the model"),
-    ],
-)
-def test_float8_layers_converted_in_configure_model_are_read_as_fp8(widths, asked, mode, notice):
-    pytest.importorskip("torchao.float8", reason="fp8 needs torchao (mpnb[fp8])")
-    callback = MpnbCallback(dashboard=None, precision=asked)
-    module = Float8Classifier(widths)
-    generator = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(
-        torch.randn(24, 32, generator=generator), torch.randint(0, 16, (24,), generator=generator)
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = quiet_trainer(callback, precision="bf16-mixed", max_steps=3)
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
-    said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
-    assert callback.history.mode == [mode] * 3
-    assert ("Float8Linear" in module.ran) == (mode == "fp8")
-    if notice is None:
-        assert said == []
-    else:
-        assert len(said) == 1 and notice in said[0]
-        assert [e["kind"] for e in callback.history.events][-1] == "precision_mismatch"
-
-
 class MxClassifier(Float8Classifier):
     """The same pattern with MXFP8: the Linear layers swapped in ``configure_model`` by
     ``mpnb.mx_layers`` (torchao's MXFP8Linear, emulated on a CPU)."""
+
+    layer = "MXFP8Linear"
 
     def configure_model(self) -> None:
         layers = mpnb.mx_layers(self.net, device="cpu")
@@ -495,17 +469,34 @@ class MxClassifier(Float8Classifier):
 
 
 @pytest.mark.parametrize(
-    "widths, asked, mode, notice",
+    "classifier, widths, asked, mode, notice",
     [
-        ((32, 64, 64, 16), "mxfp8", "mxfp8", None),
-        ((32, 64, 64, 16), None, "mxfp8", None),  # bf16-mixed with MX layers is mxfp8
-        ((32, 48, 16), "mxfp8", "bf16", "asked for mxfp8 but trains in bf16: no layer of the"),
+        (Float8Classifier, (32, 64, 64, 16), None, "fp8", None),  # bf16-mixed + float8 layers
+        (Float8Classifier, (32, 64, 64, 16), "fp8", "fp8", None),
+        (
+            Float8Classifier,
+            (32, 64, 16),
+            "fp8",
+            "bf16",
+            "asked for fp8 but trains in bf16: no layer",
+        ),
+        (MxClassifier, (32, 64, 64, 16), "mxfp8", "mxfp8", None),
+        (MxClassifier, (32, 64, 64, 16), None, "mxfp8", None),  # bf16-mixed + MX layers
+        (
+            MxClassifier,
+            (32, 48, 16),
+            "mxfp8",
+            "bf16",
+            "asked for mxfp8 but trains in bf16: no layer",
+        ),
     ],
 )
-def test_mx_layers_converted_in_configure_model_are_read_as_mxfp8(widths, asked, mode, notice):
-    pytest.importorskip("torchao.prototype.mx_formats", reason="mxfp8 needs torchao (mpnb[fp8])")
+def test_layers_converted_in_configure_model_are_read_as_their_mode(
+    classifier, widths, asked, mode, notice
+):
+    pytest.importorskip("torchao.float8", reason="fp8 and mxfp8 need torchao (mpnb[fp8])")
     callback = MpnbCallback(dashboard=None, precision=asked)
-    module = MxClassifier(widths)
+    module = classifier(widths)
     generator = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
         torch.randn(24, 32, generator=generator), torch.randint(0, 16, (24,), generator=generator)
@@ -516,5 +507,9 @@ def test_mx_layers_converted_in_configure_model_are_read_as_mxfp8(widths, asked,
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
     said = [str(w.message) for w in caught if str(w.message).startswith("mpnb:")]
     assert callback.history.mode == [mode] * 3
-    assert ("MXFP8Linear" in module.ran) == (mode == "mxfp8")
-    assert said == [] if notice is None else (len(said) == 1 and notice in said[0])
+    assert (classifier.layer in module.ran) == (mode != "bf16")
+    if notice is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and notice in said[0]
+        assert [e["kind"] for e in callback.history.events][-1] == "precision_mismatch"

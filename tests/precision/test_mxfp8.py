@@ -18,6 +18,7 @@ from mpnb.errors import MpnbError
 from mpnb.precision.modes import parse_mode
 from mpnb.precision.policy import session
 from tests.conftest import policy_state, run
+from tests.precision.test_fp8 import mlp  # 32-64-64-48-10: layer 4 is no multiple of 32
 
 pytest.importorskip("torchao.prototype.mx_formats", reason="mode mxfp8 needs torchao (mpnb[fp8])")
 
@@ -27,19 +28,6 @@ from torchao.quantization.quantize_.common.kernel_preference import (
 )
 
 from mpnb.precision.modes.mxfp8 import MxLayers
-
-
-def mlp(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(32, 64),
-        nn.ReLU(),
-        nn.Linear(64, 64),
-        nn.ReLU(),
-        nn.Linear(64, 48),  # 48 is not a multiple of 32: kept
-        nn.ReLU(),
-        nn.Linear(48, 10),
-    )
 
 
 def batches(count: int = 3, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
