@@ -33,6 +33,7 @@ def test_import_mpnb_installs_the_jupyter_views():
         "memory_figure": ui_views.memory_figure,
         "numerics_figure": ui_views.numerics_figure,
         "rank_dashboard": ui_views.make_rank_dashboard,
+        "whatif_figure": ui_views.whatif_figure,
     }
 
 
