@@ -183,3 +183,60 @@ def test_the_first_skip_prints_where_and_what_to_call_in_a_script(capsys):
     finished = next(i for i, line in enumerate(printed) if line.startswith("finished"))
     assert said and said[0] < finished  # printed as it happened, before the fit's summary
     assert "(aten.addmm): " in printed[said[0]] and call in printed[said[0]]
+
+
+def _made_in_backward_by(module: nn.Module, run_backward) -> bool:
+    """The reference from a plain full backward hook on ``module``: its output gradients finite,
+    its input gradients not: the inf was made in its own backward."""
+    seen = []
+    handle = module.register_full_backward_hook(
+        lambda m, grad_in, grad_out: seen.append(
+            (
+                all(torch.isfinite(g).all() for g in grad_out if g is not None),
+                all(torch.isfinite(g).all() for g in grad_in if g is not None),
+            )
+        )
+    )
+    try:
+        run_backward()
+    finally:
+        handle.remove()
+    return seen == [(True, False)]
+
+
+def test_a_berts_classifier_and_a_cnns_head_are_named_for_their_own_backward_overflows():
+    """The classifier's weights x1e3: its backward (gradient times those weights) overflows fp16
+    at a scale of 2**16; in BERT's classifier, and in the head of the example CNN."""
+    import mpnb.examples as ex
+    from tests.conformance.models import bert_model
+
+    generator = torch.Generator().manual_seed(0)
+    ids, labels = (
+        torch.randint(0, 96, (8, 16), generator=generator),
+        torch.tensor([0, 1, 2] * 2 + [0, 1]),
+    )
+    bert = bert_model(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    cnn = ex.DigitsCNN()
+    images, digits = (
+        torch.randn(32, 1, 8, 8, generator=generator),
+        torch.randint(0, 10, (32,), generator=generator),
+    )
+    cases = [
+        (bert, bert.classifier, lambda: bert(input_ids=ids, labels=labels).loss),
+        (cnn, cnn.classifier, lambda: F.cross_entropy(cnn(images), digits)),
+    ]
+    for model, head, loss in cases:
+        with torch.no_grad():
+            head.weight.mul_(1e3)
+
+        def run_backward(loss=loss, model=model):
+            with torch.autocast("cpu", dtype=torch.float16):
+                value = loss()
+            (value.float() * 2.0**16).backward()
+            model.zero_grad(set_to_none=True)
+
+        assert _made_in_backward_by(head, run_backward)
+        origin = locate_nonfinite(model, loss, dtype=torch.float16, scale=2.0**16)
+        assert origin.phase == "backward" and origin.kind == "overflow", str(origin)
+        assert origin.module == f"{type(model).__name__}.classifier", str(origin)
