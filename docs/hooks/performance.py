@@ -4,13 +4,15 @@
 section per ``benchmarks/results/*.json`` file (what each benchmark script last wrote), so the
 figures on the site are the committed results and never a copy made by hand. The headline
 comparison with the peers (``peers*.json``) is drawn as the README drew it: a runner per row, a
-batch size per column; every other file is shown as the tables of figures it holds.
+batch size per column; every other file is shown as the tables of figures it holds, and its
+ratios (speedups, costs over a baseline) drawn as bars beside a line at 1.0x.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+from html import escape
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -136,25 +138,63 @@ def _peers(figures: dict) -> list[str]:
 
 def _peers_plot(mode: str, by_batch: dict) -> str:
     """The peers' table drawn: a bar per runner and batch size, the step time over the hand
-    loop's, with a line at 1.0 (the hand loop). An inline SVG: the site loads nothing more."""
-    runners = list(dict.fromkeys(r for batch in by_batch.values() for r in batch))
-    ratios = [cell["ratio"] for batch in by_batch.values() for cell in batch.values()]
+    loop's, with a line at 1.0 (the hand loop)."""
+    groups = [
+        (f"batch {batch}", [(runner, cell["ratio"]) for runner, cell in cells.items()])
+        for batch, cells in by_batch.items()
+    ]
+    return _bars(
+        f"{mode}: step time over the hand loop",
+        groups,
+        "the hand loop, 1.0x",
+        f"{mode}: each runner's median step over the hand-written loop's, per batch size (the "
+        "table's figures)",
+        hover=lambda group, label, ratio: f"{label}, {group}: {ratio:.3f}x",
+    )
+
+
+def _ratios_plot(name: str, figures: dict) -> str:
+    """Every ratio a results file holds (a key that says ratio or speedup), a bar each beside a
+    line at 1.0x; empty when it holds none."""
+    bars = [
+        (" / ".join(_header(part) for part in path), value)
+        for path, value in _leaves(figures)
+        if path
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and ("ratio" in path[-1] or "speedup" in path[-1])
+        and value > 0
+    ]
+    if not bars:
+        return ""
+    return _bars(
+        f"{name}: ratios",
+        [("", bars)],
+        "1.0x",
+        f"{name}: each ratio of the tables above (a speedup, or a cost over its baseline)",
+        hover=lambda group, label, ratio: f"{label}: {ratio:.3f}x",
+    )
+
+
+def _bars(title: str, groups, reference: str, caption: str, hover) -> str:
+    """Horizontal bars, one a (label, ratio), in groups under a bold label, with a dashed line
+    at 1.0. An inline SVG: the site loads nothing more."""
+    ratios = [ratio for _, bars in groups for _, ratio in bars]
     top = max(1.1, max(ratios, default=1.0) * 1.05)
-    bar, gap, label_width, width = 11, 4, 170, 360
+    longest = max((len(label) for _, bars in groups for label, _ in bars), default=10)
+    bar, gap, label_width, width = 11, 4, min(420, 12 + 6 * longest), 360
     rows, y = [], 18
-    for batch, cells in by_batch.items():
-        rows.append(f'<text x="0" y="{y + 9}" font-weight="bold">batch {batch}</text>')
-        y += bar + gap
-        for runner in runners:
-            if runner not in cells:
-                continue
-            ratio = cells[runner]["ratio"]
+    for group, bars in groups:
+        if group:
+            rows.append(f'<text x="0" y="{y + 9}" font-weight="bold">{escape(group)}</text>')
+            y += bar + gap
+        for label, ratio in bars:
             length = width * ratio / top
             rows.append(
-                f'<text x="{label_width - 6}" y="{y + 9}" text-anchor="end">{runner}</text>'
+                f'<text x="{label_width - 6}" y="{y + 9}" text-anchor="end">{escape(label)}</text>'
                 f'<rect x="{label_width}" y="{y}" width="{length:.1f}" height="{bar}" '
-                f'fill="#3f51b5" opacity="0.75"><title>{runner}, batch {batch}: '
-                f"{ratio:.3f}x</title></rect>"
+                f'fill="#3f51b5" opacity="0.75"><title>{escape(hover(group, label, ratio))}'
+                "</title></rect>"
                 f'<text x="{label_width + length + 4:.1f}" y="{y + 9}">{ratio:.3f}x</text>'
             )
             y += bar + gap
@@ -162,14 +202,14 @@ def _peers_plot(mode: str, by_batch: dict) -> str:
     one = label_width + width / top
     return (
         f'<figure class="mpnb-plot"><svg xmlns="http://www.w3.org/2000/svg" role="img" '
-        f'width="{label_width + width + 60}" height="{y + 4}" font-size="11" '
-        f'font-family="sans-serif"><title>{mode}: step time over the hand loop</title>'
+        f'width="{label_width + width + 60}" height="{y + 4}" '
+        f'viewBox="0 0 {label_width + width + 60} {y + 4}" style="max-width: 100%; height: auto" '
+        f'font-size="11" font-family="sans-serif"><title>{escape(title)}</title>'
         + "".join(rows)
         + f'<line x1="{one:.1f}" x2="{one:.1f}" y1="4" y2="{y}" stroke="#c62828" '
         'stroke-dasharray="3,3"/>'
-        f'<text x="{one + 3:.1f}" y="12" fill="#c62828">the hand loop, 1.0x</text></svg>'
-        f"<figcaption>{mode}: each runner's median step over the hand-written loop's, per "
-        "batch size (the table's figures)</figcaption></figure>"
+        f'<text x="{one + 3:.1f}" y="12" fill="#c62828">{escape(reference)}</text></svg>'
+        f"<figcaption>{escape(caption)}</figcaption></figure>"
     )
 
 
@@ -189,7 +229,11 @@ def tables_markdown() -> str:
         figures = json.loads(path.read_text())
         name = path.stem
         script = name.split("-")[0]
-        body = _peers(figures) if script == "peers" else _tables(figures)
+        if script == "peers":
+            body = _peers(figures)
+        else:
+            plot = _ratios_plot(name, figures)
+            body = [*_tables(figures), *(["", plot] if plot else [])]
         sections += [
             f"### {name}",
             "",

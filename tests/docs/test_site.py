@@ -352,3 +352,24 @@ def test_the_lessons_page_shows_each_notebook_on_binders_machine(site):
     for name, row in figures["notebooks"].items():
         assert f"{name} {row['seconds']:.0f} s" in text, name
     assert all(row["fits"] for row in figures["notebooks"].values()), figures["notebooks"]
+
+
+def test_the_performance_page_draws_every_results_files_ratios(site):
+    """Not only the peers': each committed results file that holds a ratio (a speedup, a cost
+    over a baseline) has a plot of them, a bar a ratio with its value in the hover text."""
+    page = (site / "performance/index.html").read_text()
+    for path in sorted((ROOT / "benchmarks/results").glob("*.json")):
+        if path.stem.startswith("peers"):
+            continue
+        text = path.read_text()
+        ratios = [float(v) for v in re.findall(r'"[^"]*(?:ratio|speedup)[^"]*": ([\d.]+)', text)]
+        ratios = [r for r in ratios if r > 0]  # a zero ratio (nothing measured) has no bar
+        if not ratios:
+            continue
+        start = page.index(f'<h3 id="{path.stem}"')
+        end = page.find("<h3 ", start + 1)
+        section = page[start : end if end > 0 else None]
+        plot = re.search(r'<figure class="mpnb-plot"><svg.*?</svg>', section, flags=re.DOTALL)
+        assert plot, path.name
+        drawn = re.findall(r"<title>[^<]*: ([\d.]+)x</title>", plot.group(0))
+        assert sorted(round(float(v), 3) for v in drawn) == sorted(round(r, 3) for r in ratios)
