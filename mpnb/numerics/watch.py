@@ -71,7 +71,7 @@ MEASURES = (
 _LAYER_MEASURES = MEASURES[4:11]
 _NAN = float("nan")
 #: The sampling interval of ``watch_numerics=True``, the default: a sampled step costs up to
-#: 2.7 plain steps of a small model on a CPU (its tiny ops are many), so sampling every 200th
+#: 2.4 plain steps of a small model on a CPU (its tiny ops are many), so sampling every 200th
 #: keeps the watch under 1% of a fit (``benchmarks/numerics_watch_cost.py``). A fit shorter
 #: than that is sampled after trouble only (each step, :data:`DENSE_STEPS` of them).
 DEFAULT_EVERY = 200
@@ -339,14 +339,16 @@ class ModuleMeasures:
         many nonzero values fp16 loses, how many are nonzero (inf and NaN count as nonzero
         values that did not underflow)."""
         magnitude = out.abs()  # in its own dtype: fp16's threshold is exact in bf16 and fp32
-        count = float(magnitude.numel())
-        zeros = (magnitude == 0).sum(dtype=torch.float32)
+        count = magnitude.numel()
+        nonzero = torch.count_nonzero(magnitude)  # a count is the cheap reduction on a CPU
         self._outputs[name] = torch.stack(
             (
                 magnitude.nan_to_num(nan=0.0, posinf=math.inf).amax().float(),
-                count - (magnitude < math.inf).sum(dtype=torch.float32),  # inf and NaN
-                (magnitude < FP16_SMALLEST_SUBNORMAL).sum(dtype=torch.float32) - zeros,
-                count - zeros,
+                (count - torch.count_nonzero(magnitude < math.inf)).float(),  # inf and NaN
+                (
+                    torch.count_nonzero(magnitude < FP16_SMALLEST_SUBNORMAL) - count + nonzero
+                ).float(),
+                nonzero.float(),
             )
         )
         layers = swapped_layers_of(module)
@@ -360,12 +362,16 @@ class ModuleMeasures:
         of its values that flush to zero in the gradient's format (a share no loss scale
         changes: the cast scales by the gradient's own amax)."""
         magnitude = grad.detach().abs()
-        zeros = (magnitude == 0).sum(dtype=torch.float32)
+        nonzero = torch.count_nonzero(magnitude)
         self._gradients[name] = torch.stack(
             (
                 magnitude.nan_to_num(0.0, 0.0, 0.0).amax().float(),
-                (magnitude < FP16_SMALLEST_SUBNORMAL).sum(dtype=torch.float32) - zeros,
-                float(magnitude.numel()) - zeros,
+                (
+                    torch.count_nonzero(magnitude < FP16_SMALLEST_SUBNORMAL)
+                    - magnitude.numel()
+                    + nonzero
+                ).float(),
+                nonzero.float(),
             )
         )
         layer = self._layers.get(name)
