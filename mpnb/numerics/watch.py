@@ -69,6 +69,7 @@ MEASURES = (
 )
 #: The low-precision layers' measures, in :data:`MEASURES` order (one tensor a layer).
 _LAYER_MEASURES = MEASURES[4:11]
+_GRAD_FLUSHED = _LAYER_MEASURES.index("fp8_grad_flushed")
 _NAN = float("nan")
 #: The sampling interval of ``watch_numerics=True``, the default: a sampled step costs up to
 #: 2.4 plain steps of a small model on a CPU (its tiny ops are many), so sampling every 200th
@@ -285,6 +286,7 @@ class ModuleMeasures:
         self._outputs: dict[str, torch.Tensor] = {}  # a module's 4 output numbers
         self._gradients: dict[str, torch.Tensor] = {}  # its output gradient's 3
         self._layers: dict[str, list[torch.Tensor]] = {}  # a low-precision layer's 7
+        self._swapped: dict[str, tuple[nn.Module, Any]] = {}  # that layer, and its LayerSwap
         self._scale: torch.Tensor | float = 1.0
 
     @property
@@ -295,7 +297,7 @@ class ModuleMeasures:
     def start(self, scale: torch.Tensor | float = 1.0) -> None:
         """Hook the modules for a pass whose backward runs at loss scale ``scale``."""
         self._scale = scale
-        self._outputs, self._gradients, self._layers = {}, {}, {}
+        self._outputs, self._gradients, self._layers, self._swapped = {}, {}, {}, {}
         self._probe.attach()  # by name: mode fp8 puts torchao's layers in their place
 
     def stop(self) -> torch.Tensor | None:
@@ -354,6 +356,7 @@ class ModuleMeasures:
         layers = swapped_layers_of(module)
         if layers is not None:  # its gradient's cast is measured when the gradient comes
             self._layers[name] = _layer_measures(layers, module, inputs, out.device)
+            self._swapped[name] = (module, layers)
 
     def _gradient(self, name: str, grad: torch.Tensor) -> None:
         """The gradient of that output, reduced to three numbers: its largest finite magnitude
@@ -374,14 +377,10 @@ class ModuleMeasures:
                 nonzero.float(),
             )
         )
-        layer = self._layers.get(name)
-        if layer is not None:
-            module = self._probe.model.get_submodule(name)
-            layers = swapped_layers_of(module)
-            if layers is not None:
-                layer[_LAYER_MEASURES.index("fp8_grad_flushed")] = layers.cast_measures(
-                    module, grad, "grad_output"
-                )[2]
+        swapped = self._swapped.get(name)
+        if swapped is not None:  # the layer and its format, as its output's hook found them
+            module, layers = swapped
+            self._layers[name][_GRAD_FLUSHED] = layers.cast_measures(module, grad, "grad_output")[2]
 
 
 class NumericsWatch(Instrument):
