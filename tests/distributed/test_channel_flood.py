@@ -89,7 +89,15 @@ class OtherUser:
             return
         self.folder = tempfile.mkdtemp(prefix="mpnb-other-user-")
         os.chmod(self.folder, 0o777)
-        command = [self.PYTHON, FLOOD_ATTACKER, self.folder, "-", str(FLOOD_COUNT), prefix]
+        # the checkout may sit in a folder only its owner reads (a CI's mktemp -d): the other
+        # user runs copies of the attacker and the module it imports, from its own folder
+        for script in (
+            FLOOD_ATTACKER,
+            os.path.join(os.path.dirname(FLOOD_ATTACKER), "attacker.py"),
+        ):
+            os.chmod(shutil.copy(script, self.folder), 0o644)
+        attacker = os.path.join(self.folder, os.path.basename(FLOOD_ATTACKER))
+        command = [self.PYTHON, attacker, self.folder, "-", str(FLOOD_COUNT), prefix]
         self.process = subprocess.Popen(command, user=NOBODY)
         deadline = time.monotonic() + 30
         while not os.path.exists(os.path.join(self.folder, "ready")):
