@@ -200,7 +200,7 @@ class LoopTelemetry:
             self.dashboard, title or f"{self.framework} (mpnb telemetry)", self.control
         )
         sinks = [*self._run.instruments, *sinks]  # read at a flush before a view draws them
-        self.recorder.sinks.extend(sinks)
+        self.recorder.attach(*sinks)
         self._run.sinks = sinks
         self._run.account.watch(instruments, self._run.watched(self.history), self.steps + 1)
         self.control.begin()
@@ -285,7 +285,7 @@ class LoopTelemetry:
             lr=run.lr,
             mode=observed if observed is not None else UNSEEN,
         )
-        self.recorder.add_row(record.row())
+        self.recorder.add_record(record)
         run.next_window()
         if record.loss_missing:
             self.notices.say(
@@ -373,8 +373,7 @@ class LoopTelemetry:
         try:
             self.recorder.close()
         finally:
-            for sink in run.sinks:
-                self.recorder.sinks.remove(sink)
+            self.recorder.detach(*run.sinks)
             run.detach()
             self.control.on_state.remove(run.control_listener)
             self.control.end()

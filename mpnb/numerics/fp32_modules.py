@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,6 +100,10 @@ class Fp32Modules(Instrument):
     def begin(self, run: WatchedRun) -> None:
         """A run begins: the modules asked for before it wait for its first step."""
         self._run = run
+
+    def next_watched_step(self, step: int) -> int | float:
+        """The run's first step when modules wait for it, else none."""
+        return step if self._waiting else math.inf
 
     def before_forward(self, step: int, first: bool) -> None:
         """The run's steps train: the modules asked for before it are kept from this step on,

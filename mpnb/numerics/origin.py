@@ -414,6 +414,10 @@ class FirstSkipLocator(Instrument):
         """A fit begins: watch for its first skip when its mode scales the loss."""
         self._run, self.pending, self._state = run, run.scales_loss, None
 
+    def next_watched_step(self, step: int) -> int | float:
+        """Every step until the first skip (its random state is kept), none after."""
+        return step if self.pending else math.inf
+
     def before_forward(self, step: int, first: bool) -> None:
         """A micro-batch is about to train: keep the random state the replay will need."""
         if self.pending and self._run is not None:
@@ -508,6 +512,7 @@ class NextStepsLocator(Instrument):
         self._watch: _Watch | None = None
         self._history: Any = None
         self._events_before = 0
+        self._reschedule: Callable[[], None] = lambda: None
 
     def begin(self, run: WatchedRun) -> None:
         """A run begins: one origin to find in it, from its own rows."""
@@ -515,6 +520,11 @@ class NextStepsLocator(Instrument):
         self.done, self._left, self._trouble = False, 0, ""
         self._rows_seen, self._history = len(run.history), run.history
         self._events_before = len(run.history.events)
+        self._reschedule = run.reschedule
+
+    def next_watched_step(self, step: int) -> int | float:
+        """Each step while armed (or watching one), none otherwise."""
+        return step if self.armed or self._watch is not None else math.inf
 
     @property
     def armed(self) -> bool:
@@ -523,8 +533,7 @@ class NextStepsLocator(Instrument):
 
     def update(self, history: Any) -> None:
         """A flush: arm at the first trouble among the rows it added (once a run)."""
-        fresh = range(self._rows_seen, len(history))
-        self._rows_seen = len(history)
+        fresh, self._rows_seen = self._rows_seen, len(history)
         if self.done or self.armed:
             return
         if any(  # a replay of the first skip named it already: one origin a run
@@ -533,16 +542,17 @@ class NextStepsLocator(Instrument):
         ):
             self.done = True
             return
-        for row in fresh:
-            loss, step = history.loss[row], history.step[row]
-            if self.on_skips and history.skipped[row]:
-                self._trouble = f"step {step} skipped"
-            elif not (math.isfinite(loss) or history.loss_missing[row]):
-                self._trouble = f"step {step}'s loss was {loss}"
-            else:
-                continue
-            self._left = self.tries
+        row = history.first_trouble(fresh, skips=self.on_skips)
+        if row is None:
             return
+        step = history.step[row]
+        self._trouble = (
+            f"step {step} skipped"
+            if self.on_skips and history.skipped[row]
+            else f"step {step}'s loss was {history.loss[row]}"
+        )
+        self._left = self.tries
+        self._reschedule()  # the next step is watched
 
     def before_forward(self, step: int, first: bool) -> None:
         """A step's first micro-batch begins: watched while armed."""

@@ -424,6 +424,13 @@ class NumericsWatch(Instrument):
     def begin(self, run: WatchedRun) -> None:
         self._run = run
 
+    def next_watched_step(self, step: int) -> int | float:
+        """The step being sampled, else the next one to sample: a multiple of ``every``, or
+        each step while sampling densely."""
+        if self._measures.attached or step <= self._dense_until:
+            return step
+        return step + (-step % self.every)
+
     def before_forward(self, step: int, first: bool) -> None:
         """Optimizer step ``step`` is about to train: hook the modules if it is sampled (every
         ``every`` steps, and each step for :data:`DENSE_STEPS` after a flush showed trouble)."""
@@ -449,11 +456,11 @@ class NumericsWatch(Instrument):
     def update(self, history: History) -> None:
         """The telemetry flushed: read the pending sampled steps in one copy, and sample densely
         from here when a new row shows a skipped step or a non-finite loss."""
-        fresh = range(self._rows_seen, len(history))
-        self._rows_seen = len(history)
-        skipped, loss, unread = history.skipped, history.loss, history.loss_missing
-        if any(skipped[i] or not (math.isfinite(loss[i]) or unread[i]) for i in fresh):
+        fresh, self._rows_seen = self._rows_seen, len(history)
+        if history.first_trouble(fresh) is not None:
             self._dense_until = history.step[-1] + DENSE_STEPS
+            if self._run is not None:
+                self._run.reschedule()
         if not self._pending:
             return
         pending, self._pending = self._pending, []

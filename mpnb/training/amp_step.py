@@ -260,9 +260,9 @@ class AmpStep:
         """:meth:`backward`, told whether it is called where autocast is on (inside the forward's block)."""
         check_loss(loss)
         self._window.start_backward()  # until it returns: partial gradients
-        self.account.forward_end()
-        # recorded as given: summed in fp32, divided once at the step (the mean)
-        given = loss.detach()
+        # recorded as given (kept on the device, read at the flush): summed in fp32, divided once
+        # at the step (the mean); a backward that fails leaves a window that is discarded whole
+        self.account.forward_end(loss.detach())
         if self.accumulate > 1:
             loss = loss / self.accumulate
         if under_autocast:  # leave it for the backward
@@ -271,7 +271,6 @@ class AmpStep:
         else:  # the usual place, after the block: no context to build (a few microseconds a step)
             self.scaler.scale(loss).backward()
         self._window.end_backward()
-        self.account.add_loss(given)  # kept on the device, read at the flush
 
     def step(self, samples: int | None = None) -> bool:
         """End a micro-batch. At the end of an accumulation window: unscale, clip, step,
@@ -329,36 +328,26 @@ class AmpStep:
         """Unscale, clip, step, update the scale and record the window's row."""
         if not self._weights_checked:
             self.check_weights()
+        scaler, optimizer, watch = self.scaler, self.optimizer, self._step_watch
+        scale_before = scale_in_use(scaler)
+        watch.reset()
         try:
-            return self._unscale_and_step()
-        except ValueError as error:  # weights made fp16 after the check: torch's words, explained
-            refused = unscale_refusal(error, self.optimizer)
+            grad_norm = (
+                unscale_and_clip(scaler, optimizer, self.clip_grad_norm)
+                if self.clip_grad_norm is not None or self.record_grad_norm
+                else math.nan
+            )
+            lr = lr_in_use(optimizer)
+            scaler.step(optimizer)
+        except BaseException as error:
+            if watch.stepped:  # the update happened (a later hook failed): the step counts
+                self._finish_step(scale_before, False, grad_norm, lr)
+            # weights made fp16 after the check: torch's words, explained
+            refused = unscale_refusal(error, optimizer) if isinstance(error, ValueError) else None
             if refused is not None:
                 raise refused from error
             raise
-
-    def _unscale_and_step(self) -> bool:
-        scale_before = scale_in_use(self.scaler)
-        grad_norm = (
-            unscale_and_clip(self.scaler, self.optimizer, self.clip_grad_norm)
-            if self.clip_grad_norm is not None or self.record_grad_norm
-            else math.nan
-        )
-        lr = lr_in_use(self.optimizer)
-        self._step_watch.reset()
-        try:
-            self.scaler.step(self.optimizer)
-        except BaseException:
-            # the update happened (a later hook failed): the step counts
-            if self._step_watch.stepped:
-                self._finish_step(scale_before, False, grad_norm, lr)
-            raise
-        self._finish_step(
-            scale_before,
-            self._step_watch.skipped(self.scaler, self.precision.device),
-            grad_norm,
-            lr,
-        )
+        self._finish_step(scale_before, watch.skipped(scaler, self.precision.device), grad_norm, lr)
         return True
 
     def _finish_step(
@@ -381,7 +370,19 @@ class AmpStep:
                 self.scheduler.step()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
-            self._record(scale_before, skipped, grad_norm, lr)
+            self.steps += 1
+            self._window.close()  # before the sinks run: a failing sink cannot leave it open
+            self.recorder.add_record(
+                self.account.close(
+                    step=self.steps,
+                    epoch=self.epoch,
+                    loss_scale=scale_before,
+                    skipped=skipped,
+                    lr=lr,
+                    grad_norm=grad_norm,
+                    mode=self.precision.mode.label,
+                )
+            )
 
     def check_weights(self, model: torch.nn.Module | None = None) -> None:
         """Check the weights the optimizer trains against the mode, before they train: fp16
@@ -466,26 +467,6 @@ class AmpStep:
                 self.precision.device.type, enabled=enabled, **self._scaler_options
             )
         return self._scalers[enabled]
-
-    def _record(
-        self,
-        scale_before: torch.Tensor | float,
-        skipped: torch.Tensor | bool,
-        grad_norm: torch.Tensor | float,
-        lr: Any,
-    ) -> None:
-        self.steps += 1
-        self._window.close()  # before the sinks run: a failing sink cannot leave it open
-        record = self.account.close(
-            step=self.steps,
-            epoch=self.epoch,
-            loss_scale=scale_before,
-            skipped=skipped,
-            lr=lr,
-            grad_norm=grad_norm,
-            mode=self.precision.mode.label,
-        )
-        self.recorder.add_row(record.row())
 
     def discard_window(self) -> None:
         """Drop the micro-batches of an unfinished accumulation window (their gradients too, and what

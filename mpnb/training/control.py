@@ -106,6 +106,7 @@ class Checkpoint:
 
 
 _GO_ON = Checkpoint(stop=False, changed=(), paused_s=0.0)
+_PAUSED, _STOPPING = FitState.PAUSED, FitState.STOPPING  # read at every step: a global each
 _STOP = Checkpoint(stop=True, changed=(), paused_s=0.0)
 
 
@@ -193,9 +194,11 @@ class FitControl:
         Args:
             interrupted: ends a pause too (the fit's Ctrl-C check).
         """
-        self._poll()
-        if not (self.state is FitState.PAUSED or self._changed):  # the usual step: nothing to tell
-            return _STOP if self.state is FitState.STOPPING else _GO_ON
+        if self.pollers:
+            self._poll()
+        state = self.state
+        if state is not _PAUSED and not self._changed:  # the usual step: nothing to tell
+            return _STOP if state is _STOPPING else _GO_ON
         waited_from = time.perf_counter()
         while self.state is FitState.PAUSED and not interrupted():
             time.sleep(PAUSE_POLL_S)

@@ -5,8 +5,8 @@ next batch to train on (epoch, batch), the epoch an unfinished plan ends before,
 running accumulation window began and (for one-shot data) its batches, the batches a stopped
 fit read and did not train, and the reader the running fit takes its batches from. Its methods
 are the only moves: :meth:`~DataPosition.plan` a fit, read an epoch's batches
-(:meth:`~DataPosition.epoch_batches`), :meth:`~DataPosition.start_window`, note a batch
-(:meth:`~DataPosition.took`, :meth:`~DataPosition.trained`), :meth:`~DataPosition.hold` at a
+(:meth:`~DataPosition.epoch_batches`), note a batch (:meth:`~DataPosition.take`, which may
+start a window, and :meth:`~DataPosition.trained`), :meth:`~DataPosition.hold` at a
 stop, :meth:`~DataPosition.drop_window` after an error, :meth:`~DataPosition.next_epoch`.
 
 Where a resumed fit's batches come from (:func:`resume`): a fit that stopped keeps the
@@ -22,8 +22,7 @@ Example (a fit of one epoch that stops after two batches, and the next one that 
     ...     if place.batch == 2:
     ...         place.hold(batch)
     ...         break
-    ...     place.start_window()
-    ...     place.took(batch)
+    ...     _ = place.take(batch, starts_window=True)
     ...     place.trained()
     >>> place.close(), place.position
     (None, (0, 2, 1))
@@ -188,18 +187,15 @@ class DataPosition:
         self._reader = resume(held, data, (self.epoch, self.batch), self._one_shot)
         return self._reader
 
-    def start_window(self) -> None:
-        """An accumulation window starts at the position."""
-        self._window_start = (self.epoch, self.batch)
-        self._window = []
-
-    def took(self, batch: Any) -> None:
-        """``batch`` goes into the open window (kept only for one-shot data, to give back after an error)."""
+    def take(self, batch: Any, starts_window: bool) -> Any:
+        """``batch`` goes into the open accumulation window (a new one that starts at the position
+        when ``starts_window``); returned on :attr:`device`, kept as :attr:`last_batch`. The
+        window's batches are kept only for one-shot data, to give back after an error."""
+        if starts_window:
+            self._window_start = (self.epoch, self.batch)
+            self._window = []
         if self._one_shot:
             self._window.append(batch)
-
-    def moved(self, batch: Any) -> Any:
-        """``batch`` on :attr:`device`, kept as :attr:`last_batch`."""
         self.last_batch = to_device(batch, self.device)
         return self.last_batch
 

@@ -84,7 +84,14 @@ class HealthWatch(Sink):
             history.loss_missing,
             history.grad_norm,
         )
-        for index in range(self._checked, len(history)):
+        start, self._checked = self._checked, len(history)
+        if (
+            all(map(math.isfinite, losses[start:]))  # the usual flush: nothing to report
+            and min(scales[start:], default=math.inf) >= COLLAPSED_SCALE
+            and 0.0 not in norms[start:]
+        ):
+            return
+        for index in range(start, len(history)):
             loss, skipped, scale = losses[index], skips[index], scales[index]
             step = history.step[index]
             unread = unread_losses[index]  # NaN that stands for "unknown", not a diverged loss

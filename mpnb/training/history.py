@@ -113,6 +113,26 @@ class History:
                 values if values is not None else [column_default(kind)] * count
             )
 
+    def first_trouble(self, start: int = 0, *, skips: bool = True) -> int | None:
+        """The first row from ``start`` whose loss was read and is not finite, or (with ``skips``)
+        whose step was skipped for overflow; None when there is none. What the watchers of a
+        flush ask of its new rows: the usual answer, none, without a Python step per row.
+
+        Example:
+            >>> h = History()
+            >>> h.extend({"step": [1, 2, 3], "loss": [0.5, float("inf"), 0.5], "skipped": [False, False, True]})
+            >>> h.first_trouble(), h.first_trouble(2), h.first_trouble(2, skips=False)
+            (1, 2, None)
+        """
+        losses, skipped = self.columns["loss"][start:], self.columns["skipped"][start:]
+        if all(map(math.isfinite, losses)) and not (skips and any(skipped)):
+            return None
+        missing = self.columns["loss_missing"][start:]  # NaN that stands for "not read"
+        for offset, (loss, skip, unread) in enumerate(zip(losses, skipped, missing)):
+            if (skips and skip) or not (unread or math.isfinite(loss)):
+                return start + offset
+        return None
+
     def note(self, message: str, **details: Any) -> None:
         """Record an event (interruption, alarm, switch) at the current step."""
         self.events.append(

@@ -112,6 +112,9 @@ def low_precision_notice(
     meant (call it under an autocast mode, not where training in the weights' own dtype is the
     choice made): updates below the weights' resolution are lost. None when every weight it
     trains is fp32 (or wider)."""
+    dtypes = {parameter.dtype for group in optimizer.param_groups for parameter in group["params"]}
+    if torch.bfloat16 not in dtypes and torch.float16 not in dtypes:
+        return None  # the usual fit's start: no parameter named
     for dtype in (torch.bfloat16, torch.float16):
         names = _trainable(optimizer, dtype, model)
         if names:

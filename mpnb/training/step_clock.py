@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -63,6 +64,10 @@ class StepClock:
         self.device = device
         self.uses_events = _timing_events_work(device)
         self._start: float | torch.Event | None = None
+        # a mark now: the host's clock itself where it is the device's (no Python call a mark)
+        self._mark: Callable[[], float | torch.Event] = (
+            self._event if self.uses_events else time.perf_counter
+        )
 
     def start(self, at: float | torch.Event | None = None) -> None:
         """Open a window now (or at ``at``, a mark :meth:`start_anew` returned), unless one is open."""
@@ -89,9 +94,7 @@ class StepClock:
         start, self._start = self._start, None
         return None if start is None else _between(start, self._mark())
 
-    def _mark(self) -> float | torch.Event:
-        if not self.uses_events:
-            return time.perf_counter()
+    def _event(self) -> torch.Event:
         event = torch.Event(device=self.device, enable_timing=True)
         event.record()
         return event

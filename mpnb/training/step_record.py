@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -79,32 +80,49 @@ class StepRecord:
     def row(self) -> dict[str, Any]:
         """The record as the recorder's row: History's columns, and ``samples`` (from which the
         flush derives ``samples_per_s``)."""
-        used, peak, reserved = self.memory
-        step_time, forward_time = self.step_time, self.forward_time
+        return {name: values[0] for name, values in StepRecord.columns_of([self]).items()}
+
+    @staticmethod
+    def columns_of(records: Sequence[StepRecord]) -> dict[str, list[Any]]:
+        """Records as the recorder's columns (what :meth:`row` gives, column-wise), made in one pass:
+        a flush turns its pending records at once. A duration of one part is that part; of several,
+        a list (the recorder sums them); a forward time not measured, NaN.
+
+        Example:
+            >>> account = StepAccount(torch.device("cpu"))
+            >>> first = account.close(step=1, epoch=0, loss_scale=1.0, skipped=False, lr=0.1, mode="bf16")
+            >>> second = account.close(step=2, epoch=0, loss_scale=1.0, skipped=False, lr=0.1, mode="bf16")
+            >>> StepRecord.columns_of([first, second])["step"]
+            [1, 2]
+        """
+        fields = map(list, zip(*map(_FIELDS, records)))
+        steps, epochs, losses, missing, scales, skips, lrs, step_times, *rest = fields
+        forward_times, samples, memories, norms, modes = rest
+        used, peak, reserved = map(list, zip(*memories))
         return {
-            "step": self.step,
-            "epoch": self.epoch,
-            "loss": self.loss,
-            "loss_missing": self.loss_missing,
-            "loss_scale": self.loss_scale,
-            "skipped": self.skipped,
-            "lr": self.lr,
-            # one part as it is, several as a list (the recorder sums them): inline, as it runs a step
-            "step_time": step_time[0] if len(step_time) == 1 else list(step_time),
-            "forward_time": (
-                math.nan
-                if forward_time is None
-                else forward_time[0]
-                if len(forward_time) == 1
-                else list(forward_time)
-            ),
-            "samples": self.samples,
+            "step": steps,
+            "epoch": epochs,
+            "loss": losses,
+            "loss_missing": missing,
+            "loss_scale": scales,
+            "skipped": skips,
+            "lr": lrs,
+            "step_time": [parts[0] if len(parts) == 1 else list(parts) for parts in step_times],
+            "forward_time": [
+                math.nan if parts is None else parts[0] if len(parts) == 1 else list(parts)
+                for parts in forward_times
+            ],
+            "samples": samples,
             "memory_used": used,
             "memory_peak": peak,
             "memory_reserved": reserved,
-            "grad_norm": self.grad_norm,
-            "mode": self.mode,
+            "grad_norm": norms,
+            "mode": modes,
         }
+
+
+#: A record's fields in their order, read at once.
+_FIELDS = operator.attrgetter(*(field.name for field in dataclasses.fields(StepRecord)))
 
 
 def flush_every_for(on_nonfinite: str, flush_every: int) -> int:
@@ -128,6 +146,9 @@ class WatchedRun:
         loss_scale: the loss scale the next step's backward uses, read without a device sync.
         autocast: a fresh forward-pass context of the run's precision (for a step replayed).
         tell_sinks: shows the sinks the history as it is (after a note made between two flushes).
+        reschedule: asks each instrument again which step it next watches (see
+            :meth:`Instrument.next_watched_step`): call it when an instrument wants a step sooner
+            than it said (trouble seen at a flush).
 
     Example:
         >>> run = WatchedRun(History(), torch.device("cpu"))
@@ -141,6 +162,7 @@ class WatchedRun:
     loss_scale: Callable[[], torch.Tensor | float] = lambda: 1.0
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     tell_sinks: Callable[[], None] = lambda: None
+    reschedule: Callable[[], None] = lambda: None
 
 
 class Instrument(Sink):
@@ -153,6 +175,10 @@ class Instrument(Sink):
     as a telemetry :class:`~mpnb.training.telemetry.Sink`, :meth:`update` at each flush and
     :meth:`close` at the run's end; :meth:`detach` last, however the run ended. None of them
     may read a device value: the flush is the place for that.
+
+    An instrument is called only at the moments it overrides, and only at the steps it watches:
+    :meth:`next_watched_step` says which (every step by default); the steps between cost the
+    run nothing of it. :meth:`step_skipped` is told of every skip known on the host.
 
     Example:
         >>> class Steps(Instrument):
@@ -167,6 +193,13 @@ class Instrument(Sink):
 
     def begin(self, run: WatchedRun) -> None:
         """A run (a fit) begins: ``run`` is what the instrument may read of it."""
+
+    def next_watched_step(self, step: int) -> int | float:
+        """The first step from ``step`` on whose moments this instrument needs (``step`` itself
+        by default: every step), or ``math.inf`` for none until it asks again
+        (:attr:`WatchedRun.reschedule`). Asked when the run begins, after each step it watched,
+        and when it asks."""
+        return step
 
     def before_forward(self, step: int, first: bool) -> None:
         """A micro-batch of optimizer step ``step`` is about to run its forward pass; ``first``:
@@ -210,6 +243,8 @@ class StepAccount:
         self.instruments: list[Instrument] = []  # called at each step's moments, in this order
         self.next_step = 1  # the open step's number, as the instruments are told it
         self._forward: Callable[[], torch.Tensor] | None = None  # the last micro-batch's forward
+        self._moments = _Moments([])
+        self._woken_at: int | float = math.inf  # the next step an instrument watches
         self.discard()
 
     # -- instruments -----------------------------------------------------------------------
@@ -218,56 +253,74 @@ class StepAccount:
         """Call ``instruments`` at the moments of the steps from here on, the next one numbered
         ``next_step``; each begins watching ``run`` first."""
         self.instruments, self.next_step = list(instruments), next_step
+        self._moments = _Moments(self.instruments)
+        run = dataclasses.replace(run, reschedule=self.reschedule)
         for instrument in self.instruments:
             instrument.begin(run)
+        self.reschedule()
 
     def unwatch(self) -> None:
         """The run ended: every instrument detaches (each one, whatever another raised), and is
         called no more."""
         instruments, self.instruments, self._forward = self.instruments, [], None
+        self._moments, self._woken_at = _Moments([]), math.inf
         with contextlib.ExitStack() as detaching:
             for instrument in instruments:
                 detaching.callback(instrument.detach)
 
-    def _before_forward(self, forward: Callable[[], torch.Tensor] | None) -> None:
-        self._forward = forward
+    def reschedule(self) -> None:
+        """Ask the instruments again which step one of them watches next."""
+        self._woken_at = min(
+            (instrument.next_watched_step(self.next_step) for instrument in self.instruments),
+            default=math.inf,
+        )
+
+    def _before_forward(self) -> None:
         first = not self.open
-        for instrument in self.instruments:
-            instrument.before_forward(self.next_step, first)
+        for before_forward in self._moments.before_forward:
+            before_forward(self.next_step, first)
 
     def _step_ended(
         self, step: int, scale: torch.Tensor | float, skipped: torch.Tensor | bool
     ) -> None:
-        for instrument in self.instruments:
-            instrument.step_end(step)
+        if step >= self._woken_at:
+            for step_end in self._moments.step_end:
+                step_end(step)
         if skipped is True:  # known on the host; a device flag is read at the flush, not here
-            for instrument in self.instruments:
-                instrument.step_skipped(step, scale, self._forward)
+            for step_skipped in self._moments.step_skipped:
+                step_skipped(step, scale, self._forward)
+        if step >= self._woken_at or skipped is True:
+            self.reschedule()
 
     # -- time ------------------------------------------------------------------------------
 
     def start(self) -> None:
         """A micro-batch's work begins (the step's time starts, unless it has already): the
         instruments' :meth:`~Instrument.before_forward`."""
-        if self.instruments:
-            self._before_forward(None)
+        self._forward = None
+        if self.next_step >= self._woken_at:
+            self._before_forward()
         self.clock.start()
 
     def forward_start(self, forward: Callable[[], torch.Tensor] | None = None) -> None:
         """A forward pass begins: the step's time starts here too, if it has not yet. ``forward``:
         the function that runs it and returns the loss, for an instrument that replays a skipped
         step. The instruments' :meth:`~Instrument.before_forward` run first, outside the clocks."""
-        if self.instruments:
-            self._before_forward(forward)
+        self._forward = forward
+        if self.next_step >= self._woken_at:
+            self._before_forward()
         self.clock.start(self.forward_clock.start_anew())  # one reading of the clock opens both
 
-    def forward_end(self) -> None:
-        """The forward pass's loss is handed to backward: its time is the step's forward time."""
+    def forward_end(self, loss: torch.Tensor | float | None = None) -> None:
+        """The forward pass's loss is handed to backward: its time is the step's forward time;
+        ``loss``, when given, is the micro-batch's (as :meth:`add_loss` takes it)."""
         forward_time = self.forward_clock.stop()
         if forward_time is None:  # no forward_start() before: the step's time starts here
             self.clock.start()
         else:
             self._forward_parts.append(forward_time)
+        if loss is not None:
+            self.add_loss(loss)
 
     def interrupt(self) -> None:
         """Work outside the steps starts inside an open step (an evaluation between micro-batches):
@@ -335,25 +388,46 @@ class StepAccount:
     ) -> StepRecord:
         """The step ends: its record, from what was gathered and the clocks; the next step opens.
         Then the instruments' :meth:`~Instrument.step_end` (and :meth:`~Instrument.step_skipped`)."""
-        step_time = (*self._step_parts, self.clock.lap())
-        loss = self.loss
+        step_time = (
+            (*self._step_parts, self.clock.lap()) if self._step_parts else (self.clock.lap(),)
+        )
+        loss = self.loss if self._plain_count != 1 or self._summed is not None else self._plain
         record = StepRecord(
-            step=step,
-            epoch=epoch,
-            loss=math.nan if loss is None else loss,
-            loss_missing=loss is None,
-            loss_scale=loss_scale,
-            skipped=skipped,
-            lr=lr,
-            step_time=step_time,
-            forward_time=tuple(self._forward_parts) or None,
-            samples=self._samples,
-            memory=self.memory.sample(time.perf_counter()),
-            grad_norm=grad_norm,
-            mode=mode,
+            step,
+            epoch,
+            math.nan if loss is None else loss,
+            loss is None,
+            loss_scale,
+            skipped,
+            lr,
+            step_time,
+            tuple(self._forward_parts) or None,
+            self._samples,
+            self.memory.sample(time.perf_counter()),
+            grad_norm,
+            mode,
         )
         self.discard()
         self.next_step = step + 1
         if self.instruments:
             self._step_ended(step, loss_scale, skipped)
         return record
+
+
+class _Moments:
+    """Each moment's calls: the bound methods of the instruments that override it, in order."""
+
+    __slots__ = ("before_forward", "step_end", "step_skipped")
+
+    def __init__(self, instruments: Sequence[Instrument]) -> None:
+        def overriding(name: str) -> list[Callable[..., None]]:
+            default = getattr(Instrument, name)
+            return [
+                getattr(instrument, name)
+                for instrument in instruments
+                if getattr(type(instrument), name) is not default
+            ]
+
+        self.before_forward = overriding("before_forward")
+        self.step_end = overriding("step_end")
+        self.step_skipped = overriding("step_skipped")

@@ -27,7 +27,7 @@ import itertools
 import math
 import operator
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -136,9 +136,32 @@ class Recorder:
             raise ValueError(f"flush_every must be at least 1, got {flush_every}")
         self.history = history if history is not None else History()
         self.flush_every = flush_every
-        self.sinks: list[Sink] = list(sinks)
         self.host_transfers = 0
-        self._pending: list[dict[str, Any]] = []
+        self._sinks: list[Sink] = []
+        self._timed: list[Callable[[float], bool]] = []  # the ``due`` of sinks that have one
+        self._pending: list[Any] = []  # rows, and records whose row the flush makes
+        self.attach(*sinks)
+
+    @property
+    def sinks(self) -> tuple[Sink, ...]:
+        """The sinks told of each flush, in order (:meth:`attach`, :meth:`detach`)."""
+        return tuple(self._sinks)
+
+    def attach(self, *sinks: Sink) -> None:
+        """Tell ``sinks`` of the flushes from here on, after the sinks already attached."""
+        self._sinks.extend(sinks)
+        self._time_sinks()
+
+    def detach(self, *sinks: Sink) -> None:
+        """Tell ``sinks`` of no more flushes (one that is not attached is passed over)."""
+        for sink in sinks:
+            if sink in self._sinks:
+                self._sinks.remove(sink)
+        self._time_sinks()
+
+    def _time_sinks(self) -> None:
+        """Keep the sinks that can ask for an early flush: only they are asked each step."""
+        self._timed = [sink.due for sink in self._sinks if type(sink).due is not Sink.due]
 
     @property
     def pending(self) -> int:
@@ -155,17 +178,23 @@ class Recorder:
         self.add_row(row)
 
     def add_row(self, row: dict[str, Any]) -> None:
-        """:meth:`record` for a row already made, kept as it is (no copy): a
-        :meth:`StepRecord.row() <mpnb.training.step_record.StepRecord.row>`, each step."""
+        """:meth:`record` for a row already made, kept as it is (no copy)."""
         self._pending.append(row)
         if len(self._pending) >= self.flush_every or self._sink_due():
             self.flush()
 
+    def add_record(self, record: Any) -> None:
+        """:meth:`add_row` for a :class:`~mpnb.training.step_record.StepRecord`, kept as it is: the
+        flush turns the pending records into columns at once (their class's ``columns_of``)."""
+        self._pending.append(record)
+        if len(self._pending) >= self.flush_every or (self._timed and self._sink_due()):
+            self.flush()
+
     def _sink_due(self) -> bool:
-        if self.sinks:
+        if self._timed:
             now = time.perf_counter()
-            for sink in self.sinks:
-                if sink.due(now):
+            for due in self._timed:
+                if due(now):
                     return True
         return False
 
@@ -208,18 +237,19 @@ class Recorder:
             try:
                 self._append([row])
             except Exception as error:
-                refused.append(f"step {row.get('step', '?')}: {error}")
+                step = row.get("step", "?") if type(row) is dict else getattr(row, "step", "?")
+                refused.append(f"step {step}: {error}")
         return refused
 
     def tell_sinks(self) -> None:
         """Show the sinks the history as it is (after an event noted between two flushes)."""
-        for sink in self.sinks:
+        for sink in self._sinks:
             sink.update(self.history)
 
     def close(self) -> None:
         """Flush what is pending and tell every sink the run ended."""
         self.flush()
-        for sink in self.sinks:
+        for sink in self._sinks:
             sink.close(self.history)
 
     def _to_host(self, columns: dict[str, list[Any]]) -> None:
@@ -359,15 +389,22 @@ _device_of = operator.attrgetter("device")
 _dtype_of = operator.attrgetter("dtype")
 
 
-def _columns_of(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+def _columns_of(rows: list[Any]) -> dict[str, list[Any]]:
     """The rows column-wise, where a row lacks a name that others have: the column's empty value
     (None for names that are no column; History.extend refuses those, ``samples`` aside).
+    Records of one class (:class:`~mpnb.training.step_record.StepRecord`) are turned by that
+    class's ``columns_of``; any other row is a dict, or has a ``row()``.
 
     >>> _columns_of([{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}])
     {'step': [1, 2], 'loss': [0.5, 0.25]}
     >>> _columns_of([{"step": 1}, {"step": 2, "loss": 0.25}])["loss"]
     [nan, 0.25]
     """
+    kind = type(rows[0])
+    if kind is not dict:
+        if all(type(row) is kind for row in rows):
+            return kind.columns_of(rows)
+        rows = [row if type(row) is dict else row.row() for row in rows]
     names = tuple(rows[0])
     if len(names) > 1 and set(map(len, rows)) == {len(names)}:
         try:  # the usual case, every row with the same names: transposed without a Python loop per value

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -401,7 +402,7 @@ class Trainer:
         steps_before = self.amp.steps
         self.history.meta.update(model=title, device=str(self.device), mode=self.mode.label)
         self._data.device = indexed(self.device)  # cuda:0, as batches already there name it
-        self.amp.recorder.sinks.extend(sinks)
+        self.amp.recorder.attach(*sinks)
         self.model.train()
         self.control.begin()
         self.amp.health.restart(self.history)  # each fit reports its own first problem
@@ -432,8 +433,7 @@ class Trainer:
                 self.amp.close()
             finally:
                 self.amp.account.unwatch()  # the instruments' hooks off, whatever the close did
-            for sink in sinks:
-                self.amp.recorder.sinks.remove(sink)
+            self.amp.recorder.detach(*sinks)
             if capture is not None:
                 capture.steps_taken += self.amp.steps - steps_before
         if finished:
@@ -508,8 +508,8 @@ class Trainer:
                     checkpoint = self.control.checkpoint(interrupted)
                     if checkpoint.changed:
                         self._follower.follow(checkpoint.changed)
-                    if "reset" in checkpoint.changed:  # every switch put back, the remedies too
-                        self._instruments.undo_for_reset(self.history, self.amp.steps + 1)
+                        if "reset" in checkpoint.changed:  # every switch put back, the remedies too
+                            self._instruments.undo_for_reset(self.history, self.amp.steps + 1)
                     if checkpoint.paused_s:
                         self.amp.restart_clock()  # the pause is not step time
                     wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
@@ -524,8 +524,9 @@ class Trainer:
                         place.hold(batch)
                         self._ended = self._why_stopped(peer_stopped)
                         return False
-                    place.start_window()
-                place.took(batch)
+                    batch = place.take(batch, starts_window=True)
+                else:
+                    batch = place.take(batch, starts_window=False)
                 steps_before = self.amp.steps
                 try:
                     stepped = self._train_batch(batch)
@@ -562,11 +563,8 @@ class Trainer:
             self.amp.discard_window()
 
     def _train_batch(self, batch: Any) -> bool:
-        batch = self._data.moved(batch)
-
-        def loss() -> torch.Tensor:
-            return batch_loss(self.model, batch, self.loss_fn, self.step_fn)
-
+        # the loss as a partial, not a closure: no Python frame of mpnb's between the step and the model
+        loss = functools.partial(batch_loss, self.model, batch, self.loss_fn, self.step_fn)
         return self.amp.train_step(loss, samples_in(batch))  # the instruments: in its account
 
     def _watched_run(self) -> WatchedRun:

@@ -49,7 +49,9 @@ class WindowPhase(enum.Enum):
 
 #: The phases in which a window takes a new micro-batch (each other phase's refusal says why).
 #: Tested by identity, not set membership: an Enum member's hash is a Python call, twice a step.
-_EMPTY, _ACCUMULATING = WindowPhase.EMPTY, WindowPhase.ACCUMULATING
+# each phase as a global: read at every micro-batch, where an enum's class attribute costs more
+_EMPTY, _FORWARD, _BACKWARD = WindowPhase.EMPTY, WindowPhase.FORWARD, WindowPhase.BACKWARD
+_ACCUMULATING, _RESCALED = WindowPhase.ACCUMULATING, WindowPhase.RESCALED
 
 
 class Window:
@@ -63,20 +65,20 @@ class Window:
     __slots__ = ("_before_forward", "micro_batches", "phase")
 
     def __init__(self) -> None:
-        self._before_forward = WindowPhase.EMPTY
+        self._before_forward = _EMPTY
         self.close()
 
     def close(self) -> None:
         """Forget everything (the step was recorded, or the window discarded): the next backward
         opens a new window."""
-        self.phase = WindowPhase.EMPTY
+        self.phase = _EMPTY
         self.micro_batches = 0
 
     @property
     def is_open(self) -> bool:
         """A backward ran since the last recorded step, or a forward is running: the optimizer's
         gradients or the mode must not change now."""
-        return self.phase is not WindowPhase.EMPTY
+        return self.phase is not _EMPTY
 
     def start_forward(self) -> None:
         """A :meth:`~mpnb.AmpStep.train_step` forward begins.
@@ -87,12 +89,12 @@ class Window:
         """
         phase = self.phase
         if phase is not _EMPTY and phase is not _ACCUMULATING:  # on the way of every micro-batch
-            if phase is WindowPhase.FORWARD:
+            if phase is _FORWARD:
                 raise RuntimeError(
                     "AmpStep.train_step() called from inside the forward of another train_step()"
                 )
             self._refuse_more()
-        self._before_forward, self.phase = phase, WindowPhase.FORWARD
+        self._before_forward, self.phase = phase, _FORWARD
 
     def end_forward(self) -> None:
         """The forward returned or raised: the window is where it was before it."""
@@ -109,11 +111,11 @@ class Window:
         phase = self.phase
         if phase is not _EMPTY and phase is not _ACCUMULATING:
             self._refuse_more()
-        self.phase = WindowPhase.BACKWARD
+        self.phase = _BACKWARD
 
     def end_backward(self) -> None:
         """The backward returned: its micro-batch is in the gradients."""
-        self.phase = WindowPhase.ACCUMULATING
+        self.phase = _ACCUMULATING
         self.micro_batches += 1
 
     def check_steppable(self) -> None:
@@ -122,7 +124,7 @@ class Window:
         Raises:
             RuntimeError: a backward failed half-way, leaving part of its gradients.
         """
-        if self.phase is WindowPhase.BACKWARD:
+        if self.phase is _BACKWARD:
             raise RuntimeError(
                 "a backward of this accumulation window failed half-way, leaving part of its "
                 f"gradients: {_DISCARD}"
@@ -130,11 +132,11 @@ class Window:
 
     def mark_rescaled(self) -> None:
         """The window's gradients were rescaled to the mean of its micro-batches."""
-        self.phase = WindowPhase.RESCALED
+        self.phase = _RESCALED
 
     def _refuse_more(self) -> None:
         self.check_steppable()
-        if self.phase is WindowPhase.RESCALED:
+        if self.phase is _RESCALED:
             raise RuntimeError(
                 f"this accumulation window was rescaled to the mean of its {self.micro_batches} "
                 "micro-batches for an optimizer step that failed: finish_window() retries the "

@@ -160,7 +160,7 @@ def stop_on_rank_zero_rank() -> tuple[int, bool]:
             if dist.get_rank() == 0 and len(history) >= 3:
                 trainer.control.stop()
 
-    trainer.amp.recorder.sinks.append(StopAtStepThree())
+    trainer.amp.recorder.attach(StopAtStepThree())
     trainer.fit(batches(16), max_steps=8)
     return len(trainer.history), trainer.stopped
 

@@ -109,7 +109,7 @@ def test_16_mixed_on_cpu_is_recorded_as_the_bf16_lightning_runs_with_a_warning()
 
 def test_stop_ends_training_at_the_next_step():
     callback = MpnbCallback(dashboard=None, flush_every=1)
-    callback.telemetry.recorder.sinks.append(StopAt(callback, 2))
+    callback.telemetry.recorder.attach(StopAt(callback, 2))
     trainer, module, _ = fit(callback, "bf16-mixed", max_steps=10)
     assert trainer.global_step == len(callback.history) == 2
     assert len(module.losses) == 2

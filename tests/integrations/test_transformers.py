@@ -132,7 +132,7 @@ def test_session_op_lists_are_said_to_act_inside_the_trainer(tmp_path):
 
 def test_stop_ends_training_through_the_trainers_own_stop(tmp_path):
     callback = MpnbCallback(dashboard=None, flush_every=1)
-    callback.telemetry.recorder.sinks.append(StopAt(callback, 2))
+    callback.telemetry.recorder.attach(StopAt(callback, 2))
     trainer, _ = train(callback, "bf16", tmp_path, max_steps=10)
     assert trainer.state.global_step == len(callback.history) == 2
     assert not callback.telemetry.running  # on_train_end ran: hooks off, dashboard closed

@@ -12,6 +12,7 @@ import mpnb.examples as ex
 from mpnb.integrations.loop_telemetry import LoopTelemetry
 from mpnb.numerics import advisor, limits, watch
 from mpnb.training.step_record import Instrument, WatchedRun
+from mpnb.training.telemetry import Sink
 
 
 class Moments(Instrument):
@@ -72,7 +73,7 @@ def test_an_instrument_on_a_framework_loops_telemetry_sees_the_same_moments():
     run = telemetry._run
     run.account.watch([*run.instruments, toy], run.watched(telemetry.history), telemetry.steps + 1)
     run.sinks.append(toy)
-    telemetry.recorder.sinks.append(toy)
+    telemetry.recorder.attach(toy)
     for _ in range(2):
         telemetry.window_begin()
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -94,6 +95,73 @@ def test_an_instrument_on_a_framework_loops_telemetry_sees_the_same_moments():
         ("close", 2),
         ("detach",),
     ]
+
+
+class EveryThird(Moments):
+    """Watches steps 3, 6, 9...; asks for the next step at once when told to (a flush's trouble)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urgent = False
+        self.run: WatchedRun | None = None
+
+    def begin(self, run: WatchedRun) -> None:
+        super().begin(run)
+        self.run = run
+
+    def next_watched_step(self, step: int) -> int:
+        return step if self.urgent else step + (-step % 3)
+
+
+def test_an_instrument_is_called_only_at_the_steps_it_watches():
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    toy = EveryThird()
+    trainer._instruments.append(toy)
+    trainer.fit(train, max_steps=7)
+    assert [moment for moment in toy.seen if moment[0] == "step_end"] == [
+        ("step_end", 3),
+        ("step_end", 6),
+    ]
+    assert ("before_forward", 4, True) not in toy.seen
+    assert ("before_forward", 6, True) in toy.seen
+
+
+def test_an_instrument_that_asks_again_is_called_from_the_next_step():
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    toy = EveryThird()
+    trainer._instruments.append(toy)
+
+    class Urgent(Sink):  # at step 4's end, the instrument wants every step from then on
+        def due(self, now: float) -> bool:
+            return True
+
+        def update(self, history) -> None:
+            if len(history) == 4 and not toy.urgent:
+                toy.urgent = True
+                toy.run.reschedule()
+
+    trainer.amp.recorder.attach(Urgent())
+    trainer.fit(train, max_steps=6)
+    ends = [moment[1] for moment in toy.seen if moment[0] == "step_end"]
+    assert ends == [3, 5, 6]
+
+
+def test_a_moment_no_instrument_overrides_is_never_called():
+    called = []
+
+    class OnlyEnds(Instrument):
+        def step_end(self, step: int) -> None:
+            called.append(step)
+
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    only = OnlyEnds()
+    trainer._instruments.append(only)
+    account = trainer.amp.account
+    trainer.fit(train, max_steps=2)
+    assert called == [1, 2]
+    account.watch([only], WatchedRun(trainer.history, torch.device("cpu")), next_step=3)
+    assert account._moments.before_forward == [] and account._moments.step_end == [only.step_end]
+    account.unwatch()
 
 
 def test_the_fp16_limits_are_torchs_and_the_watch_and_the_advisor_share_them():

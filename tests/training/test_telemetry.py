@@ -319,3 +319,50 @@ def test_an_example_count_held_in_a_tensor_gives_a_number_of_samples_per_second(
     assert recorder.history.samples_per_s == [128.0, 32.0]
     assert all(type(value) is float for value in recorder.history.samples_per_s)
     json.dumps(recorder.history.to_dict())
+
+
+class Paced(mpnb.training.telemetry.Sink):
+    """Asks for a flush at every step, and counts the flushes it is told of."""
+
+    def __init__(self) -> None:
+        self.flushes = 0
+
+    def due(self, now: float) -> bool:
+        return True
+
+    def update(self, history: History) -> None:
+        self.flushes += 1
+
+
+def test_a_sink_asks_for_early_flushes_from_attach_to_detach():
+    recorder = Recorder(flush_every=64)
+    paced = Paced()
+    recorder.attach(paced)
+    recorder.record(step=1, loss=0.5)
+    assert recorder.pending == 0 and paced.flushes == 1
+    recorder.detach(paced)
+    recorder.record(step=2, loss=0.5)
+    assert recorder.pending == 1 and paced.flushes == 1 and recorder.sinks == ()
+    recorder.detach(paced)  # no longer attached: passed over
+
+
+def test_records_make_the_same_history_column_wise_as_their_rows():
+    from mpnb.training.step_record import StepAccount, StepRecord
+
+    account = StepAccount(torch.device("cpu"))
+    records = []
+    for step in range(1, 4):
+        account.forward_start()
+        account.forward_end(torch.tensor(0.25 * step, dtype=torch.bfloat16))
+        account.add_samples(8)
+        records.append(
+            account.close(step=step, epoch=0, loss_scale=1.0, skipped=False, lr=0.1, mode="bf16")
+        )
+    by_rows, by_records = Recorder(), Recorder()
+    for record in records:
+        by_rows.add_row(record.row())
+        by_records.add_record(record)
+    by_rows.flush(), by_records.flush()
+    assert by_rows.history.columns == by_records.history.columns
+    assert by_records.history.loss == [0.25, 0.5, 0.75] and by_records.host_transfers == 1
+    assert StepRecord.columns_of(records)["forward_time"] == by_rows.history.forward_time

@@ -47,7 +47,7 @@ def test_the_remedy_button_offered_for_a_named_overflow_stops_the_skips_mid_fit(
 
     trainer = gpt2_trainer()
     view = RemedyView(trainer, waits_between_fits=True)
-    trainer.amp.recorder.sinks.append(view)
+    trainer.amp.recorder.attach(view)
     notes = []
 
     def click_when_offered():  # a poller runs at each checkpoint, as a delivered click does

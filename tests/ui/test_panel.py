@@ -143,7 +143,7 @@ def small_trainer(mode="bf16", **options):
 
 def test_stop_finishes_the_step_keeps_everything_and_returns_the_history():
     trainer, train = small_trainer("fp16", dashboard=None)
-    trainer.amp.recorder.sinks.append(AtStep(4, trainer.control.stop))
+    trainer.amp.recorder.attach(AtStep(4, trainer.control.stop))
     history = trainer.fit(train, epochs=3)
     assert len(history) == 4 and history.step == [1, 2, 3, 4]
     assert history.events[-1]["message"] == "stopped" and trainer.control.state == "idle"
@@ -164,7 +164,7 @@ def test_pause_holds_between_steps_and_resume_goes_on():
             trainer.control.resume()
 
     trainer.control.pollers.append(poll)
-    trainer.amp.recorder.sinks.append(AtStep(3, trainer.control.pause))
+    trainer.amp.recorder.attach(AtStep(3, trainer.control.pause))
     history = trainer.fit(train, max_steps=6)
     assert len(history) == 6 and polls.count("paused") >= 5
     assert max(history.step_time[3:]) < 0.2  # the pause (>= 0.25 s) is not counted as step time
@@ -172,10 +172,10 @@ def test_pause_holds_between_steps_and_resume_goes_on():
 
 def test_a_mode_switch_during_fit_takes_effect_at_the_next_step_and_is_recorded():
     trainer, train = small_trainer(dashboard=None)
-    trainer.amp.recorder.sinks += [
+    trainer.amp.recorder.attach(
         AtStep(3, lambda: session.set_mode("fp16")),
         AtStep(6, lambda: session.set_mode("bf16")),
-    ]
+    )
     history = trainer.fit(train, max_steps=9)
     assert history.mode == ["bf16"] * 3 + ["fp16"] * 3 + ["bf16"] * 3
     switches = [(e["step"], e["message"]) for e in history.events if e["kind"] == "switch"]
@@ -192,7 +192,7 @@ def test_a_mode_switch_during_fit_takes_effect_at_the_next_step_and_is_recorded(
 def test_fp32_math_switched_during_an_fp32_fit_is_where_the_session_wants_it_after():
     trainer, train = small_trainer("fp32", dashboard=None)
     precision_before = torch.get_float32_matmul_precision()
-    trainer.amp.recorder.sinks.append(AtStep(2, lambda: session.set_tf32(True)))
+    trainer.amp.recorder.attach(AtStep(2, lambda: session.set_tf32(True)))
     history = trainer.fit(train, max_steps=4)
     assert history.mode == ["fp32", "fp32", "tf32", "tf32"]
     assert (
@@ -205,7 +205,7 @@ def test_fp32_math_switched_during_an_fp32_fit_is_where_the_session_wants_it_aft
 
 def test_op_list_changes_during_fit_are_noted():
     trainer, train = small_trainer(dashboard=None)
-    trainer.amp.recorder.sinks.append(AtStep(2, lambda: session.oplists.add("fp32", ["linear"])))
+    trainer.amp.recorder.attach(AtStep(2, lambda: session.oplists.add("fp32", ["linear"])))
     history = trainer.fit(train, max_steps=3)
     assert [e["message"] for e in history.events if e["kind"] == "switch"] == [
         "op lists: lower 0, fp32 1"
