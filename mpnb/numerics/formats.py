@@ -247,7 +247,7 @@ def _nvfp4(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     from torchao.prototype.mx_formats.mx_tensor import MBITS_F4_E2M1
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
-    per_tensor = per_tensor_amax_to_scale(padded.abs().max())
+    per_tensor = per_tensor_amax_to_scale(torch.tensor(_largest(padded)))  # no |x| copy
     nv = NVFP4Tensor.to_nvfp4(padded, per_tensor_scale=per_tensor)
     limit = _rounding_limit(None, F4_E2M1_MAX, MBITS_F4_E2M1)
     return nv.dequantize(torch.float32), nv.get_hp_scales(), limit

@@ -301,3 +301,35 @@ def test_prove_trains_the_advice_beside_bf16_and_reports_the_gap(planted):
     assert fp16.keep == ["5"] and math.isfinite(fp16.gap)
     with pytest.raises(MpnbError, match="mode nvfp4 is not available on cpu"):
         planted.prove(_make_run, "nvfp4", steps=2)
+
+
+def test_it_holds_one_layers_casts_at_a_time(monkeypatch):
+    """Every tensor a cast made for a layer is gone before the next layer is measured: beyond
+    the pass itself, one layer's operands and products at a time."""
+    import gc
+    import weakref
+
+    from mpnb.numerics import formats, layer_matmuls
+
+    made: list[tuple[str, weakref.ref]] = []  # (layer, a cast's values)
+    measuring: list[str] = []
+    alive_at_start: dict[str, int] = {}
+    cast, layer = formats.cast, layer_matmuls.LayerMatmuls.layer
+
+    def recorded_cast(*args, **kwargs):
+        operand = cast(*args, **kwargs)
+        made.append((measuring[-1], weakref.ref(operand.values)))
+        return operand
+
+    def measured_layer(self, name, *args):
+        gc.collect()
+        alive_at_start[name] = sum(1 for _, values in made if values() is not None)
+        measuring.append(name)
+        return layer(self, name, *args)
+
+    monkeypatch.setattr(formats, "cast", recorded_cast)
+    monkeypatch.setattr(layer_matmuls.LayerMatmuls, "layer", measured_layer)
+    whatif(_planted(), _batch(), nn.functional.cross_entropy)
+    assert measuring == ["7", "5", "2", "0"]  # as the gradients arrive
+    assert len(made) == 4 * (3 + 3 + 3 + 6 + 6 + 6)  # each layer: once per format, or per axis
+    assert alive_at_start == {"7": 0, "5": 0, "2": 0, "0": 0}
