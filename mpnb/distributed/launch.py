@@ -19,9 +19,10 @@ running ``timeout`` seconds after it started is ended (its stack goes to stderr)
 same way, with where each rank was. No worker outlives the call.
 
 Several machines: call the same :func:`launch` on each with ``nnodes``, ``node_rank`` and a
-shared ``rdzv_endpoint`` (``"host:port"`` of one of them), passed to torch's rendezvous as
+shared ``rdzv_endpoint`` (``"host:port"`` of node 0's machine), passed to torch's rendezvous as
 ``torchrun --nnodes --node-rank --rdzv-endpoint`` passes them; each launch returns its own
-node's ranks.
+node's ranks. Node 0 serves the rendezvous store there from a child process with its memory
+capped (:mod:`~mpnb.distributed.store_server`), not from the launching process.
 
 Example:
     >>> def add_ranks(offset):
@@ -193,10 +194,11 @@ def launch(
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousStateError
     from torch.distributed.launcher.api import elastic_launch
 
     from mpnb.distributed.rendezvous import rendezvous_for
+    from mpnb.distributed.store_server import HostedStore
 
     _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint)
     if (
@@ -250,11 +252,19 @@ def launch(
             start_method=method,
             logs=logs,
         )
+        # several machines: node 0 serves the rendezvous store from a child process with its memory
+        # capped, never from this one (see store_server.py)
+        hosted = (
+            HostedStore(int(rdzv_endpoint.rpartition(":")[2]))
+            if (rdzv_endpoint and not local and node_rank == 0)
+            else None
+        )
         gc.collect()  # this process's garbage finalized here, where it was made, not in a forked worker (see _worker)
         try:
             with (
                 _agent_logs_quiet(),
                 _temporary_files_in(logs),
+                hosted or contextlib.nullcontext(),
                 rendezvous_for(run_id, rendezvous_secret or new_secret(), local),
             ):
                 by_rank = supervisor.run(
@@ -285,6 +295,12 @@ def launch(
         # mpnb's signed rendezvous refused a state (see rendezvous.py)
         except RendezvousStateError as refused:
             raise MpnbError(f"the launch could not meet its other nodes: {refused}") from None
+        except (
+            RendezvousError
+        ) as lost:  # after the refusals above: the store's process ended under the launch
+            if hosted is None or hosted.why_ended() is None:
+                raise
+            raise MpnbError(f"the launch lost its rendezvous: {hosted.why_ended()}") from lost
     return Launched(
         results=[result for result, _ in by_rank.values()],
         histories=[histories for _, histories in by_rank.values()],
@@ -316,7 +332,8 @@ def _launch_config(
         nproc_per_node=nproc,
         rdzv_backend=BACKEND_NAME,
         rdzv_endpoint=rdzv_endpoint or "localhost:0",
-        rdzv_configs={"rank": node_rank},
+        # several machines: no node's launching process serves the store (node 0's child does)
+        rdzv_configs={"rank": node_rank} if local else {"rank": node_rank, "is_host": False},
         run_id=run_id,
         local_addr="127.0.0.1" if local else None,
         max_restarts=0,
@@ -393,10 +410,23 @@ def _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint) -> No
     host, _, port = (rdzv_endpoint or "localhost:0").rpartition(":")
     if not host or not port.isdigit():
         raise MpnbError(f"rdzv_endpoint must be 'host:port', got {rdzv_endpoint!r}")
+    if nnodes > 1 and node_rank == 0 and not _names_this_machine(host):
+        raise MpnbError(
+            f"rdzv_endpoint {rdzv_endpoint!r} must name node 0's machine: node_rank=0 serves the "
+            "rendezvous store there (the other nodes connect to it)"
+        )
     if dist.is_available() and dist.is_initialized():
         raise MpnbError(
             "launch was called inside a process group (a worker): launch from the notebook's own process"
         )
+
+
+def _names_this_machine(host: str) -> bool:
+    """Whether ``host`` is this machine (its name, one of its addresses, loopback), by torch's own
+    test, the one its rendezvous uses to choose the node that serves the store."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    return _matches_machine_hostname(host)
 
 
 def _accelerator_type() -> str:

@@ -10,7 +10,9 @@ therefore registers a rendezvous of its own with torch's registry, in which torc
 - On one machine (``nnodes=1``) the state lives in the launching process (a ``HashStore``: no
   socket at all), and the workers meet through a file in the launch's private folder
   (:func:`workers_store`) rather than a store server of torch's, which would listen on every
-  interface. On several machines both stores face the network, as under ``torchrun``.
+  interface. On several machines both stores face the network, as under ``torchrun``, but
+  neither is served by a launching process: node 0's rendezvous store runs in a child with its
+  memory capped (:mod:`mpnb.distributed.store_server`), the workers' store in their first worker.
 
 This module imports torch's elastic launcher: :func:`mpnb.distributed.launch` imports it when called.
 
@@ -111,7 +113,7 @@ def rendezvous_for(run_id: str, secret: bytes, local: bool) -> Iterator[str]:
         raise MpnbError(f"a launch with run id {run_id!r} is already under way in this process")
     _LAUNCHES[run_id] = _Launch(secret, local)
     try:
-        with _no_workers_store_server() if local else contextlib.nullcontext():
+        with _no_workers_store_server():
             yield BACKEND_NAME
     finally:
         del _LAUNCHES[run_id]
@@ -130,7 +132,8 @@ def _create_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
 @contextlib.contextmanager
 def _no_workers_store_server() -> Iterator[None]:
     """torch's own switch, set for the launch and put back after: the agent starts no store server
-    for the workers (one would listen on every interface); they meet through a file instead."""
+    for the workers (one would listen on every interface, from this process). On one machine they
+    meet through a file instead; on several, the first worker serves their store itself."""
     before = os.environ.get(_SHARE_STORE_SWITCH)
     os.environ[_SHARE_STORE_SWITCH] = "1"
     try:

@@ -270,6 +270,7 @@ def test_a_node_given_another_secret_is_refused_at_the_rendezvous(tmp_path):
     finally:
         for node in nodes:
             node.kill()
+            node.wait()  # reaped: no zombie left for the next test's count of children
     first = next(rank for rank, node in enumerate(nodes) if node.returncode == 0)
     with open(tmp_path / f"node{first}.json") as file:
         said = json.load(file)["error"]
