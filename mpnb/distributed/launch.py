@@ -280,7 +280,11 @@ def launch(
         except ChildFailedError as failure:
             if supervisor.interrupted.is_set():  # the workers were ended for the interrupt
                 raise KeyboardInterrupt("launch interrupted: every worker was ended") from None
-            raise launch_error(failure.failures, timeout, logs, node_rank * nproc) from None
+            error = launch_error(failure.failures, timeout, logs, node_rank * nproc)
+            lost = hosted.why_ended() if hosted is not None else None
+            if lost is not None:  # what ended the workers' rendezvous, said first
+                raise MpnbError(f"{lost}\n{error}") from None
+            raise error from None
         # torch's launcher read an error file half-written
         except (
             json.JSONDecodeError,
@@ -295,12 +299,19 @@ def launch(
         # mpnb's signed rendezvous refused a state (see rendezvous.py)
         except RendezvousStateError as refused:
             raise MpnbError(f"the launch could not meet its other nodes: {refused}") from None
-        except (
-            RendezvousError
-        ) as lost:  # after the refusals above: the store's process ended under the launch
-            if hosted is None or hosted.why_ended() is None:
+        # after the refusals above: the store went away under the launch
+        except RendezvousError as lost:
+            if local:
                 raise
-            raise MpnbError(f"the launch lost its rendezvous: {hosted.why_ended()}") from lost
+            said = (
+                hosted.why_ended()
+                if hosted is not None
+                else f"node 0's store at {rdzv_endpoint} went away (its launch ended, or the store "
+                "refused this node)"
+            )
+            if said is None:
+                raise
+            raise MpnbError(f"the launch lost its rendezvous: {said}") from lost
     return Launched(
         results=[result for result, _ in by_rank.values()],
         histories=[histories for _, histories in by_rank.values()],
@@ -410,6 +421,10 @@ def _check_arguments(fn, nproc, timeout, nnodes, node_rank, rdzv_endpoint) -> No
     host, _, port = (rdzv_endpoint or "localhost:0").rpartition(":")
     if not host or not port.isdigit():
         raise MpnbError(f"rdzv_endpoint must be 'host:port', got {rdzv_endpoint!r}")
+    if nnodes > 1 and not 1 <= int(port) <= 65535:  # port 0 would be a port no node is told
+        raise MpnbError(
+            f"rdzv_endpoint {rdzv_endpoint!r} needs a port from 1 to 65535 that every node reaches"
+        )
     if nnodes > 1 and node_rank == 0 and not _names_this_machine(host):
         raise MpnbError(
             f"rdzv_endpoint {rdzv_endpoint!r} must name node 0's machine: node_rank=0 serves the "

@@ -143,6 +143,11 @@ def test_ranks_whose_timers_started_apart_all_leave_their_stacks(tmp_path):
             "rdzv_endpoint must be 'host:port', got 'nonsense'",
         ),
         ({"nproc": 10**6}, MpnbError, "nproc must be at most"),
+        (
+            {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:0", "secret": "s" * 32},
+            MpnbError,
+            "needs a port from 1 to 65535",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_starts(options, error, named):

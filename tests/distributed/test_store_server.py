@@ -6,12 +6,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
 
+from mpnb.distributed.signing import new_secret
 from mpnb.distributed.store_server import HostedStore
 from mpnb.errors import MpnbError
+from tests.child_process import child_environment
+
+from .test_security import NODE, ROOT, free_port
 
 MiB = 2**20
 
@@ -76,3 +81,37 @@ def test_a_launch_on_node_0_must_be_given_node_0s_address():
         launch(
             print, nproc=1, nnodes=2, node_rank=0, rdzv_endpoint="192.0.2.1:29500", secret="s" * 32
         )
+
+
+def test_a_store_that_ends_under_a_launch_is_named_by_node_0(tmp_path):
+    """Node 0's store process killed while node 0 waits at the rendezvous for node 1: its launch
+    ends at once with mpnb's error naming the store (before: torch's traceback, or a rank's
+    gloo error, depending on which part noticed first). A node 1 coming to the dead store says
+    it lost the rendezvous too, after torch's connection timeouts (about two minutes: not run
+    here)."""
+    out = tmp_path / "node0.json"
+    node = subprocess.Popen(
+        [sys.executable, NODE, "0", f"127.0.0.1:{free_port()}", "1", str(out)],
+        env=child_environment(MPNB_LAUNCH_SECRET=new_secret().hex()),
+        cwd=ROOT,
+    )
+    try:
+        deadline, store = time.monotonic() + 60, None
+        while store is None and time.monotonic() < deadline:
+            children = psutil.Process(node.pid).children(recursive=True)
+            store = next(
+                (c for c in children if "mpnb.distributed.store_server" in c.cmdline()), None
+            )
+            time.sleep(0.2)
+        assert store is not None, "node 0 started no store"
+        time.sleep(2)  # node 0's launch waits at the rendezvous
+        store.kill()
+        assert node.wait(timeout=60) == 0
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+    said = json.loads(out.read_text())["error"]
+    assert said.startswith(
+        "the launch lost its rendezvous: the rendezvous store's process on this node ended"
+    )
