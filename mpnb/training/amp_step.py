@@ -254,7 +254,7 @@ class AmpStep:
         finally:
             self._window.end_forward()
         self._backward(loss, outer_autocast)
-        return self.step(samples)
+        return self._micro_batch_done(samples)
 
     def _backward(self, loss: torch.Tensor, under_autocast: bool) -> None:
         """:meth:`backward`, told whether it is called where autocast is on (inside the forward's block)."""
@@ -287,6 +287,10 @@ class AmpStep:
             raise RuntimeError(
                 "AmpStep.step() called with no backward(loss) since the previous step"
             )
+        return self._micro_batch_done(samples)
+
+    def _micro_batch_done(self, samples: int | None) -> bool:
+        """:meth:`step` once its checks passed (as they have right after a backward)."""
         self.account.add_samples(samples)
         if self._window.micro_batches % self.accumulate:
             return False
@@ -484,7 +488,7 @@ class AmpStep:
         """True when no accumulation window is open: no backward ran since the last recorded step,
         not even one that failed half-way and left some gradients behind, and no :meth:`train_step`
         forward is running."""
-        return not self._window.is_open
+        return self._window.phase is WindowPhase.EMPTY  # read at every batch of a fit: no property
 
     def restart_clock(self) -> None:
         """Forget the time since the last step (call after a pause, before the next batch)."""

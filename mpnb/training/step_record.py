@@ -289,8 +289,7 @@ class StepAccount:
         if skipped is True:  # known on the host; a device flag is read at the flush, not here
             for step_skipped in self._moments.step_skipped:
                 step_skipped(step, scale, self._forward)
-        if step >= self._woken_at or skipped is True:
-            self.reschedule()
+        self.reschedule()
 
     # -- time ------------------------------------------------------------------------------
 
@@ -409,7 +408,9 @@ class StepAccount:
         )
         self.discard()
         self.next_step = step + 1
-        if self.instruments:
+        if (
+            step >= self._woken_at or skipped is True
+        ):  # an instrument watches it, or must hear of it
             self._step_ended(step, loss_scale, skipped)
         return record
 
