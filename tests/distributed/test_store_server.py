@@ -96,14 +96,20 @@ def test_a_store_that_ends_under_a_launch_is_named_by_node_0(tmp_path):
         cwd=ROOT,
     )
     try:
-        deadline, store = time.monotonic() + 60, None
-        while store is None and time.monotonic() < deadline:
+        deadline, store = time.monotonic() + 90, None
+        while store is None and time.monotonic() < deadline:  # the store started and listening
             children = psutil.Process(node.pid).children(recursive=True)
             store = next(
-                (c for c in children if "mpnb.distributed.store_server" in c.cmdline()), None
+                (
+                    child
+                    for child in children
+                    if "mpnb.distributed.store_server" in child.cmdline()
+                    and any(c.status == psutil.CONN_LISTEN for c in child.net_connections("tcp"))
+                ),
+                None,
             )
             time.sleep(0.2)
-        assert store is not None, "node 0 started no store"
+        assert store is not None, "node 0's store never listened"
         time.sleep(2)  # node 0's launch waits at the rendezvous
         store.kill()
         assert node.wait(timeout=60) == 0
