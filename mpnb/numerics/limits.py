@@ -34,6 +34,21 @@ FP16_SMALLEST_NORMAL = float(_FP16.smallest_normal)
 FP16_SMALLEST_SUBNORMAL = float(_FP16.smallest_normal) * float(_FP16.eps)
 
 
+def underflow_counts(magnitude: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lost, nonzero)`` of a tensor of magnitudes: how many nonzero values lie below fp16's
+    smallest subnormal (:data:`FP16_SMALLEST_SUBNORMAL`), the values fp16 would lose, and how
+    many are nonzero (inf and NaN count as nonzero values that did not underflow). Two counts on
+    the device, nothing read back; the one definition :func:`underflow_share` and the numerics
+    watch both use.
+
+    >>> [int(count) for count in underflow_counts(torch.tensor([0.0, 1e-9, 1e-3, float("nan")]))]
+    [1, 3]
+    """
+    nonzero = torch.count_nonzero(magnitude)
+    below = torch.count_nonzero(magnitude < FP16_SMALLEST_SUBNORMAL)  # the zeros among them
+    return below - (magnitude.numel() - nonzero), nonzero
+
+
 def underflow_share(values: torch.Tensor) -> torch.Tensor:
     """Of the nonzero values of ``values``, the share whose magnitude is below fp16's smallest
     subnormal (:data:`FP16_SMALLEST_SUBNORMAL`): the values fp16 would lose. Zeros are left out
@@ -45,7 +60,5 @@ def underflow_share(values: torch.Tensor) -> torch.Tensor:
     >>> float(underflow_share(torch.zeros(3)))
     0.0
     """
-    magnitude = values.detach().abs().float()
-    nonzero = magnitude != 0
-    lost = (nonzero & (magnitude < FP16_SMALLEST_SUBNORMAL)).sum()
-    return lost.float() / nonzero.sum().clamp_min(1).float()
+    lost, nonzero = underflow_counts(values.detach().abs().float())
+    return lost.float() / nonzero.clamp_min(1).float()

@@ -4,8 +4,9 @@ limits, forward and backward, without a sync of its own.
 On a sampled step (every ``every`` optimizer steps) forward hooks on the watched modules (the
 leaves by default) reduce each output on the device to a few numbers (:class:`ModuleMeasures`,
 the engine :func:`~mpnb.numerics.advisor.advise` uses on its one batch too): its largest
-magnitude, its non-finite count, its fp16 underflow share
-(:func:`~mpnb.numerics.limits.underflow_share`), and, through a hook on the output, the largest
+magnitude, its non-finite count, its fp16 underflow share (counted by
+:func:`~mpnb.numerics.limits.underflow_counts`, as :func:`~mpnb.numerics.limits.underflow_share`
+counts it), and, through a hook on the output, the largest
 magnitude of its gradient divided by the loss scale (the unscaled gradient) and that gradient's
 underflow share as the backward carries it (scaled). The numbers stay on the device, stacked one
 row a module, until the telemetry flushes (the watch is an
@@ -37,7 +38,11 @@ import torch
 from torch import nn
 
 from mpnb import views
-from mpnb.numerics.limits import FP16_LARGEST_FINITE, FP16_SMALLEST_SUBNORMAL
+from mpnb.numerics.limits import (
+    FP16_LARGEST_FINITE,
+    FP16_SMALLEST_SUBNORMAL,  # noqa: F401  the threshold underflow_counts uses, named here too
+    underflow_counts,
+)
 from mpnb.numerics.probe import ModuleProbe, leaf_names
 from mpnb.precision.modes.layer_swap import swapped_layers_of
 from mpnb.training.history import History
@@ -341,15 +346,12 @@ class ModuleMeasures:
         many nonzero values fp16 loses, how many are nonzero (inf and NaN count as nonzero
         values that did not underflow)."""
         magnitude = out.abs()  # in its own dtype: fp16's threshold is exact in bf16 and fp32
-        count = magnitude.numel()
-        nonzero = torch.count_nonzero(magnitude)  # a count is the cheap reduction on a CPU
+        lost, nonzero = underflow_counts(magnitude)  # counts: the cheap reduction on a CPU
         self._outputs[name] = torch.stack(
             (
                 magnitude.nan_to_num(nan=0.0, posinf=math.inf).amax().float(),
-                (count - torch.count_nonzero(magnitude < math.inf)).float(),  # inf and NaN
-                (
-                    torch.count_nonzero(magnitude < FP16_SMALLEST_SUBNORMAL) - count + nonzero
-                ).float(),
+                (magnitude.numel() - torch.count_nonzero(magnitude < math.inf)).float(),  # inf, NaN
+                lost.float(),
                 nonzero.float(),
             )
         )
@@ -365,17 +367,9 @@ class ModuleMeasures:
         of its values that flush to zero in the gradient's format (a share no loss scale
         changes: the cast scales by the gradient's own amax)."""
         magnitude = grad.detach().abs()
-        nonzero = torch.count_nonzero(magnitude)
+        lost, nonzero = underflow_counts(magnitude)
         self._gradients[name] = torch.stack(
-            (
-                magnitude.nan_to_num(0.0, 0.0, 0.0).amax().float(),
-                (
-                    torch.count_nonzero(magnitude < FP16_SMALLEST_SUBNORMAL)
-                    - magnitude.numel()
-                    + nonzero
-                ).float(),
-                nonzero.float(),
-            )
+            (magnitude.nan_to_num(0.0, 0.0, 0.0).amax().float(), lost.float(), nonzero.float())
         )
         swapped = self._swapped.get(name)
         if swapped is not None:  # the layer and its format, as its output's hook found them

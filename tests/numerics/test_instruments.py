@@ -172,6 +172,7 @@ def test_the_fp16_limits_are_torchs_and_the_watch_and_the_advisor_share_them():
     assert torch.tensor(2.0**-24, dtype=torch.float16).item() == 2.0**-24  # fp16 holds it
     assert torch.tensor(2.0**-26, dtype=torch.float16).item() == 0.0  # and loses what is far below
     assert watch.FP16_SMALLEST_SUBNORMAL is limits.FP16_SMALLEST_SUBNORMAL
+    assert watch.underflow_counts is limits.underflow_counts  # one definition of the share
     assert watch.NumericsLog([]).limit == limits.FP16_LARGEST_FINITE
     assert advisor.FP16_LARGEST_FINITE is limits.FP16_LARGEST_FINITE
     # the watch's engine (which the advisor runs) counts what limits.underflow_share counts
