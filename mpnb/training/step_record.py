@@ -387,10 +387,8 @@ class StepAccount:
     ) -> StepRecord:
         """The step ends: its record, from what was gathered and the clocks; the next step opens.
         Then the instruments' :meth:`~Instrument.step_end` (and :meth:`~Instrument.step_skipped`)."""
-        step_time = (
-            (*self._step_parts, self.clock.lap()) if self._step_parts else (self.clock.lap(),)
-        )
-        loss = self.loss if self._plain_count != 1 or self._summed is not None else self._plain
+        step_time = (*self._step_parts, self.clock.lap())
+        loss = self.loss
         record = StepRecord(
             step,
             epoch,

@@ -179,9 +179,7 @@ class Recorder:
 
     def add_row(self, row: dict[str, Any]) -> None:
         """:meth:`record` for a row already made, kept as it is (no copy)."""
-        self._pending.append(row)
-        if len(self._pending) >= self.flush_every or self._sink_due():
-            self.flush()
+        self.add_record(row)
 
     def add_record(self, record: Any) -> None:
         """:meth:`add_row` for a :class:`~mpnb.training.step_record.StepRecord`, kept as it is: the
@@ -191,12 +189,9 @@ class Recorder:
             self.flush()
 
     def _sink_due(self) -> bool:
-        if self._timed:
-            now = time.perf_counter()
-            for due in self._timed:
-                if due(now):
-                    return True
-        return False
+        """Whether a sink with a ``due`` wants the pending rows now."""
+        now = time.perf_counter()
+        return any(due(now) for due in self._timed)
 
     def flush(self) -> None:
         """Copy pending rows to the history (one device-to-host transfer) and tell the sinks.
