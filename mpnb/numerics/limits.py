@@ -41,8 +41,9 @@ def underflow_counts(magnitude: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     the device, nothing read back; the one definition :func:`underflow_share` and the numerics
     watch both use.
 
-    >>> [int(count) for count in underflow_counts(torch.tensor([0.0, 1e-9, 1e-3, float("nan")]))]
-    [1, 3]
+    >>> lost, nonzero = underflow_counts(torch.tensor([0.0, 1e-9, 1e-3, float("nan")]))
+    >>> int(lost), int(nonzero)
+    (1, 3)
     """
     nonzero = torch.count_nonzero(magnitude)
     below = torch.count_nonzero(magnitude < FP16_SMALLEST_SUBNORMAL)  # the zeros among them
