@@ -23,23 +23,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpnb.errors import MpnbError
-from mpnb.numerics.formats import check_format
 from mpnb.precision.modes.base import Mode
-from mpnb.precision.modes.registry import mode_names, parse_mode
+from mpnb.precision.modes.registry import format_mode, parse_mode
 
 __all__ = ["Proof"]
 
-#: The mode that trains each format, with the recipe it names. A mode the machine cannot run
-#: refuses itself as the run is built, saying why (nvfp4 trains on Blackwell GPUs only).
-FORMAT_MODES: dict[str, str] = {
-    "fp16": "fp16",
-    "bf16": "bf16",
-    "fp8": "fp8:tensorwise",
-    "fp8_rowwise": "fp8:rowwise",
-    "mxfp8": "mxfp8",
-    "nvfp4": "nvfp4",
-}
-#: The run everything is measured beside.
 BASELINE = "bf16"
 
 
@@ -109,7 +97,6 @@ def configuration(format: str, keep: Sequence[str]) -> tuple[Mode, list[str]]:
 
     Raises:
         InvalidChoiceError: an unknown format.
-        MpnbError: no registered mode trains the format; the ones that can are named.
 
     Example:
         >>> configuration("fp8_rowwise", ["head"])
@@ -117,13 +104,7 @@ def configuration(format: str, keep: Sequence[str]) -> tuple[Mode, list[str]]:
         >>> configuration("fp16", ["head"])
         (Mode('fp16'), ['head'])
     """
-    name = FORMAT_MODES[check_format(format)]
-    if name.partition(":")[0] not in mode_names():
-        trainable = [f for f, m in FORMAT_MODES.items() if m.partition(":")[0] in mode_names()]
-        raise MpnbError(
-            f"no mode of this installation trains {format!r}; prove can train {', '.join(trainable)}"
-        )
-    mode = parse_mode(name)
+    mode = format_mode(format)  # a mode the machine cannot run refuses as the run is built
     if keep and "keep" in {field.name for field in mode.option_fields()}:
         return parse_mode(mode, keep=list(keep)), []
     return mode, list(keep)

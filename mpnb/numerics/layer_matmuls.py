@@ -130,7 +130,7 @@ class LayerMatmuls:
         weight = module.weight.detach().float()
         reference = _convolution_products(module, x, weight, gradient)
         for format_name in self.formats:
-            if format_name not in fmt.DTYPE_FORMATS:
+            if not fmt.applies_to_any_operation(format_name):
                 continue  # torchao's scaled training layers convert linear layers only
             cast = {
                 part: fmt.cast(format_name, tensor, role, dim=1)
@@ -213,7 +213,7 @@ def _cast_once(
 ) -> fmt.Operand:
     """``tensor`` (``key``) in the format, cast once, or once per axis where the format's
     scales follow the axis the matmul sums over."""
-    along = axis if format_name in fmt.AXIS_FORMATS else None
+    along = axis if fmt.follows_axis(format_name) else None
     if (key, along) not in casts:
         casts[key, along] = fmt.cast(format_name, tensor, _ROLES[key], dim=axis, zeros=zeros)
     return casts[key, along]

@@ -20,8 +20,8 @@ gradient arrives in the backward pass, with the input the pass saved anyway, and
 the step, one layer's tensors at a time.
 
 :meth:`WhatIf.recommend` names the layers to keep in higher precision for a format: those where
-any matmul passes the format's :class:`Threshold`. The default thresholds (:data:`THRESHOLDS`)
-sit a few times above what each format does to well-behaved tensors (normal values, measured):
+any matmul passes the format's :class:`Threshold`. The default thresholds
+(:func:`default_thresholds`, each declared by the format's mode) sit a few times above what each format does to well-behaved tensors (normal values, measured):
 a layer past one is a layer whose values the format cannot hold, not one that merely rounds.
 fp16's and bf16's flush to zero is left out: on gradients it is loss scaling's work (see
 :func:`~mpnb.numerics.advisor.advise`), not a reason to keep a layer.
@@ -41,7 +41,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -56,54 +55,23 @@ from mpnb.numerics.advisor import left_as_found
 from mpnb.numerics.format_proof import Proof, prove
 from mpnb.numerics.layer_matmuls import LayerMatmuls, multiplies
 from mpnb.numerics.probe import ModuleProbe
+from mpnb.precision.modes.matmul_format import Threshold
+from mpnb.precision.modes.registry import matmul_formats
 from mpnb.training.batches import batch_loss, to_device
 
 __all__ = ["WhatIf", "Threshold", "whatif"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Threshold:
-    """When a layer cannot take a format: any of its matmuls past one of these (None: not
-    looked at).
+def default_thresholds() -> dict[str, Threshold]:
+    """Each format's default threshold, as its mode declares it
+    (:class:`~mpnb.precision.modes.matmul_format.MatmulFormat`: each sits a few times above
+    what the format does to ordinary tensors: past one, a layer holds values the format cannot,
+    not values it merely rounds).
 
-    Attributes:
-        rel_error: relative error of the product against fp32.
-        overflow: share of the operands' elements past the format's largest value.
-        underflow: share of their nonzero elements flushed to zero.
-
-    Example:
-        >>> Threshold(rel_error=0.05, overflow=0.0).passed({"rel_error": 0.2, "overflow": 0.0, "underflow": 0.5})
-        True
+    >>> default_thresholds()["fp16"]
+    Threshold(rel_error=0.01, overflow=0.0, underflow=None)
     """
-
-    rel_error: float
-    overflow: float
-    underflow: float | None = None
-
-    def passed(self, row: dict[str, Any]) -> bool:
-        """``row`` (one of :attr:`WhatIf.rows`) is past this threshold."""
-        return (
-            row["rel_error"] > self.rel_error
-            or row["overflow"] > self.overflow
-            or (self.underflow is not None and row["underflow"] > self.underflow)
-        )
-
-
-#: The default thresholds. Each sits a few times above what the format does to normal tensors
-#: (relative error: fp16 3e-4, bf16 2.5e-3, fp8 and fp8_rowwise 4e-2 to 6e-2, mxfp8 4e-2 to
-#: 1e-1, nvfp4 0.09 to 0.14; nvfp4 flushes 5-7% of their elements): past one, a layer holds
-#: values the format cannot, not values it merely rounds. Overflow: any element in fp16, bf16
-#: and fp8 (whose scales leave none past the largest value); mxfp8 and nvfp4 saturate a few
-#: percent by design (power-of-two scales rounded down, e4m3 block scales rounded), up to 12.5%
-#: of a value: 10% of the elements before it counts.
-THRESHOLDS = {
-    "fp16": Threshold(rel_error=0.01, overflow=0.0),
-    "bf16": Threshold(rel_error=0.02, overflow=0.0),
-    "fp8": Threshold(rel_error=0.15, overflow=0.0, underflow=0.01),
-    "fp8_rowwise": Threshold(rel_error=0.15, overflow=0.0, underflow=0.01),
-    "mxfp8": Threshold(rel_error=0.15, overflow=0.1, underflow=0.01),
-    "nvfp4": Threshold(rel_error=0.3, overflow=0.1, underflow=0.15),
-}
+    return {name: found.threshold for name, found in matmul_formats().items()}
 
 
 def whatif(
@@ -120,7 +88,7 @@ def whatif(
             without one, what the model takes to compute its own loss (a dict of keyword
             arguments, a tuple of positional ones, or one tensor).
         loss_fn: ``loss_fn(outputs, targets) -> scalar``; None for a model that returns its loss.
-        formats: names from :data:`~mpnb.numerics.formats.FORMATS` (default: all of them).
+        formats: names from :func:`~mpnb.numerics.formats.format_names` (default: all of them).
 
     Returns:
         A :class:`WhatIf`: its rows, tables, figure and advice.
@@ -142,7 +110,7 @@ def whatif(
         mpnb.errors.InvalidChoiceError: unknown format 'fp4'; valid: fp16, bf16, fp8, fp8_rowwise, mxfp8, nvfp4
     """
     chosen = (
-        fmt.FORMATS
+        fmt.format_names()
         if formats is None
         else tuple(
             fmt.check_format(name) for name in ([formats] if isinstance(formats, str) else formats)
@@ -191,7 +159,7 @@ class WhatIf:
             ``underflow`` (shares, 0 to 1) and ``scale_range`` (smallest, largest scale).
         formats: the formats measured.
         layers: the layers measured, in forward order.
-        thresholds: format -> :class:`Threshold`, a copy of :data:`THRESHOLDS` to change freely.
+        thresholds: format -> :class:`Threshold`, its own copy of :func:`default_thresholds` to change freely.
 
     Example:
         >>> import torch
@@ -209,7 +177,7 @@ class WhatIf:
         self.rows = rows
         self.formats = tuple(formats)
         self.layers = list(dict.fromkeys(row["layer"] for row in rows))
-        self.thresholds = dict(THRESHOLDS)
+        self.thresholds = default_thresholds()
 
     def worst(self, layer: str, format: str) -> dict[str, Any] | None:
         """The row of ``layer``'s matmul that fares worst in ``format`` (past its threshold

@@ -1,6 +1,7 @@
 """A sixth mode that lives only in the tests: bf16 autocast under another name.
 
 It is what a contributor writes to add a mode: one class over the base, one registration call.
+Its matmul format (bfloat16 under its own name) is what a contributor writes to add a format.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import torch
 
 from mpnb.precision.modes import Mode
+from mpnb.precision.modes.matmul_format import MatmulFormat, Threshold
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -20,3 +22,6 @@ class Brain16(Mode):
     aliases = ("brainfloat",)
     summary = "autocast to bfloat16 under another name (a mode defined in the tests)"
     autocast_dtype = torch.bfloat16
+    matmul_formats = (
+        MatmulFormat("brain16", Threshold(rel_error=0.02, overflow=0.0), dtype=torch.bfloat16),
+    )

@@ -82,3 +82,28 @@ def test_unregistered_it_is_unknown_again():
     assert "brain16" not in mode_names()
     with pytest.raises(mpnb.MpnbError, match="unknown mode 'brain16'"):
         mpnb.set_mode("brain16")
+
+
+def test_its_format_is_measured_advised_and_proved_by_the_whatif(brain16, ip):
+    from mpnb.numerics.whatif import default_thresholds
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    loss = torch.nn.functional.cross_entropy
+    result = mpnb.whatif(model, batch, loss, formats=["brain16", "bf16"])
+    ours = [r for r in result.rows if r["format"] == "brain16"]
+    theirs = [r for r in result.rows if r["format"] == "bf16"]
+    assert len(ours) == 6 and [dict(r, format="bf16") for r in ours] == theirs
+    assert default_thresholds()["brain16"] == Brain16.matmul_formats[0].threshold
+    assert result.recommend("brain16") == []
+
+    def make_run(mode):
+        trainer, train, _ = ex.example_trainer(mode, "cpu", widths=(4, 8), dashboard=None)
+        return trainer, train
+
+    proof = result.prove(make_run, "brain16", steps=2)
+    assert proof.mode == "brain16" and len(proof.losses) == 2
+    ip.user_ns.update(model=model, batch=batch, loss=loss)
+    shown = run(ip, "%whatif model batch --loss loss --formats brain16")
+    assert shown.formats == ("brain16",)

@@ -1,11 +1,13 @@
 """What differs between modes lives in the mode's own module: nothing else branches on a mode's
-name, and torchao's float8 API is known in the fp8 mode's module alone."""
+name, and torchao's API is known in the modes that use it (and the layer swap they share) alone:
+the what-if's casts of their formats included."""
 
 from __future__ import annotations
 
 import ast
 import io
 import pathlib
+import sys
 import tokenize
 
 from mpnb.precision.modes import registered
@@ -69,15 +71,16 @@ def _code_words(source: str) -> str:
     return " ".join(kept).lower()
 
 
-def test_torchao_code_stands_in_the_layer_swapping_modes_and_the_watch_of_their_casts_only():
-    knowing = sorted(
-        str(path.relative_to(PACKAGE))
+def test_torchao_code_stands_in_the_modes_that_use_it_and_what_they_share_only():
+    modules = {
+        pathlib.Path(sys.modules[mode.__module__].__file__).resolve() for mode in registered()
+    }
+    knowing = {
+        path
         for path in PACKAGE.rglob("*.py")
         if any(word in _code_words(path.read_text()) for word in ("torchao", "float8"))
-    )
-    assert "precision/modes/fp8.py" in knowing
-    others = [path for path in knowing if not path.startswith("precision/modes/")]
-    # the numerics watch measures what a swapped layer's casts do, through the modes' helpers
-    assert len(others) <= 2 and all("numerics" in path or "watch" in path for path in others), (
-        others
-    )
+    }
+    assert MODES / "fp8.py" in knowing
+    # besides the modes' own modules: the layer swap the three torchao modes share
+    others = sorted(str(path.relative_to(PACKAGE)) for path in knowing - modules)
+    assert others == ["precision/modes/layer_swap.py"], others

@@ -50,6 +50,19 @@ def test_register_refuses_a_name_that_is_taken_or_unreachable(name, aliases, wor
     assert mode_names() == before and parse_mode("bf16").autocast_dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("format_name", ["bf16", "nvfp4", "My Format"])
+def test_register_refuses_a_matmul_format_another_mode_has_or_none_can_type(format_name):
+    from mpnb.precision.modes.matmul_format import MatmulFormat, Threshold
+    from mpnb.precision.modes.registry import matmul_formats
+
+    mode = _mode("mine")
+    mode.matmul_formats = (MatmulFormat(format_name, Threshold(0.1, 0.0), dtype=torch.bfloat16),)
+    before = dict(matmul_formats())
+    with pytest.raises(MpnbError, match=f"matmul format '{format_name}' cannot be registered"):
+        register(mode)
+    assert "mine" not in mode_names() and matmul_formats() == before
+
+
 def test_mpnbs_own_modes_cannot_be_unregistered():
     with pytest.raises(MpnbError, match="fp32 is one of mpnb's own"):
         unregister("fp32")

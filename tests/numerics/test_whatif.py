@@ -12,13 +12,14 @@ from torch import nn
 
 import mpnb
 from mpnb.errors import InvalidChoiceError, MpnbError
-from mpnb.numerics.whatif import THRESHOLDS, WhatIf, whatif
+from mpnb.numerics.whatif import WhatIf, default_thresholds, whatif
 
 pytest.importorskip("torchao")
 
 from torchao.float8.config import ScalingGranularity
 from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import LinearMMConfig
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.prototype.mx_formats.mx_tensor import MXTensor
 from torchao.prototype.mx_formats.nvfp4_tensor import (
     NVFP4Tensor,
@@ -51,7 +52,9 @@ def _by_hand(format: str, tensor: torch.Tensor, gradient: bool, dim: int) -> tor
     block = 32 if format == "mxfp8" else 16
     padded = nn.functional.pad(rows, (0, -rows.shape[1] % block)).contiguous()  # as kernels need
     if format == "mxfp8":
-        values = MXTensor.to_mx(padded, torch.float8_e4m3fn, 32).dequantize(torch.float32)
+        # as MXFP8Linear casts: each block's scale rounded up (RCEIL)
+        mx = MXTensor.to_mx(padded, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+        values = mx.dequantize(torch.float32)
     else:
         scale = per_tensor_amax_to_scale(padded.abs().max())
         values = NVFP4Tensor.to_nvfp4(padded, per_tensor_scale=scale).dequantize(torch.float32)
@@ -186,8 +189,10 @@ def test_rows_tables_and_shares(planted):
 
 
 def test_thresholds_are_the_users_to_set(planted):
-    assert planted.thresholds == THRESHOLDS and planted.thresholds is not THRESHOLDS
+    assert planted.thresholds == default_thresholds()
     result = WhatIf(planted.rows, planted.formats)
+    result.thresholds["fp16"] = mpnb.numerics.whatif.Threshold(rel_error=1.0, overflow=1.0)
+    assert planted.thresholds["fp16"] == default_thresholds()["fp16"]  # each result its own
     result.thresholds["bf16"] = mpnb.numerics.whatif.Threshold(rel_error=0.0, overflow=0.0)
     assert result.recommend("bf16") == result.layers
     assert planted.recommend("bf16") == []

@@ -36,6 +36,7 @@ from torch import nn
 from mpnb.errors import MpnbError
 from mpnb.precision.autocast_settings import check_autocast_dtype
 from mpnb.precision.backends import Backend, backend_for
+from mpnb.precision.modes.matmul_format import MatmulFormat
 from mpnb.precision.names import Fp32Math
 
 __all__: list[str] = []  # the package lists Mode
@@ -75,6 +76,8 @@ class Mode:
         reference: compare measures every mode's speedup against this one (fp32).
         framework_hint: what to do instead where a framework has no setting for this mode
             (a clause: "ask for bf16 and ...").
+        matmul_formats: the number formats its matmuls multiply in, for the what-if to measure
+            (:mod:`~mpnb.precision.modes.matmul_format`; fp8: ``fp8`` and ``fp8_rowwise``).
         observed_as: what mpnb's reading of a framework's forward pass (autocast and weights)
             sees when this mode's layers run (fp8's float8 layers under bf16 autocast: ``"bf16"``).
 
@@ -99,6 +102,7 @@ class Mode:
     reference: ClassVar[bool] = False
     framework_hint: ClassVar[str] = ""
     observed_as: ClassVar[tuple[str, ...]] = ()
+    matmul_formats: ClassVar[tuple[MatmulFormat, ...]] = ()
 
     # -- identity ------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from mpnb.precision.backends import Backend
 from mpnb.precision.modes.base import Mode
+from mpnb.precision.modes.matmul_format import MatmulFormat, Threshold
 from mpnb.precision.modes.registry import register
 
 __all__: list[str] = []
@@ -35,6 +36,10 @@ class Fp16(Mode):
     summary = "autocast to float16; eligible ops run in fp16, the rest in fp32"
     autocast_dtype = torch.float16
     needs_scaler = True
+    #: fp16 rounds ordinary tensors' products by ~3e-4; any element past 65504 is inf
+    matmul_formats = (
+        MatmulFormat("fp16", Threshold(rel_error=0.01, overflow=0.0), dtype=torch.float16),
+    )
 
     def notes(self, backend: Backend) -> list[str]:
         return ["fp16 training needs loss scaling: use torch.amp.GradScaler with it"]

@@ -56,6 +56,13 @@ from torch import nn
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.backends import Backend, backend_for
 from mpnb.precision.modes.base import option
+from mpnb.precision.modes.matmul_format import (
+    MatmulFormat,
+    Threshold,
+    count_past,
+    rounding_limit,
+    scale_range,
+)
 from mpnb.precision.modes.layer_swap import (
     LayerSwap,
     LayerSwapMode,
@@ -210,6 +217,54 @@ def fp8_cast_measures(module: nn.Module, tensor: torch.Tensor, role: str) -> lis
     saturated = (scaled > largest + rounds_down).float().mean()
     flushed = ((scaled < smallest / 2).float() * nonzero).sum() / nonzero.sum().clamp(min=1)
     return [amax.amax(), saturated, flushed]
+
+
+def float8_recipe_cast(recipe: str) -> Any:
+    """A what-if cast (:class:`~mpnb.precision.modes.matmul_format.MatmulFormat`) by torchao's
+    float8 recipe ``recipe``: its element type for the operand's role (e4m3, e5m2 for
+    gradients in the default recipe), its scaling granularity (a tensor's, or a row's along the
+    contraction), its scales rounded to powers of two where the recipe rounds them.
+
+    Example:
+        >>> cast = float8_recipe_cast("tensorwise")
+        >>> values, overflow, scales = cast(torch.tensor([[448.0, 1.0, 1e-6]]), "activation", 1)
+        >>> values.tolist(), overflow, scales
+        ([[448.0, 1.0, 0.0]], 0, (1.0, 1.0))
+    """
+    check_recipe(recipe)
+
+    def cast_float8(tensor: torch.Tensor, role: str, dim: int) -> tuple:
+        config_module = import_torchao("torchao.float8.config", "fp8")
+        utils = import_torchao("torchao.float8.float8_utils", "fp8")
+        config = config_module.Float8LinearConfig.from_recipe_name(recipe)
+        setting = {
+            "activation": config.cast_config_input,
+            "weight": config.cast_config_weight,
+            "gradient": config.cast_config_grad_output,
+        }[role]
+        dtype, granularity = setting.target_dtype, setting.scaling_granularity
+        amax = utils.tensor_to_amax(
+            tensor,
+            scaling_granularity=granularity,
+            axiswise_dim=dim if granularity is config_module.ScalingGranularity.AXISWISE else None,
+        )
+        multiplier = utils.amax_to_scale(
+            amax, dtype, round_scales_to_power_of_2=config.round_scales_to_power_of_2
+        )
+        scaled = tensor * multiplier
+        limit = rounding_limit(dtype)
+        # the scale maps each amax to the largest value: a pass only where rounding passed it
+        past = bool((amax * multiplier >= limit).any())
+        overflow = count_past(scaled.abs(), limit) if past else 0
+        values = utils.to_fp8_saturated(scaled, dtype).float().div_(multiplier)
+        return values, overflow, scale_range(1 / multiplier, amax)
+
+    return cast_float8
+
+
+#: fp8's products err by 4e-2 to 6e-2 on ordinary tensors; its scales leave no element past
+#: the largest value; a layer that flushes 1% of its nonzero elements loses what it holds.
+_FP8_THRESHOLD = Threshold(rel_error=0.15, overflow=0.0, underflow=0.01)
 
 
 class Fp8Layers(LayerSwap):
@@ -375,6 +430,21 @@ class Fp8(LayerSwapMode):
     summary = "eligible Linear layers' matmuls in fp8 (torchao float8 training), the rest under bf16 autocast"
     layers: ClassVar[type[LayerSwap]] = Fp8Layers
     layers_function = "mpnb.fp8_layers"
+    matmul_formats = (
+        MatmulFormat(
+            "fp8",
+            _FP8_THRESHOLD,
+            scaled_cast=float8_recipe_cast("tensorwise"),
+            trains_as="fp8:tensorwise",
+        ),
+        MatmulFormat(
+            "fp8_rowwise",
+            _FP8_THRESHOLD,
+            scaled_cast=float8_recipe_cast("rowwise"),
+            follows_axis=True,
+            trains_as="fp8:rowwise",
+        ),
+    )
     framework_hint = (
         "ask for bf16 and convert the model's layers (run the training inside "
         "`with mpnb.fp8_layers(model):`; Lightning: in configure_model), or use Accelerate's "

@@ -24,6 +24,7 @@ from typing import Any
 
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.modes.base import Mode
+from mpnb.precision.modes.matmul_format import MatmulFormat
 
 __all__: list[str] = []  # the package lists what users call
 
@@ -69,9 +70,29 @@ def register(mode: type[Mode]) -> type[Mode]:
     taken = [name for name in names if _MODES.get(_ALIASES.get(name, ""), mode) is not mode]
     if taken:
         raise MpnbError(f"mode {mode.name}: {', '.join(taken)} already names another mode")
+    _check_formats(mode)
     _MODES[mode.name] = mode
     _ALIASES.update(dict.fromkeys(names, mode.name))
     return mode
+
+
+def _check_formats(mode: type[Mode]) -> None:
+    """Refuse matmul formats whose names cannot be typed or another mode's formats have."""
+    formats = [matmul_format.name for matmul_format in mode.matmul_formats]
+    others = {
+        matmul_format.name
+        for other in _MODES.values()
+        if other is not mode
+        for matmul_format in other.matmul_formats
+    }
+    unusable = [name for name in formats if not _NAME.fullmatch(str(name))]
+    taken = [name for name in formats if name in others]
+    if unusable or taken or len(set(formats)) < len(formats):
+        said = ", ".join(map(repr, unusable or taken or formats))
+        raise MpnbError(
+            f"mode {mode.name}: matmul format {said} cannot be registered: each format needs a "
+            "name of its own, one lowercase word of letters, digits, _ or -"
+        )
 
 
 def unregister(name: str) -> None:
@@ -128,6 +149,47 @@ def mode_names(*, converts_layers: bool | None = None) -> tuple[str, ...]:
         ('fp8', 'mxfp8', 'nvfp4')
     """
     return tuple(mode.name for mode in registered(converts_layers=converts_layers))
+
+
+def matmul_formats() -> dict[str, MatmulFormat]:
+    """The registered modes' matmul formats by name, in the order of the modes (what the
+    what-if measures: :mod:`~mpnb.precision.modes.matmul_format`).
+
+    Example:
+        >>> tuple(matmul_formats())
+        ('fp16', 'bf16', 'fp8', 'fp8_rowwise', 'mxfp8', 'nvfp4')
+    """
+    return {
+        matmul_format.name: matmul_format
+        for mode in _MODES.values()
+        for matmul_format in mode.matmul_formats
+    }
+
+
+def find_format(name: str) -> MatmulFormat:
+    """The registered matmul format ``name``.
+
+    Raises:
+        InvalidChoiceError: no mode declares a format of that name (the message names those
+            that do).
+    """
+    formats = matmul_formats()
+    if name not in formats:
+        raise InvalidChoiceError("format", name, tuple(formats))
+    return formats[name]
+
+
+def format_mode(name: str) -> Mode:
+    """The mode that trains in matmul format ``name``: the format's ``trains_as``, else the mode
+    that declares it.
+
+    Example:
+        >>> format_mode("fp8_rowwise"), format_mode("bf16")
+        (Mode('fp8', recipe='rowwise'), Mode('bf16'))
+    """
+    matmul_format = find_format(name)
+    owner = next(mode for mode in _MODES.values() if matmul_format in mode.matmul_formats)
+    return parse_mode(matmul_format.trains_as or owner.name)
 
 
 def reference_name() -> str:

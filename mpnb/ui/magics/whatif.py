@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from mpnb.numerics.formats import FORMATS
+from mpnb.numerics.formats import format_names
 from mpnb.numerics.whatif import WhatIf, whatif, whatif_of_fit
 from mpnb.ui.magics.arguments import as_usage_error, parse_line
 
@@ -36,7 +36,7 @@ class WhatIfMagics(Magics):
     )
     @argument("--loss", help="the loss function, loss(outputs, targets) -> scalar")
     @argument(
-        "--formats", nargs="+", metavar="FORMAT", help=f"of {', '.join(FORMATS)} (default: all)"
+        "--formats", nargs="+", metavar="FORMAT", help=f"of {', '.join(format_names())} (default: all)"
     )
     @line_magic
     def whatif(self, line: str) -> WhatIf:
@@ -51,7 +51,7 @@ class WhatIfMagics(Magics):
             %whatif model batch --loss loss_fn
             %whatif trainer --formats fp8 mxfp8
         """
-        args = parse_line(self.whatif, line, f"formats: {', '.join(FORMATS)}")
+        args = parse_line(self.whatif, line, f"formats: {', '.join(format_names())}")
         model = self._value(args.model)
         with as_usage_error():
             if args.batch is None:

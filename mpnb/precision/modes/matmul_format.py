@@ -1,0 +1,191 @@
+"""A number format a mode's matmuls multiply in: declared once, in the mode's own module.
+
+A mode lists its formats in :attr:`Mode.matmul_formats <mpnb.precision.modes.base.Mode>` (fp16
+mode: ``fp16``; fp8 mode: ``fp8`` and ``fp8_rowwise``, one a recipe), and the registry gathers
+them (:func:`~mpnb.precision.modes.registry.matmul_formats`): the what-if
+(:mod:`mpnb.numerics.whatif`) measures every registered format, recommends by its threshold and
+proves the advice in the mode that trains in it. A new format is a new mode's module, or a new
+entry in an existing mode's ``matmul_formats``: nothing else changes.
+
+A format holds how an operand is cast (a torch dtype, or a scaled cast by the library that
+defines the format: no format is written by hand), whether its scales follow the axis a matmul
+sums over, the threshold past which a layer should stay in higher precision, and the mode that
+trains in it.
+
+A matmul ``a @ b`` casts ``a`` along its rows (``dim=1``) and ``b`` along its columns
+(``dim=0``): the scaling and the blocks run along the contraction, as torchao's training
+layers do. A cast hands back the operand as the format holds it (read back in float32), how
+many of its elements are past the format's largest value (saturated, or inf) and the range of
+its scales. A scale is what an element is multiplied by to read it back (1 for fp16 and bf16).
+
+Example:
+    >>> fp16 = MatmulFormat("fp16", Threshold(rel_error=0.01, overflow=0.0), dtype=torch.float16)
+    >>> values, overflow, scales = fp16.cast(torch.tensor([[1.0, 1e5, 1e-9]]), "activation", dim=1)
+    >>> values.tolist(), overflow, scales
+    ([[1.0, inf, 0.0]], 1, (1.0, 1.0))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__: list[str] = []
+
+#: An operand's part in a matmul: the recipes cast gradients to their own element type.
+ROLES = ("activation", "weight", "gradient")
+
+#: A scaled cast: ``(tensor, role, dim) -> (values, overflow, scale range)``.
+ScaledCast = Callable[[torch.Tensor, str, int], tuple[torch.Tensor, int, tuple[float, float]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Threshold:
+    """When a layer cannot take a format: any of its matmuls past one of these (None: not
+    looked at).
+
+    Attributes:
+        rel_error: relative error of the product against fp32.
+        overflow: share of the operands' elements past the format's largest value.
+        underflow: share of their nonzero elements flushed to zero.
+
+    Example:
+        >>> Threshold(rel_error=0.05, overflow=0.0).passed({"rel_error": 0.2, "overflow": 0.0, "underflow": 0.5})
+        True
+    """
+
+    rel_error: float
+    overflow: float
+    underflow: float | None = None
+
+    def passed(self, row: dict[str, Any]) -> bool:
+        """``row`` (one of :attr:`WhatIf.rows <mpnb.numerics.whatif.WhatIf>`) is past this threshold."""
+        return (
+            row["rel_error"] > self.rel_error
+            or row["overflow"] > self.overflow
+            or (self.underflow is not None and row["underflow"] > self.underflow)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulFormat:
+    """A format a matmul's operands can be cast to, as a mode's layers would cast them.
+
+    Attributes:
+        name: the format's name in the what-if's tables (``"fp8_rowwise"``).
+        threshold: the default threshold of ``recommend`` (a few times what the format does to
+            ordinary tensors: past it, a layer holds values the format cannot).
+        dtype: a torch dtype the operands are rounded to: the format applies to any operation,
+            convolutions included, and its matmul writes that dtype.
+        scaled_cast: or a scaled cast (``(tensor, role, dim) -> (values, overflow, scale
+            range)``) by the format's own library: applies to linear layers' matmuls, as
+            torchao's training layers do, and writes the high precision it was given.
+        follows_axis: the scales follow the axis the matmul sums over (a row's, a block's): a
+            tensor multiplied along another axis is cast again.
+        trains_as: the mode that trains in the format, as ``parse_mode`` reads it
+            (``"fp8:rowwise"``); empty: the mode that declares it.
+    """
+
+    name: str
+    threshold: Threshold
+    dtype: torch.dtype | None = None
+    scaled_cast: ScaledCast | None = None
+    follows_axis: bool = False
+    trains_as: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.dtype is None) == (self.scaled_cast is None):
+            raise ValueError(f"format {self.name!r}: give a dtype or a scaled_cast, one of them")
+
+    @property
+    def any_operation(self) -> bool:
+        """Whether the format applies beyond linear layers (a dtype: convolutions too)."""
+        return self.dtype is not None
+
+    def cast(
+        self, tensor: torch.Tensor, role: str, dim: int
+    ) -> tuple[torch.Tensor, int, tuple[float, float]]:
+        """``tensor`` (2-D float32) in this format, scaled along ``dim``, as an operand in the
+        part ``role``: its values read back in float32, its elements past the largest value,
+        its scale range."""
+        if self.scaled_cast is not None:
+            return self.scaled_cast(tensor, role, dim)
+        limit = rounding_limit(self.dtype)
+        overflow = count_past(tensor.abs(), limit) if largest_magnitude(tensor) >= limit else 0
+        return tensor.to(self.dtype).float(), overflow, (1.0, 1.0)
+
+    def output(self, result: torch.Tensor) -> torch.Tensor:
+        """A matmul's float32 ``result`` as this format's matmul writes it, rounded in place: a
+        dtype's matmul writes the dtype (an fp16 result past 65504 is inf), a scaled one the
+        high precision it was given.
+
+        >>> fp16 = MatmulFormat("fp16", Threshold(0.01, 0.0), dtype=torch.float16)
+        >>> fp16.output(torch.tensor([7e4])).tolist()
+        [inf]
+        """
+        return result if self.dtype is None else result.copy_(result.to(self.dtype))
+
+
+def rounding_limit(
+    dtype: torch.dtype | None, largest: float | None = None, bits: int | None = None
+) -> float:
+    """Where a magnitude stops rounding to the element type's largest value: the largest plus
+    half a step at it (fp16: 65520, e4m3: 464). At or past it, the value overflows (inf) or is
+    saturated (clamped to the largest); below it, it is only rounded. ``dtype`` gives the
+    largest value and mantissa bits, or ``largest`` and ``bits`` do (fp4 has no ``finfo``).
+
+    >>> rounding_limit(torch.float16), rounding_limit(torch.float8_e4m3fn), rounding_limit(None, 6.0, 1)
+    (65520.0, 464.0, 7.0)
+    """
+    if dtype is not None:
+        info = torch.finfo(dtype)
+        largest, bits = float(info.max), round(-math.log2(info.eps))
+    return largest + 2.0 ** (math.floor(math.log2(largest)) - bits - 1)
+
+
+def largest_magnitude(tensor: torch.Tensor) -> float:
+    """The largest magnitude in ``tensor``, from one pass (its smallest and largest values)."""
+    low, high = torch.aminmax(tensor)
+    return max(-float(low), float(high))
+
+
+def count_past(magnitude: torch.Tensor, limit: float | torch.Tensor) -> int:
+    """How many of ``magnitude`` are at or past ``limit``."""
+    return int(torch.count_nonzero(magnitude >= limit))
+
+
+def scale_range(scales: torch.Tensor, amax: torch.Tensor) -> tuple[float, float]:
+    """The smallest and largest of ``scales`` where the values they scale are not all zero."""
+    used = scales.float()[amax > 0]
+    return (float(used.min()), float(used.max())) if used.numel() else (1.0, 1.0)
+
+
+def blocked_cast(
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, float]], block: int
+) -> ScaledCast:
+    """A block-scaled cast along ``dim``. ``quantize`` casts along the last dimension and hands
+    back the values, one scale a block and where its element type stops rounding to its largest
+    value (:func:`rounding_limit`); a ``dim`` of 0 is cast transposed, and a contraction that is
+    no multiple of the block is padded with zeros, as the kernels need."""
+
+    def cast_blocked(tensor: torch.Tensor, role: str, dim: int) -> tuple:
+        rows = tensor if dim == 1 else tensor.t()
+        length = rows.shape[1]
+        padding = -length % block
+        padded = (F.pad(rows, (0, padding)) if padding else rows).contiguous()
+        values, scales, limit = quantize(padded)
+        blocks = padded.reshape(len(padded), -1, block)
+        scales = scales.float().reshape(blocks.shape[:2])
+        low, high = torch.aminmax(blocks, dim=-1)
+        amax = torch.maximum(-low, high)
+        past = bool((amax >= limit * scales).any())  # a block's largest first: most pass none
+        overflow = count_past(blocks.abs(), limit * scales.unsqueeze(-1)) if past else 0
+        values = values[:, :length] if padding else values
+        return (values if dim == 1 else values.t()), overflow, scale_range(scales, amax)
+
+    return cast_blocked
