@@ -7,6 +7,7 @@ checked to be the same objects and values before, during and after.
 from __future__ import annotations
 
 import io
+import logging
 import math
 import pathlib
 import subprocess
@@ -397,6 +398,20 @@ def test_import_mpnb_does_not_import_torchao():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_a_cast_after_torchaos_first_import_leaves_the_loggers_alone(monkeypatch):
+    # quieting torchao's import sets logger levels, and each setLevel clears the cache of every
+    # logger the process has (hundreds with transformers): once per cast, it cost a what-if 14%
+    from mpnb.numerics import formats
+
+    x = torch.randn(32, 64)
+    formats.cast("nvfp4", x, "activation", dim=1)  # imports what the casts need
+    levels_set = []
+    monkeypatch.setattr(logging.Logger, "setLevel", lambda logger, level: levels_set.append(level))
+    for name in ("fp8", "fp8_rowwise", "mxfp8", "nvfp4"):
+        formats.cast(name, x, "activation", dim=1)
+    assert levels_set == []
 
 
 def test_session_fp8_is_reset_with_the_session():

@@ -66,6 +66,8 @@ def import_torchao(module: str, mode: str) -> ModuleType:
     Raises:
         MpnbError: torchao is not installed (the message names ``mode`` and the install command).
     """
+    if module in sys.modules:  # quieting sets loggers' levels: each clears every logger's cache
+        return sys.modules[module]
     try:
         with quiet_torchao():
             return importlib.import_module(module)
