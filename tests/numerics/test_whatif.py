@@ -338,3 +338,31 @@ def test_it_holds_one_layers_casts_at_a_time(monkeypatch):
     assert measuring == ["7", "5", "2", "0"]  # as the gradients arrive
     assert len(made) == 4 * (3 + 3 + 3 + 6 + 6 + 6)  # each layer: once per format, or per axis
     assert alive_at_start == {"7": 0, "5": 0, "2": 0, "0": 0}
+
+
+@pytest.mark.parametrize("format, layers", [("fp8", mpnb.fp8_layers), ("mxfp8", mpnb.mx_layers)])
+def test_each_error_is_what_the_modes_own_layer_makes(format, layers):
+    # the prediction against the thing predicted: torchao's layer (emulated on a CPU, fp32 in
+    # and out) multiplying the same input, weight and output gradient as the what-if's pass
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    x, y = torch.randn(40, 64), torch.randn(40, 64)  # 40 rows: the weight's gradient is padded
+    result = whatif(model, (x, y), nn.functional.mse_loss, formats=[format])
+    predicted = {r["matmul"]: r["rel_error"] for r in result.rows if r["layer"] == "1"}
+    h = model[0](x).detach().requires_grad_()
+    out = model[1](h)
+    (dy,) = torch.autograd.grad(nn.functional.mse_loss(model[2](out), y), out)
+    weight = model[1].weight.detach()
+    reference = {
+        "forward": h.detach() @ weight.t(),
+        "input_grad": dy @ weight,
+        "weight_grad": dy.t() @ h.detach(),
+    }
+    with layers(model, device="cpu") as swapped:
+        assert swapped.converted == ["1"]
+        made = model[1](h) - model[1].bias
+        made.backward(dy)
+    measured = {"forward": made.detach(), "input_grad": h.grad, "weight_grad": model[1].weight.grad}
+    for matmul, value in measured.items():
+        error = float((value - reference[matmul]).norm() / reference[matmul].norm())
+        assert predicted[matmul] == pytest.approx(error, rel=1e-3), (matmul, predicted, error)
