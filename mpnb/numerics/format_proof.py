@@ -22,7 +22,6 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mpnb.errors import MpnbError
 from mpnb.precision.modes.base import Mode
 from mpnb.precision.modes.registry import format_mode, parse_mode
 
@@ -127,8 +126,8 @@ def prove(
 
     Raises:
         InvalidChoiceError: an unknown format.
-        MpnbError: a format no registered mode trains; the mode's own refusal where this
-            machine cannot run it (nvfp4 off Blackwell GPUs), raised by ``make_run``.
+        MpnbError: the mode's own refusal where this machine cannot run it (nvfp4 off
+            Blackwell GPUs), raised by ``make_run``.
         TypeError: ``make_run`` returned something else than a trainer and its data.
         ValueError: ``steps`` is not a whole number >= 1.
 

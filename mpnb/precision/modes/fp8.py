@@ -56,13 +56,6 @@ from torch import nn
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.backends import Backend, backend_for
 from mpnb.precision.modes.base import option
-from mpnb.precision.modes.matmul_format import (
-    MatmulFormat,
-    Threshold,
-    count_past,
-    rounding_limit,
-    scale_range,
-)
 from mpnb.precision.modes.layer_swap import (
     LayerSwap,
     LayerSwapMode,
@@ -71,6 +64,13 @@ from mpnb.precision.modes.layer_swap import (
     is_torchao_layer,
     keep_option,
     layer_names,
+)
+from mpnb.precision.modes.matmul_format import (
+    MatmulFormat,
+    Threshold,
+    count_past,
+    rounding_limit,
+    scale_range,
 )
 from mpnb.precision.modes.registry import register
 

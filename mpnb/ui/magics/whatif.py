@@ -36,7 +36,10 @@ class WhatIfMagics(Magics):
     )
     @argument("--loss", help="the loss function, loss(outputs, targets) -> scalar")
     @argument(
-        "--formats", nargs="+", metavar="FORMAT", help=f"of {', '.join(format_names())} (default: all)"
+        "--formats",
+        nargs="+",
+        metavar="FORMAT",
+        help=f"of {', '.join(format_names())} (default: all)",
     )
     @line_magic
     def whatif(self, line: str) -> WhatIf:
