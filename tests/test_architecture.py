@@ -61,7 +61,6 @@ INTEGRATIONS = {
     "mpnb.integrations.transformers": {"transformers"},
     "mpnb.integrations.lightning": {"lightning"},
     "mpnb.precision.modes.fp8": {"torchao"},  # mode fp8's float8 layers (the fp8 extra)
-    "mpnb.numerics.formats": {"torchao"},  # the what-if's casts: torchao's own (the fp8 extra)
 }
 #: Above this many lines a module is worth a look: is it one concept? (A warning: size follows the
 #: concept, and a module must never be squeezed to meet a number.)

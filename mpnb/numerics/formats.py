@@ -28,10 +28,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch
 
-from mpnb.errors import InvalidChoiceError
+from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.modes.matmul_format import ROLES
 from mpnb.precision.modes.registry import find_format, matmul_formats
 
@@ -68,12 +69,38 @@ def format_names() -> tuple[str, ...]:
     return tuple(matmul_formats())
 
 
+def chosen_formats(formats: object) -> tuple[str, ...]:
+    """The formats a what-if is asked for: every one for None, one name, or names (in order,
+    each once).
+
+    >>> chosen_formats(None)[:2], chosen_formats("bf16"), chosen_formats(["nvfp4", "bf16", "nvfp4"])
+    (('fp16', 'bf16'), ('bf16',), ('nvfp4', 'bf16'))
+    >>> chosen_formats([])
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.MpnbError: formats=[] names no format; valid: fp16, bf16, fp8, fp8_rowwise, mxfp8, nvfp4
+    """
+    if formats is None:
+        return format_names()
+    names = [formats] if isinstance(formats, str) else formats
+    if not isinstance(names, Iterable) or isinstance(names, (bytes, dict)):
+        raise InvalidChoiceError(
+            "formats", formats, format_names(), "Give a name or a list of names."
+        )
+    chosen = tuple(dict.fromkeys(check_format(name) for name in names))
+    if not chosen:
+        raise MpnbError(f"formats={formats!r} names no format; valid: {', '.join(format_names())}")
+    return chosen
+
+
 def check_format(name: str) -> str:
     """``name`` if it is a format, else an error naming the valid ones.
 
     >>> check_format("mxfp8")
     'mxfp8'
     """
+    if not isinstance(name, str):
+        raise InvalidChoiceError("format", name, format_names())
     find_format(name)
     return name
 

@@ -109,13 +109,7 @@ def whatif(
         ...
         mpnb.errors.InvalidChoiceError: unknown format 'fp4'; valid: fp16, bf16, fp8, fp8_rowwise, mxfp8, nvfp4
     """
-    chosen = (
-        fmt.format_names()
-        if formats is None
-        else tuple(
-            fmt.check_format(name) for name in ([formats] if isinstance(formats, str) else formats)
-        )
-    )
+    chosen = fmt.chosen_formats(formats)
     layers = {name: module for name, module in model.named_modules() if multiplies(module)}
     if not layers:
         raise MpnbError(
@@ -190,7 +184,7 @@ class WhatIf:
         >>> result.worst("0", "mxfp8") is None, result.worst("0", "bf16")["format"]
         (True, 'bf16')
         """
-        threshold = self.thresholds[fmt.check_format(format)]
+        threshold = self._threshold(format)
         rows = [r for r in self.rows if r["layer"] == layer and r["format"] == format]
         return max(rows, key=lambda r: (threshold.passed(r), r["rel_error"]), default=None)
 
@@ -212,7 +206,7 @@ class WhatIf:
             []
         """
         self._measured(format)
-        threshold = self.thresholds[format]
+        threshold = self._threshold(format)
         return [
             layer
             for layer in self.layers
@@ -223,7 +217,20 @@ class WhatIf:
             )
         ]
 
+    def _threshold(self, format: str) -> Threshold:
+        """``thresholds[format]``, or an error that says how to set it."""
+        if format in self.thresholds:
+            return self.thresholds[format]
+        if format not in self.formats:
+            fmt.check_format(format)  # an unknown format is named as such
+        raise MpnbError(
+            f"no threshold for format {format!r}: set result.thresholds[{format!r}] = "
+            "Threshold(rel_error=..., overflow=..., underflow=...)"
+        )
+
     def _measured(self, format: str) -> None:
+        if format in self.formats:  # measured: known, even if its mode was unregistered since
+            return
         fmt.check_format(format)
         if format not in self.formats:
             raise MpnbError(

@@ -107,3 +107,18 @@ def test_its_format_is_measured_advised_and_proved_by_the_whatif(brain16, ip):
     ip.user_ns.update(model=model, batch=batch, loss=loss)
     shown = run(ip, "%whatif model batch --loss loss --formats brain16")
     assert shown.formats == ("brain16",)
+
+
+def test_a_whatif_result_outlives_its_formats_mode(ip):
+    register(Brain16)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+        ip.user_ns.update(model=model, batch=batch, loss=torch.nn.functional.cross_entropy)
+        result = run(ip, "%whatif model batch --loss loss --formats brain16,bf16")
+    finally:
+        unregister("brain16")
+    assert result.formats == ("brain16", "bf16")
+    assert result.recommend("brain16") == [] and "brain16" in result._repr_html_()
+    assert "brain16 keeps 0" in repr(result) and result.figure() is not None

@@ -13,7 +13,8 @@ import mpnb.examples as ex
 from mpnb.cli import main
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.modes import Mode, mode_names, parse_mode, register, unregister
-from mpnb.precision.modes.registry import option_specs
+from mpnb.precision.modes.matmul_format import MatmulFormat, Threshold
+from mpnb.precision.modes.registry import format_mode, matmul_formats, option_specs
 from tests.modes.brain16 import Brain16
 
 
@@ -50,17 +51,58 @@ def test_register_refuses_a_name_that_is_taken_or_unreachable(name, aliases, wor
     assert mode_names() == before and parse_mode("bf16").autocast_dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("format_name", ["bf16", "nvfp4", "My Format"])
-def test_register_refuses_a_matmul_format_another_mode_has_or_none_can_type(format_name):
-    from mpnb.precision.modes.matmul_format import MatmulFormat, Threshold
-    from mpnb.precision.modes.registry import matmul_formats
+def _bf16_format(name: str, **fields) -> MatmulFormat:
+    return MatmulFormat(name, Threshold(0.1, 0.0), dtype=torch.bfloat16, **fields)
 
+
+@pytest.mark.parametrize(
+    "formats, words",
+    [
+        ((_bf16_format("bf16"),), "matmul format 'bf16' is already mode bf16's"),
+        ((_bf16_format("nvfp4"),), "matmul format 'nvfp4' is already mode nvfp4's"),
+        ((_bf16_format("x"), _bf16_format("x")), "matmul format 'x' is already mode mine's own"),
+        ((_bf16_format("My Format"),), "matmul format 'My Format' cannot be typed"),
+        (("fp16",), r"matmul_formats takes a tuple of MatmulFormat, got \('fp16',\)"),
+        (_bf16_format("x"), "matmul_formats takes a tuple of MatmulFormat"),
+        ((_bf16_format("x", trains_as="nosuch"),), "'x' trains_as 'nosuch': unknown mode 'nosuch'"),
+        ((_bf16_format("x", trains_as="fp16:fast"),), "trains_as 'fp16:fast': unknown option"),
+        ((_bf16_format("x", trains_as="mine:fast"),), "trains_as 'mine:fast': unknown option"),
+    ],
+)
+def test_register_refuses_matmul_formats_it_could_not_serve(formats, words):
     mode = _mode("mine")
-    mode.matmul_formats = (MatmulFormat(format_name, Threshold(0.1, 0.0), dtype=torch.bfloat16),)
+    mode.matmul_formats = formats
     before = dict(matmul_formats())
-    with pytest.raises(MpnbError, match=f"matmul format '{format_name}' cannot be registered"):
+    with pytest.raises(MpnbError, match=words):
         register(mode)
     assert "mine" not in mode_names() and matmul_formats() == before
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"dtype": "bfloat16"}, "dtype takes a floating-point torch.dtype, got 'bfloat16'"),
+        ({"dtype": torch.int8}, "dtype takes a floating-point torch.dtype, got torch.int8"),
+        ({"dtype": torch.bfloat16, "threshold": (0.1, 0.0)}, r"threshold takes a Threshold"),
+        ({}, "give a dtype or a scaled_cast, one of them"),
+        ({"dtype": torch.bfloat16, "scaled_cast": print}, "give a dtype or a scaled_cast"),
+        ({"scaled_cast": "cast"}, "scaled_cast takes a function"),
+    ],
+)
+def test_a_matmul_format_that_could_not_cast_is_refused_when_made(fields, words):
+    fields = {"threshold": Threshold(0.1, 0.0), **fields}
+    with pytest.raises(MpnbError, match=words):
+        MatmulFormat("x", **fields)
+
+
+def test_a_mode_whose_format_trains_as_itself_with_an_option_registers():
+    mode = _mode("mine", recipe=(str, "plain"))
+    mode.matmul_formats = (_bf16_format("mine_fast", trains_as="mine:fast"),)
+    register(mode)
+    try:
+        assert format_mode("mine_fast") == mode(recipe="fast")
+    finally:
+        unregister("mine")
 
 
 def test_mpnbs_own_modes_cannot_be_unregistered():

@@ -285,6 +285,52 @@ def test_bad_names_are_refused_with_the_valid_ones(planted):
         )
 
 
+def test_the_formats_asked_for_are_each_named_once_and_at_least_one(planted):
+    model, batch, loss = _planted(), _batch(), nn.functional.cross_entropy
+    result = whatif(model, batch, loss, formats=["bf16", "fp16", "bf16"])
+    assert result.formats == ("bf16", "fp16") and len(result.rows) == 2 * 3 * 4
+    with pytest.raises(MpnbError, match=r"formats=\[\] names no format; valid: fp16, bf16"):
+        whatif(model, batch, loss, formats=[])
+    with pytest.raises(InvalidChoiceError, match="unknown formats 3; valid: fp16"):
+        whatif(model, batch, loss, formats=3)
+    with pytest.raises(InvalidChoiceError, match=r"unknown format \['fp16'\]; valid: fp16"):
+        whatif(model, batch, loss, formats=[["fp16"]])
+
+
+def test_a_threshold_taken_away_is_asked_for_by_name(planted):
+    result = WhatIf(planted.rows, planted.formats)
+    del result.thresholds["fp8"]
+    with pytest.raises(
+        MpnbError, match=r"no threshold for format 'fp8': set result.thresholds\['fp8'\]"
+    ):
+        result.recommend("fp8")
+
+
+def test_a_scaled_cast_that_returns_something_else_is_named(monkeypatch):
+    from mpnb.precision.modes import registry
+    from mpnb.precision.modes.matmul_format import MatmulFormat, Threshold
+
+    def wrong_shape(tensor, role, dim):
+        return tensor[:1], 0, (1.0, 1.0)
+
+    mode = registry.find_mode("nvfp4")
+    shaky = MatmulFormat("shaky", Threshold(0.3, 0.0), scaled_cast=wrong_shape)
+    monkeypatch.setattr(type(mode), "matmul_formats", (*type(mode).matmul_formats, shaky))
+    model = _planted()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        MpnbError,
+        match=r"the scaled cast of matmul format 'shaky' returned \(a tensor shaped \(1, 64\), 0, \(1.0, 1.0\)\); a cast returns \(values shaped \(64, 64\)",
+    ):
+        whatif(model, _batch(), nn.functional.cross_entropy, formats=["shaky"])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(
+        not m._forward_hooks and p.grad is None
+        for m in model.modules()
+        for p in m.parameters(recurse=False)
+    )
+
+
 def _make_run(mode):
     torch.manual_seed(0)
     model = _planted()

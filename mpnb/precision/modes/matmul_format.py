@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mpnb.errors import MpnbError
+
 __all__: list[str] = []
 
 #: An operand's part in a matmul: the recipes cast gradients to their own element type.
@@ -84,7 +86,9 @@ class MatmulFormat:
             convolutions included, and its matmul writes that dtype.
         scaled_cast: or a scaled cast (``(tensor, role, dim) -> (values, overflow, scale
             range)``) by the format's own library: applies to linear layers' matmuls, as
-            torchao's training layers do, and writes the high precision it was given.
+            torchao's training layers do, and writes the high precision it was given. It reads
+            ``tensor`` and never changes it (the pass's own tensors: the other formats read
+            them after it).
         follows_axis: the scales follow the axis the matmul sums over (a row's, a block's): a
             tensor multiplied along another axis is cast again.
         trains_as: the mode that trains in the format, as ``parse_mode`` reads it
@@ -99,8 +103,25 @@ class MatmulFormat:
     trains_as: str = ""
 
     def __post_init__(self) -> None:
+        said = f"matmul format {self.name!r}"
+        if not isinstance(self.name, str):
+            raise MpnbError(f"{said}: its name is a string, got a {type(self.name).__name__}")
+        if not isinstance(self.threshold, Threshold):
+            raise MpnbError(
+                f"{said}: threshold takes a Threshold(rel_error=..., overflow=..., underflow=...), "
+                f"got {self.threshold!r}"
+            )
         if (self.dtype is None) == (self.scaled_cast is None):
-            raise ValueError(f"format {self.name!r}: give a dtype or a scaled_cast, one of them")
+            raise MpnbError(f"{said}: give a dtype or a scaled_cast, one of them")
+        if self.dtype is not None and not (
+            isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point
+        ):
+            raise MpnbError(f"{said}: dtype takes a floating-point torch.dtype, got {self.dtype!r}")
+        if self.scaled_cast is not None and not callable(self.scaled_cast):
+            raise MpnbError(
+                f"{said}: scaled_cast takes a function (tensor, role, dim) -> (values, overflow, "
+                f"scale range), got {self.scaled_cast!r}"
+            )
 
     @property
     def any_operation(self) -> bool:
@@ -114,10 +135,32 @@ class MatmulFormat:
         part ``role``: its values read back in float32, its elements past the largest value,
         its scale range."""
         if self.scaled_cast is not None:
-            return self.scaled_cast(tensor, role, dim)
+            return self._checked(self.scaled_cast(tensor, role, dim), tensor)
         limit = rounding_limit(self.dtype)
         overflow = count_past(tensor.abs(), limit) if largest_magnitude(tensor) >= limit else 0
         return tensor.to(self.dtype).float(), overflow, (1.0, 1.0)
+
+    def _checked(
+        self, cast: object, tensor: torch.Tensor
+    ) -> tuple[torch.Tensor, int, tuple[float, float]]:
+        """What a scaled cast returned, if it is what a cast returns (no pass over the values)."""
+        try:
+            values, overflow, (low, high) = cast  # type: ignore[misc]
+            fits = (
+                isinstance(values, torch.Tensor)
+                and values.shape == tensor.shape
+                and 0 <= int(overflow) <= tensor.numel()
+            )
+            scales = (float(low), float(high))
+        except (TypeError, ValueError):
+            fits = False
+        if not fits:
+            raise MpnbError(
+                f"the scaled cast of matmul format {self.name!r} returned {_shown(cast)}; a cast "
+                f"returns (values shaped {tuple(tensor.shape)} as the tensor it was given, the "
+                "count of its elements past the largest value, (smallest scale, largest scale))"
+            )
+        return values, int(overflow), scales
 
     def output(self, result: torch.Tensor) -> torch.Tensor:
         """A matmul's float32 ``result`` as this format's matmul writes it, rounded in place: a
@@ -129,6 +172,15 @@ class MatmulFormat:
         [inf]
         """
         return result if self.dtype is None else result.copy_(result.to(self.dtype))
+
+
+def _shown(value: object) -> str:
+    """A cast's return, in short: tensors by their shape."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor shaped {tuple(value.shape)}"
+    if isinstance(value, tuple):
+        return f"({', '.join(_shown(item) for item in value)})"
+    return repr(value)[:80]
 
 
 def rounding_limit(

@@ -77,22 +77,51 @@ def register(mode: type[Mode]) -> type[Mode]:
 
 
 def _check_formats(mode: type[Mode]) -> None:
-    """Refuse matmul formats whose names cannot be typed or another mode's formats have."""
-    formats = [matmul_format.name for matmul_format in mode.matmul_formats]
-    others = {
-        matmul_format.name
+    """Refuse matmul formats that are not :class:`MatmulFormat` objects, whose names cannot be
+    typed or are another format's, or whose ``trains_as`` names no mode."""
+    formats = mode.matmul_formats
+    if not isinstance(formats, tuple) or not all(isinstance(f, MatmulFormat) for f in formats):
+        raise MpnbError(
+            f"mode {mode.name}: matmul_formats takes a tuple of MatmulFormat, got {formats!r}"
+        )
+    owners = {
+        f.name: other.name
         for other in _MODES.values()
         if other is not mode
-        for matmul_format in other.matmul_formats
+        for f in other.matmul_formats
     }
-    unusable = [name for name in formats if not _NAME.fullmatch(str(name))]
-    taken = [name for name in formats if name in others]
-    if unusable or taken or len(set(formats)) < len(formats):
-        said = ", ".join(map(repr, unusable or taken or formats))
-        raise MpnbError(
-            f"mode {mode.name}: matmul format {said} cannot be registered: each format needs a "
-            "name of its own, one lowercase word of letters, digits, _ or -"
-        )
+    names = [f.name for f in formats]
+    for name in names:
+        if not _NAME.fullmatch(name):
+            raise MpnbError(
+                f"mode {mode.name}: matmul format {name!r} cannot be typed (%whatif --formats): "
+                "one lowercase word of letters, digits, _ or -"
+            )
+        if name in owners or names.count(name) > 1:
+            owner = f"mode {owners[name]}'s" if name in owners else f"mode {mode.name}'s own"
+            raise MpnbError(f"mode {mode.name}: matmul format {name!r} is already {owner}")
+    for matmul_format in formats:
+        if matmul_format.trains_as:
+            try:
+                _trained_as(matmul_format.trains_as, mode)
+            except MpnbError as error:
+                raise MpnbError(
+                    f"mode {mode.name}: matmul format {matmul_format.name!r} trains_as "
+                    f"{matmul_format.trains_as!r}: {error}"
+                ) from None
+
+
+def _trained_as(trains_as: str, declaring: type[Mode]) -> Mode:
+    """The mode ``trains_as`` names: the declaring mode (registered or not yet) or another."""
+    name, colon, first = trains_as.partition(":")
+    if name.strip().lower() not in (declaring.name, *declaring.aliases):
+        return parse_mode(trains_as)
+    said = declaring.label_option()
+    if not colon:
+        return declaring()
+    if said is None:
+        raise InvalidChoiceError(f"option of mode {declaring.name}", first, ["none"])
+    return _with_options(declaring(), {said.name: first.strip()})
 
 
 def unregister(name: str) -> None:
@@ -189,7 +218,12 @@ def format_mode(name: str) -> Mode:
     """
     matmul_format = find_format(name)
     owner = next(mode for mode in _MODES.values() if matmul_format in mode.matmul_formats)
-    return parse_mode(matmul_format.trains_as or owner.name)
+    try:
+        return _trained_as(matmul_format.trains_as or owner.name, owner)
+    except MpnbError as error:  # the mode it names was unregistered since
+        raise MpnbError(
+            f"matmul format {name!r} trains as {matmul_format.trains_as!r}: {error}"
+        ) from None
 
 
 def reference_name() -> str:

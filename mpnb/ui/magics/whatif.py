@@ -17,6 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from mpnb.numerics.formats import format_names
 from mpnb.numerics.whatif import WhatIf, whatif, whatif_of_fit
+from mpnb.precision.modes.registry import split_names
 from mpnb.ui.magics.arguments import as_usage_error, parse_line
 
 __all__: list[str] = []
@@ -39,7 +40,8 @@ class WhatIfMagics(Magics):
         "--formats",
         nargs="+",
         metavar="FORMAT",
-        help=f"of {', '.join(format_names())} (default: all)",
+        help=f"matmul formats, by spaces or commas (default: all): {', '.join(format_names())}, "
+        "and any a registered mode adds",
     )
     @line_magic
     def whatif(self, line: str) -> WhatIf:
@@ -55,6 +57,7 @@ class WhatIfMagics(Magics):
             %whatif trainer --formats fp8 mxfp8
         """
         args = parse_line(self.whatif, line, f"formats: {', '.join(format_names())}")
+        formats = None if args.formats is None else split_names(args.formats)
         model = self._value(args.model)
         with as_usage_error():
             if args.batch is None:
@@ -63,9 +66,9 @@ class WhatIfMagics(Magics):
                         f"%whatif {args.model}: give a batch after the model, or name a Trainer "
                         "that has fit a step"
                     )
-                return whatif_of_fit(model, args.formats)
+                return whatif_of_fit(model, formats)
             loss = self._value(args.loss) if args.loss else None
-            return whatif(model, self._value(args.batch), loss, args.formats)
+            return whatif(model, self._value(args.batch), loss, formats)
 
     def _value(self, expression: str):
         """``expression`` evaluated in the notebook's namespace."""
