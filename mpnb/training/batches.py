@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -207,13 +208,41 @@ def batch_loss(
             )
         inputs, targets = batch
         return loss_fn(model(inputs), targets)
-    if isinstance(batch, Mapping):
-        output = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        output = model(*batch)
-    else:
-        output = model(batch)
+    args, kwargs = _arguments_of(batch)
+    try:
+        output = model(*args, **kwargs)
+    except TypeError as error:
+        refusal = _unbindable(model, batch, args, kwargs)
+        if refusal is None:  # the forward took the batch; the error is its own
+            raise
+        raise MpnbError(refusal) from error
     return _loss_of(output)
+
+
+def _arguments_of(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """How a batch is handed to a model that computes its own loss: a mapping as keywords, a
+    tuple or list as positional arguments, anything else as the one argument."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def _unbindable(model: nn.Module, batch: Any, args: tuple, kwargs: dict) -> str | None:
+    """Why ``model``'s forward cannot take the batch's arguments, or None where it can (asked
+    after a TypeError only: nothing a step)."""
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as mismatch:
+        return (
+            f"{type(model).__name__}.forward cannot take {_describe(batch)} as its arguments "
+            f"({mismatch}); for (inputs, targets) batches pass loss_fn=f(outputs, targets) "
+            "(%whatif --loss), or step_fn=f(model, batch) -> loss"
+        )
+    except ValueError:  # no signature to read (a C-level forward)
+        return None
+    return None
 
 
 def _loss_of(output: Any) -> torch.Tensor:

@@ -9,6 +9,7 @@ from collections import UserDict
 
 import pytest
 import torch
+from IPython.core.error import UsageError
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -16,8 +17,9 @@ import mpnb
 import mpnb.examples as ex
 from mpnb.errors import MpnbError
 from mpnb.precision.modes import parse_mode
-from mpnb.training.batches import samples_in, to_device
+from mpnb.training.batches import batch_loss, samples_in, to_device
 from tests.conformance.models import bert_model, gpt2_model
+from tests.conftest import run_expecting
 
 transformers = pytest.importorskip("transformers")
 
@@ -115,6 +117,32 @@ def test_a_model_without_a_loss_is_a_clear_error():
     ):
         trainer.fit([batch])
     assert trainer.amp.between_steps and len(trainer.history) == 0
+
+
+def test_a_pair_batch_without_a_loss_fn_says_to_pass_one(ip):
+    model = nn.Sequential(nn.Linear(4, 2))
+    batch = (torch.randn(3, 4), torch.randn(3, 2))
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.1), mode="bf16", device="cpu", dashboard=None
+    )
+    words = r"Sequential.forward cannot take a tuple of 2 as its arguments .*pass loss_fn="
+    with pytest.raises(MpnbError, match=words):
+        trainer.fit([batch])
+    assert trainer.amp.between_steps and len(trainer.history) == 0
+    with pytest.raises(MpnbError, match=words):
+        mpnb.whatif(model, batch)
+    ip.user_ns.update(model=model, batch=batch)
+    shown = run_expecting(ip, "%whatif model batch", UsageError)
+    assert "Sequential.forward cannot take a tuple of 2" in str(shown) and "--loss" in str(shown)
+
+
+def test_a_type_error_inside_the_models_forward_is_the_models_own():
+    class Strict(nn.Module):
+        def forward(self, x, y):
+            raise TypeError("a bug of the model's own")
+
+    with pytest.raises(TypeError, match="a bug of the model's own"):
+        batch_loss(Strict(), (torch.ones(1), torch.ones(1)), None, None)
 
 
 def test_a_loss_fn_with_a_dict_batch_says_what_to_pass():
