@@ -5,6 +5,7 @@ proved on a short run; the model, the switches and the hooks as found."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -306,23 +307,38 @@ def test_a_threshold_taken_away_is_asked_for_by_name(planted):
         result.recommend("fp8")
 
 
-def test_a_scaled_cast_that_returns_something_else_is_named(monkeypatch):
+@pytest.mark.parametrize(
+    "returned, shown",
+    [
+        (
+            lambda t: (t[:1], 0, (1.0, 1.0)),
+            r"\(a torch.float32 tensor shaped \(1, 64\), 0, \(1.0, 1.0\)\)",
+        ),
+        (
+            lambda t: (t.bfloat16(), 0, (1.0, 1.0)),
+            r"\(a torch.bfloat16 tensor shaped \(64, 64\), 0,",
+        ),
+        (lambda t: (t, -1, (1.0, 1.0)), r"\(a torch.float32 tensor shaped \(64, 64\), -1,"),
+        (lambda t: (t, 0, 1.0), r"\(a torch.float32 tensor shaped \(64, 64\), 0, 1.0\)"),
+        (lambda t: t, r"a torch.float32 tensor shaped \(64, 64\);"),
+    ],
+)
+def test_a_scaled_cast_that_returns_something_else_is_named(monkeypatch, returned, shown):
     from mpnb.precision.modes import registry
     from mpnb.precision.modes.matmul_format import MatmulFormat, Threshold
 
-    def wrong_shape(tensor, role, dim):
-        return tensor[:1], 0, (1.0, 1.0)
-
-    mode = registry.find_mode("nvfp4")
-    shaky = MatmulFormat("shaky", Threshold(0.3, 0.0), scaled_cast=wrong_shape)
-    monkeypatch.setattr(type(mode), "matmul_formats", (*type(mode).matmul_formats, shaky))
+    mode = type(registry.find_mode("nvfp4"))
+    shaky = MatmulFormat("shaky", Threshold(0.3, 0.0), scaled_cast=lambda t, role, dim: returned(t))
+    monkeypatch.setattr(mode, "matmul_formats", (*mode.matmul_formats, shaky))
     model = _planted()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(
-        MpnbError,
-        match=r"the scaled cast of matmul format 'shaky' returned \(a tensor shaped \(1, 64\), 0, \(1.0, 1.0\)\); a cast returns \(values shaped \(64, 64\)",
-    ):
+    with pytest.raises(MpnbError) as raised:
         whatif(model, _batch(), nn.functional.cross_entropy, formats=["shaky"])
+    said = str(raised.value)
+    assert said.startswith("the scaled cast of matmul format 'shaky' returned "), said
+    assert (
+        re.search(shown, said) and "a cast returns (values shaped (64, 64) in torch.float32" in said
+    )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(
         not m._forward_hooks and p.grad is None

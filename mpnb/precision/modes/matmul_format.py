@@ -149,6 +149,7 @@ class MatmulFormat:
             fits = (
                 isinstance(values, torch.Tensor)
                 and values.shape == tensor.shape
+                and values.dtype == tensor.dtype
                 and 0 <= int(overflow) <= tensor.numel()
             )
             scales = (float(low), float(high))
@@ -157,8 +158,9 @@ class MatmulFormat:
         if not fits:
             raise MpnbError(
                 f"the scaled cast of matmul format {self.name!r} returned {_shown(cast)}; a cast "
-                f"returns (values shaped {tuple(tensor.shape)} as the tensor it was given, the "
-                "count of its elements past the largest value, (smallest scale, largest scale))"
+                f"returns (values shaped {tuple(tensor.shape)} in {tensor.dtype} as the tensor it "
+                "was given, the count of its elements past the largest value, (smallest scale, "
+                "largest scale))"
             )
         return values, int(overflow), scales
 
@@ -177,7 +179,7 @@ class MatmulFormat:
 def _shown(value: object) -> str:
     """A cast's return, in short: tensors by their shape."""
     if isinstance(value, torch.Tensor):
-        return f"a tensor shaped {tuple(value.shape)}"
+        return f"a {value.dtype} tensor shaped {tuple(value.shape)}"
     if isinstance(value, tuple):
         return f"({', '.join(_shown(item) for item in value)})"
     return repr(value)[:80]
