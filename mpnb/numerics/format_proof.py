@@ -47,7 +47,7 @@ class Proof:
         >>> round(proof.gap, 3), round(proof.spread, 3)
         (0.05, 0.071)
         >>> print(proof)
-        fp8 (fp8:tensorwise, keeping 4) beside bf16 over 4 steps: loss gap +0.05 (spread 0.0707, over the last 2 steps), 4.8% of bf16's loss 1.05
+        fp8 (fp8:tensorwise, keeping 4) beside bf16 over 4 steps: loss gap +0.05 (spread 0.0707, over the last 2 steps), 4.8% of bf16's mean loss there, 1.05
     """
 
     format: str
@@ -83,7 +83,7 @@ class Proof:
         return (
             f"{self.format} ({self.mode}, keeping {kept}) beside {BASELINE} over "
             f"{len(self.losses)} steps: loss gap {self.gap:+.3g} (spread {self.spread:.3g}, over "
-            f"the last {len(ours)} steps), {share} of {BASELINE}'s loss {reference:.3g}"
+            f"the last {len(ours)} steps), {share} of {BASELINE}'s mean loss there, {reference:.3g}"
         )
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -118,9 +118,9 @@ def prove(
     Args:
         keep: the layers to keep in higher precision (:meth:`~mpnb.numerics.whatif.WhatIf.recommend`).
         make_run: ``make_run(mode) -> (trainer, data)`` or ``(trainer, data, metric)``, a fresh
-            run each call, as :func:`mpnb.compare` takes it. It is called with ``"bf16"`` and
-            with the recommended mode, a :class:`~mpnb.precision.modes.base.Mode` carrying its
-            ``keep`` option where it has one: hand it to ``Trainer(mode=...)``.
+            run each call, as :func:`mpnb.compare` takes it. It is called with the recommended
+            mode first (a :class:`~mpnb.precision.modes.base.Mode` carrying its ``keep`` option
+            where it has one: hand it to ``Trainer(mode=...)``), then with ``"bf16"``.
         format: a format the what-if measured.
         steps: optimizer steps of each run.
 
@@ -139,8 +139,10 @@ def prove(
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
     mode, in_fp32 = configuration(format, keep)
-    baseline = _losses(make_run, BASELINE, [], steps)
+    # the format's run first: a mode that refuses the model or the machine says so before
+    # bf16's run has cost anything
     losses = _losses(make_run, mode, in_fp32, steps)
+    baseline = _losses(make_run, BASELINE, [], steps)
     return Proof(format, mode.label, keep, losses, baseline)
 
 

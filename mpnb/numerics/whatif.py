@@ -109,6 +109,11 @@ def whatif(
         ...
         mpnb.errors.InvalidChoiceError: unknown format 'fp4'; valid: fp16, bf16, fp8, fp8_rowwise, mxfp8, nvfp4
     """
+    if not isinstance(model, nn.Module):
+        raise MpnbError(
+            f"whatif takes the model (a torch.nn.Module) first, then its batch; got a "
+            f"{type(model).__name__} as the model"
+        )
     chosen = fmt.chosen_formats(formats)
     layers = {name: module for name, module in model.named_modules() if multiplies(module)}
     if not layers:
@@ -251,9 +256,9 @@ class WhatIf:
 
         Args:
             make_run: ``make_run(mode) -> (trainer, data)``, a fresh run each call, as
-                :func:`mpnb.compare` takes it; called with ``"bf16"`` and with the recommended
-                mode (a :class:`~mpnb.precision.modes.base.Mode` carrying ``keep`` where the
-                mode has that option: hand it to ``Trainer(mode=...)``).
+                :func:`mpnb.compare` takes it; called with the recommended mode first (a
+                :class:`~mpnb.precision.modes.base.Mode` carrying ``keep`` where the mode has
+                that option: hand it to ``Trainer(mode=...)``), then with ``"bf16"``.
             format: a format this what-if measured.
             steps: optimizer steps of each run.
 

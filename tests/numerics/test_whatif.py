@@ -370,6 +370,31 @@ def test_prove_trains_the_advice_beside_bf16_and_reports_the_gap(planted):
         planted.prove(_make_run, "nvfp4", steps=2)
 
 
+def test_prove_runs_the_format_first_so_a_refusal_costs_no_bf16_run(planted):
+    asked = []
+
+    def make_run(mode):
+        asked.append(str(mode))
+        return _make_run(mode)
+
+    with pytest.raises(MpnbError, match="fp8 would convert no layer of Sequential: keep names"):
+        mpnb.numerics.format_proof.prove(["2", "5"], make_run, "fp8", steps=2)
+    assert asked == ["fp8"]
+
+
+def test_a_model_given_second_and_a_mode_without_formats_are_named():
+    batch = _batch()
+    with pytest.raises(
+        MpnbError, match="whatif takes the model .* first, then its batch; got a tuple"
+    ):
+        whatif(batch, _planted())
+    with pytest.raises(
+        InvalidChoiceError,
+        match="unknown format 'tf32'; valid: fp16, .* Mode tf32 declares no matmul format",
+    ):
+        whatif(_planted(), batch, nn.functional.cross_entropy, formats=["tf32"])
+
+
 def test_it_holds_one_layers_casts_at_a_time(monkeypatch):
     """Every tensor a cast made for a layer is gone before the next layer is measured: beyond
     the pass itself, one layer's operands and products at a time."""

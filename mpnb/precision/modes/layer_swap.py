@@ -54,6 +54,14 @@ __all__: list[str] = []  # the mode modules list their public names
 TORCHAO_INSTALL = "pip install 'mpnb[fp8]'"
 
 
+#: Why a Linear layer is kept out of the format (what :attr:`LayerSwap.kept` says).
+FIRST_LAYER, LAST_LAYER, KEPT_BY_NAME = (
+    "the first Linear layer",
+    "the last Linear layer",
+    "kept by name",
+)
+
+
 def quiet_torchao() -> contextlib.AbstractContextManager[None]:
     """torchao's imports warn about CUDA kernels a CPU build cannot load (not used here) and
     about enums torch now registers itself: quiet for a block."""
@@ -301,11 +309,11 @@ class LayerSwap:
         if name == "":
             return "the model itself is the Linear layer"
         if index == 0:
-            return "the first Linear layer"
+            return FIRST_LAYER
         if index == count - 1:
-            return "the last Linear layer"
+            return LAST_LAYER
         if named_in(name, self.keep):
-            return "kept by name"
+            return KEPT_BY_NAME
         if parametrize.is_parametrized(module):
             return (
                 "its weight is parametrized (weight_norm...): torchao's layer takes a plain weight"
@@ -350,6 +358,13 @@ class LayerSwap:
         """
         if self.converted or self.already:
             return
+        by_name = [name for name, why in self.kept.items() if why == KEPT_BY_NAME]
+        if by_name and set(self.kept.values()) <= {FIRST_LAYER, LAST_LAYER, KEPT_BY_NAME}:
+            raise MpnbError(
+                f"{self.mode} would convert no layer of {type(self.model).__name__}: keep names "
+                f"every Linear layer between the first and the last ({', '.join(by_name)}), which "
+                "it keeps itself, so it would train in bf16: use mode bf16, or keep fewer"
+            )
         reasons = "; ".join(f"{name or 'the model'}: {why}" for name, why in self.kept.items())
         found = reasons or "it has no torch.nn.Linear layer"
         if not self.takes_conv1d and any(is_conv1d(module) for module in self.model.modules()):

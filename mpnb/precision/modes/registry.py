@@ -204,7 +204,13 @@ def find_format(name: str) -> MatmulFormat:
     """
     formats = matmul_formats()
     if name not in formats:
-        raise InvalidChoiceError("format", name, tuple(formats))
+        mode = _MODES.get(_ALIASES.get(str(name).strip().lower(), ""))
+        hint = (
+            f"Mode {mode.name} declares no matmul format (its class's matmul_formats)."
+            if mode is not None and not mode.matmul_formats
+            else ""
+        )
+        raise InvalidChoiceError("format", name, tuple(formats), hint)
     return formats[name]
 
 
