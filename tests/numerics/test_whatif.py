@@ -4,6 +4,7 @@ proved on a short run; the model, the switches and the hooks as found."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -427,7 +428,14 @@ def test_it_holds_one_layers_casts_at_a_time(monkeypatch):
     assert alive_at_start == {"7": 0, "5": 0, "2": 0, "0": 0}
 
 
-@pytest.mark.parametrize("format, layers", [("fp8", mpnb.fp8_layers), ("mxfp8", mpnb.mx_layers)])
+@pytest.mark.parametrize(
+    "format, layers",
+    [
+        ("fp8", mpnb.fp8_layers),
+        ("fp8_rowwise", functools.partial(mpnb.fp8_layers, recipe="rowwise")),
+        ("mxfp8", mpnb.mx_layers),
+    ],
+)
 def test_each_error_is_what_the_modes_own_layer_makes(format, layers):
     # the prediction against the thing predicted: torchao's layer (emulated on a CPU, fp32 in
     # and out) multiplying the same input, weight and output gradient as the what-if's pass
