@@ -461,3 +461,29 @@ def test_each_error_is_what_the_modes_own_layer_makes(format, layers):
     for matmul, value in measured.items():
         error = float((value - reference[matmul]).norm() / reference[matmul].norm())
         assert predicted[matmul] == pytest.approx(error, rel=1e-3), (matmul, predicted, error)
+
+
+@pytest.mark.parametrize("format, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_each_dtype_formats_error_is_what_autocast_makes(format, dtype):
+    # a linear layer under torch's CPU autocast: operands in the dtype, output in the dtype
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    x, y = torch.randn(40, 64), torch.randn(40, 64)
+    result = whatif(model, (x, y), nn.functional.mse_loss, formats=[format])
+    predicted = {r["matmul"]: r["rel_error"] for r in result.rows if r["layer"] == "1"}
+    h = model[0](x).detach().requires_grad_()
+    out = model[1](h)
+    (dy,) = torch.autograd.grad(nn.functional.mse_loss(model[2](out), y), out)
+    weight = model[1].weight.detach().requires_grad_()
+    reference = {
+        "forward": h.detach() @ weight.detach().t(),
+        "input_grad": dy @ weight.detach(),
+        "weight_grad": dy.t() @ h.detach(),
+    }
+    with torch.autocast("cpu", dtype=dtype):
+        made = nn.functional.linear(h, weight)
+    made.backward(dy.to(dtype))
+    measured = {"forward": made.detach(), "input_grad": h.grad, "weight_grad": weight.grad}
+    for matmul, value in measured.items():
+        error = float((value.float() - reference[matmul]).norm() / reference[matmul].norm())
+        assert predicted[matmul] == pytest.approx(error, rel=1e-3), (matmul, predicted, error)
