@@ -414,6 +414,14 @@ def test_a_cast_after_torchaos_first_import_leaves_the_loggers_alone(monkeypatch
     assert levels_set == []
 
 
+def test_a_torchao_module_blocked_in_sys_modules_is_missing_not_none(monkeypatch):
+    from mpnb.precision.modes.layer_swap import import_torchao
+
+    monkeypatch.setitem(sys.modules, "torchao.float8.config", None)
+    with pytest.raises(MpnbError, match="mode fp8 needs torchao, which is not installed"):
+        import_torchao("torchao.float8.config", "fp8")
+
+
 def test_session_fp8_is_reset_with_the_session():
     mpnb.set_mode("fp8", "cpu", recipe="rowwise", keep=["1"])
     assert session.mode == parse_mode("fp8:rowwise", keep="1")

@@ -74,8 +74,9 @@ def import_torchao(module: str, mode: str) -> ModuleType:
     Raises:
         MpnbError: torchao is not installed (the message names ``mode`` and the install command).
     """
-    if module in sys.modules:  # quieting sets loggers' levels: each clears every logger's cache
-        return sys.modules[module]
+    imported = sys.modules.get(module)  # None too: a module blocked there imports as missing
+    if imported is not None:  # quieting sets loggers' levels: each clears every logger's cache
+        return imported
     try:
         with quiet_torchao():
             return importlib.import_module(module)
