@@ -1,14 +1,9 @@
 """An operand in a matmul format, as the what-if measures it: the values and what they lost.
 
-The formats are the registered modes' own (:mod:`mpnb.precision.modes.matmul_format`, gathered
-by :func:`~mpnb.precision.modes.registry.matmul_formats`): ``fp16`` and ``bf16`` are torch's
-dtypes; the scaled ones are cast by torchao in their modes' modules, on any device (a CPU
-included): ``fp8`` is torchao's default float8 recipe (tensorwise scales, e4m3 for activations
-and weights, e5m2 for gradients), ``fp8_rowwise`` its ``rowwise`` recipe (one power-of-two
-scale per row of the contraction, e4m3 throughout), ``mxfp8`` ``MXTensor.to_mx`` as
-``MXFP8Linear`` calls it (e4m3 in blocks of 32 with a power-of-two e8m0 scale, rounded up) and
-``nvfp4`` ``NVFP4Tensor.to_nvfp4`` (e2m1 in blocks of 16 with an e4m3 scale, under a per-tensor
-scale). torchao is imported when a scaled format is first cast, never on ``import mpnb``.
+The formats are the registered modes' own: each mode's module declares how its format casts
+(:mod:`mpnb.precision.modes.matmul_format`; the registry gathers them,
+:func:`~mpnb.precision.modes.registry.matmul_formats`). torchao is imported when a scaled format
+is first cast, never on ``import mpnb``.
 
 A cast hands back the operand as the format holds it (dequantized to float32) with what it
 lost: the elements past the format's largest value (saturated, or inf), the nonzero elements it
@@ -129,26 +124,3 @@ def cast(name: str, tensor: torch.Tensor, role: str, dim: int, zeros: int | None
         nonzero=tensor.numel() - zeros,
         scales=scales,
     )
-
-
-def output(name: str, result: torch.Tensor) -> torch.Tensor:
-    """A matmul's float32 result as format ``name`` returns it: fp16 and bf16 matmuls write
-    their own dtype (an fp16 result past 65504 is inf); torchao's scaled matmuls write the
-    high precision they were given. ``result`` is rounded in place.
-
-    >>> output("fp16", torch.tensor([7e4])).tolist(), output("fp8", torch.tensor([7e4])).tolist()
-    ([inf], [70000.0])
-    """
-    return find_format(name).output(result)
-
-
-def applies_to_any_operation(name: str) -> bool:
-    """Whether format ``name`` applies beyond linear layers (convolutions too): torch's dtypes
-    do; torchao's scaled training layers convert linear layers only."""
-    return find_format(name).any_operation
-
-
-def follows_axis(name: str) -> bool:
-    """Whether format ``name``'s scales follow the axis a matmul sums over (a tensor multiplied
-    along another axis is cast again); fp16, bf16 and tensorwise fp8 cast a tensor once."""
-    return find_format(name).follows_axis

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from mpnb.numerics import formats as fmt
+from mpnb.precision.modes.matmul_format import MatmulFormat
+from mpnb.precision.modes.registry import find_format
 
 __all__: list[str] = []
 
@@ -78,6 +80,7 @@ class LayerMatmuls:
 
     def __init__(self, formats: Sequence[str]) -> None:
         self.formats = formats
+        self._found = {name: find_format(name) for name in formats}
         self.rows: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._references: dict[str, torch.Tensor] = {}
         #: each fp32 product's norm, by the product's id, for the layer call being measured
@@ -102,10 +105,10 @@ class LayerMatmuls:
             casts: dict[tuple[str, int | None], fmt.Operand] = {}
             for matmul, (left, right, multiply) in LINEAR_MATMULS.items():
                 a, b = (
-                    _cast_once(casts, format_name, tensors[key], key, axis, zeros[key])
+                    _cast_once(casts, self._found[format_name], tensors[key], key, axis, zeros[key])
                     for key, axis in (left, right)
                 )
-                product = fmt.output(format_name, multiply(a.values, b.values))
+                product = self._found[format_name].output(multiply(a.values, b.values))
                 reference = self._reference(matmul, multiply, tensors[left[0]], tensors[right[0]])
                 self._add(name, matmul, format_name, product, reference, (a, b))
         self._references.clear()
@@ -130,8 +133,8 @@ class LayerMatmuls:
         weight = module.weight.detach().float()
         reference = _convolution_products(module, x, weight, gradient)
         for format_name in self.formats:
-            if not fmt.applies_to_any_operation(format_name):
-                continue  # torchao's scaled training layers convert linear layers only
+            if not self._found[format_name].any_operation:
+                continue  # a scaled format applies to linear layers only
             cast = {
                 part: fmt.cast(format_name, tensor, role, dim=1)
                 for part, tensor, role in (
@@ -149,7 +152,7 @@ class LayerMatmuls:
                 "weight_grad": (cast["gradient"], cast["x"]),
             }
             for matmul in MATMULS:
-                product = fmt.output(format_name, products[matmul])
+                product = self._found[format_name].output(products[matmul])
                 self._add(name, matmul, format_name, product, reference[matmul], operands[matmul])
         self._norms.clear()
 
@@ -205,7 +208,7 @@ class LayerMatmuls:
 
 def _cast_once(
     casts: dict[tuple[str, int | None], fmt.Operand],
-    format_name: str,
+    matmul_format: MatmulFormat,
     tensor: torch.Tensor,
     key: str,
     axis: int,
@@ -213,9 +216,9 @@ def _cast_once(
 ) -> fmt.Operand:
     """``tensor`` (``key``) in the format, cast once, or once per axis where the format's
     scales follow the axis the matmul sums over."""
-    along = axis if fmt.follows_axis(format_name) else None
+    along = axis if matmul_format.follows_axis else None
     if (key, along) not in casts:
-        casts[key, along] = fmt.cast(format_name, tensor, _ROLES[key], dim=axis, zeros=zeros)
+        casts[key, along] = fmt.cast(matmul_format.name, tensor, _ROLES[key], dim=axis, zeros=zeros)
     return casts[key, along]
 
 

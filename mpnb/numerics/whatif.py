@@ -236,12 +236,11 @@ class WhatIf:
     def _measured(self, format: str) -> None:
         if format in self.formats:  # measured: known, even if its mode was unregistered since
             return
-        fmt.check_format(format)
-        if format not in self.formats:
-            raise MpnbError(
-                f"format {format!r} was not measured; this what-if measured "
-                f"{', '.join(self.formats)}: run whatif(..., formats=[{format!r}, ...])"
-            )
+        fmt.check_format(format)  # an unknown format is named as such
+        raise MpnbError(
+            f"format {format!r} was not measured; this what-if measured "
+            f"{', '.join(self.formats)}: run whatif(..., formats=[{format!r}, ...])"
+        )
 
     def figure(self) -> Any:
         """A heatmap layer x format, each cell the worst matmul's error, cells past the
