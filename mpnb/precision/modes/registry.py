@@ -116,12 +116,7 @@ def _trained_as(trains_as: str, declaring: type[Mode]) -> Mode:
     name, colon, first = trains_as.partition(":")
     if name.strip().lower() not in (declaring.name, *declaring.aliases):
         return parse_mode(trains_as)
-    said = declaring.label_option()
-    if not colon:
-        return declaring()
-    if said is None:
-        raise InvalidChoiceError(f"option of mode {declaring.name}", first, ["none"])
-    return _with_options(declaring(), {said.name: first.strip()})
+    return _labelled(declaring, colon, first, {})
 
 
 def unregister(name: str) -> None:
@@ -385,7 +380,11 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
     if isinstance(value, Mode):
         return _with_options(value, given) if given else value
     name, colon, first = str(value).partition(":")
-    mode = mode_class(name, value)
+    return _labelled(mode_class(name, value), colon, first, given)
+
+
+def _labelled(mode: type[Mode], colon: str, first: str, given: dict[str, Any]) -> Mode:
+    """``mode`` with the option a label's ``":first"`` names (when ``colon``), and ``given``."""
     if colon:
         said = mode.label_option()
         if said is None:  # no option, or none a label can say (a list of layer names)
