@@ -85,12 +85,12 @@ E4M3_SMALLEST = 2.0**-9
 #: The same for e5m2, the format of the gradients (torchao's ``grad_output`` cast).
 E5M2_MAX = float(torch.finfo(torch.float8_e5m2).max)
 E5M2_SMALLEST = 2.0**-16
-#: Per role: (largest, smallest subnormal, half the step below the largest: a value up to the
-#: largest plus this rounds down to it, beyond it the cast clips).
+#: Per role: (largest, smallest subnormal, the rounding limit: a value up to it rounds down to
+#: the largest, beyond it the cast clips).
 _FORMATS = {
-    "input": (E4M3_MAX, E4M3_SMALLEST, 16.0),
-    "weight": (E4M3_MAX, E4M3_SMALLEST, 16.0),
-    "grad_output": (E5M2_MAX, E5M2_SMALLEST, 4096.0),
+    "input": (E4M3_MAX, E4M3_SMALLEST, rounding_limit(torch.float8_e4m3fn)),
+    "weight": (E4M3_MAX, E4M3_SMALLEST, rounding_limit(torch.float8_e4m3fn)),
+    "grad_output": (E5M2_MAX, E5M2_SMALLEST, rounding_limit(torch.float8_e5m2)),
 }
 
 
@@ -207,14 +207,14 @@ def fp8_cast_measures(module: nn.Module, tensor: torch.Tensor, role: str) -> lis
         amax = magnitude.amax(dim=-1, keepdim=True)
     else:
         amax = magnitude.amax()
-    largest, smallest, rounds_down = _FORMATS[role]
+    largest, smallest, limit = _FORMATS[role]
     scale = largest / amax.clamp(min=1e-12)  # torchao's amax_to_scale
     if getattr(config, "round_scales_to_power_of_2", False):
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scaled = magnitude * scale
     nonzero = (magnitude > 0).float()
     # e4m3: up to 464 rounds to 448 anyway (its step there is 32); beyond it the cast clips
-    saturated = (scaled > largest + rounds_down).float().mean()
+    saturated = (scaled > limit).float().mean()
     flushed = ((scaled < smallest / 2).float() * nonzero).sum() / nonzero.sum().clamp(min=1)
     return [amax.amax(), saturated, flushed]
 

@@ -120,9 +120,9 @@ def _layer_type(transposed: bool = False) -> type[nn.Linear]:
     return MXFP8Linear
 
 
-#: e4m3's largest finite value, and half its last step: a scaled value up to their sum rounds
-#: down to the largest, beyond it the cast clips (saturates).
-_E4M3_MAX, _E4M3_ROUNDS_DOWN = float(torch.finfo(torch.float8_e4m3fn).max), 16.0
+#: Where e4m3 stops rounding to its largest value: a scaled value up to it rounds down to the
+#: largest, beyond it the cast clips (saturates).
+_E4M3_LIMIT = rounding_limit(torch.float8_e4m3fn)
 
 
 def mx_cast_measures(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -150,7 +150,7 @@ def mx_cast_measures(tensor: torch.Tensor) -> list[torch.Tensor]:
     blocks = values.abs().reshape(*exponents.shape, MX_BLOCK)
     scaled = blocks / torch.exp2(exponents - 127).unsqueeze(-1)
     nonzero = (values != 0).float()
-    saturated = (scaled > _E4M3_MAX + _E4M3_ROUNDS_DOWN).float().mean()
+    saturated = (scaled > _E4M3_LIMIT).float().mean()
     flushed = ((data.float() == 0).float() * nonzero).sum() / nonzero.sum().clamp(min=1)
     used = blocks.amax(dim=-1) > 0
     lowest = torch.where(used, exponents, torch.full_like(exponents, 255.0)).amin()
