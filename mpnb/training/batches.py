@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -219,17 +219,20 @@ def batch_loss(
     return _loss_of(output)
 
 
-def _arguments_of(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _arguments_of(batch: Any) -> tuple[Sequence[Any], Mapping[str, Any]]:
     """How a batch is handed to a model that computes its own loss: a mapping as keywords, a
-    tuple or list as positional arguments, anything else as the one argument."""
+    tuple or list as positional arguments, anything else as the one argument (the batch's own
+    containers, not copies: this runs every step)."""
     if isinstance(batch, Mapping):
-        return (), dict(batch)
+        return (), batch
     if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
+        return batch, {}
     return (batch,), {}
 
 
-def _unbindable(model: nn.Module, batch: Any, args: tuple, kwargs: dict) -> str | None:
+def _unbindable(
+    model: nn.Module, batch: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> str | None:
     """Why ``model``'s forward cannot take the batch's arguments, or None where it can (asked
     after a TypeError only: nothing a step)."""
     try:
