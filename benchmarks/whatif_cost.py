@@ -7,7 +7,7 @@ clock and by the process's CPU time: on a machine shared with other work the CPU
 less (another process takes the cores, not this one's work). The issue's budget: at most about
 ten steps. Writes benchmarks/results/whatif_cost.json.
 
-    python benchmarks/whatif_cost.py [--rounds 3]
+    python benchmarks/whatif_cost.py [--rounds 3] [--models cnn,mlp_4x1024,gpt2_small_config]
 """
 
 from __future__ import annotations
@@ -82,14 +82,24 @@ def whatif_timer(model, batch, loss_fn, cpu: list[float]):
     return lambda round_index: timed(lambda: mpnb.whatif(model, batch, loss_fn), cpu)
 
 
+MODELS = {"cnn": cnn, "mlp_4x1024": mlp, "gpt2_small_config": gpt2}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help=f"some of {', '.join(MODELS)}, by commas"
+    )
     args = parser.parse_args()
+    chosen = [name.strip() for name in args.models.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(MODELS))
+    if unknown or not chosen:
+        parser.error(f"--models {args.models!r}: valid are {', '.join(MODELS)}")
     warnings.filterwarnings("ignore")
     figures = {"steps_per_round": STEPS, "rounds": args.rounds, "models": {}}
-    for name, build in (("cnn", cnn), ("mlp_4x1024", mlp), ("gpt2_small_config", gpt2)):
-        model, batch, loss_fn = build()
+    for name in chosen:
+        model, batch, loss_fn = MODELS[name]()
         steps_cpu, whatif_cpu = [], []
         steps, whatif = paired_rounds(
             steps_timer(model, batch, loss_fn, steps_cpu),

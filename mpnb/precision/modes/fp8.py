@@ -69,6 +69,8 @@ from mpnb.precision.modes.matmul_format import (
     MatmulFormat,
     Threshold,
     count_past,
+    dtype_table,
+    read_bytes,
     rounding_limit,
     scale_range,
 )
@@ -256,7 +258,8 @@ def float8_recipe_cast(recipe: str) -> Any:
         # the scale maps each amax to the largest value: a pass only where rounding passed it
         past = bool((amax * multiplier >= limit).any())
         overflow = count_past(scaled.abs(), limit) if past else 0
-        values = utils.to_fp8_saturated(scaled, dtype).float().div_(multiplier)
+        codes = utils.to_fp8_saturated(scaled, dtype)
+        values = read_bytes(codes, dtype_table(dtype)).div_(multiplier)
         return values, overflow, scale_range(1 / multiplier, amax)
 
     return cast_float8

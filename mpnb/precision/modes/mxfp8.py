@@ -57,6 +57,8 @@ from mpnb.precision.modes.matmul_format import (
     MatmulFormat,
     Threshold,
     blocked_cast,
+    dtype_table,
+    read_bytes,
     rounding_limit,
 )
 from mpnb.precision.modes.registry import register
@@ -167,8 +169,12 @@ def _mxfp8_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     mx = import_torchao("torchao.prototype.mx_formats.mx_tensor", "mxfp8")
     rounding = import_torchao("torchao.prototype.mx_formats.config", "mxfp8").ScaleCalculationMode
     cast = mx.MXTensor.to_mx(padded, torch.float8_e4m3fn, MX_BLOCK, rounding.RCEIL)
-    limit = rounding_limit(torch.float8_e4m3fn)
-    return cast.dequantize(torch.float32), mx.get_fp_scale(cast.scale), limit
+    scales = mx.get_fp_scale(cast.scale)
+    # read back as the cast's dequantize does (elements times their block's scale), its
+    # elements by lookup (:func:`read_bytes`)
+    elements = read_bytes(cast.qdata, dtype_table(torch.float8_e4m3fn))
+    values = (elements.reshape(-1, MX_BLOCK) * scales.reshape(-1, 1)).reshape(padded.shape)
+    return values, scales, rounding_limit(torch.float8_e4m3fn)
 
 
 class MxLayers(LayerSwap):

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from collections.abc import Iterable
 from typing import ClassVar
@@ -45,7 +46,9 @@ from mpnb.precision.modes.matmul_format import (
     MatmulFormat,
     Threshold,
     blocked_cast,
+    byte_table,
     largest_magnitude,
+    read_bytes,
     rounding_limit,
 )
 from mpnb.precision.modes.registry import register
@@ -142,8 +145,19 @@ def _nvfp4_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     e2m1_bits = import_torchao(f"{formats}.mx_tensor", "nvfp4").MBITS_F4_E2M1
     per_tensor = nvfp4.per_tensor_amax_to_scale(torch.tensor(largest_magnitude(padded)))
     cast = nvfp4.NVFP4Tensor.to_nvfp4(padded, per_tensor_scale=per_tensor)
-    limit = rounding_limit(None, e2m1_largest, e2m1_bits)
-    return cast.dequantize(torch.float32), cast.get_hp_scales(), limit
+    scales = cast.get_hp_scales()
+    # read back as the cast's dequantize does (elements times their block's scale), a byte's
+    # two elements by lookup (:func:`read_bytes`)
+    elements = read_bytes(cast.qdata, _e2m1_pairs())
+    values = (elements.reshape(-1, NVFP4_BLOCK) * scales.reshape(-1, 1)).reshape(padded.shape)
+    return values, scales, rounding_limit(None, e2m1_largest, e2m1_bits)
+
+
+@functools.cache
+def _e2m1_pairs() -> torch.Tensor:
+    """The two e2m1 values of each packed byte, as torchao unpacks and decodes them."""
+    kernels = import_torchao("torchao.prototype.mx_formats.kernels", "nvfp4")
+    return byte_table(lambda codes: kernels.f4_unpacked_to_f32(kernels.unpack_uint4(codes)))
 
 
 def nvfp4_layers(

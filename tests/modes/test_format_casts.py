@@ -1,0 +1,56 @@
+"""The scaled formats' casts read their elements back by lookup; the values are the libraries'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpnb.precision.modes.matmul_format import dtype_table, read_bytes
+
+pytest.importorskip("torchao")
+
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.prototype.mx_formats.mx_tensor import MXTensor
+from torchao.prototype.mx_formats.nvfp4_tensor import (
+    NVFP4Tensor,
+    per_tensor_amax_to_scale,
+)
+
+from mpnb.precision.modes.mxfp8 import _mxfp8_quantize
+from mpnb.precision.modes.nvfp4 import _nvfp4_quantize
+
+
+def _hard_tensors() -> list[torch.Tensor]:
+    """Magnitudes over 60 octaves, signs, zeros, exact block maxima and a row of zeros."""
+    generator = torch.Generator().manual_seed(0)
+    spread = torch.randn(64, 256, generator=generator) * torch.logspace(-30, 30, 256)
+    spread[::7, ::5] = 0.0
+    spread[3] = 0.0
+    ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4] * 2)
+    return [spread, torch.randn(128, 512, generator=generator), -ties, ties * 448.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_float8_code_reads_back_as_torch_converts_it(dtype):
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(16, 16)
+    expected = codes.float()
+    read = read_bytes(codes, dtype_table(dtype))
+    assert torch.equal(read.isnan(), expected.isnan())
+    assert torch.equal(read.nan_to_num(), expected.nan_to_num())
+
+
+def test_mxfp8_values_are_torchaos_dequantize_bit_for_bit():
+    for tensor in _hard_tensors():
+        values, scales, _ = _mxfp8_quantize(tensor)
+        cast = MXTensor.to_mx(tensor, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+        assert torch.equal(values, cast.dequantize(torch.float32))
+        assert scales.numel() == tensor.numel() // 32
+
+
+def test_nvfp4_values_are_torchaos_dequantize_bit_for_bit():
+    for tensor in _hard_tensors():
+        values, scales, _ = _nvfp4_quantize(tensor)
+        per_tensor = per_tensor_amax_to_scale(tensor.abs().max())
+        cast = NVFP4Tensor.to_nvfp4(tensor, per_tensor_scale=per_tensor)
+        assert torch.equal(values, cast.dequantize(torch.float32))
+        assert torch.equal(scales, cast.get_hp_scales())
