@@ -487,3 +487,35 @@ def test_each_dtype_formats_error_is_what_autocast_makes(format, dtype):
     for matmul, value in measured.items():
         error = float((value.float() - reference[matmul]).norm() / reference[matmul].norm())
         assert predicted[matmul] == pytest.approx(error, rel=1e-3), (matmul, predicted, error)
+
+
+class _Unused(nn.Module):
+    """Layer ``b``'s output is multiplied by zero: its output's gradient is all zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.a(x) + 0 * self.b(x))
+
+
+def test_an_all_zero_gradient_is_exact_in_every_format():
+    """Zeros are held exactly by every format: torchao's NVFP4 cast divides by a per-tensor
+    scale of zero there, which must not read as an error of inf and a negative underflow."""
+    torch.manual_seed(0)
+    batch = (torch.randn(16, 32), torch.randint(0, 4, (16,)))
+    result = whatif(_Unused(), batch, nn.functional.cross_entropy)
+    zero_gradient = [
+        row for row in result.rows if row["layer"] == "b" and row["matmul"] != "forward"
+    ]
+    assert len(zero_gradient) == 2 * len(FORMATS)
+    for row in zero_gradient:  # the other operand (the weight, the input) may still flush
+        assert (row["rel_error"], row["overflow"]) == (0.0, 0.0), row
+        assert 0.0 <= row["underflow"] < 1.0, row
+    (forward,) = [
+        row
+        for row in result.rows
+        if (row["layer"], row["matmul"], row["format"]) == ("b", "forward", "nvfp4")
+    ]
+    assert ("b" in result.recommend("nvfp4")) == default_thresholds()["nvfp4"].passed(forward)

@@ -143,7 +143,10 @@ def _nvfp4_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     nvfp4 = import_torchao(f"{formats}.nvfp4_tensor", "nvfp4")
     e2m1_largest = import_torchao(f"{formats}.constants", "nvfp4").F4_E2M1_MAX
     e2m1_bits = import_torchao(f"{formats}.mx_tensor", "nvfp4").MBITS_F4_E2M1
-    per_tensor = nvfp4.per_tensor_amax_to_scale(torch.tensor(largest_magnitude(padded)))
+    # an all-zero tensor has no scale to find, and torchao's cast divides by its zero amax
+    # (NaN): any positive per-tensor scale holds its zeros exactly
+    amax = largest_magnitude(padded) or 1.0
+    per_tensor = nvfp4.per_tensor_amax_to_scale(torch.tensor(amax))
     cast = nvfp4.NVFP4Tensor.to_nvfp4(padded, per_tensor_scale=per_tensor)
     scales = cast.get_hp_scales()
     # read back as the cast's dequantize does (elements times their block's scale), a byte's
