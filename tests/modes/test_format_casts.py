@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -54,3 +56,24 @@ def test_nvfp4_values_are_torchaos_dequantize_bit_for_bit():
         cast = NVFP4Tensor.to_nvfp4(tensor, per_tensor_scale=per_tensor)
         assert torch.equal(values, cast.dequantize(torch.float32))
         assert torch.equal(scales, cast.get_hp_scales())
+
+
+@pytest.mark.parametrize("largest", [0.0, 1e-44, 1e-40, 1e-37, 7e-36, 1e-30])
+def test_nvfp4_casts_a_tiny_tensor_with_shares_and_errors_that_make_sense(largest):
+    """torchao's per-tensor scale (amax / 2688) is 0 below an amax of ~3.8e-42 and its
+    reciprocal inf below ~7.9e-36: the cast must still hold or flush the values, never
+    scramble them or count padding as overflow."""
+    from mpnb.numerics import formats
+
+    base = torch.randn(4, 35, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tensor = (base / base.abs().max() * largest).float()
+    operand = formats.cast("nvfp4", tensor, "gradient", dim=1)
+    assert torch.isfinite(operand.values).all()
+    assert operand.overflow == 0
+    assert 0 <= operand.flushed <= operand.nonzero
+    assert all(math.isfinite(scale) for scale in operand.scales)
+    if operand.nonzero:
+        error = (operand.values.double() - tensor.double()).norm() / tensor.double().norm()
+        assert error <= 1.0  # at worst flushed (1.0); a normal tensor errs ~0.09
+        if largest >= 1e-37:  # normal fp32 values: rounded as at any magnitude
+            assert error < 0.2

@@ -143,9 +143,7 @@ def _nvfp4_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     nvfp4 = import_torchao(f"{formats}.nvfp4_tensor", "nvfp4")
     e2m1_largest = import_torchao(f"{formats}.constants", "nvfp4").F4_E2M1_MAX
     e2m1_bits = import_torchao(f"{formats}.mx_tensor", "nvfp4").MBITS_F4_E2M1
-    # an all-zero tensor has no scale to find, and torchao's cast divides by its zero amax
-    # (NaN): any positive per-tensor scale holds its zeros exactly
-    amax = largest_magnitude(padded) or 1.0
+    amax = max(largest_magnitude(padded), _smallest_amax(e2m1_largest))
     per_tensor = nvfp4.per_tensor_amax_to_scale(torch.tensor(amax))
     cast = nvfp4.NVFP4Tensor.to_nvfp4(padded, per_tensor_scale=per_tensor)
     scales = cast.get_hp_scales()
@@ -154,6 +152,17 @@ def _nvfp4_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     elements = read_bytes(cast.qdata, _e2m1_pairs())
     values = (elements.reshape(-1, NVFP4_BLOCK) * scales.reshape(-1, 1)).reshape(padded.shape)
     return values, scales, rounding_limit(None, e2m1_largest, e2m1_bits)
+
+
+def _smallest_amax(e2m1_largest: float) -> float:
+    """The smallest tensor amax torchao's NVFP4 cast can scale by. It multiplies the values by
+    (1 / per-tensor scale) / block scale, with a per-tensor scale of amax / (448 * 6) and block
+    scales of at least e4m3's smallest normal: below ~5e-34 that factor is inf in float32 (and
+    below ~4e-42 the per-tensor scale is 0: NaN), scrambling every value. A tinier tensor, or
+    an all-zero one, is cast under this amax instead: its values rounded or flushed, as the
+    format holds them (twice the bound: a margin for the float32 roundings on the way)."""
+    e4m3 = torch.finfo(torch.float8_e4m3fn)
+    return 2 * e4m3.max * e2m1_largest / (torch.finfo(torch.float32).max * e4m3.tiny)
 
 
 @functools.cache
