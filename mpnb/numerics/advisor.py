@@ -27,6 +27,7 @@ from torch import nn
 from mpnb import views
 from mpnb._render import html_list, html_table, text_table
 from mpnb.errors import MpnbError
+from mpnb.numerics.layer_matmuls import relative_error
 from mpnb.numerics.limits import FP16_LARGEST_FINITE
 from mpnb.numerics.probe import ModuleProbe, leaf_names
 from mpnb.numerics.watch import MEASURES, ModuleMeasures
@@ -251,10 +252,7 @@ def _pass(
 def _relative_error(value: torch.Tensor | None, reference: torch.Tensor | None) -> float:
     if value is None or reference is None:
         return math.nan
-    if not torch.isfinite(value).all():
-        return math.inf
-    scale = reference.norm().item()
-    return (value - reference).norm().item() / scale if scale else 0.0
+    return relative_error(value.float(), reference.float())
 
 
 def _largest(tensor: torch.Tensor | None) -> float:

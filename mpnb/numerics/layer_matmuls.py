@@ -116,7 +116,7 @@ class LayerMatmuls:
 
     def _norm(self, reference: torch.Tensor) -> float:
         if id(reference) not in self._norms:
-            self._norms[id(reference)] = float(reference.norm())
+            self._norms[id(reference)] = frobenius(reference)
         return self._norms[id(reference)]
 
     def _reference(
@@ -252,8 +252,26 @@ def relative_error(
     0.707107
     """
     difference = value.sub_(reference) if in_place else value - reference
-    error = float(difference.norm())
+    error = frobenius(difference)
     if not math.isfinite(error):
         return math.inf
-    scale = float(reference.norm()) if reference_norm is None else reference_norm
+    scale = frobenius(reference) if reference_norm is None else reference_norm
     return error / scale if scale else (0.0 if error == 0 else math.inf)
+
+
+#: Below this float32 norm, squares that flushed to zero may have been a part of the sum.
+_SMALL_NORM = 1e-10
+
+
+def frobenius(tensor: torch.Tensor) -> float:
+    """``tensor``'s Frobenius norm, in float64 where float32's sum of squares cannot hold it:
+    small values (squares below ~1e-38 flush, and a norm of 1e-23 read 0 or wrong) or some
+    above ~1e19 (their squares overflow: inf, read as an overflow of the format).
+
+    >>> tuple(f"{frobenius(torch.full((4,), v)):.3g}" for v in (1e-23, 1e20, 0.0))
+    ('2e-23', '2e+20', '0')
+    """
+    norm = float(tensor.norm())
+    if norm < _SMALL_NORM or (math.isinf(norm) and bool(torch.isfinite(tensor).all())):
+        norm = float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+    return norm

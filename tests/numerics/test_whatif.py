@@ -519,3 +519,31 @@ def test_an_all_zero_gradient_is_exact_in_every_format():
         if (row["layer"], row["matmul"], row["format"]) == ("b", "forward", "nvfp4")
     ]
     assert ("b" in result.recommend("nvfp4")) == default_thresholds()["nvfp4"].passed(forward)
+
+
+@pytest.mark.parametrize("magnitude", [1e-23, 1e-40, 1e20, 1e30])
+def test_the_relative_error_holds_at_magnitudes_whose_squares_float32_cannot(magnitude):
+    """A float32 norm squares its values: below ~1e-19 the squares flush (an error of 0 read as
+    exact), above ~1e19 they overflow (inf read as an overflow of the format)."""
+    from mpnb.numerics.layer_matmuls import relative_error
+
+    generator = torch.Generator().manual_seed(0)
+    value, reference = torch.randn(2, 64, generator=generator, dtype=torch.float64)
+    expected = float((value - reference).norm() / reference.norm())
+    scaled = relative_error((value * magnitude).float(), (reference * magnitude).float())
+    assert scaled == pytest.approx(expected, rel=1e-3 if magnitude > 1e-38 else 0.2)
+    assert relative_error(torch.zeros(8), torch.full((8,), magnitude)) == 1.0
+
+
+def test_an_fp16_product_flushed_whole_reads_as_an_error_of_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    result = whatif(model, batch, lambda out, target: 1e-22 * nn.functional.mse_loss(out, target))
+    (row,) = [
+        r
+        for r in result.rows
+        if (r["layer"], r["matmul"], r["format"]) == ("2", "weight_grad", "fp16")
+    ]
+    # every gradient element is below fp16's smallest subnormal: flushed, the product with them
+    assert row["underflow"] > 0 and row["rel_error"] == 1.0
