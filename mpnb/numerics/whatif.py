@@ -58,6 +58,7 @@ from mpnb.numerics.probe import ModuleProbe
 from mpnb.precision.modes.matmul_format import Threshold
 from mpnb.precision.modes.registry import matmul_formats
 from mpnb.training.batches import batch_loss, to_device
+from mpnb.training.gradients import check_loss
 
 __all__ = ["WhatIf", "Threshold", "whatif"]
 
@@ -134,11 +135,13 @@ def whatif(
         if pending.get(name):
             measured.layer(name, layers[name], pending[name].pop(), gradient.detach())
 
-    with left_as_found(model, device):
+    # the pass needs gradients, wherever it is called from (a no_grad or inference block)
+    with left_as_found(model, device), torch.inference_mode(False), torch.enable_grad():
         model.zero_grad(set_to_none=True)
         with ModuleProbe(model, list(layers), on_output, on_gradient):
             with torch.autocast(device.type, enabled=False):
                 loss = batch_loss(model, to_device(batch, device), loss_fn, None)
+            check_loss(loss)
             loss.float().backward()
     if not measured.rows:
         raise MpnbError(

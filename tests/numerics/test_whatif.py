@@ -547,3 +547,43 @@ def test_an_fp16_product_flushed_whole_reads_as_an_error_of_one():
     ]
     # every gradient element is below fp16's smallest subnormal: flushed, the product with them
     assert row["underflow"] > 0 and row["rel_error"] == 1.0
+
+
+def _small() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    return model, (torch.randn(16, 32), torch.randn(16, 4))
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_it_measures_when_called_where_gradients_are_off(context):
+    model, batch = _small()
+    with context():
+        result = whatif(model, batch, nn.functional.mse_loss, ["bf16"])
+        assert torch.is_grad_enabled() is False  # the caller's setting, as found
+    assert result.layers == ["0", "2"]
+
+
+@pytest.mark.parametrize(
+    "loss_fn, said",
+    [
+        (lambda out, target: nn.functional.mse_loss(out, target).detach(), "does not require grad"),
+        (
+            lambda out, target: nn.functional.mse_loss(out, target, reduction="none"),
+            "single number",
+        ),
+        (lambda out, target: float(nn.functional.mse_loss(out, target)), "must be a tensor"),
+    ],
+)
+def test_a_loss_backward_cannot_take_is_named_in_mpnbs_words(loss_fn, said):
+    model, batch = _small()
+    with pytest.raises(MpnbError, match=said):
+        whatif(model, batch, loss_fn, ["bf16"])
+
+
+def test_a_frozen_model_is_named_in_mpnbs_words():
+    model, batch = _small()
+    model.requires_grad_(False)
+    with pytest.raises(MpnbError, match="does not require grad"):
+        whatif(model, batch, nn.functional.mse_loss, ["bf16"])
+    assert not any(p.requires_grad for p in model.parameters())
