@@ -128,7 +128,8 @@ def whatif(
     pending: dict[str, list[torch.Tensor]] = {}
 
     def on_output(name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
-        if inputs and isinstance(inputs[0], torch.Tensor):
+        # kept for the gradient to come: none comes to a call under no_grad (a side pass)
+        if inputs and isinstance(inputs[0], torch.Tensor) and _gets_gradient(module, inputs[0]):
             pending.setdefault(name, []).append(inputs[0].detach())
 
     def on_gradient(name: str, gradient: torch.Tensor) -> None:
@@ -149,6 +150,14 @@ def whatif(
             "computed from the model's output, and does it need a gradient?"
         )
     return WhatIf(measured.table(), chosen)
+
+
+def _gets_gradient(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the call of ``module`` on ``x`` that just ran made an output with a gradient to
+    come, as autograd decides: gradients on, and its input or one of its own weights needs one."""
+    return torch.is_grad_enabled() and (
+        x.requires_grad or any(p.requires_grad for p in module.parameters(recurse=False))
+    )
 
 
 class WhatIf:

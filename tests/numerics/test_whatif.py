@@ -587,3 +587,27 @@ def test_a_frozen_model_is_named_in_mpnbs_words():
     with pytest.raises(MpnbError, match="does not require grad"):
         whatif(model, batch, nn.functional.mse_loss, ["bf16"])
     assert not any(p.requires_grad for p in model.parameters())
+
+
+class _SidePass(nn.Module):
+    """Layer ``a`` runs twice: trained on inputs x1e5 (fp16 overflows there), then once more
+    under no_grad on ordinary inputs (a side pass: a metric, a teacher)."""
+
+    def __init__(self, side_rows: int) -> None:
+        super().__init__()
+        self.a, self.b, self.side_rows = nn.Linear(32, 32), nn.Linear(32, 4), side_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.b(torch.tanh(self.a(x * 1e5)))
+        with torch.no_grad():
+            self.a(x[: self.side_rows])
+        return out
+
+
+@pytest.mark.parametrize("side_rows", [5, 16])
+def test_a_call_under_no_grad_is_not_paired_with_a_trained_calls_gradient(side_rows):
+    torch.manual_seed(0)
+    batch = (torch.randn(16, 32), torch.randn(16, 4))
+    result = whatif(_SidePass(side_rows), batch, nn.functional.mse_loss, ["fp16"])
+    (forward,) = [r for r in result.rows if (r["layer"], r["matmul"]) == ("a", "forward")]
+    assert forward["overflow"] > 0 and result.recommend("fp16") == ["a"]
