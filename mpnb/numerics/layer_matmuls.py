@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpnb.errors import MpnbError
 from mpnb.numerics import formats as fmt
 from mpnb.precision.modes.matmul_format import MatmulFormat
 from mpnb.precision.modes.registry import find_format
@@ -165,11 +166,19 @@ class LayerMatmuls:
         reference: torch.Tensor,
         operands: tuple[fmt.Operand, fmt.Operand],
     ) -> None:
+        norm = self._norm(reference)
+        if not math.isfinite(norm):
+            raise MpnbError(
+                f"layer {layer!r}: its {matmul} product is not finite in fp32 (inf or NaN in its "
+                "input, weight or output's gradient): the what-if measures each format against "
+                "fp32, which must be finite; find where the values first go past it with "
+                "torch.isfinite on the batch and the weights"
+            )
         row = {
             "layer": layer,
             "matmul": matmul,
             "format": format_name,
-            "rel_error": relative_error(product, reference, self._norm(reference), in_place=True),
+            "rel_error": relative_error(product, reference, norm, in_place=True),
             "overflow": sum(o.overflow for o in operands) / sum(o.elements for o in operands),
             "underflow": sum(o.flushed for o in operands)
             / max(1, sum(o.nonzero for o in operands)),

@@ -122,6 +122,7 @@ def whatif(
             f"{type(model).__name__} has no layer a format applies to: what-if measures "
             "nn.Linear, nn.Conv1d/2d/3d and transformers' Conv1D"
         )
+    _check_held_in_fp32(model)
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     measured = LayerMatmuls(chosen)
@@ -143,6 +144,12 @@ def whatif(
             with torch.autocast(device.type, enabled=False):
                 loss = batch_loss(model, to_device(batch, device), loss_fn, None)
             check_loss(loss)
+            if not bool(torch.isfinite(loss.detach())):
+                raise MpnbError(
+                    f"the loss is {float(loss):g}: the pass is not finite in fp32 itself, and the "
+                    "what-if measures each format against fp32; look for NaN or inf in the batch "
+                    "and the weights (torch.isfinite)"
+                )
             loss.float().backward()
     if not measured.rows:
         raise MpnbError(
@@ -150,6 +157,18 @@ def whatif(
             "computed from the model's output, and does it need a gradient?"
         )
     return WhatIf(measured.table(), chosen)
+
+
+def _check_held_in_fp32(model: nn.Module) -> None:
+    """Refuse a model whose weights are held in fp16 or bf16: its pass would not be the fp32
+    reference the formats are measured against (its own rounding would read as theirs)."""
+    for name, parameter in model.named_parameters():
+        if parameter.is_floating_point() and parameter.element_size() < 4:
+            raise MpnbError(
+                f"the what-if measures each format against fp32, and the model holds "
+                f"{parameter.dtype} weights ({name!r}): measure a float32 copy, "
+                "whatif(copy.deepcopy(model).float(), batch, ...), with a float32 batch"
+            )
 
 
 def _gets_gradient(module: nn.Module, x: torch.Tensor) -> bool:

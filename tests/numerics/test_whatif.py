@@ -611,3 +611,39 @@ def test_a_call_under_no_grad_is_not_paired_with_a_trained_calls_gradient(side_r
     result = whatif(_SidePass(side_rows), batch, nn.functional.mse_loss, ["fp16"])
     (forward,) = [r for r in result.rows if (r["layer"], r["matmul"]) == ("a", "forward")]
     assert forward["overflow"] > 0 and result.recommend("fp16") == ["a"]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_pass_not_finite_in_fp32_is_named_not_blamed_on_every_format(bad):
+    model, (x, y) = _small()
+    x[0, 0] = bad
+    with pytest.raises(MpnbError, match="not finite in fp32"):
+        whatif(model, (x, y), nn.functional.mse_loss)
+
+
+def test_a_layer_whose_fp32_product_is_not_finite_is_named():
+    """The loss can stay finite past a layer whose product is not (a mask that drops it)."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.a(x)
+            return self.b(torch.where(torch.isfinite(hidden), hidden, 0.0))
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    x[0, 0] = math.inf
+    with pytest.raises(MpnbError, match="layer 'a'.*not finite in fp32"):
+        whatif(Masked(), (x, torch.randn(4, 2)), nn.functional.mse_loss, ["bf16"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_model_held_in_low_precision_is_refused_with_the_way_to_measure_it(dtype):
+    model, (x, y) = _small()
+    model.to(dtype)
+    with pytest.raises(MpnbError, match=rf"{dtype}.*'0.weight'.*\.float\(\)"):
+        whatif(model, (x.to(dtype), y.to(dtype)), nn.functional.mse_loss)
+    assert model[0].weight.dtype == dtype
