@@ -87,6 +87,17 @@ class LayerMatmuls:
         #: each fp32 product's norm, by the product's id, for the layer call being measured
         self._norms: dict[int, float] = {}
 
+    def applies(self, module: nn.Module) -> bool:
+        """Whether one of the formats applies to ``module`` (a scaled format: to linear layers
+        only).
+
+        >>> LayerMatmuls(["mxfp8"]).applies(torch.nn.Conv2d(1, 1, 3)), LayerMatmuls(["bf16"]).applies(torch.nn.Conv2d(1, 1, 3))
+        (False, True)
+        """
+        if not isinstance(module, _CONVOLUTIONS):
+            return True
+        return any(found.any_operation for found in self._found.values())
+
     def layer(self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor) -> None:
         with torch.no_grad():
             if isinstance(module, _CONVOLUTIONS):

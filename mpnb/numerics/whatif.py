@@ -126,6 +126,13 @@ def whatif(
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     measured = LayerMatmuls(chosen)
+    if not any(measured.applies(module) for module in layers.values()):
+        everywhere = [name for name, found in matmul_formats().items() if found.any_operation]
+        raise MpnbError(
+            f"{', '.join(chosen)} apply to linear layers only, and the layers of "
+            f"{type(model).__name__} that multiply are convolutions: measure them in "
+            f"{', '.join(everywhere)}"
+        )
     pending: dict[str, list[torch.Tensor]] = {}
 
     def on_output(name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:

@@ -647,3 +647,10 @@ def test_a_model_held_in_low_precision_is_refused_with_the_way_to_measure_it(dty
     with pytest.raises(MpnbError, match=rf"{dtype}.*'0.weight'.*\.float\(\)"):
         whatif(model, (x.to(dtype), y.to(dtype)), nn.functional.mse_loss)
     assert model[0].weight.dtype == dtype
+
+
+def test_scaled_formats_asked_of_a_convolution_model_say_they_apply_to_linear_layers():
+    model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Conv1d(4, 2, 3))
+    batch = (torch.randn(4, 2, 10), torch.randn(4, 2, 6))
+    with pytest.raises(MpnbError, match=r"mxfp8, nvfp4 apply to linear layers.*fp16, bf16"):
+        whatif(model, batch, nn.functional.mse_loss, ["mxfp8", "nvfp4"])
