@@ -84,6 +84,7 @@ class LayerMatmuls:
         self._found = {name: find_format(name) for name in formats}
         self.rows: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._references: dict[str, torch.Tensor] = {}
+        self._called: dict[str, int] = {}
         #: each fp32 product's norm, by the product's id, for the layer call being measured
         self._norms: dict[int, float] = {}
 
@@ -98,24 +99,38 @@ class LayerMatmuls:
             return True
         return any(found.any_operation for found in self._found.values())
 
-    def layer(self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor) -> None:
+    def layer(
+        self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor | None
+    ) -> None:
+        """Measure a call of layer ``name`` on input ``x`` whose output's gradient is
+        ``gradient``: its three matmuls; with no gradient (a frozen layer, a call under
+        no_grad: autocast still runs its forward in the format) its forward only."""
         with torch.no_grad():
+            gradient = None if gradient is None else gradient.float()
             if isinstance(module, _CONVOLUTIONS):
-                self._convolution(name, module, x.float(), gradient.float())
+                self._convolution(name, module, x.float(), gradient)
             else:
                 weight = linear_weight(module).float()
                 x = x.float().reshape(-1, weight.shape[1])
-                gradient = gradient.float().reshape(-1, weight.shape[0])
+                if gradient is not None:
+                    gradient = gradient.reshape(-1, weight.shape[0])
                 self._linear(name, x, weight, gradient)
 
     def _linear(
-        self, name: str, x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor
+        self, name: str, x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor | None
     ) -> None:
-        tensors = {"x": x, "weight": weight, "gradient": gradient}
+        tensors = {"x": x, "weight": weight}
+        if gradient is not None:
+            tensors["gradient"] = gradient
         zeros = {key: t.numel() - int(torch.count_nonzero(t)) for key, t in tensors.items()}
+        matmuls = {
+            matmul: parts
+            for matmul, parts in LINEAR_MATMULS.items()
+            if parts[0][0] in tensors and parts[1][0] in tensors
+        }
         for format_name in self.formats:
             casts: dict[tuple[str, int | None], fmt.Operand] = {}
-            for matmul, (left, right, multiply) in LINEAR_MATMULS.items():
+            for matmul, (left, right, multiply) in matmuls.items():
                 a, b = (
                     _cast_once(casts, self._found[format_name], tensors[key], key, axis, zeros[key])
                     for key, axis in (left, right)
@@ -140,30 +155,30 @@ class LayerMatmuls:
         return self._references[matmul]
 
     def _convolution(
-        self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor
+        self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor | None
     ) -> None:
         weight = module.weight.detach().float()
         reference = _convolution_products(module, x, weight, gradient)
+        parts = [("x", x, "activation"), ("weight", weight, "weight")]
+        if gradient is not None:
+            parts.append(("gradient", gradient, "gradient"))
         for format_name in self.formats:
             if not self._found[format_name].any_operation:
                 continue  # a scaled format applies to linear layers only
             cast = {
-                part: fmt.cast(format_name, tensor, role, dim=1)
-                for part, tensor, role in (
-                    ("x", x, "activation"),
-                    ("weight", weight, "weight"),
-                    ("gradient", gradient, "gradient"),
-                )
+                part: fmt.cast(format_name, tensor, role, dim=1) for part, tensor, role in parts
             }
             products = _convolution_products(
-                module, cast["x"].values, cast["weight"].values, cast["gradient"].values
+                module,
+                cast["x"].values,
+                cast["weight"].values,
+                cast["gradient"].values if gradient is not None else None,
             )
-            operands = {
-                "forward": (cast["x"], cast["weight"]),
-                "input_grad": (cast["gradient"], cast["weight"]),
-                "weight_grad": (cast["gradient"], cast["x"]),
-            }
-            for matmul in MATMULS:
+            operands = {"forward": (cast["x"], cast["weight"])}
+            if gradient is not None:
+                operands["input_grad"] = (cast["gradient"], cast["weight"])
+                operands["weight_grad"] = (cast["gradient"], cast["x"])
+            for matmul in operands:
                 product = self._found[format_name].output(products[matmul])
                 self._add(name, matmul, format_name, product, reference[matmul], operands[matmul])
         self._norms.clear()
@@ -211,9 +226,14 @@ class LayerMatmuls:
             }
         self.rows[key] = row
 
+    def called(self, name: str) -> None:
+        """Layer ``name`` ran in the forward pass: the tables list the layers in that order."""
+        self._called.setdefault(name, len(self._called))
+
     def table(self) -> list[dict[str, Any]]:
-        """The rows in forward order of the layers (their gradients arrive backwards)."""
-        order: dict[str, int] = {}
+        """The rows in forward order of the layers (as :meth:`called` saw them; else backwards
+        from the order the gradients arrived)."""
+        order = dict(self._called)
         for layer, _, _ in reversed(list(self.rows)):
             order.setdefault(layer, len(order))
         return sorted(
@@ -243,11 +263,13 @@ def _cast_once(
 
 
 def _convolution_products(
-    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor
+    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:
     """A convolution's three products: its output (no bias) and, from ``gradient``, the
     gradients of its input and weight, through the module's own convolution (its padding mode
-    included)."""
+    included); its output only without a gradient."""
+    if gradient is None:
+        return {"forward": module._conv_forward(x, weight, None)}
     x = x.detach().requires_grad_()
     weight = weight.detach().requires_grad_()
     with torch.enable_grad():

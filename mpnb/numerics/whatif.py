@@ -136,9 +136,13 @@ def whatif(
     pending: dict[str, list[torch.Tensor]] = {}
 
     def on_output(name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
-        # kept for the gradient to come: none comes to a call under no_grad (a side pass)
-        if inputs and isinstance(inputs[0], torch.Tensor) and _gets_gradient(module, inputs[0]):
+        if not inputs or not isinstance(inputs[0], torch.Tensor):
+            return
+        measured.called(name)
+        if _gets_gradient(module, inputs[0]):  # kept for the gradient to come
             pending.setdefault(name, []).append(inputs[0].detach())
+        else:  # none will come (a frozen layer, a side pass under no_grad): its forward now
+            measured.layer(name, module, inputs[0].detach(), None)
 
     def on_gradient(name: str, gradient: torch.Tensor) -> None:
         if pending.get(name):

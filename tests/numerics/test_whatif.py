@@ -654,3 +654,32 @@ def test_scaled_formats_asked_of_a_convolution_model_say_they_apply_to_linear_la
     batch = (torch.randn(4, 2, 10), torch.randn(4, 2, 6))
     with pytest.raises(MpnbError, match=r"mxfp8, nvfp4 apply to linear layers.*fp16, bf16"):
         whatif(model, batch, nn.functional.mse_loss, ["mxfp8", "nvfp4"])
+
+
+def test_a_frozen_layers_forward_is_measured_as_training_would_run_it():
+    """A frozen layer gets no gradient, but autocast still runs its forward in the format."""
+    model, batch = _small()
+    with torch.no_grad():
+        model[0].weight.mul_(1e5)  # its outputs reach ~1e5: past fp16
+    model[0].requires_grad_(False)
+    result = whatif(model, batch, nn.functional.mse_loss, ["fp16", "bf16"])
+    assert result.layers == ["0", "2"]
+    frozen = {(r["matmul"], r["format"]): r for r in result.rows if r["layer"] == "0"}
+    assert sorted(frozen) == [("forward", "bf16"), ("forward", "fp16")]
+    x = batch[0]
+    reference = x @ model[0].weight.detach().t()
+    by_hand = (x.half().float() @ model[0].weight.detach().half().float().t()).half().float()
+    assert not torch.isfinite(by_hand).all() and frozen["forward", "fp16"]["rel_error"] == math.inf
+    assert frozen["forward", "bf16"]["rel_error"] == pytest.approx(
+        float(
+            (x.bfloat16().float() @ model[0].weight.detach().bfloat16().float().t())
+            .bfloat16()
+            .float()
+            .sub(reference)
+            .norm()
+            / reference.norm()
+        ),
+        rel=1e-4,
+    )
+    assert result.recommend("fp16") == ["0"]
+    assert not model[0].weight.requires_grad and model[2].weight.requires_grad
