@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -167,7 +168,12 @@ def whatif(
             "the pass reached none of the model's linear layers with a gradient: is the loss "
             "computed from the model's output, and does it need a gradient?"
         )
-    return WhatIf(measured.table(), chosen)
+    rows = measured.table()
+    reached = {row["layer"] for row in rows}
+    unmeasured = [
+        name for name, module in layers.items() if name not in reached and measured.applies(module)
+    ]
+    return WhatIf(rows, chosen, unmeasured)
 
 
 def _check_held_in_fp32(model: nn.Module) -> None:
@@ -201,6 +207,9 @@ class WhatIf:
         formats: the formats measured.
         layers: the layers measured, in forward order.
         thresholds: format -> :class:`Threshold`, its own copy of :func:`default_thresholds` to change freely.
+        unmeasured: layers a format applies to that the pass never called on an input: their
+            weight multiplied by other code (``nn.MultiheadAttention``'s ``out_proj``), their
+            input given as a keyword, or not used by this batch.
 
     Example:
         >>> import torch
@@ -214,9 +223,12 @@ class WhatIf:
         ['layer', 'matmul', 'format', 'rel_error', 'overflow', 'underflow', 'scale_range']
     """
 
-    def __init__(self, rows: list[dict[str, Any]], formats: Sequence[str]) -> None:
+    def __init__(
+        self, rows: list[dict[str, Any]], formats: Sequence[str], unmeasured: Sequence[str] = ()
+    ) -> None:
         self.rows = rows
         self.formats = tuple(formats)
+        self.unmeasured = list(unmeasured)
         self.layers = list(dict.fromkeys(row["layer"] for row in rows))
         self.thresholds = default_thresholds()
 
@@ -338,7 +350,14 @@ class WhatIf:
 
     def __str__(self) -> str:
         headers = ("layer", "matmul", "format", "rel_error", "overflow", "underflow", "scale_range")
-        return text_table(headers, [self._cells(row) for row in self.rows])
+        table = text_table(headers, [self._cells(row) for row in self.rows])
+        return table + (f"\n{self._unmeasured_line()}" if self.unmeasured else "")
+
+    def _unmeasured_line(self) -> str:
+        return (
+            f"not measured: {', '.join(self.unmeasured)} (the pass never called them on an "
+            "input: their weight used by other code, or their input given as a keyword)"
+        )
 
     def __repr__(self) -> str:
         return (
@@ -368,8 +387,11 @@ class WhatIf:
                 cells.append(("KEEP " if self.thresholds[format_name].passed(row) else "") + text)
             body.append(cells)
         advice = "".join(
-            f"<li>{f}: keep {', '.join(self.recommend(f)) or 'none'}</li>" for f in self.formats
+            f"<li>{html.escape(f)}: keep {html.escape(', '.join(self.recommend(f)) or 'none')}</li>"
+            for f in self.formats
         )
+        if self.unmeasured:
+            advice += f"<li>{html.escape(self._unmeasured_line())}</li>"
         return (
             "<b>mpnb what-if: relative error of each layer's worst matmul</b>"
             f"{html_table(('layer', *self.formats), body)}<ul class='mpnb-whatif'>{advice}</ul>"

@@ -683,3 +683,27 @@ def test_a_frozen_layers_forward_is_measured_as_training_would_run_it():
     )
     assert result.recommend("fp16") == ["0"]
     assert not model[0].weight.requires_grad and model[2].weight.requires_grad
+
+
+def test_linear_layers_the_pass_never_called_are_named_as_unmeasured():
+    """nn.MultiheadAttention multiplies by its out_proj's weight without calling the module; a
+    layer given its input as a keyword hands a forward hook no input: neither can be measured,
+    and the result says so rather than leave them out in silence."""
+
+    class Keyword(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(input=x))
+
+    torch.manual_seed(0)
+    result = whatif(Keyword(), (torch.randn(4, 8), torch.randn(4, 2)), nn.functional.mse_loss)
+    assert result.layers == ["b"] and result.unmeasured == ["a"]
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    batch = (torch.randn(2, 5, 16), torch.randn(2, 5, 16))
+    result = whatif(layer, batch, nn.functional.mse_loss, ["bf16"])
+    assert result.unmeasured == ["self_attn.out_proj"]
+    assert "not measured: self_attn.out_proj" in str(result)
+    assert "not measured: self_attn.out_proj" in result._repr_html_()
