@@ -171,7 +171,7 @@ def test_layers_import_only_downwards(layers, scope):
 #: The only numerics module training imports: the instruments a fit asks for, built in one place.
 NUMERICS_DOOR = "mpnb.numerics.instruments"
 #: What numerics uses of training: the step's Instrument base, the history, the telemetry's Sink,
-#: the random state a replay repeats.
+#: the random state a replay repeats, the Trainer's batch-to-loss rules and its loss check.
 TRAINING_FOR_NUMERICS = {
     "mpnb.training",  # the package itself, loaded on the way to any of its modules
     "mpnb.training.step_record",
@@ -179,6 +179,7 @@ TRAINING_FOR_NUMERICS = {
     "mpnb.training.telemetry",
     "mpnb.training.random_state",
     "mpnb.training.batches",  # how a batch becomes a loss: the what-if's pass is the Trainer's
+    "mpnb.training.gradients",  # check_loss: the what-if refuses the losses the Trainer refuses
 }
 
 

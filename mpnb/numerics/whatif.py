@@ -56,6 +56,8 @@ from mpnb.numerics.advisor import left_as_found
 from mpnb.numerics.format_proof import Proof, prove
 from mpnb.numerics.layer_matmuls import LayerMatmuls, multiplies
 from mpnb.numerics.probe import ModuleProbe
+from mpnb.precision.backends import backend_for
+from mpnb.precision.fp32math import exact_fp32_math
 from mpnb.precision.modes.matmul_format import Threshold
 from mpnb.precision.modes.registry import matmul_formats
 from mpnb.training.batches import batch_loss, to_device
@@ -150,7 +152,13 @@ def whatif(
             measured.layer(name, layers[name], pending[name].pop(), gradient.detach())
 
     # the pass needs gradients, wherever it is called from (a no_grad or inference block)
-    with left_as_found(model, device), torch.inference_mode(False), torch.enable_grad():
+    # and the fp32 reference in exact fp32 math (not the TF32 or oneDNN bf16 a session may hold)
+    with (
+        left_as_found(model, device),
+        exact_fp32_math(backend_for(device)),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+    ):
         model.zero_grad(set_to_none=True)
         with ModuleProbe(model, list(layers), on_output, on_gradient):
             with torch.autocast(device.type, enabled=False):

@@ -21,8 +21,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -207,6 +209,30 @@ class Fp32MathSwitch:
             self.release()
         else:
             self.set(*held)
+
+
+@contextlib.contextmanager
+def exact_fp32_math(backend: Backend) -> Iterator[None]:
+    """fp32 matmuls and convolutions in exact fp32 math on ``backend``'s device while the block
+    runs (a reference to measure against), every flag as found afterwards.
+
+    Example:
+        >>> from mpnb.precision.backends import backend_for
+        >>> found = Fp32MathSnapshot.capture()
+        >>> torch.set_float32_matmul_precision("medium")
+        >>> with exact_fp32_math(backend_for("cpu")):
+        ...     torch.get_float32_matmul_precision()
+        'highest'
+        >>> torch.get_float32_matmul_precision()
+        'medium'
+        >>> found.restore()
+    """
+    snapshot = Fp32MathSnapshot.capture()
+    try:
+        backend.apply_fp32_math(Fp32Math.EXACT, legacy=snapshot.matmul_precision is not None)
+        yield
+    finally:
+        snapshot.restore()
 
 
 @dataclasses.dataclass(frozen=True)

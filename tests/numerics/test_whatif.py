@@ -707,3 +707,27 @@ def test_linear_layers_the_pass_never_called_are_named_as_unmeasured():
     assert result.unmeasured == ["self_attn.out_proj"]
     assert "not measured: self_attn.out_proj" in str(result)
     assert "not measured: self_attn.out_proj" in result._repr_html_()
+
+
+def test_the_fp32_reference_is_computed_in_exact_fp32_math_whatever_the_session_holds():
+    """A session in mode tf32 (or a user's set_float32_matmul_precision) computes fp32 matmuls
+    with reduced math (TF32, oneDNN's bf16): the reference would carry errors of ~1e-3, as
+    large as bf16's own."""
+    from mpnb.precision.fp32math import Fp32MathSnapshot
+
+    model, batch = _small()
+    seen = []
+
+    def loss_fn(out, target):
+        seen.append(torch.get_float32_matmul_precision())
+        return nn.functional.mse_loss(out, target)
+
+    found = Fp32MathSnapshot.capture()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        before = Fp32MathSnapshot.capture()
+        whatif(model, batch, loss_fn, ["bf16"])
+        assert seen == ["highest"]
+        assert Fp32MathSnapshot.capture() == before
+    finally:
+        found.restore()
