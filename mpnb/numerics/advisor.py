@@ -179,9 +179,15 @@ def left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[[
     """
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     homes = {tensor.device for tensor in tensors.values()}
-    if len(homes) > 1 or any(home.type == "meta" for home in homes):
+    if len(homes) > 1:
         raise MpnbError(
-            f"advise runs the whole model on one device; its tensors are on {', '.join(sorted(map(str, homes)))}"
+            "mpnb measures the whole model on one device; its tensors are on "
+            f"{', '.join(sorted(map(str, homes)))}: move it with model.to(device)"
+        )
+    if any(home.type == "meta" for home in homes):
+        raise MpnbError(
+            "the model's tensors are on the meta device (shapes without values): load its "
+            "weights before measuring it"
         )
     home = homes.pop() if homes else device
     saved = {name: tensor.detach().clone() for name, tensor in tensors.items()}

@@ -731,3 +731,13 @@ def test_the_fp32_reference_is_computed_in_exact_fp32_math_whatever_the_session_
         assert Fp32MathSnapshot.capture() == before
     finally:
         found.restore()
+
+
+def test_a_model_on_meta_or_split_across_devices_is_named_in_the_what_ifs_words():
+    model, batch = _small()
+    with pytest.raises(MpnbError, match="meta device.*load its weights"):
+        whatif(model.to("meta"), batch, nn.functional.mse_loss)
+    model, batch = _small()
+    model[2].to("meta")
+    with pytest.raises(MpnbError, match=r"on one device; its tensors are on cpu, meta"):
+        whatif(model, batch, nn.functional.mse_loss)
