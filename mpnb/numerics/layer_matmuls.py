@@ -104,8 +104,10 @@ class LayerMatmuls:
     ) -> None:
         """Measure a call of layer ``name`` on input ``x`` whose output's gradient is
         ``gradient``: its three matmuls; with no gradient (a frozen layer, a call under
-        no_grad: autocast still runs its forward in the format) its forward only."""
-        with torch.no_grad():
+        no_grad: autocast still runs its forward in the format) its forward only. Autocast
+        is off here whatever the caller's thread holds: the products are fp32's and the
+        formats' own."""
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             gradient = None if gradient is None else gradient.float()
             if isinstance(module, _CONVOLUTIONS):
                 self._convolution(name, module, x.float(), gradient)

@@ -160,9 +160,13 @@ def whatif(
         torch.enable_grad(),
     ):
         model.zero_grad(set_to_none=True)
-        with ModuleProbe(model, list(layers), on_output, on_gradient):
-            with torch.autocast(device.type, enabled=False):
-                loss = batch_loss(model, to_device(batch, device), loss_fn, None)
+        # autocast off for the whole pass, the backward too (a session in %amp bf16 runs each
+        # cell under autocast), where the layers' matmuls are measured
+        with (
+            ModuleProbe(model, list(layers), on_output, on_gradient),
+            torch.autocast(device.type, enabled=False),
+        ):
+            loss = batch_loss(model, to_device(batch, device), loss_fn, None)
             check_loss(loss)
             if not bool(torch.isfinite(loss.detach())):
                 raise MpnbError(

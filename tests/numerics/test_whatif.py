@@ -741,3 +741,15 @@ def test_a_model_on_meta_or_split_across_devices_is_named_in_the_what_ifs_words(
     model[2].to("meta")
     with pytest.raises(MpnbError, match=r"on one device; its tensors are on cpu, meta"):
         whatif(model, batch, nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_callers_autocast_does_not_reach_the_pass_or_the_measures(dtype):
+    """A notebook session in %amp bf16 runs each cell under autocast: the backward, where the
+    matmuls are measured, must stay fp32 too (bf16's errors read 0 under bf16 autocast)."""
+    model, batch = _small()
+    plain = whatif(model, batch, nn.functional.mse_loss, ["fp16", "bf16"])
+    with torch.autocast("cpu", dtype=dtype):
+        under = whatif(model, batch, nn.functional.mse_loss, ["fp16", "bf16"])
+        assert torch.is_autocast_enabled("cpu")
+    assert [r["rel_error"] for r in under.rows] == [r["rel_error"] for r in plain.rows]
