@@ -233,12 +233,21 @@ def _pass(
     try:
         if dtype is None:
             copies.measures.start()
+        # no cast cache: inside a caller's autocast (a %amp bf16 cell) the cache holds the
+        # caller's casts of the weights, which an fp16 pass would take (mixed dtypes)
         with (
             copies.probe,
-            torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None),
+            torch.autocast(
+                device.type,
+                dtype=dtype or torch.bfloat16,
+                enabled=dtype is not None,
+                cache_enabled=False,
+            ),
         ):
             loss = loss_fn(model(inputs), targets)
-        loss.float().backward()
+        # outside autocast, as a training step runs it, whatever the caller's cell holds
+        with torch.autocast(device.type, enabled=False):
+            loss.float().backward()
         rows = copies.measures.stop() if dtype is None else None
     finally:
         copies.measures.detach()

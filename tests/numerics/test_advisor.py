@@ -167,3 +167,16 @@ def test_advise_reads_the_same_modules_as_the_numerics_watch_tuple_outputs_inclu
     assert [row.module for row in advice.rows] == watch.log.modules == ["gru", "head"]
     gru = advice.rows[0]
     assert gru.max_activation > 0 and gru.max_gradient > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_callers_autocast_reaches_no_pass(dtype):
+    """A notebook session in %amp bf16 runs each cell under autocast: each of advise's passes
+    must be in its own precision, the backward too (it crashed with mixed dtypes)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    batch = (torch.randn(16, 32), torch.randint(0, 4, (16,)))
+    plain = mpnb.advise(model, batch, F.cross_entropy)
+    with torch.autocast("cpu", dtype=dtype):
+        under = mpnb.advise(model, batch, F.cross_entropy)
+    assert str(under) == str(plain)
