@@ -35,3 +35,30 @@ def test_without_a_trainer_the_button_is_off():
     finally:
         control.close()
         session.reset()
+
+
+def test_a_what_if_that_fails_says_so_and_leaves_no_old_result_on_show():
+    """A callback's exception is swallowed by ipywidgets: the panel must say it, whatever its
+    type, and not leave the previous result on show as if it were this one's."""
+    trainer, train, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    control = ControlPanel(trainer=trainer)
+    try:
+        trainer.fit(train, max_steps=1)
+        control.whatif_button.click()
+        assert "mpnb what-if" in control.whatif_view.value
+
+        def broken_loss(outputs, targets):
+            raise RuntimeError("the loss broke")
+
+        trainer.loss_fn = broken_loss
+        control.whatif_button.click()
+        assert "the loss broke" in control.message_view.value
+        assert "RuntimeError" in control.message_view.value
+        assert control.whatif_view.value == ""
+        trainer.step_fn = lambda model, batch: model(batch[0]).sum()  # an MpnbError case
+        trainer.fit(train, max_steps=1)
+        control.whatif_button.click()
+        assert control.whatif_view.value == ""
+    finally:
+        control.close()
+        session.reset()

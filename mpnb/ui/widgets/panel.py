@@ -208,10 +208,16 @@ class ControlPanel:
 
     def _whatif(self) -> None:
         """The what-if on the last batch of the trainer's fit, shown under the panel."""
+        self.whatif_view.value = ""  # no earlier result on show as if it were this one's
         try:
             result = whatif_of_fit(self.trainer)
         except MpnbError as error:
             self.state.message = _note(str(error), error=True)
+            return
+        except Exception as error:  # the user's model or loss: ipywidgets would swallow it
+            self.state.message = _note(
+                f"the what-if failed: {type(error).__name__}: {error}", error=True
+            )
             return
         self.state.message = ""
         self.whatif_view.value = result._repr_html_()
