@@ -60,7 +60,7 @@ from mpnb.precision.backends import backend_for
 from mpnb.precision.fp32math import exact_fp32_math
 from mpnb.precision.modes.matmul_format import Threshold
 from mpnb.precision.modes.registry import matmul_formats
-from mpnb.training.batches import batch_loss, to_device
+from mpnb.training.batches import batch_loss, map_tensors, to_device
 from mpnb.training.gradients import check_loss
 
 __all__ = ["WhatIf", "Threshold", "whatif"]
@@ -118,6 +118,11 @@ def whatif(
             f"whatif takes the model (a torch.nn.Module) first, then its batch; got a "
             f"{type(model).__name__} as the model"
         )
+    if loss_fn is not None and not callable(loss_fn):
+        raise MpnbError(
+            "loss_fn takes a function, loss_fn(outputs, targets) -> a scalar loss, or None for a "
+            f"model that returns its own loss; got {_short(loss_fn)}"
+        )
     chosen = fmt.chosen_formats(formats)
     layers = {name: module for name, module in model.named_modules() if multiplies(module)}
     if not layers:
@@ -166,7 +171,7 @@ def whatif(
             ModuleProbe(model, list(layers), on_output, on_gradient),
             torch.autocast(device.type, enabled=False),
         ):
-            loss = batch_loss(model, to_device(batch, device), loss_fn, None)
+            loss = batch_loss(model, _trainable(to_device(batch, device)), loss_fn, None)
             check_loss(loss)
             if not bool(torch.isfinite(loss.detach())):
                 raise MpnbError(
@@ -186,6 +191,18 @@ def whatif(
         name for name, module in layers.items() if name not in reached and measured.applies(module)
     ]
     return WhatIf(rows, chosen, unmeasured)
+
+
+def _short(value: object) -> str:
+    """``value`` as a message shows it: its type and the start of its repr."""
+    shown = repr(value)
+    return f"{type(value).__name__} {shown[:60]}{'...' if len(shown) > 60 else ''}"
+
+
+def _trainable(batch: Any) -> Any:
+    """``batch`` with each tensor made under ``torch.inference_mode`` copied to a plain one
+    (autograd cannot save an inference tensor for the backward); the others as they are."""
+    return map_tensors(batch, lambda tensor: tensor.clone() if tensor.is_inference() else tensor)
 
 
 def _check_held_in_fp32(model: nn.Module) -> None:

@@ -753,3 +753,19 @@ def test_the_callers_autocast_does_not_reach_the_pass_or_the_measures(dtype):
         under = whatif(model, batch, nn.functional.mse_loss, ["fp16", "bf16"])
         assert torch.is_autocast_enabled("cpu")
     assert [r["rel_error"] for r in under.rows] == [r["rel_error"] for r in plain.rows]
+
+
+@pytest.mark.parametrize("loss_fn", [3, "cross_entropy", torch.zeros(1)])
+def test_a_loss_fn_that_is_no_function_is_refused_by_name(loss_fn):
+    model, batch = _small()
+    with pytest.raises(MpnbError, match=r"loss_fn takes a function.*got"):
+        whatif(model, batch, loss_fn)
+
+
+def test_a_batch_made_under_inference_mode_is_measured():
+    model, _ = _small()
+    with torch.inference_mode():
+        batch = (torch.randn(16, 32), torch.randn(16, 4))
+    result = whatif(model, batch, nn.functional.mse_loss, ["bf16"])
+    assert result.layers == ["0", "2"]
+    assert batch[0].is_inference()
