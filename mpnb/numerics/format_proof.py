@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from mpnb.errors import MpnbError
 from mpnb.precision.modes.base import Mode
 from mpnb.precision.modes.registry import format_mode, parse_mode
 
@@ -47,7 +48,7 @@ class Proof:
         >>> round(proof.gap, 3), round(proof.spread, 3)
         (0.05, 0.071)
         >>> print(proof)
-        fp8 (fp8:tensorwise, keeping 4) beside bf16 over 4 steps: loss gap +0.05 (spread 0.0707, over the last 2 steps), 4.8% of bf16's mean loss there, 1.05
+        fp8 (fp8:tensorwise, keeping 4) beside bf16 over 4 steps: loss gap +0.05 (spread 0.0707, over the last 2 steps), +4.8% of bf16's mean loss there, 1.05
     """
 
     format: str
@@ -55,6 +56,8 @@ class Proof:
     keep: list[str]
     losses: list[float]
     bf16_losses: list[float]
+    #: the steps each run was asked for (None: as many as it trained)
+    steps_asked: int | None = None
 
     @property
     def _window(self) -> tuple[list[float], list[float]]:
@@ -73,16 +76,26 @@ class Proof:
         """Standard deviation of the per-step differences the gap averages (0 for one step)."""
         ours, theirs = self._window
         differences = [a - b for a, b in zip(ours, theirs)]
-        return statistics.stdev(differences) if len(differences) > 1 else 0.0
+        if len(differences) < 2:
+            return 0.0
+        if not all(map(math.isfinite, differences)):  # a run whose loss went inf or NaN
+            return math.nan
+        return statistics.stdev(differences)
 
     def __str__(self) -> str:
         ours, theirs = self._window
         reference = statistics.fmean(theirs) if theirs else math.nan
         kept = ", ".join(self.keep) if self.keep else "no layer"
-        share = f"{self.gap / reference:.1%}" if reference else "n/a"
+        share = f"{self.gap / abs(reference):+.1%}" if reference else "n/a"
+        trained = min(len(self.losses), len(self.bf16_losses))
+        short = (
+            f" (of the {self.steps_asked} asked: the data ended)"
+            if self.steps_asked is not None and trained < self.steps_asked
+            else ""
+        )
         return (
             f"{self.format} ({self.mode}, keeping {kept}) beside {BASELINE} over "
-            f"{len(self.losses)} steps: loss gap {self.gap:+.3g} (spread {self.spread:.3g}, over "
+            f"{trained} steps{short}: loss gap {self.gap:+.3g} (spread {self.spread:.3g}, over "
             f"the last {len(ours)} steps), {share} of {BASELINE}'s mean loss there, {reference:.3g}"
         )
 
@@ -116,7 +129,8 @@ def prove(
     steps each.
 
     Args:
-        keep: the layers to keep in higher precision (:meth:`~mpnb.numerics.whatif.WhatIf.recommend`).
+        keep: the layers to keep in higher precision (:meth:`~mpnb.numerics.whatif.WhatIf.recommend`;
+            one name, or None for none).
         make_run: ``make_run(mode) -> (trainer, data)`` or ``(trainer, data, metric)``, a fresh
             run each call, as :func:`mpnb.compare` takes it. It is called with the recommended
             mode first (a :class:`~mpnb.precision.modes.base.Mode` carrying its ``keep`` option
@@ -127,7 +141,8 @@ def prove(
     Raises:
         InvalidChoiceError: an unknown format.
         MpnbError: the mode's own refusal where this machine cannot run it (nvfp4 off
-            Blackwell GPUs), raised by ``make_run``.
+            Blackwell GPUs), raised by ``make_run``; ``keep`` holds something other than
+            names; a run trained no step (its data was empty).
         TypeError: ``make_run`` returned something else than a trainer and its data.
         ValueError: ``steps`` is not a whole number >= 1.
 
@@ -135,7 +150,7 @@ def prove(
         >>> Proof("bf16", "bf16", [], [1.0], [1.0]).gap
         0.0
     """
-    keep = list(keep)
+    keep = _layer_names(keep)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
     mode, in_fp32 = configuration(format, keep)
@@ -143,7 +158,21 @@ def prove(
     # bf16's run has cost anything
     losses = _losses(make_run, mode, in_fp32, steps)
     baseline = _losses(make_run, BASELINE, [], steps)
-    return Proof(format, mode.label, keep, losses, baseline)
+    return Proof(format, mode.label, keep, losses, baseline, steps)
+
+
+def _layer_names(keep: object) -> list[str]:
+    """``keep`` as a list of layer names: one name, None for none, or names."""
+    if keep is None:
+        return []
+    names = [keep] if isinstance(keep, str) else keep
+    if not isinstance(names, Iterable) or isinstance(names, (bytes, dict)):
+        raise MpnbError(f"keep takes layer names (what recommend returns), got {keep!r}")
+    names = list(names)
+    odd = [name for name in names if not isinstance(name, str)]
+    if odd:
+        raise MpnbError(f"keep takes layer names (what recommend returns), got {odd[0]!r}")
+    return names
 
 
 def _losses(
@@ -159,4 +188,7 @@ def _losses(
     for layer in in_fp32:
         trainer.keep_in_fp32(layer)
     history = trainer.fit(data, max_steps=steps)
-    return [float(loss) for loss in history.loss]
+    losses = [float(loss) for loss in history.loss]
+    if not losses:
+        raise MpnbError(f"the {mode} run trained no step: the data make_run returned gave no batch")
+    return losses

@@ -769,3 +769,38 @@ def test_a_batch_made_under_inference_mode_is_measured():
     result = whatif(model, batch, nn.functional.mse_loss, ["bf16"])
     assert result.layers == ["0", "2"]
     assert batch[0].is_inference()
+
+
+def test_prove_takes_one_name_or_none_and_refuses_anything_else():
+    from mpnb.numerics.format_proof import prove
+
+    assert prove("5", _make_run, "fp16", steps=1).keep == ["5"]
+    assert prove(None, _make_run, "fp16", steps=1).keep == []
+    with pytest.raises(MpnbError, match=r"keep takes layer names.*got 5"):
+        prove([5], _make_run, "fp16", steps=1)
+
+
+def test_a_proof_over_no_step_is_refused_and_a_short_one_says_so():
+    from mpnb.numerics.format_proof import prove
+
+    def empty_run(mode):
+        return _make_run(mode)[0], []
+
+    with pytest.raises(MpnbError, match="trained no step.*data"):
+        prove([], empty_run, "fp16", steps=3)
+    short = prove([], _make_run, "fp16", steps=10)  # the data holds 4 batches
+    assert len(short.losses) == 4 and "of the 10 asked" in str(short)
+
+
+def test_the_proofs_share_has_the_sign_of_its_gap_for_negative_losses():
+    from mpnb.numerics.format_proof import Proof
+
+    proof = Proof("fp16", "fp16", [], [-0.8, -0.8], [-1.0, -1.0])
+    assert proof.gap == pytest.approx(0.2) and "+20.0% of bf16's mean loss" in str(proof)
+
+
+def test_a_proof_whose_run_went_inf_still_reads():
+    from mpnb.numerics.format_proof import Proof
+
+    proof = Proof("fp16", "fp16", [], [1.0, math.inf, math.nan], [1.0, 0.9, 0.8])
+    assert math.isnan(proof.spread) and "loss gap" in str(proof)
