@@ -51,3 +51,14 @@ def test_bad_input_names_the_valid_values(ip):
     )
     assert "cannot read 'nothing'" in usage_error(ip, "%whatif nothing batch")
     assert "give a batch after the model" in usage_error(ip, "%whatif model")
+
+
+def test_a_loss_given_with_a_trainer_is_refused_not_ignored(ip):
+    run(
+        ip,
+        SETUP
+        + "import mpnb\ntrainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, device='cpu', dashboard=None)\n"
+        + "_ = trainer.fit([batch], max_steps=1)",
+    )
+    said = usage_error(ip, "%whatif trainer --loss loss_fn")
+    assert "--loss" in said and "trainer's own loss" in said

@@ -66,6 +66,11 @@ class WhatIfMagics(Magics):
                         f"%whatif {args.model}: give a batch after the model, or name a Trainer "
                         "that has fit a step"
                     )
+                if args.loss:
+                    raise UsageError(
+                        f"%whatif {args.model} --loss: a Trainer's what-if takes the trainer's own "
+                        "loss function on its last batch; give --loss with a model and a batch"
+                    )
                 return whatif_of_fit(model, formats)
             loss = self._value(args.loss) if args.loss else None
             return whatif(model, self._value(args.batch), loss, formats)
