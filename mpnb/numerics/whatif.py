@@ -272,8 +272,10 @@ class WhatIf:
         >>> result.worst("0", "mxfp8") is None, result.worst("0", "bf16")["format"]
         (True, 'bf16')
         """
-        threshold = self._threshold(format)
+        threshold = self.threshold_of(format)
         rows = [r for r in self.rows if r["layer"] == layer and r["format"] == format]
+        if threshold is None:  # none set: by error alone
+            return max(rows, key=lambda r: r["rel_error"], default=None)
         return max(rows, key=lambda r: (threshold.passed(r), r["rel_error"]), default=None)
 
     def recommend(self, format: str) -> list[str]:
@@ -305,10 +307,22 @@ class WhatIf:
             )
         ]
 
+    def threshold_of(self, format: str) -> Threshold | None:
+        """``thresholds[format]`` where it is set to a :class:`Threshold`, else None (what the
+        tables and the figure show: cells without a mark)."""
+        threshold = self.thresholds.get(format)
+        return threshold if isinstance(threshold, Threshold) else None
+
     def _threshold(self, format: str) -> Threshold:
         """``thresholds[format]``, or an error that says how to set it."""
         if format in self.thresholds:
-            return self.thresholds[format]
+            threshold = self.thresholds[format]
+            if not isinstance(threshold, Threshold):
+                raise MpnbError(
+                    f"thresholds[{format!r}] takes a Threshold(rel_error=..., overflow=..., "
+                    f"underflow=...), got {threshold!r}"
+                )
+            return threshold
         if format not in self.formats:
             fmt.check_format(format)  # an unknown format is named as such
         raise MpnbError(
@@ -391,9 +405,20 @@ class WhatIf:
     def __repr__(self) -> str:
         return (
             f"<mpnb.WhatIf {len(self.layers)} layers x {len(self.formats)} formats; "
-            + "; ".join(f"{f} keeps {len(self.recommend(f))}" for f in self.formats)
+            + "; ".join(
+                f"{f} keeps {len(self.recommend(f))}"
+                if self.threshold_of(f)
+                else f"{f} no threshold"
+                for f in self.formats
+            )
             + ">"
         )
+
+    def _advice(self, format: str) -> str:
+        """What the tables say for ``format``: the layers to keep, or that no threshold is set."""
+        if self.threshold_of(format) is None:
+            return f"{format}: no threshold (set result.thresholds[{format!r}] = Threshold(...))"
+        return f"{format}: keep {', '.join(self.recommend(format)) or 'none'}"
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -413,12 +438,10 @@ class WhatIf:
                     f"{row['rel_error']:.2g} ({row['matmul']}; over {row['overflow']:.1%}, "
                     f"flushed {row['underflow']:.1%})"
                 )
-                cells.append(("KEEP " if self.thresholds[format_name].passed(row) else "") + text)
+                threshold = self.threshold_of(format_name)
+                cells.append(("KEEP " if threshold and threshold.passed(row) else "") + text)
             body.append(cells)
-        advice = "".join(
-            f"<li>{html.escape(f)}: keep {html.escape(', '.join(self.recommend(f)) or 'none')}</li>"
-            for f in self.formats
-        )
+        advice = "".join(f"<li>{html.escape(self._advice(f))}</li>" for f in self.formats)
         if self.unmeasured:
             advice += f"<li>{html.escape(self._unmeasured_line())}</li>"
         return (

@@ -804,3 +804,18 @@ def test_a_proof_whose_run_went_inf_still_reads():
 
     proof = Proof("fp16", "fp16", [], [1.0, math.inf, math.nan], [1.0, 0.9, 0.8])
     assert math.isnan(proof.spread) and "loss gap" in str(proof)
+
+
+def test_thresholds_changed_freely_never_break_the_result_on_show(planted):
+    result = WhatIf(planted.rows, planted.formats)
+    del result.thresholds["bf16"]
+    result.thresholds["fp16"] = 0.01  # not a Threshold
+    assert "bf16 no threshold" in repr(result) and "fp16 no threshold" in repr(result)
+    shown = result._repr_html_()
+    assert "bf16: no threshold" in shown and "fp16: no threshold" in shown
+    result.figure()
+    assert result.worst("0", "bf16")["format"] == "bf16"
+    with pytest.raises(MpnbError, match=r"thresholds\['fp16'\] takes a Threshold.*got 0.01"):
+        result.recommend("fp16")
+    with pytest.raises(MpnbError, match=r"no threshold for format 'bf16'"):
+        result.recommend("bf16")

@@ -41,11 +41,12 @@ def whatif_heatmap(result: WhatIf) -> go.Figure:
                 continue
             error = row["rel_error"]
             z_row.append(math.log10(error) if 0 < error < math.inf else (1.0 if error else -8.0))
-            mark = "keep<br>" if result.thresholds[format_name].passed(row) else ""
+            threshold = result.threshold_of(format_name)
+            mark = "keep<br>" if threshold and threshold.passed(row) else ""
             text_row.append(f"{mark}{error:.2g}<br>{row['matmul']}")
         z.append(z_row)
         text.append(text_row)
-    columns = [f"{name}<br>keep > {result.thresholds[name].rel_error:g}" for name in result.formats]
+    columns = [_column(result, name) for name in result.formats]
     heatmap = go.Heatmap(
         z=z,
         x=columns,
@@ -60,8 +61,8 @@ def whatif_heatmap(result: WhatIf) -> go.Figure:
     figure = go.Figure(heatmap)
     for y, layer in enumerate(result.layers):
         for x, format_name in enumerate(result.formats):
-            row = result.worst(layer, format_name)
-            if row is not None and result.thresholds[format_name].passed(row):
+            row, threshold = result.worst(layer, format_name), result.threshold_of(format_name)
+            if row is not None and threshold is not None and threshold.passed(row):
                 figure.add_shape(
                     type="rect",
                     x0=x - 0.5,
@@ -76,3 +77,9 @@ def whatif_heatmap(result: WhatIf) -> go.Figure:
         height=160 + 30 * len(result.layers),
     )
     return figure
+
+
+def _column(result: WhatIf, name: str) -> str:
+    """A format's column heading: its name and error threshold (none set: said)."""
+    threshold = result.threshold_of(name)
+    return f"{name}<br>" + (f"keep > {threshold.rel_error:g}" if threshold else "no threshold")
