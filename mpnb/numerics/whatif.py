@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import html
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -118,6 +119,7 @@ def whatif(
             f"whatif takes the model (a torch.nn.Module) first, then its batch; got a "
             f"{type(model).__name__} as the model"
         )
+    model = _uncompiled(model)
     if loss_fn is not None and not callable(loss_fn):
         raise MpnbError(
             "loss_fn takes a function, loss_fn(outputs, targets) -> a scalar loss, or None for a "
@@ -161,6 +163,8 @@ def whatif(
     with (
         left_as_found(model, device),
         exact_fp32_math(backend_for(device)),
+        # compiled modules run no hooks added after they were traced: eagerly, for the pass
+        torch.compiler.set_stance("force_eager"),
         torch.inference_mode(False),
         torch.enable_grad(),
     ):
@@ -191,6 +195,15 @@ def whatif(
         name for name, module in layers.items() if name not in reached and measured.applies(module)
     ]
     return WhatIf(rows, chosen, unmeasured)
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile``'d model wraps (the same weights, its layers under their
+    own names), or ``model`` itself."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded once anything compiled
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        return model._orig_mod
+    return model
 
 
 def _short(value: object) -> str:

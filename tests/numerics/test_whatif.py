@@ -819,3 +819,19 @@ def test_thresholds_changed_freely_never_break_the_result_on_show(planted):
         result.recommend("fp16")
     with pytest.raises(MpnbError, match=r"no threshold for format 'bf16'"):
         result.recommend("bf16")
+
+
+def test_a_compiled_model_is_measured_eagerly_under_its_own_names():
+    """torch.compile'd code runs no module hooks the pass adds after it was traced: the pass
+    runs compiled modules eagerly (the same weights and the same products), and a model
+    compiled whole is named as the module it wraps."""
+    model, batch = _small()
+    eager = whatif(model, batch, nn.functional.mse_loss, ["fp16", "bf16"])
+    compiled = torch.compile(model, backend="eager")
+    compiled(batch[0])  # traced before the what-if, as a user's model is
+    result = whatif(compiled, batch, nn.functional.mse_loss, ["fp16", "bf16"])
+    assert result.layers == ["0", "2"] and result.unmeasured == []
+    assert [r["rel_error"] for r in result.rows] == [r["rel_error"] for r in eager.rows]
+    model[2] = torch.compile(model[2], backend="eager")  # a block compiled inside the model
+    model(batch[0])
+    assert whatif(model, batch, nn.functional.mse_loss, ["fp16"]).unmeasured == []
