@@ -29,7 +29,7 @@ from mpnb._render import html_list, html_table, text_table
 from mpnb.errors import MpnbError
 from mpnb.numerics.layer_matmuls import relative_error
 from mpnb.numerics.limits import FP16_LARGEST_FINITE
-from mpnb.numerics.probe import ModuleProbe, leaf_names
+from mpnb.numerics.probe import ModuleProbe, leaf_names, uncompiled
 from mpnb.numerics.watch import MEASURES, ModuleMeasures
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.backends import backend_for, resolve_device
@@ -303,6 +303,7 @@ def advise(
         >>> report.fp16_overflow, report.recommended_dtype
         ([], 'bf16')
     """
+    model = uncompiled(model)
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     target = resolve_device(device) if device is not None or first is None else first.device
     with left_as_found(model, target) as start_again:

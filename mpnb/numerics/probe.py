@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,6 +62,20 @@ def first_float_tensor(output: Any) -> torch.Tensor | None:
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
             return leaf
     return None
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile``'d model wraps (the same weights, its layers under their
+    own names, as a mode's ``keep`` takes them), or ``model`` itself.
+
+    >>> model = torch.nn.Linear(2, 2)
+    >>> uncompiled(torch.compile(model)) is model, uncompiled(model) is model
+    (True, True)
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded once anything compiled
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        return model._orig_mod
+    return model
 
 
 class ModuleProbe:

@@ -42,7 +42,6 @@ Example:
 from __future__ import annotations
 
 import html
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -56,7 +55,7 @@ from mpnb.numerics import formats as fmt
 from mpnb.numerics.advisor import left_as_found
 from mpnb.numerics.format_proof import Proof, prove
 from mpnb.numerics.layer_matmuls import LayerMatmuls, multiplies
-from mpnb.numerics.probe import ModuleProbe
+from mpnb.numerics.probe import ModuleProbe, uncompiled
 from mpnb.precision.backends import backend_for
 from mpnb.precision.fp32math import exact_fp32_math
 from mpnb.precision.modes.matmul_format import Threshold
@@ -119,7 +118,7 @@ def whatif(
             f"whatif takes the model (a torch.nn.Module) first, then its batch; got a "
             f"{type(model).__name__} as the model"
         )
-    model = _uncompiled(model)
+    model = uncompiled(model)
     if loss_fn is not None and not callable(loss_fn):
         raise MpnbError(
             "loss_fn takes a function, loss_fn(outputs, targets) -> a scalar loss, or None for a "
@@ -195,15 +194,6 @@ def whatif(
         name for name, module in layers.items() if name not in reached and measured.applies(module)
     ]
     return WhatIf(rows, chosen, unmeasured)
-
-
-def _uncompiled(model: nn.Module) -> nn.Module:
-    """The module a ``torch.compile``'d model wraps (the same weights, its layers under their
-    own names), or ``model`` itself."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded once anything compiled
-    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
-        return model._orig_mod
-    return model
 
 
 def _short(value: object) -> str:

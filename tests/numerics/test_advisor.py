@@ -180,3 +180,16 @@ def test_the_callers_autocast_reaches_no_pass(dtype):
     with torch.autocast("cpu", dtype=dtype):
         under = mpnb.advise(model, batch, F.cross_entropy)
     assert str(under) == str(plain)
+
+
+def test_a_compiled_model_is_advised_under_its_own_layer_names():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    batch = (torch.randn(16, 32), torch.randint(0, 4, (16,)))
+    compiled = torch.compile(model, backend="eager")
+    compiled(batch[0])
+    assert [row.module for row in mpnb.advise(compiled, batch, F.cross_entropy).rows] == [
+        "0",
+        "1",
+        "2",
+    ]
