@@ -123,7 +123,8 @@ class Fp32Modules(Instrument):
         """Run module ``name`` in float32: from its next call while a run is on (noted on its
         history as a switch at ``step``, the first step it runs so), else from the next run's
         first step (:attr:`waiting` until then). Returns the name as the model knows it. A name as the
-        numerics origin gives it (the root's class first) works too.
+        numerics origin gives it (the root's class first) works too, and ``''`` is the model
+        itself (a model that is one layer).
 
         Raises:
             MpnbError: no module of that name (the message lists the closest names); nothing
@@ -155,7 +156,10 @@ class Fp32Modules(Instrument):
         module.forward = in_float32
         self._saved[found] = (module, before)
         self._run.history.note(
-            f"{found} runs in fp32 (autocast off inside it)", kind="switch", step=step, module=found
+            f"{found or type(module).__name__} runs in fp32 (autocast off inside it)",
+            kind="switch",
+            step=step,
+            module=found,
         )
 
     def release(self, name: str | None = None) -> None:
@@ -174,13 +178,16 @@ class Fp32Modules(Instrument):
         for name in self.names:
             self.release(name)
             history.note(
-                f"{name} runs under autocast again (the session was reset)",
+                f"{name or type(self.model).__name__} runs under autocast again (the session "
+                "was reset)",
                 kind="switch",
                 step=step,
                 module=name,
             )
 
     def _resolve(self, name: str) -> str:
+        if name == "":  # the model itself (a model that is one layer, as the what-if names it)
+            return name
         names = [found for found, _ in self.model.named_modules() if found]
         if name in names:
             return name

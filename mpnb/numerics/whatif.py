@@ -196,6 +196,16 @@ def whatif(
     return WhatIf(rows, chosen, unmeasured)
 
 
+def shown_layer(name: str) -> str:
+    """A layer's name as the tables show it: the model itself (a model that is one layer,
+    named ``''`` as ``named_modules`` and ``keep`` name it) reads "(the model)".
+
+    >>> shown_layer("fc1"), shown_layer("")
+    ('fc1', '(the model)')
+    """
+    return name or "(the model)"
+
+
 def _short(value: object) -> str:
     """``value`` as a message shows it: its type and the start of its repr."""
     shown = repr(value)
@@ -385,7 +395,7 @@ class WhatIf:
     def _cells(self, row: dict[str, Any]) -> list[str]:
         low, high = row["scale_range"]
         return [
-            row["layer"],
+            shown_layer(row["layer"]),
             row["matmul"],
             row["format"],
             f"{row['rel_error']:.3g}",
@@ -421,7 +431,8 @@ class WhatIf:
         """What the tables say for ``format``: the layers to keep, or that no threshold is set."""
         if self.threshold_of(format) is None:
             return f"{format}: no threshold (set result.thresholds[{format!r}] = Threshold(...))"
-        return f"{format}: keep {', '.join(self.recommend(format)) or 'none'}"
+        kept = ", ".join(map(shown_layer, self.recommend(format)))
+        return f"{format}: keep {kept or 'none'}"
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -431,7 +442,7 @@ class WhatIf:
         the threshold in bold, with the advice under the table."""
         body = []
         for layer in self.layers:
-            cells = [layer]
+            cells = [shown_layer(layer)]
             for format_name in self.formats:
                 row = self.worst(layer, format_name)
                 if row is None:

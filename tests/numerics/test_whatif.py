@@ -835,3 +835,33 @@ def test_a_compiled_model_is_measured_eagerly_under_its_own_names():
     model[2] = torch.compile(model[2], backend="eager")  # a block compiled inside the model
     model(batch[0])
     assert whatif(model, batch, nn.functional.mse_loss, ["fp16"]).unmeasured == []
+
+
+def test_a_model_that_is_one_layer_is_advised_by_a_name_keep_takes():
+    """nn.Linear as the whole model: its layer is the model itself, named '' as named_modules
+    names it; keep_in_fp32('') runs the whole model in fp32, as keeping its only layer means."""
+    torch.manual_seed(0)
+    batch = (torch.randn(16, 16) * 1e5, torch.randn(16, 16))
+    result = whatif(nn.Linear(16, 16), batch, nn.functional.mse_loss, ["fp16", "bf16"])
+    assert result.layers == [""] and result.recommend("fp16") == [""]
+    assert "(the model)" in str(result) and "(the model)" in result._repr_html_()
+
+    def make_run(mode):
+        torch.manual_seed(0)
+        model = nn.Linear(16, 16)
+        trainer = mpnb.Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=1e-12),
+            nn.functional.mse_loss,
+            mode=mode,
+            device="cpu",
+            dashboard=None,
+        )
+        return trainer, [batch, batch]
+
+    proof = result.prove(make_run, "fp16", steps=2)
+    assert proof.keep == [""] and all(math.isfinite(loss) for loss in proof.losses)
+    trainer, data = make_run("fp16")
+    assert trainer.keep_in_fp32("") == ""
+    history = trainer.fit(data, max_steps=1)
+    assert any("Linear runs in fp32" in event["message"] for event in history.events)
