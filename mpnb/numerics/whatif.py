@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import html
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -163,7 +164,7 @@ def whatif(
         left_as_found(model, device),
         exact_fp32_math(backend_for(device)),
         # compiled modules run no hooks added after they were traced: eagerly, for the pass
-        torch.compiler.set_stance("force_eager"),
+        _eagerly(),
         torch.inference_mode(False),
         torch.enable_grad(),
     ):
@@ -204,6 +205,13 @@ def shown_layer(name: str) -> str:
     ('fc1', '(the model)')
     """
     return name or "(the model)"
+
+
+def _eagerly() -> contextlib.AbstractContextManager[Any]:
+    """Compiled code run eagerly while the block runs (``torch.compiler.set_stance``, torch
+    2.6 on; before it, as it is: its compiled modules run no hooks and are named unmeasured)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _short(value: object) -> str:

@@ -77,3 +77,12 @@ def test_nvfp4_casts_a_tiny_tensor_with_shares_and_errors_that_make_sense(larges
         assert error <= 1.0  # at worst flushed (1.0); a normal tensor errs ~0.09
         if largest >= 1e-37:  # normal fp32 values: rounded as at any magnitude
             assert error < 0.2
+
+
+def test_codes_of_any_shape_read_back_in_that_shape():
+    table = dtype_table(torch.float8_e4m3fn)
+    for shape in [(0, 32), (3, 0), (2, 3, 4), ()]:
+        codes = torch.ones(shape).to(torch.float8_e4m3fn)
+        assert read_bytes(codes, table).shape == codes.shape
+    pairs = torch.zeros(4, 0, dtype=torch.uint8)  # packed fp4: two values a byte
+    assert read_bytes(pairs, torch.zeros(256, 2)).shape == (4, 0)

@@ -259,7 +259,7 @@ def float8_recipe_cast(recipe: str) -> Any:
         past = bool((amax * multiplier >= limit).any())
         overflow = count_past(scaled.abs(), limit) if past else 0
         codes = utils.to_fp8_saturated(scaled, dtype)
-        values = read_bytes(codes, dtype_table(dtype)).div_(multiplier)
+        values = read_bytes(codes, dtype_table(dtype, codes.device)).div_(multiplier)
         return values, overflow, scale_range(1 / multiplier, amax)
 
     return cast_float8

@@ -236,9 +236,11 @@ def byte_table(decode: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
 
 
 @functools.cache
-def dtype_table(dtype: torch.dtype) -> torch.Tensor:
-    """:func:`byte_table` of a one-byte torch ``dtype`` (a float8), by torch's own conversion."""
-    return byte_table(lambda codes: codes.view(dtype).float())
+def dtype_table(dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """:func:`byte_table` of a one-byte torch ``dtype`` (a float8), by torch's own conversion,
+    on ``device`` (default the CPU; kept there, not copied at each read)."""
+    table = byte_table(lambda codes: codes.view(dtype).float())
+    return table if device is None else table.to(device)
 
 
 def read_bytes(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -250,8 +252,10 @@ def read_bytes(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     tensor([[   1., -448.]])
     """
     index = codes.contiguous().view(torch.uint8).reshape(-1).int()
-    values = table.to(codes.device).index_select(0, index)
-    return values.reshape(*codes.shape[:-1], -1)
+    values = table.to(codes.device).index_select(0, index)  # (a no-op: the table is there)
+    if codes.dim() == 0:
+        return values.reshape(()) if table.shape[1] == 1 else values.reshape(-1)
+    return values.reshape(*codes.shape[:-1], codes.shape[-1] * table.shape[1])
 
 
 def blocked_cast(

@@ -172,7 +172,7 @@ def _mxfp8_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     scales = mx.get_fp_scale(cast.scale)
     # read back as the cast's dequantize does (elements times their block's scale), its
     # elements by lookup (:func:`read_bytes`)
-    elements = read_bytes(cast.qdata, dtype_table(torch.float8_e4m3fn))
+    elements = read_bytes(cast.qdata, dtype_table(torch.float8_e4m3fn, padded.device))
     values = (elements.reshape(-1, MX_BLOCK) * scales.reshape(-1, 1)).reshape(padded.shape)
     return values, scales, rounding_limit(torch.float8_e4m3fn)
 

@@ -149,7 +149,7 @@ def _nvfp4_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     scales = cast.get_hp_scales()
     # read back as the cast's dequantize does (elements times their block's scale), a byte's
     # two elements by lookup (:func:`read_bytes`)
-    elements = read_bytes(cast.qdata, _e2m1_pairs())
+    elements = read_bytes(cast.qdata, _e2m1_pairs(padded.device))
     values = (elements.reshape(-1, NVFP4_BLOCK) * scales.reshape(-1, 1)).reshape(padded.shape)
     return values, scales, rounding_limit(None, e2m1_largest, e2m1_bits)
 
@@ -166,10 +166,12 @@ def _smallest_amax(e2m1_largest: float) -> float:
 
 
 @functools.cache
-def _e2m1_pairs() -> torch.Tensor:
-    """The two e2m1 values of each packed byte, as torchao unpacks and decodes them."""
+def _e2m1_pairs(device: torch.device) -> torch.Tensor:
+    """The two e2m1 values of each packed byte, as torchao unpacks and decodes them, kept on
+    ``device``."""
     kernels = import_torchao("torchao.prototype.mx_formats.kernels", "nvfp4")
-    return byte_table(lambda codes: kernels.f4_unpacked_to_f32(kernels.unpack_uint4(codes)))
+    pairs = byte_table(lambda codes: kernels.f4_unpacked_to_f32(kernels.unpack_uint4(codes)))
+    return pairs.to(device)
 
 
 def nvfp4_layers(
