@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -100,36 +100,48 @@ class LayerMatmuls:
         return any(found.any_operation for found in self._found.values())
 
     def layer(
-        self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor | None
+        self,
+        name: str,
+        module: nn.Module,
+        x: torch.Tensor,
+        gradient: torch.Tensor | None,
+        matmuls: Collection[str] = MATMULS,
     ) -> None:
         """Measure a call of layer ``name`` on input ``x`` whose output's gradient is
-        ``gradient``: its three matmuls; with no gradient (a frozen layer, a call under
-        no_grad: autocast still runs its forward in the format) its forward only. Autocast
-        is off here whatever the caller's thread holds: the products are fp32's and the
-        formats' own."""
+        ``gradient``: ``matmuls``, those its training step runs (the forward only without a
+        gradient: a frozen layer, a call under no_grad, whose forward autocast still runs in
+        the format). Autocast is off here whatever the caller's thread holds: the products are
+        fp32's and the formats' own."""
+        if gradient is None:
+            matmuls = ("forward",)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             gradient = None if gradient is None else gradient.float()
             if isinstance(module, _CONVOLUTIONS):
-                self._convolution(name, module, x.float(), gradient)
+                self._convolution(name, module, x.float(), gradient, matmuls)
             else:
                 weight = linear_weight(module).float()
                 x = x.float().reshape(-1, weight.shape[1])
                 if gradient is not None:
                     gradient = gradient.reshape(-1, weight.shape[0])
-                self._linear(name, x, weight, gradient)
+                self._linear(name, x, weight, gradient, matmuls)
 
     def _linear(
-        self, name: str, x: torch.Tensor, weight: torch.Tensor, gradient: torch.Tensor | None
+        self,
+        name: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        gradient: torch.Tensor | None,
+        chosen: Collection[str],
     ) -> None:
-        tensors = {"x": x, "weight": weight}
-        if gradient is not None:
-            tensors["gradient"] = gradient
-        zeros = {key: t.numel() - int(torch.count_nonzero(t)) for key, t in tensors.items()}
-        matmuls = {
-            matmul: parts
-            for matmul, parts in LINEAR_MATMULS.items()
-            if parts[0][0] in tensors and parts[1][0] in tensors
+        matmuls = {matmul: LINEAR_MATMULS[matmul] for matmul in MATMULS if matmul in chosen}
+        given = {"x": x, "weight": weight, "gradient": gradient}
+        tensors = {
+            key: given[key]
+            for left, right, _ in matmuls.values()
+            for key, _ in (left, right)
+            if given[key] is not None
         }
+        zeros = {key: t.numel() - int(torch.count_nonzero(t)) for key, t in tensors.items()}
         for format_name in self.formats:
             casts: dict[tuple[str, int | None], fmt.Operand] = {}
             for matmul, (left, right, multiply) in matmuls.items():
@@ -157,7 +169,12 @@ class LayerMatmuls:
         return self._references[matmul]
 
     def _convolution(
-        self, name: str, module: nn.Module, x: torch.Tensor, gradient: torch.Tensor | None
+        self,
+        name: str,
+        module: nn.Module,
+        x: torch.Tensor,
+        gradient: torch.Tensor | None,
+        chosen: Collection[str],
     ) -> None:
         weight = module.weight.detach().float()
         reference = _convolution_products(module, x, weight, gradient)
@@ -180,7 +197,7 @@ class LayerMatmuls:
             if gradient is not None:
                 operands["input_grad"] = (cast["gradient"], cast["weight"])
                 operands["weight_grad"] = (cast["gradient"], cast["x"])
-            for matmul in operands:
+            for matmul in (m for m in operands if m in chosen):
                 product = self._found[format_name].output(products[matmul])
                 self._add(name, matmul, format_name, product, reference[matmul], operands[matmul])
         self._norms.clear()

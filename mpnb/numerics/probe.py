@@ -36,8 +36,12 @@ from torch import nn
 
 __all__: list[str] = []
 
-#: ``on_output(name, module, inputs, output)``: a watched module returned ``output``.
-OnOutput = Callable[[str, nn.Module, Any, torch.Tensor], None]
+#: ``on_output(name, module, inputs, output)``: a watched module returned ``output``. It may
+#: return a function of this call's own gradient: called with it when it arrives, or with None
+#: at once where the output needs none (a frozen layer, a call under no_grad).
+OnOutput = Callable[
+    [str, nn.Module, Any, torch.Tensor], "Callable[[torch.Tensor | None], None] | None"
+]
 #: ``on_gradient(name, gradient)``: the gradient of that output arrived in the backward.
 OnGradient = Callable[[str, torch.Tensor], None]
 
@@ -85,8 +89,10 @@ class ModuleProbe:
     Args:
         model: the model the names are in.
         names: qualified module names (see :func:`leaf_names`).
-        on_output: called with each watched call's first floating-point output, detached.
-        on_gradient: called with that output's gradient, when it requires one.
+        on_output: called with each watched call's first floating-point output, detached; it
+            may return a function that takes this call's own gradient (see ``OnOutput``).
+        on_gradient: called with that output's gradient, when it requires one (unless
+            on_output returned a function for the call).
     """
 
     def __init__(
@@ -130,8 +136,13 @@ class ModuleProbe:
             tensor = first_float_tensor(output)
             if tensor is None:
                 return
-            self.on_output(name, module, inputs, tensor.detach())
-            if self.on_gradient is not None and tensor.requires_grad:
+            this_call = self.on_output(name, module, inputs, tensor.detach())
+            if callable(this_call):  # this call's own gradient, not the name's
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad: this_call(grad))  # None: grad unchanged
+                else:
+                    this_call(None)
+            elif self.on_gradient is not None and tensor.requires_grad:
                 tensor.register_hook(self._gradient_hook(name, self.on_gradient))
 
         return hook

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -143,20 +144,26 @@ def whatif(
             f"{type(model).__name__} that multiply are convolutions: measure them in "
             f"{', '.join(everywhere)}"
         )
-    pending: dict[str, list[torch.Tensor]] = {}
+    #: the calls whose gradient has not come yet: (layer, its input, the matmuls training runs)
+    waiting: dict[int, tuple[str, torch.Tensor, tuple[str, ...]]] = {}
+    numbering = itertools.count()
 
-    def on_output(name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+    def on_output(name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> Any:
         if not inputs or not isinstance(inputs[0], torch.Tensor):
-            return
+            return None
         measured.called(name)
-        if _gets_gradient(module, inputs[0]):  # kept for the gradient to come
-            pending.setdefault(name, []).append(inputs[0].detach())
-        else:  # none will come (a frozen layer, a side pass under no_grad): its forward now
-            measured.layer(name, module, inputs[0].detach(), None)
+        call = next(numbering)
+        waiting[call] = (name, inputs[0].detach(), _matmuls_trained(module))
 
-    def on_gradient(name: str, gradient: torch.Tensor) -> None:
-        if pending.get(name):
-            measured.layer(name, layers[name], pending[name].pop(), gradient.detach())
+        def on_gradient(gradient: torch.Tensor | None) -> None:
+            layer, x, matmuls = waiting.pop(call)
+            if gradient is None:  # none will come: the forward only
+                matmuls = ("forward",)
+            else:
+                gradient = gradient.detach()
+            measured.layer(layer, layers[layer], x, gradient, matmuls)
+
+        return on_gradient
 
     # the pass needs gradients, wherever it is called from (a no_grad or inference block)
     # and the fp32 reference in exact fp32 math (not the TF32 or oneDNN bf16 a session may hold)
@@ -172,7 +179,7 @@ def whatif(
         # autocast off for the whole pass, the backward too (a session in %amp bf16 runs each
         # cell under autocast), where the layers' matmuls are measured
         with (
-            ModuleProbe(model, list(layers), on_output, on_gradient),
+            ModuleProbe(model, list(layers), on_output),
             torch.autocast(device.type, enabled=False),
         ):
             loss = batch_loss(model, _trainable(to_device(batch, device)), loss_fn, None)
@@ -184,6 +191,10 @@ def whatif(
                     "and the weights (torch.isfinite)"
                 )
             loss.float().backward()
+            # a call whose output needed a gradient that never came (detached after it, a
+            # side pass): its forward still ran in the format
+            for layer, x, _ in list(waiting.values()):
+                measured.layer(layer, layers[layer], x, None, ("forward",))
     if not measured.rows:
         raise MpnbError(
             "the pass reached none of the model's linear layers with a gradient: is the loss "
@@ -238,12 +249,14 @@ def _check_held_in_fp32(model: nn.Module) -> None:
             )
 
 
-def _gets_gradient(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether the call of ``module`` on ``x`` that just ran made an output with a gradient to
-    come, as autograd decides: gradients on, and its input or one of its own weights needs one."""
-    return torch.is_grad_enabled() and (
-        x.requires_grad or any(p.requires_grad for p in module.parameters(recurse=False))
-    )
+def _matmuls_trained(module: nn.Module) -> tuple[str, ...]:
+    """The matmuls measured for a call of ``module`` whose gradient comes: its forward, its
+    input's gradient (the first layer's too: the table shows what the layer would hand back),
+    and its weight's only where the weight trains: a frozen layer behind a trainable one (a
+    LoRA model's base layers) computes no weight gradient. A parametrized weight (weight_norm)
+    trains by what it is made of."""
+    weight_trains = any(parameter.requires_grad for parameter in module.parameters())
+    return ("forward", "input_grad", *(("weight_grad",) if weight_trains else ()))
 
 
 class WhatIf:

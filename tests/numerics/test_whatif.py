@@ -865,3 +865,63 @@ def test_a_model_that_is_one_layer_is_advised_by_a_name_keep_takes():
     assert trainer.keep_in_fp32("") == ""
     history = trainer.fit(data, max_steps=1)
     assert any("Linear runs in fp32" in event["message"] for event in history.events)
+
+
+def _rows_of(result: WhatIf, layer: str, format: str = "fp16") -> dict[str, dict]:
+    return {r["matmul"]: r for r in result.rows if (r["layer"], r["format"]) == (layer, format)}
+
+
+def test_a_first_layer_with_a_parametrized_weight_gets_its_gradient_rows():
+    torch.manual_seed(0)
+    first = nn.utils.parametrizations.weight_norm(nn.Linear(16, 16, bias=False))
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(16, 1))
+    result = whatif(model, (torch.randn(8, 16), torch.randn(8, 1)), nn.functional.mse_loss)
+    assert sorted(_rows_of(result, "0")) == ["forward", "input_grad", "weight_grad"]
+
+
+def test_each_gradient_is_paired_with_its_own_call_when_another_call_is_detached():
+    """The second call's output is detached: no gradient comes to it, and the first call's
+    gradient must meet the first call's input (a raw shape error before, or the x1e5 input)."""
+
+    class Target(nn.Module):
+        def __init__(self, rows: int) -> None:
+            super().__init__()
+            self.fc, self.rows = nn.Linear(8, 16), rows
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            target = self.fc(x[: self.rows] * 1e5).detach()  # a target, not trained
+            return self.fc(x) + 0 * target.sum()
+
+    torch.manual_seed(0)
+    batch = (torch.randn(16, 8), torch.randn(16, 16))
+    for rows in (4, 16):
+        rows_of = _rows_of(whatif(Target(rows), batch, nn.functional.mse_loss, ["fp16"]), "fc")
+        assert rows_of["weight_grad"]["overflow"] == 0 and math.isfinite(
+            rows_of["weight_grad"]["rel_error"]
+        )
+        assert rows_of["forward"]["overflow"] > 0  # the detached call's forward ran in fp16 too
+
+
+def test_a_layer_whose_forward_runs_without_gradients_is_measured_not_called_unmeasured():
+    class NoGradLinear(nn.Linear):
+        @torch.no_grad()
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(NoGradLinear(16, 16), nn.Linear(16, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(1e5)
+    result = whatif(model, (torch.randn(8, 16), torch.randn(8, 2)), nn.functional.mse_loss)
+    assert result.unmeasured == [] and sorted(_rows_of(result, "0")) == ["forward"]
+    assert "0" in result.recommend("fp16")  # its forward overflows fp16 (and so does 1's input)
+
+
+def test_a_frozen_layer_behind_a_trainable_one_has_no_weight_gradient_row():
+    """A LoRA model's base layers: frozen, behind trainable ones, their gradient flows through
+    them (input_grad) but training computes no weight gradient for them."""
+    model, batch = _small()
+    model[2].requires_grad_(False)
+    result = whatif(model, batch, nn.functional.mse_loss, ["fp16"])
+    assert sorted(_rows_of(result, "2")) == ["forward", "input_grad"]
+    assert sorted(_rows_of(result, "0")) == ["forward", "input_grad", "weight_grad"]
