@@ -118,6 +118,11 @@ def configuration(format: str, keep: Sequence[str]) -> tuple[Mode, list[str]]:
     """
     mode = format_mode(format)  # a mode the machine cannot run refuses as the run is built
     if keep and "keep" in {field.name for field in mode.option_fields()}:
+        if "" in keep:  # the what-if's name of a model that is one layer
+            raise MpnbError(
+                f"the layer to keep is the model itself (a model that is one layer): {format} "
+                "would train none of it; train it in bf16 or fp32 instead"
+            )
         return parse_mode(mode, keep=list(keep)), []
     return mode, list(keep)
 

@@ -925,3 +925,11 @@ def test_a_frozen_layer_behind_a_trainable_one_has_no_weight_gradient_row():
     result = whatif(model, batch, nn.functional.mse_loss, ["fp16"])
     assert sorted(_rows_of(result, "2")) == ["forward", "input_grad"]
     assert sorted(_rows_of(result, "0")) == ["forward", "input_grad", "weight_grad"]
+
+
+def test_keeping_the_model_itself_in_a_format_with_a_keep_option_says_what_it_means():
+    from mpnb.numerics.format_proof import configuration
+
+    with pytest.raises(MpnbError, match=r"the model itself.*fp8 would train none of it"):
+        configuration("fp8", [""])
+    assert configuration("fp16", [""])[1] == [""]  # keep_in_fp32('') runs it in fp32
