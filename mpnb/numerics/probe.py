@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -139,17 +140,20 @@ class ModuleProbe:
             this_call = self.on_output(name, module, inputs, tensor.detach())
             if callable(this_call):  # this call's own gradient, not the name's
                 if tensor.requires_grad:
-                    tensor.register_hook(lambda grad: this_call(grad))  # None: grad unchanged
+                    tensor.register_hook(_reading(this_call))
                 else:
                     this_call(None)
             elif self.on_gradient is not None and tensor.requires_grad:
-                tensor.register_hook(self._gradient_hook(name, self.on_gradient))
+                tensor.register_hook(_reading(functools.partial(self.on_gradient, name)))
 
         return hook
 
-    @staticmethod
-    def _gradient_hook(name: str, on_gradient: OnGradient) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:  # returns None: the gradient flows on unchanged
-            on_gradient(name, grad)
 
-        return hook
+def _reading(receive: Callable[[torch.Tensor], object]) -> Callable[[torch.Tensor], None]:
+    """A tensor hook that hands the gradient to ``receive`` and returns None, whatever
+    ``receive`` returns: the gradient flows on unchanged."""
+
+    def hook(grad: torch.Tensor) -> None:
+        receive(grad)
+
+    return hook

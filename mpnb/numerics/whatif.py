@@ -155,13 +155,10 @@ def whatif(
         call = next(numbering)
         waiting[call] = (name, inputs[0].detach(), _matmuls_trained(module))
 
-        def on_gradient(gradient: torch.Tensor | None) -> None:
+        def on_gradient(gradient: torch.Tensor | None) -> None:  # None: none will come
             layer, x, matmuls = waiting.pop(call)
-            if gradient is None:  # none will come: the forward only
-                matmuls = ("forward",)
-            else:
-                gradient = gradient.detach()
-            measured.layer(layer, layers[layer], x, gradient, matmuls)
+            gradient = None if gradient is None else gradient.detach()
+            measured.layer(layer, layers[layer], x, gradient, matmuls)  # no gradient: forward
 
         return on_gradient
 
@@ -194,7 +191,7 @@ def whatif(
             # a call whose output needed a gradient that never came (detached after it, a
             # side pass): its forward still ran in the format
             for layer, x, _ in list(waiting.values()):
-                measured.layer(layer, layers[layer], x, None, ("forward",))
+                measured.layer(layer, layers[layer], x, None)
     if not measured.rows:
         raise MpnbError(
             "the pass reached none of the model's linear layers with a gradient: is the loss "
