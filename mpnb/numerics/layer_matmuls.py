@@ -141,7 +141,7 @@ class LayerMatmuls:
             for key, _ in (left, right)
             if given[key] is not None
         }
-        zeros = {key: t.numel() - int(torch.count_nonzero(t)) for key, t in tensors.items()}
+        zeros = {key: fmt.zeros_in(t) for key, t in tensors.items()}
         for format_name in self.formats:
             casts: dict[tuple[str, int | None], fmt.Operand] = {}
             for matmul, (left, right, multiply) in matmuls.items():

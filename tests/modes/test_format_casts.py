@@ -86,3 +86,15 @@ def test_codes_of_any_shape_read_back_in_that_shape():
         assert read_bytes(codes, table).shape == codes.shape
     pairs = torch.zeros(4, 0, dtype=torch.uint8)  # packed fp4: two values a byte
     assert read_bytes(pairs, torch.zeros(256, 2)).shape == (4, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zeros_are_counted_as_torch_counts_them(dtype):
+    from mpnb.numerics.formats import zeros_in
+
+    values = torch.randn(64, 48, generator=torch.Generator().manual_seed(0))
+    values[values.abs() < 0.3] = 0.0
+    values[0, :6] = torch.tensor([-0.0, math.nan, math.inf, -math.inf, 1e-45, 1e-8])
+    values = values.to(dtype)
+    assert zeros_in(values) == values.numel() - int(torch.count_nonzero(values))
+    assert zeros_in(torch.zeros(0)) == 0
