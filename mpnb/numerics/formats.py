@@ -5,9 +5,10 @@ The formats are the registered modes' own: each mode's module declares how its f
 :func:`~mpnb.precision.modes.registry.matmul_formats`). torchao is imported when a scaled format
 is first cast, never on ``import mpnb``.
 
-A cast hands back the operand as the format holds it (dequantized to float32) with what it
-lost: the elements past the format's largest value (saturated, or inf), the nonzero elements it
-flushed to zero, and its scales.
+A cast hands back the operand as the format holds it (its values, exact in their dtype, and
+their factor: see :mod:`~mpnb.precision.modes.matmul_format`) with what it lost: the elements
+past the format's largest value (saturated, or inf), the nonzero elements it flushed to zero,
+and its scales.
 
 Example:
     >>> x = torch.tensor([[1.0, 1e5, 1e-9, 0.0]])
@@ -39,7 +40,10 @@ class Operand:
     """One matmul operand as a format holds it.
 
     Attributes:
-        values: the operand read back in float32 (what the format's matmul multiplies).
+        values: what the format's matmul multiplies, in a dtype they are exact in (bf16 for
+            float8's and fp4's elements and block scales).
+        factor: what ``values`` are multiplied by to read the operand back (None: 1): one number,
+            or one per row of a left operand (per column of a right one), applied to the product.
         overflow: elements at their scale past what rounds to the format's largest value
             (saturated, or inf).
         flushed: nonzero elements that became zero.
@@ -53,6 +57,17 @@ class Operand:
     elements: int
     nonzero: int
     scales: tuple[float, float]
+    factor: torch.Tensor | None = None
+
+    def read_back(self) -> torch.Tensor:
+        """The operand in float32, as the format holds it: its values times its factor (a
+        factor along rows is laid along the rows it was cast over: ``dim=1`` a column vector).
+
+        >>> cast("fp8", torch.tensor([[1.0, 256.0]]), "activation", dim=1).read_back().tolist()
+        [[1.0, 256.0]]
+        """
+        values = self.values.float()
+        return values if self.factor is None else values * self.factor
 
 
 def format_names() -> tuple[str, ...]:
@@ -127,13 +142,14 @@ def cast(name: str, tensor: torch.Tensor, role: str, dim: int, zeros: int | None
     tensor = tensor.detach().float()
     if zeros is None:
         zeros = zeros_in(tensor)
-    values, overflow, scales = matmul_format.cast(tensor, role, dim)
+    values, overflow, scales, factor = matmul_format.cast(tensor, role, dim)
     return Operand(
-        values=values,
+        values=matmul_format.multiplicand(values, factor),
         overflow=overflow,
         # a zero stays zero, so the zeros added are the flushed
         flushed=zeros_in(values) - zeros,
         elements=tensor.numel(),
         nonzero=tensor.numel() - zeros,
         scales=scales,
+        factor=factor,
     )

@@ -149,7 +149,8 @@ class LayerMatmuls:
                     _cast_once(casts, self._found[format_name], tensors[key], key, axis, zeros[key])
                     for key, axis in (left, right)
                 )
-                product = self._found[format_name].output(multiply(a.values, b.values))
+                operands = ((a.values, a.factor), (b.values, b.factor))
+                product = self._found[format_name].product(multiply, *operands)
                 reference = self._reference(matmul, multiply, tensors[left[0]], tensors[right[0]])
                 self._add(name, matmul, format_name, product, reference, (a, b))
         self._references.clear()
@@ -189,16 +190,16 @@ class LayerMatmuls:
             }
             products = _convolution_products(
                 module,
-                cast["x"].values,
-                cast["weight"].values,
-                cast["gradient"].values if gradient is not None else None,
+                cast["x"].read_back(),
+                cast["weight"].read_back(),
+                cast["gradient"].read_back() if gradient is not None else None,
             )
             operands = {"forward": (cast["x"], cast["weight"])}
             if gradient is not None:
                 operands["input_grad"] = (cast["gradient"], cast["weight"])
                 operands["weight_grad"] = (cast["gradient"], cast["x"])
             for matmul in (m for m in operands if m in chosen):
-                product = self._found[format_name].output(products[matmul])
+                product = products[matmul].to(self._found[format_name].written).float()
                 self._add(name, matmul, format_name, product, reference[matmul], operands[matmul])
         self._norms.clear()
 

@@ -36,25 +36,33 @@ def _hard_tensors() -> list[torch.Tensor]:
 def test_every_float8_code_reads_back_as_torch_converts_it(dtype):
     codes = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(16, 16)
     expected = codes.float()
-    read = read_bytes(codes, dtype_table(dtype))
+    read = read_bytes(
+        codes, dtype_table(dtype)
+    ).float()  # (in bf16: every float8 value is exact there)
     assert torch.equal(read.isnan(), expected.isnan())
     assert torch.equal(read.nan_to_num(), expected.nan_to_num())
 
 
 def test_mxfp8_values_are_torchaos_dequantize_bit_for_bit():
     for tensor in _hard_tensors():
-        values, scales, _ = _mxfp8_quantize(tensor)
+        values, scales, _, factor = _mxfp8_quantize(tensor)
         cast = MXTensor.to_mx(tensor, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
-        assert torch.equal(values, cast.dequantize(torch.float32))
+        assert factor is None
+        assert torch.equal(values.float(), cast.dequantize(torch.float32))
         assert scales.numel() == tensor.numel() // 32
 
 
-def test_nvfp4_values_are_torchaos_dequantize_bit_for_bit():
+def test_nvfp4_values_are_torchaos_dequantize_to_its_last_rounding():
+    # elements times their e4m3 block scale, exact in bf16, times the per-tensor scale: torchao
+    # multiplies the two scales first, so the one float32 rounding may fall elsewhere
     for tensor in _hard_tensors():
-        values, scales, _ = _nvfp4_quantize(tensor)
+        values, scales, _, factor = _nvfp4_quantize(tensor)
         per_tensor = per_tensor_amax_to_scale(tensor.abs().max())
         cast = NVFP4Tensor.to_nvfp4(tensor, per_tensor_scale=per_tensor)
-        assert torch.equal(values, cast.dequantize(torch.float32))
+        assert values.dtype == torch.bfloat16 and torch.equal(factor, per_tensor.reshape(()))
+        expected = cast.dequantize(torch.float32)
+        assert torch.equal(values == 0, expected == 0)
+        torch.testing.assert_close(values.float() * factor, expected, rtol=2**-23, atol=0)
         assert torch.equal(scales, cast.get_hp_scales())
 
 
@@ -68,12 +76,13 @@ def test_nvfp4_casts_a_tiny_tensor_with_shares_and_errors_that_make_sense(larges
     base = torch.randn(4, 35, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     tensor = (base / base.abs().max() * largest).float()
     operand = formats.cast("nvfp4", tensor, "gradient", dim=1)
-    assert torch.isfinite(operand.values).all()
+    assert torch.isfinite(operand.read_back()).all()
     assert operand.overflow == 0
     assert 0 <= operand.flushed <= operand.nonzero
     assert all(math.isfinite(scale) for scale in operand.scales)
     if operand.nonzero:
-        error = (operand.values.double() - tensor.double()).norm() / tensor.double().norm()
+        read = operand.read_back().double()
+        error = (read - tensor.double()).norm() / tensor.double().norm()
         assert error <= 1.0  # at worst flushed (1.0); a normal tensor errs ~0.09
         if largest >= 1e-37:  # normal fp32 values: rounded as at any magnitude
             assert error < 0.2
@@ -98,3 +107,29 @@ def test_zeros_are_counted_as_torch_counts_them(dtype):
     values = values.to(dtype)
     assert zeros_in(values) == values.numel() - int(torch.count_nonzero(values))
     assert zeros_in(torch.zeros(0)) == 0
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_rowwise", "mxfp8"])
+def test_a_product_taken_in_bf16_is_the_float32_product_rounded_to_bf16(name):
+    """Where bf16 multiplies faster, a format whose values are exact in bf16 and whose factors
+    are powers of two multiplies in bf16: the same product as in float32, then rounded."""
+    from mpnb.numerics import formats
+    from mpnb.precision.modes.matmul_format import multiplies_faster
+    from mpnb.precision.modes.registry import find_format
+
+    if not multiplies_faster(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("bf16 multiplies no faster than fp32 on this CPU: no product is taken in bf16")
+    generator = torch.Generator().manual_seed(0)
+    a = formats.cast(name, torch.randn(96, 256, generator=generator), "activation", dim=1)
+    b = formats.cast(name, torch.randn(256, 64, generator=generator), "weight", dim=0)
+    assert a.values.dtype == b.values.dtype == torch.bfloat16  # to be multiplied there
+    matmul_format = find_format(name)
+    in_bf16 = matmul_format.product(torch.matmul, (a.values, a.factor), (b.values, b.factor))
+    in_fp32 = matmul_format.product(
+        torch.matmul, (a.values.float(), a.factor), (b.values.float(), b.factor)
+    )
+    # the accumulation order may tip a rounding to the neighbouring bf16 value, no further
+    differs = in_bf16 != in_fp32
+    assert differs.float().mean() < 0.02
+    step = (in_fp32.abs() * 2.0**-7)[differs]
+    assert ((in_bf16 - in_fp32).abs()[differs] <= step).all()

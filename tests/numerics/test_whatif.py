@@ -32,10 +32,13 @@ FORMATS = ("fp16", "bf16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4")
 OUTLIERS = (3, 40)
 
 
-def _by_hand(format: str, tensor: torch.Tensor, gradient: bool, dim: int) -> torch.Tensor:
-    """``tensor`` cast by torchao (or torch) directly, along ``dim``, back in float32."""
+def _by_hand(
+    format: str, tensor: torch.Tensor, gradient: bool, dim: int
+) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """``tensor`` cast by torchao (or torch) directly, along ``dim``: its elements (times their
+    block scale) in float32, and the factor that reads them back (a tensor's or a row's scale)."""
     if format in ("fp16", "bf16"):
-        return tensor.to(torch.float16 if format == "fp16" else torch.bfloat16).float()
+        return tensor.to(torch.float16 if format == "fp16" else torch.bfloat16).float(), 1.0
     if format in ("fp8", "fp8_rowwise"):
         rowwise = format == "fp8_rowwise"
         dtype = torch.float8_e5m2 if gradient and not rowwise else torch.float8_e4m3fn
@@ -49,19 +52,34 @@ def _by_hand(format: str, tensor: torch.Tensor, gradient: bool, dim: int) -> tor
             axiswise_dim=(-1 if dim == 1 else 0) if rowwise else None,
             round_scales_to_power_of_2=rowwise,
         )
-        return cast.to_original_precision().float()
+        return cast._data.float(), 1 / cast._scale
     rows = tensor if dim == 1 else tensor.t()
     block = 32 if format == "mxfp8" else 16
     padded = nn.functional.pad(rows, (0, -rows.shape[1] % block)).contiguous()  # as kernels need
+    factor = 1.0
     if format == "mxfp8":
         # as MXFP8Linear casts: each block's scale rounded up (RCEIL)
         mx = MXTensor.to_mx(padded, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
         values = mx.dequantize(torch.float32)
     else:
-        scale = per_tensor_amax_to_scale(padded.abs().max())
-        values = NVFP4Tensor.to_nvfp4(padded, per_tensor_scale=scale).dequantize(torch.float32)
+        factor = per_tensor_amax_to_scale(padded.abs().max())
+        cast = NVFP4Tensor.to_nvfp4(padded, per_tensor_scale=factor)
+        cast.per_tensor_scale = None  # its elements times their block scales only
+        values = cast.dequantize(torch.float32)
     values = values[:, : rows.shape[1]]
-    return values if dim == 1 else values.t()
+    return (values if dim == 1 else values.t()), factor
+
+
+def _product_by_hand(format: str, a: tuple, b: tuple) -> torch.Tensor:
+    """``a @ b`` of two operands cast by hand (each ``(values, factor)``), as the format's matmul
+    writes it, in torch._scaled_mm's order: accumulated in float32, times the factors (a
+    tensor's, a row of a's, a column of b's), rounded once to fp16 (fp16) or bf16 (every other:
+    the modes' autocast)."""
+    (a_values, a_factor), (b_values, b_factor) = a, b
+    written = torch.float16 if format == "fp16" else torch.bfloat16
+    reshaped = [f.reshape(shape) if isinstance(f, torch.Tensor) else f
+                for f, shape in ((a_factor, (-1, 1)), (b_factor, (1, -1)))]  # fmt: skip
+    return ((a_values @ b_values) * reshaped[0] * reshaped[1]).to(written).float()
 
 
 class Outliers(nn.Module):
@@ -129,10 +147,8 @@ def test_each_error_is_torchaos_cast_applied_by_hand_to_the_recorded_tensors(pla
         for matmul, ((a, a_grad), (b, b_grad)) in matmuls.items():
             reference = a @ b
             for format in FORMATS:
-                product = _by_hand(format, a, a_grad, 1) @ _by_hand(format, b, b_grad, 0)
-                if format in ("fp16", "bf16"):
-                    product = product.to(torch.float16 if format == "fp16" else torch.bfloat16)
-                product = product.float()
+                cast_a, cast_b = _by_hand(format, a, a_grad, 1), _by_hand(format, b, b_grad, 0)
+                product = _product_by_hand(format, cast_a, cast_b)
                 expected = (product - reference).norm() / reference.norm()
                 expected = float(expected) if torch.isfinite(product).all() else math.inf
                 (row,) = [
@@ -316,8 +332,12 @@ def test_a_threshold_taken_away_is_asked_for_by_name(planted):
             r"\(a torch.float32 tensor shaped \(1, 64\), 0, \(1.0, 1.0\)\)",
         ),
         (
-            lambda t: (t.bfloat16(), 0, (1.0, 1.0)),
-            r"\(a torch.bfloat16 tensor shaped \(64, 64\), 0,",
+            lambda t: (t.int(), 0, (1.0, 1.0)),
+            r"\(a torch.int32 tensor shaped \(64, 64\), 0,",
+        ),
+        (
+            lambda t: (t, 0, (1.0, 1.0), torch.ones(3)),
+            r"\(a torch.float32 tensor shaped \(64, 64\), 0, \(1.0, 1.0\), a torch.float32 tensor shaped \(3,\)\)",
         ),
         (lambda t: (t, -1, (1.0, 1.0)), r"\(a torch.float32 tensor shaped \(64, 64\), -1,"),
         (lambda t: (t, 0, 1.0), r"\(a torch.float32 tensor shaped \(64, 64\), 0, 1.0\)"),
@@ -338,7 +358,8 @@ def test_a_scaled_cast_that_returns_something_else_is_named(monkeypatch, returne
     said = str(raised.value)
     assert said.startswith("the scaled cast of matmul format 'shaky' returned "), said
     assert (
-        re.search(shown, said) and "a cast returns (values shaped (64, 64) in torch.float32" in said
+        re.search(shown, said)
+        and "a cast returns (values shaped (64, 64) in a floating-point dtype" in said
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(
@@ -438,7 +459,8 @@ def test_it_holds_one_layers_casts_at_a_time(monkeypatch):
 )
 def test_each_error_is_what_the_modes_own_layer_makes(format, layers):
     # the prediction against the thing predicted: torchao's layer (emulated on a CPU, fp32 in
-    # and out) multiplying the same input, weight and output gradient as the what-if's pass
+    # and out) multiplying the same input, weight and output gradient as the what-if's pass,
+    # its products written in bf16 as the mode's autocast writes them
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
     x, y = torch.randn(40, 64), torch.randn(40, 64)  # 40 rows: the weight's gradient is padded
@@ -459,6 +481,7 @@ def test_each_error_is_what_the_modes_own_layer_makes(format, layers):
         made.backward(dy)
     measured = {"forward": made.detach(), "input_grad": h.grad, "weight_grad": model[1].weight.grad}
     for matmul, value in measured.items():
+        value = value.bfloat16().float()
         error = float((value - reference[matmul]).norm() / reference[matmul].norm())
         assert predicted[matmul] == pytest.approx(error, rel=1e-3), (matmul, predicted, error)
 

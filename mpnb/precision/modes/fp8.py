@@ -229,9 +229,9 @@ def float8_recipe_cast(recipe: str) -> Any:
 
     Example:
         >>> cast = float8_recipe_cast("tensorwise")
-        >>> values, overflow, scales = cast(torch.tensor([[448.0, 1.0, 1e-6]]), "activation", 1)
-        >>> values.tolist(), overflow, scales
-        ([[448.0, 1.0, 0.0]], 0, (1.0, 1.0))
+        >>> values, overflow, scales, factor = cast(torch.tensor([[448.0, 1.0, 1e-6]]), "activation", 1)
+        >>> values.tolist(), overflow, scales, factor.item()
+        ([[448.0, 1.0, 0.0]], 0, (1.0, 1.0), 1.0)
     """
     check_recipe(recipe)
 
@@ -259,8 +259,11 @@ def float8_recipe_cast(recipe: str) -> Any:
         past = bool((amax * multiplier >= limit).any())
         overflow = count_past(scaled.abs(), limit) if past else 0
         codes = utils.to_fp8_saturated(scaled, dtype)
-        values = read_bytes(codes, dtype_table(dtype, codes.device)).div_(multiplier)
-        return values, overflow, scale_range(1 / multiplier, amax)
+        # the elements (exact in bf16), and what reads them back as the operand (a tensor's,
+        # or a row's along the contraction: one a row of a, a column of b)
+        values = read_bytes(codes, dtype_table(dtype, codes.device))
+        factor = (1 / multiplier).float()
+        return values, overflow, scale_range(factor, amax), factor
 
     return cast_float8
 
@@ -437,12 +440,14 @@ class Fp8(LayerSwapMode):
         MatmulFormat(
             "fp8",
             _FP8_THRESHOLD,
+            writes=torch.bfloat16,  # the mode's autocast
             scaled_cast=float8_recipe_cast("tensorwise"),
             trains_as="fp8:tensorwise",
         ),
         MatmulFormat(
             "fp8_rowwise",
             _FP8_THRESHOLD,
+            writes=torch.bfloat16,  # the mode's autocast
             scaled_cast=float8_recipe_cast("rowwise"),
             follows_axis=True,
             trains_as="fp8:rowwise",

@@ -14,15 +14,25 @@ trains in it.
 
 A matmul ``a @ b`` casts ``a`` along its rows (``dim=1``) and ``b`` along its columns
 (``dim=0``): the scaling and the blocks run along the contraction, as torchao's training
-layers do. A cast hands back the operand as the format holds it (read back in float32), how
-many of its elements are past the format's largest value (saturated, or inf) and the range of
-its scales. A scale is what an element is multiplied by to read it back (1 for fp16 and bf16).
+layers do. A cast hands back the operand as the format holds it, how many of its elements are
+past the format's largest value (saturated, or inf), the range of its scales, and a factor: the
+operand is its values times the factor (None: 1), the factor one number or one a row of ``a``
+(a column of ``b``), never varying along the contraction, so that a product can be taken of
+the values and scaled after (as ``torch._scaled_mm`` does). The values come in a dtype they are
+exact in (bf16 for float8's and fp4's elements and their block scales, half the bytes of
+float32): :meth:`MatmulFormat.product` multiplies them there where that is faster on the device
+(:func:`multiplies_faster`, measured), in float32 elsewhere. A scale is what an element is
+multiplied by to read it back (1 for fp16 and bf16).
+
+A format's matmul writes its dtype (fp16, bf16); a scaled format's writes :attr:`MatmulFormat.writes`,
+the dtype its mode runs the layer in (bf16: the mode's autocast), rounded once, before the
+factors (on which a rounding's relative size does not depend).
 
 Example:
     >>> fp16 = MatmulFormat("fp16", Threshold(rel_error=0.01, overflow=0.0), dtype=torch.float16)
-    >>> values, overflow, scales = fp16.cast(torch.tensor([[1.0, 1e5, 1e-9]]), "activation", dim=1)
-    >>> values.tolist(), overflow, scales
-    ([[1.0, inf, 0.0]], 1, (1.0, 1.0))
+    >>> values, overflow, scales, factor = fp16.cast(torch.tensor([[1.0, 1e5, 1e-9]]), "activation", dim=1)
+    >>> values.tolist(), overflow, scales, factor
+    ([[1.0, inf, 0.0]], 1, (1.0, 1.0), None)
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +54,11 @@ __all__: list[str] = []
 #: An operand's part in a matmul: the recipes cast gradients to their own element type.
 ROLES = ("activation", "weight", "gradient")
 
-#: A scaled cast: ``(tensor, role, dim) -> (values, overflow, scale range)``.
-ScaledCast = Callable[[torch.Tensor, str, int], tuple[torch.Tensor, int, tuple[float, float]]]
+#: An operand as a format holds it: its values, the count of its elements past the largest
+#: value, its scale range, and its factor (the operand is values x factor; None: 1).
+Cast = tuple[torch.Tensor, int, tuple[float, float], "torch.Tensor | None"]
+#: A scaled cast: ``(tensor, role, dim) -> (values, overflow, scale range[, factor])``.
+ScaledCast = Callable[[torch.Tensor, str, int], tuple]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +100,12 @@ class MatmulFormat:
         dtype: a torch dtype the operands are rounded to: the format applies to any operation,
             convolutions included, and its matmul writes that dtype.
         scaled_cast: or a scaled cast (``(tensor, role, dim) -> (values, overflow, scale
-            range)``) by the format's own library: applies to linear layers' matmuls, as
-            torchao's training layers do, and writes the high precision it was given. It reads
+            range[, factor])``, see the module's docstring) by the format's own library:
+            applies to linear layers' matmuls, as torchao's training layers do. It reads
             ``tensor`` and never changes it (the pass's own tensors: the other formats read
             them after it).
+        writes: what a scaled format's matmul writes: the dtype its mode runs the layer in
+            (bf16 under the mode's autocast); float32 by default.
         follows_axis: the scales follow the axis the matmul sums over (a row's, a block's): a
             tensor multiplied along another axis is cast again.
         trains_as: the mode that trains in the format, as ``parse_mode`` reads it
@@ -102,6 +118,7 @@ class MatmulFormat:
     scaled_cast: ScaledCast | None = None
     follows_axis: bool = False
     trains_as: str = ""
+    writes: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         said = f"matmul format {self.name!r}"
@@ -129,29 +146,34 @@ class MatmulFormat:
         """Whether the format applies beyond linear layers (a dtype: convolutions too)."""
         return self.dtype is not None
 
-    def cast(
-        self, tensor: torch.Tensor, role: str, dim: int
-    ) -> tuple[torch.Tensor, int, tuple[float, float]]:
+    def cast(self, tensor: torch.Tensor, role: str, dim: int) -> Cast:
         """``tensor`` (2-D float32) in this format, scaled along ``dim``, as an operand in the
-        part ``role``: its values read back in float32, its elements past the largest value,
-        its scale range."""
+        part ``role``: its values (exact in their dtype), its elements past the largest value,
+        its scale range, its factor (None: 1)."""
         if self.scaled_cast is not None:
-            return self._checked(self.scaled_cast(tensor, role, dim), tensor)
+            return self._checked(self.scaled_cast(tensor, role, dim), tensor, dim)
         limit = rounding_limit(self.dtype)
         overflow = count_past(tensor.abs(), limit) if largest_magnitude(tensor) >= limit else 0
-        return tensor.to(self.dtype).float(), overflow, (1.0, 1.0)
+        return tensor.to(self.dtype), overflow, (1.0, 1.0), None
 
-    def _checked(
-        self, cast: object, tensor: torch.Tensor
-    ) -> tuple[torch.Tensor, int, tuple[float, float]]:
+    def _checked(self, cast: object, tensor: torch.Tensor, dim: int) -> Cast:
         """What a scaled cast returned, if it is what a cast returns (no pass over the values)."""
         try:
-            values, overflow, (low, high) = cast  # type: ignore[misc]
+            values, overflow, (low, high), *rest = cast  # type: ignore[misc]
+            factor = rest[0] if rest else None
+            along = tensor.shape[1 - dim]  # the axis not summed over: a factor may vary there
             fits = (
-                isinstance(values, torch.Tensor)
+                len(rest) <= 1
+                and isinstance(values, torch.Tensor)
                 and values.shape == tensor.shape
-                and values.dtype == tensor.dtype
+                and values.dtype.is_floating_point
                 and 0 <= int(overflow) <= tensor.numel()
+                and (
+                    factor is None
+                    or isinstance(factor, torch.Tensor)
+                    and factor.dtype == torch.float32
+                    and factor.numel() in (1, along)
+                )
             )
             scales = (float(low), float(high))
         except (TypeError, ValueError):
@@ -159,22 +181,108 @@ class MatmulFormat:
         if not fits:
             raise MpnbError(
                 f"the scaled cast of matmul format {self.name!r} returned {_shown(cast)}; a cast "
-                f"returns (values shaped {tuple(tensor.shape)} in {tensor.dtype} as the tensor it "
-                "was given, the count of its elements past the largest value, (smallest scale, "
-                "largest scale))"
+                f"returns (values shaped {tuple(tensor.shape)} in a floating-point dtype, the "
+                "count of its elements past the largest value, (smallest scale, largest scale)) "
+                "and, optionally, a float32 factor of one value or one along the axis not summed "
+                "over"
             )
-        return values, int(overflow), scales
+        return values, int(overflow), scales, factor
 
-    def output(self, result: torch.Tensor) -> torch.Tensor:
-        """A matmul's float32 ``result`` as this format's matmul writes it, rounded in place: a
-        dtype's matmul writes the dtype (an fp16 result past 65504 is inf), a scaled one the
-        high precision it was given.
+    @property
+    def written(self) -> torch.dtype:
+        """The dtype this format's matmul writes: its dtype, or :attr:`writes`."""
+        return self.dtype if self.dtype is not None else self.writes
 
-        >>> fp16 = MatmulFormat("fp16", Threshold(0.01, 0.0), dtype=torch.float16)
-        >>> fp16.output(torch.tensor([7e4])).tolist()
-        [inf]
+    def product(
+        self,
+        multiply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        a: tuple[torch.Tensor, torch.Tensor | None],
+        b: tuple[torch.Tensor, torch.Tensor | None],
+    ) -> torch.Tensor:
+        """``multiply(a, b)`` of two operands in this format (each ``(values, factor)``, ``a``'s
+        factor along the product's rows, ``b``'s along its columns), in float32, as the format's
+        matmul writes it (``torch._scaled_mm``'s order): accumulated in float32, times the
+        factors, rounded once to :attr:`written` (an fp16 result past 65504 is inf).
+
+        Where both operands' values are in the written dtype and their factors are powers of
+        two (mxfp8's, fp8's rowwise recipe's, none), the values are multiplied in that dtype
+        when it is faster on the device (:func:`multiplies_faster`): the same product, since
+        the values are exact there and a power of two moves no rounding. Elsewhere in float32.
+
+        >>> bf16 = MatmulFormat("bf16", Threshold(0.02, 0.0), dtype=torch.bfloat16)
+        >>> a, b = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [4.0]])
+        >>> bf16.product(torch.matmul, (a, None), (b, torch.tensor([0.5]))).tolist()
+        [[5.5]]
         """
-        return result if self.dtype is None else result.copy_(result.to(self.dtype))
+        (a_values, a_factor), (b_values, b_factor) = a, b
+        a_values, b_values = (
+            self.multiplicand(a_values, a_factor),
+            self.multiplicand(b_values, b_factor),
+        )
+        native = a_values.dtype == b_values.dtype == self.written
+        if not native:
+            a_values, b_values = a_values.float(), b_values.float()
+        result = multiply(a_values, b_values).float()
+        for factor, shape in ((a_factor, (-1, 1)), (b_factor, (1, -1))):
+            if factor is not None:
+                result = result.mul_(factor.reshape(shape))
+        return result if native else result.copy_(result.to(self.written))
+
+    def multiplicand(self, values: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+        """An operand's ``values`` in the dtype :meth:`product` multiplies them in: their own
+        where it is the written dtype, their ``factor`` is a power of two (or None) and that
+        dtype multiplies faster on the device; float32 elsewhere. (A cast prepares each operand
+        once: a product converts nothing then.)
+
+        >>> bf16 = MatmulFormat("bf16", Threshold(0.02, 0.0), dtype=torch.bfloat16)
+        >>> bf16.multiplicand(torch.ones(2, dtype=torch.bfloat16), torch.tensor(0.3)).dtype
+        torch.float32
+        """
+        native = (
+            values.dtype == self.written
+            and (factor is None or _powers_of_two(factor))
+            and multiplies_faster(values.dtype, values.device)
+        )
+        return values if native else values.float()
+
+
+def _powers_of_two(factor: torch.Tensor) -> bool:
+    """Whether every value of ``factor`` is a power of two (a scaling that moves no rounding)."""
+    return bool((torch.frexp(factor).mantissa.abs() == 0.5).all())
+
+
+@functools.cache
+def multiplies_faster(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a matmul in ``dtype`` takes less time than in float32 on ``device``: measured
+    once (a 256x512 by 512x512 product, the fastest of three runs each), not read from a
+    capability flag. On this project's 2-core CPU with bf16 units: bf16 2.3x faster, fp16 4x
+    slower (no fp16 units: converted element by element).
+
+    >>> multiplies_faster(torch.float32, torch.device("cpu"))
+    False
+    """
+    if dtype == torch.float32:
+        return False
+    module = torch.get_device_module(device.type) if device.type != "cpu" else None
+    settle = getattr(module, "synchronize", lambda: None)
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 512, generator=generator), torch.randn(512, 512, generator=generator)
+
+    def fastest(kind: torch.dtype) -> float:
+        left, right = a.to(device, kind), b.to(device, kind)
+        times = []
+        for _ in range(4):  # the first warms up
+            settle()
+            start = time.perf_counter()
+            left @ right
+            settle()
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+
+    try:
+        return fastest(dtype) < fastest(torch.float32)
+    except (RuntimeError, TypeError):  # no matmul in that dtype there
+        return False
 
 
 def _shown(value: object) -> str:
@@ -225,14 +333,20 @@ def byte_table(decode: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     decoding run once over every code, so that :func:`read_bytes` reads a tensor of them back by
     lookup. On a CPU torch converts a float8 byte to float32 one element at a time (1.6 ms a
     million) and torchao unpacks fp4 in a dozen passes (7.7 ms); a lookup takes 0.6-0.7 ms and
-    gives the same values, since each is the decoding of its code.
+    gives the same values, since each is the decoding of its code. The table is bf16 where every
+    value is exact in it (float8's and fp4's are: half the bytes to read back), else float32.
 
     >>> table = byte_table(lambda codes: codes.view(torch.float8_e4m3fn).float())
-    >>> table.shape, table[0x38].item(), table[0x7E].item()
-    (torch.Size([256, 1]), 1.0, 448.0)
+    >>> table.shape, table.dtype, table[0x38].item(), table[0x7E].item()
+    (torch.Size([256, 1]), torch.bfloat16, 1.0, 448.0)
     """
     codes = torch.arange(256, dtype=torch.uint8)
-    return decode(codes).float().reshape(256, -1)
+    table = decode(codes).float().reshape(256, -1)
+    narrow = table.bfloat16()
+    exact = torch.equal(narrow.float().isnan(), table.isnan()) and bool(
+        (narrow.float() == table)[~table.isnan()].all()
+    )
+    return narrow if exact else table
 
 
 @functools.cache
@@ -244,12 +358,12 @@ def dtype_table(dtype: torch.dtype, device: torch.device | None = None) -> torch
 
 
 def read_bytes(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``codes`` (one byte an element: a float8 tensor, or packed uint8) read back in float32
-    through ``table`` (:func:`byte_table`): each byte becomes its row, the rows laid along the
-    last dimension.
+    """``codes`` (one byte an element: a float8 tensor, or packed uint8) read back in the
+    table's dtype through ``table`` (:func:`byte_table`): each byte becomes its row, the rows
+    laid along the last dimension.
 
     >>> read_bytes(torch.tensor([[1.0, -448.0]]).to(torch.float8_e4m3fn), dtype_table(torch.float8_e4m3fn))
-    tensor([[   1., -448.]])
+    tensor([[   1., -448.]], dtype=torch.bfloat16)
     """
     index = codes.contiguous().view(torch.uint8).reshape(-1).int()
     values = table.to(codes.device).index_select(0, index)  # (a no-op: the table is there)
@@ -259,19 +373,20 @@ def read_bytes(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_cast(
-    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, float]], block: int
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, float, Any]], block: int
 ) -> ScaledCast:
     """A block-scaled cast along ``dim``. ``quantize`` casts along the last dimension and hands
-    back the values, one scale a block and where its element type stops rounding to its largest
-    value (:func:`rounding_limit`); a ``dim`` of 0 is cast transposed, and a contraction that is
-    no multiple of the block is padded with zeros, as the kernels need."""
+    back the values, one scale a block, where its element type stops rounding to its largest
+    value (:func:`rounding_limit`) and the factor of the whole tensor (None: 1; the values times
+    it are the operand); a ``dim`` of 0 is cast transposed, and a contraction that is no multiple
+    of the block is padded with zeros, as the kernels need."""
 
     def cast_blocked(tensor: torch.Tensor, role: str, dim: int) -> tuple:
         rows = tensor if dim == 1 else tensor.t()
         length = rows.shape[1]
         padding = -length % block
         padded = (F.pad(rows, (0, padding)) if padding else rows).contiguous()
-        values, scales, limit = quantize(padded)
+        values, scales, limit, factor = quantize(padded)
         blocks = padded.reshape(len(padded), -1, block)
         scales = scales.float().reshape(blocks.shape[:2])
         magnitude = blocks.abs()  # (a reduction over short blocks: aminmax is 5x slower)
@@ -279,6 +394,7 @@ def blocked_cast(
         past = bool((amax >= limit * scales).any())  # a block's largest first: most pass none
         overflow = count_past(magnitude, limit * scales.unsqueeze(-1)) if past else 0
         values = values[:, :length] if padding else values
-        return (values if dim == 1 else values.t()), overflow, scale_range(scales, amax)
+        values = values if dim == 1 else values.t()
+        return values, overflow, scale_range(scales, amax), factor
 
     return cast_blocked

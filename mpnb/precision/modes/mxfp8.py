@@ -162,10 +162,12 @@ def mx_cast_measures(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [values.abs().amax(), saturated, flushed, octaves]
 
 
-def _mxfp8_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _mxfp8_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, None]:
     """``padded`` (rows a multiple of the block long) through torchao's MXFP8 cast along its
     rows, with the layer's scale rounding (RCEIL: each block's scale rounded up, so no element
-    saturates): its values read back, its block scales, e4m3's rounding limit."""
+    saturates): its values read back (in bf16, exact: e4m3 times a power of two, unless a block
+    scale is so small or large that the product leaves bf16's normal range: then float32), its
+    block scales, e4m3's rounding limit, no factor."""
     mx = import_torchao("torchao.prototype.mx_formats.mx_tensor", "mxfp8")
     rounding = import_torchao("torchao.prototype.mx_formats.config", "mxfp8").ScaleCalculationMode
     cast = mx.MXTensor.to_mx(padded, torch.float8_e4m3fn, MX_BLOCK, rounding.RCEIL)
@@ -173,8 +175,17 @@ def _mxfp8_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     # read back as the cast's dequantize does (elements times their block's scale), its
     # elements by lookup (:func:`read_bytes`)
     elements = read_bytes(cast.qdata, dtype_table(torch.float8_e4m3fn, padded.device))
-    values = (elements.reshape(-1, MX_BLOCK) * scales.reshape(-1, 1)).reshape(padded.shape)
-    return values, scales, rounding_limit(torch.float8_e4m3fn)
+    low, high = torch.aminmax(scales)
+    if not _BF16_SAFE_SCALES[0] <= float(low) <= float(high) <= _BF16_SAFE_SCALES[1]:
+        elements = elements.float()
+    values = elements.reshape(-1, MX_BLOCK) * scales.to(elements.dtype).reshape(-1, 1)
+    return values.reshape(padded.shape), scales, rounding_limit(torch.float8_e4m3fn), None
+
+
+#: The block scales under which every e4m3 element times its scale is exact in bf16: no
+#: smaller than 2**-117 (e4m3's smallest, 2**-9, times it stays normal in bf16), no larger
+#: than 2**119 (448 times it stays finite).
+_BF16_SAFE_SCALES = (2.0**-117, 2.0**119)
 
 
 class MxLayers(LayerSwap):
@@ -303,6 +314,7 @@ class Mxfp8(LayerSwapMode):
         MatmulFormat(
             "mxfp8",
             Threshold(rel_error=0.15, overflow=0.0, underflow=0.01),
+            writes=torch.bfloat16,  # the mode's autocast
             scaled_cast=blocked_cast(_mxfp8_quantize, MX_BLOCK),
             follows_axis=True,
         ),

@@ -135,10 +135,13 @@ def _training_module():
 NVFP4_BLOCK = 16
 
 
-def _nvfp4_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _nvfp4_quantize(
+    padded: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
     """``padded`` (rows a multiple of the block long) through torchao's NVFP4 cast along its
     rows (e2m1 elements, an e4m3 scale a block, under one per-tensor scale; rounded to nearest):
-    its values read back, its block scales, e2m1's rounding limit."""
+    its elements times their block's e4m3 scale (exact in bf16), its block scales (the
+    per-tensor scale included), e2m1's rounding limit, and the per-tensor scale as the factor."""
     formats = "torchao.prototype.mx_formats"
     nvfp4 = import_torchao(f"{formats}.nvfp4_tensor", "nvfp4")
     e2m1_largest = import_torchao(f"{formats}.constants", "nvfp4").F4_E2M1_MAX
@@ -146,12 +149,15 @@ def _nvfp4_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     amax = max(largest_magnitude(padded), _smallest_amax(e2m1_largest))
     per_tensor = nvfp4.per_tensor_amax_to_scale(torch.tensor(amax))
     cast = nvfp4.NVFP4Tensor.to_nvfp4(padded, per_tensor_scale=per_tensor)
-    scales = cast.get_hp_scales()
-    # read back as the cast's dequantize does (elements times their block's scale), a byte's
-    # two elements by lookup (:func:`read_bytes`)
+    # read back as the cast's dequantize does (elements times their block's scale, times the
+    # per-tensor scale: here the factor, applied to the product), a byte's two elements by
+    # lookup (:func:`read_bytes`)
     elements = read_bytes(cast.qdata, _e2m1_pairs(padded.device))
-    values = (elements.reshape(-1, NVFP4_BLOCK) * scales.reshape(-1, 1)).reshape(padded.shape)
-    return values, scales, rounding_limit(None, e2m1_largest, e2m1_bits)
+    block_scales = cast.scale.to(elements.dtype).reshape(-1, 1)  # e4m3: exact in bf16
+    values = (elements.reshape(-1, NVFP4_BLOCK) * block_scales).reshape(padded.shape)
+    factor = cast.per_tensor_scale.float().reshape(())
+    limit = rounding_limit(None, e2m1_largest, e2m1_bits)
+    return values, cast.get_hp_scales(), limit, factor
 
 
 def _smallest_amax(e2m1_largest: float) -> float:
@@ -213,6 +219,7 @@ class Nvfp4(LayerSwapMode):
         MatmulFormat(
             "nvfp4",
             Threshold(rel_error=0.3, overflow=0.1, underflow=0.15),
+            writes=torch.bfloat16,  # the mode's autocast
             scaled_cast=blocked_cast(_nvfp4_quantize, NVFP4_BLOCK),
             follows_axis=True,
         ),
