@@ -40,8 +40,9 @@ class Operand:
     """One matmul operand as a format holds it.
 
     Attributes:
-        values: what the format's matmul multiplies, in a dtype they are exact in (bf16 for
-            float8's and fp4's elements and block scales).
+        values: what the format's matmul multiplies, exact in their dtype: bf16 where the
+            product is taken in bf16 (float8's and fp4's elements and block scales, under
+            factors that are powers of two), float32 elsewhere.
         factor: what ``values`` are multiplied by to read the operand back (None: 1): one number,
             or one per row of a left operand (per column of a right one), applied to the product.
         overflow: elements at their scale past what rounds to the format's largest value

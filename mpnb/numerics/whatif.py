@@ -183,7 +183,7 @@ def whatif(
             check_loss(loss)
             if not bool(torch.isfinite(loss.detach())):
                 raise MpnbError(
-                    f"the loss is {float(loss):g}: the pass is not finite in fp32 itself, and the "
+                    f"the loss is {float(loss.detach()):g}: the pass is not finite in fp32 itself, and the "
                     "what-if measures each format against fp32; look for NaN or inf in the batch "
                     "and the weights (torch.isfinite)"
                 )

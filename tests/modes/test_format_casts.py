@@ -133,3 +133,30 @@ def test_a_product_taken_in_bf16_is_the_float32_product_rounded_to_bf16(name):
     assert differs.float().mean() < 0.02
     step = (in_fp32.abs() * 2.0**-7)[differs]
     assert ((in_bf16 - in_fp32).abs()[differs] <= step).all()
+
+
+def test_values_whose_products_fall_below_float32s_normal_range_multiply_in_float32():
+    """bf16's matmul on a CPU flushes products below float32's smallest normal (1.2e-38) that a
+    float32 accumulation keeps: an operand that small is multiplied in float32."""
+    from mpnb.precision.modes.registry import find_format
+
+    generator = torch.Generator().manual_seed(0)
+    a = (torch.randn(32, 64, generator=generator) * 3e-20).bfloat16()
+    b = (torch.randn(64, 16, generator=generator) * 3e-20).bfloat16()
+    bf16 = find_format("bf16")
+    assert bf16.multiplicand(a, None).dtype == torch.float32
+    product = bf16.product(torch.matmul, (a, None), (b, None))
+    expected = (a.float() @ b.float()).bfloat16().float()
+    assert product.abs().max() > 0
+    torch.testing.assert_close(product, expected, rtol=2**-7, atol=0)
+
+
+def test_an_all_zero_mxfp8_block_leaves_the_operand_in_bf16():
+    # its scale is e8m0's smallest (2**-127), outside the range where e4m3 times a scale is
+    # exact in bf16; its values are zeros, exact at any scale
+    tensor = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    tensor[1, :32] = 0.0
+    values, _, _, _ = _mxfp8_quantize(tensor)
+    assert values.dtype == torch.bfloat16
+    cast = MXTensor.to_mx(tensor, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+    assert torch.equal(values.float(), cast.dequantize(torch.float32))

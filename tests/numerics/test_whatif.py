@@ -369,6 +369,34 @@ def test_a_scaled_cast_that_returns_something_else_is_named(monkeypatch, returne
     )
 
 
+@pytest.mark.parametrize(
+    "factor, follows_axis, said",
+    [
+        (lambda t: torch.ones(len(t)), True, r"shaped \(64, 1\) for dim=1"),
+        (lambda t: torch.ones(len(t), 1), False, r"follows_axis=True"),
+        (lambda t: torch.full((1,), math.nan), False, r"finite and nonzero"),
+        (lambda t: torch.zeros(()), False, r"finite and nonzero"),
+    ],
+)
+def test_a_scaled_casts_factor_in_another_layout_or_not_finite_is_refused(
+    monkeypatch, factor, follows_axis, said
+):
+    # a factor per row is laid along the rows (keepdim), and only a cast made per axis may
+    # have one: a cast made once is used along the other axis too
+    from mpnb.precision.modes import registry
+    from mpnb.precision.modes.matmul_format import MatmulFormat, Threshold
+
+    mode = type(registry.find_mode("nvfp4"))
+    cast = lambda t, role, dim: (t, 0, (1.0, 1.0), factor(t if dim == 1 else t.t()))  # noqa: E731
+    odd = MatmulFormat("odd", Threshold(0.3, 0.0), scaled_cast=cast, follows_axis=follows_axis)
+    monkeypatch.setattr(mode, "matmul_formats", (*mode.matmul_formats, odd))
+    model = _planted()
+    with pytest.raises(MpnbError, match=said) as raised:
+        whatif(model, _batch(), nn.functional.cross_entropy, formats=["odd"])
+    assert "matmul format 'odd'" in str(raised.value)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
 def _make_run(mode):
     torch.manual_seed(0)
     model = _planted()

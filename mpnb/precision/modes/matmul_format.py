@@ -16,17 +16,18 @@ A matmul ``a @ b`` casts ``a`` along its rows (``dim=1``) and ``b`` along its co
 (``dim=0``): the scaling and the blocks run along the contraction, as torchao's training
 layers do. A cast hands back the operand as the format holds it, how many of its elements are
 past the format's largest value (saturated, or inf), the range of its scales, and a factor: the
-operand is its values times the factor (None: 1), the factor one number or one a row of ``a``
-(a column of ``b``), never varying along the contraction, so that a product can be taken of
-the values and scaled after (as ``torch._scaled_mm`` does). The values come in a dtype they are
-exact in (bf16 for float8's and fp4's elements and their block scales, half the bytes of
-float32): :meth:`MatmulFormat.product` multiplies them there where that is faster on the device
-(:func:`multiplies_faster`, measured), in float32 elsewhere. A scale is what an element is
-multiplied by to read it back (1 for fp16 and bf16).
+operand is its values times the factor (None: 1), the factor one number or one per row the
+matmul does not sum over (shaped ``(rows, 1)`` along ``dim=1``, ``(1, columns)`` along
+``dim=0``; only a format that ``follows_axis`` casts per axis may have one), so that a product
+can be taken of the values and scaled after (as ``torch._scaled_mm`` does). The values come in a
+dtype they are exact in (bf16 for float8's and fp4's elements and their block scales, half the
+bytes of float32): :meth:`MatmulFormat.product` multiplies them there where that gives the same
+product faster (:func:`multiplies_faster`, measured), in float32 elsewhere. A scale is what an
+element is multiplied by to read it back (1 for fp16 and bf16).
 
 A format's matmul writes its dtype (fp16, bf16); a scaled format's writes :attr:`MatmulFormat.writes`,
-the dtype its mode runs the layer in (bf16: the mode's autocast), rounded once, before the
-factors (on which a rounding's relative size does not depend).
+the dtype its mode runs the layer in (bf16: the mode's autocast): accumulated in float32, times
+the factors, rounded once, in ``torch._scaled_mm``'s order.
 
 Example:
     >>> fp16 = MatmulFormat("fp16", Threshold(rel_error=0.01, overflow=0.0), dtype=torch.float16)
@@ -158,10 +159,11 @@ class MatmulFormat:
 
     def _checked(self, cast: object, tensor: torch.Tensor, dim: int) -> Cast:
         """What a scaled cast returned, if it is what a cast returns (no pass over the values)."""
+        # a factor per row: one for each row the matmul does not sum over, laid along them
+        per_row = (tensor.shape[0], 1) if dim == 1 else (1, tensor.shape[1])
         try:
             values, overflow, (low, high), *rest = cast  # type: ignore[misc]
             factor = rest[0] if rest else None
-            along = tensor.shape[1 - dim]  # the axis not summed over: a factor may vary there
             fits = (
                 len(rest) <= 1
                 and isinstance(values, torch.Tensor)
@@ -172,20 +174,27 @@ class MatmulFormat:
                     factor is None
                     or isinstance(factor, torch.Tensor)
                     and factor.dtype == torch.float32
-                    and factor.numel() in (1, along)
+                    and (factor.numel() == 1 or tuple(factor.shape) == per_row)
                 )
             )
             scales = (float(low), float(high))
         except (TypeError, ValueError):
             fits = False
+        said = f"the scaled cast of matmul format {self.name!r} returned {_shown(cast)}"
         if not fits:
             raise MpnbError(
-                f"the scaled cast of matmul format {self.name!r} returned {_shown(cast)}; a cast "
-                f"returns (values shaped {tuple(tensor.shape)} in a floating-point dtype, the "
-                "count of its elements past the largest value, (smallest scale, largest scale)) "
-                "and, optionally, a float32 factor of one value or one along the axis not summed "
-                "over"
+                f"{said}; a cast returns (values shaped {tuple(tensor.shape)} in a floating-point "
+                "dtype, the count of its elements past the largest value, (smallest scale, "
+                "largest scale)) and, optionally, a float32 factor: one value, or one per row "
+                f"the matmul does not sum over, shaped {per_row} for dim={dim}"
             )
+        if factor is not None and factor.numel() > 1 and not self.follows_axis:
+            raise MpnbError(
+                f"{said}: a factor per row, but the format does not declare follows_axis=True, "
+                "so its cast would be used along the other axis too; declare it"
+            )
+        if factor is not None and not bool((torch.isfinite(factor) & (factor != 0)).all()):
+            raise MpnbError(f"{said}: its factor must be finite and nonzero")
         return values, int(overflow), scales, factor
 
     @property
@@ -204,10 +213,13 @@ class MatmulFormat:
         matmul writes it (``torch._scaled_mm``'s order): accumulated in float32, times the
         factors, rounded once to :attr:`written` (an fp16 result past 65504 is inf).
 
-        Where both operands' values are in the written dtype and their factors are powers of
-        two (mxfp8's, fp8's rowwise recipe's, none), the values are multiplied in that dtype
-        when it is faster on the device (:func:`multiplies_faster`): the same product, since
-        the values are exact there and a power of two moves no rounding. Elsewhere in float32.
+        Where both operands' values are in the written dtype, their factors are powers of two
+        (mxfp8's, fp8's rowwise recipe's, none) and their nonzero magnitudes at least 2**-63,
+        the values are multiplied in that dtype when it is faster on the device
+        (:func:`multiplies_faster`): the same product up to the order of its sums, since the
+        values are exact there, a power of two moves no rounding, and no product of two of
+        them falls below float32's normal range (where a CPU's bf16 matmul flushes it to zero).
+        Elsewhere in float32.
 
         >>> bf16 = MatmulFormat("bf16", Threshold(0.02, 0.0), dtype=torch.bfloat16)
         >>> a, b = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [4.0]])
@@ -242,8 +254,18 @@ class MatmulFormat:
             values.dtype == self.written
             and (factor is None or _powers_of_two(factor))
             and multiplies_faster(values.dtype, values.device)
+            and _products_stay_normal(values)
         )
         return values if native else values.float()
+
+
+def _products_stay_normal(values: torch.Tensor) -> bool:
+    """Whether every product of two nonzero magnitudes like these stays in float32's normal
+    range (each at least 2**-63): a CPU's bf16 matmul flushes the products below it to zero,
+    which a float32 accumulation keeps (a layer whose figure would otherwise read 1.0)."""
+    magnitude = values.abs()
+    smallest = torch.where(magnitude > 0, magnitude, math.inf).amin() if values.numel() else 1.0
+    return float(smallest) >= 2.0**-63
 
 
 def _powers_of_two(factor: torch.Tensor) -> bool:

@@ -175,9 +175,11 @@ def _mxfp8_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     # read back as the cast's dequantize does (elements times their block's scale), its
     # elements by lookup (:func:`read_bytes`)
     elements = read_bytes(cast.qdata, dtype_table(torch.float8_e4m3fn, padded.device))
-    low, high = torch.aminmax(scales)
-    if not _BF16_SAFE_SCALES[0] <= float(low) <= float(high) <= _BF16_SAFE_SCALES[1]:
-        elements = elements.float()
+    used = scales.reshape(-1)[elements.reshape(-1, MX_BLOCK).ne(0).any(dim=-1)]  # zeros: exact
+    if used.numel():
+        low, high = torch.aminmax(used)
+        if not _BF16_SAFE_SCALES[0] <= float(low) <= float(high) <= _BF16_SAFE_SCALES[1]:
+            elements = elements.float()
     values = elements.reshape(-1, MX_BLOCK) * scales.to(elements.dtype).reshape(-1, 1)
     return values.reshape(padded.shape), scales, rounding_limit(torch.float8_e4m3fn), None
 
