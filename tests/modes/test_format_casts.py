@@ -144,7 +144,8 @@ def test_values_whose_products_fall_below_float32s_normal_range_multiply_in_floa
     a = (torch.randn(32, 64, generator=generator) * 3e-20).bfloat16()
     b = (torch.randn(64, 16, generator=generator) * 3e-20).bfloat16()
     bf16 = find_format("bf16")
-    assert bf16.multiplicand(a, None).dtype == torch.float32
+    a, b = bf16.multiplicand(a, None), bf16.multiplicand(b, None)
+    assert a.dtype == b.dtype == torch.float32
     product = bf16.product(torch.matmul, (a, None), (b, None))
     expected = (a.float() @ b.float()).bfloat16().float()
     assert product.abs().max() > 0
