@@ -161,3 +161,27 @@ def test_an_all_zero_mxfp8_block_leaves_the_operand_in_bf16():
     assert values.dtype == torch.bfloat16
     cast = MXTensor.to_mx(tensor, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
     assert torch.equal(values.float(), cast.dequantize(torch.float32))
+
+
+def test_a_cuda_product_sums_in_float32_only_with_cublas_reduced_reductions_off():
+    # cuBLAS may sum bf16 and fp16 products in their own precision unless told not to: the
+    # what-if's products are accumulated in float32, so such a device multiplies in float32
+    from mpnb.precision.modes.matmul_format import sums_in_low_precision
+
+    flags = torch.backends.cuda.matmul
+    found = (
+        flags.allow_bf16_reduced_precision_reduction,
+        flags.allow_fp16_reduced_precision_reduction,
+    )
+    try:
+        flags.allow_bf16_reduced_precision_reduction = True
+        flags.allow_fp16_reduced_precision_reduction = False
+        cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+        assert sums_in_low_precision(torch.bfloat16, cuda)
+        assert not sums_in_low_precision(torch.float16, cuda)
+        assert not sums_in_low_precision(torch.bfloat16, cpu)
+    finally:
+        (
+            flags.allow_bf16_reduced_precision_reduction,
+            flags.allow_fp16_reduced_precision_reduction,
+        ) = found

@@ -236,8 +236,8 @@ class MatmulFormat:
     def multiplicand(self, values: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
         """An operand's ``values`` in the dtype :meth:`product` multiplies them in: their own
         where it is the written dtype, their ``factor`` is a power of two (or None), their
-        nonzero magnitudes are at least 2**-62 and that dtype multiplies faster on the device;
-        float32 elsewhere. Then the product is the same up to the order of its sums: the values
+        nonzero magnitudes are at least 2**-62 and that dtype multiplies faster on the device,
+        summing in float32 (:func:`sums_in_low_precision`); float32 elsewhere. Then the product is the same up to the order of its sums: the values
         are exact there, a power of two moves no rounding, and no product of two of them falls
         below float32's normal range (where a CPU's bf16 matmul flushes it to zero). Each
         operand is prepared once, when it is cast.
@@ -250,9 +250,28 @@ class MatmulFormat:
             values.dtype == self.written
             and (factor is None or _powers_of_two(factor))
             and multiplies_faster(values.dtype, values.device)
+            and not sums_in_low_precision(values.dtype, values.device)
             and _products_stay_normal(values)
         )
         return values if native else values.float()
+
+
+def sums_in_low_precision(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a matmul in ``dtype`` on ``device`` may sum its products in that dtype rather
+    than in float32: on CUDA, where torch lets cuBLAS do so for bf16 and fp16 unless
+    ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` (``fp16_``) is off
+    (both are on by default). A CPU's bf16 matmul sums in float32.
+
+    >>> sums_in_low_precision(torch.bfloat16, torch.device("cpu"))
+    False
+    """
+    if device.type != "cuda":
+        return False
+    flags = torch.backends.cuda.matmul
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    return name is not None and bool(
+        getattr(flags, f"allow_{name}_reduced_precision_reduction", True)
+    )
 
 
 def _products_stay_normal(values: torch.Tensor) -> bool:
