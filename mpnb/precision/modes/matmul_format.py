@@ -237,10 +237,11 @@ class MatmulFormat:
         """An operand's ``values`` in the dtype :meth:`product` multiplies them in: their own
         where it is the written dtype, their ``factor`` is a power of two (or None), their
         nonzero magnitudes are at least 2**-62 and that dtype multiplies faster on the device,
-        summing in float32 (:func:`sums_in_low_precision`); float32 elsewhere. Then the product is the same up to the order of its sums: the values
-        are exact there, a power of two moves no rounding, and no product of two of them falls
-        below float32's normal range (where a CPU's bf16 matmul flushes it to zero). Each
-        operand is prepared once, when it is cast.
+        summing in float32 (:func:`sums_in_low_precision`); float32 elsewhere. Then the product
+        is the same up to the order of its sums: the values are exact there, a power of two
+        moves no rounding, and no product of two of them falls below float32's normal range
+        (where a CPU's bf16 matmul flushes it to zero). Each operand is prepared once, when it
+        is cast.
 
         >>> bf16 = MatmulFormat("bf16", Threshold(0.02, 0.0), dtype=torch.bfloat16)
         >>> bf16.multiplicand(torch.ones(2, dtype=torch.bfloat16), torch.tensor(0.3)).dtype
