@@ -25,9 +25,9 @@ bytes of float32): :meth:`MatmulFormat.product` multiplies them there where that
 product faster (:func:`multiplies_faster`, measured), in float32 elsewhere. A scale is what an
 element is multiplied by to read it back (1 for fp16 and bf16).
 
-A format's matmul writes its dtype (fp16, bf16); a scaled format's writes :attr:`MatmulFormat.writes`,
-the dtype its mode runs the layer in (bf16: the mode's autocast): accumulated in float32, times
-the factors, rounded once, in ``torch._scaled_mm``'s order.
+A format's matmul writes its dtype (fp16, bf16); a scaled format's writes
+:attr:`MatmulFormat.writes`, the dtype its mode runs the layer in (bf16: the mode's autocast):
+accumulated in float32, times the factors, rounded once, in ``torch._scaled_mm``'s order.
 
 Example:
     >>> fp16 = MatmulFormat("fp16", Threshold(rel_error=0.01, overflow=0.0), dtype=torch.float16)
