@@ -40,9 +40,8 @@ class Operand:
     """One matmul operand as a format holds it.
 
     Attributes:
-        values: what the format's matmul multiplies, exact in their dtype: bf16 where the
-            product is taken in bf16 (float8's and fp4's elements and block scales, under
-            factors that are powers of two), float32 elsewhere.
+        values: what the format's matmul multiplies, exact in their dtype (bf16 for float8's
+            and fp4's elements and block scales).
         factor: what ``values`` are multiplied by to read the operand back (None: 1): one number,
             or one per row of a left operand (per column of a right one), applied to the product.
         overflow: elements at their scale past what rounds to the format's largest value
@@ -145,7 +144,7 @@ def cast(name: str, tensor: torch.Tensor, role: str, dim: int, zeros: int | None
         zeros = zeros_in(tensor)
     values, overflow, scales, factor = matmul_format.cast(tensor, role, dim)
     return Operand(
-        values=matmul_format.multiplicand(values, factor),
+        values=values,
         overflow=overflow,
         # a zero stays zero, so the zeros added are the flushed
         flushed=zeros_in(values) - zeros,

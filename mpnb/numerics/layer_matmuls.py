@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -275,10 +276,13 @@ def _cast_once(
     zeros: int,
 ) -> fmt.Operand:
     """``tensor`` (``key``) in the format, cast once, or once per axis where the format's
-    scales follow the axis the matmul sums over."""
+    scales follow the axis the matmul sums over, its values in the dtype its products multiply
+    them in (:meth:`~mpnb.precision.modes.matmul_format.MatmulFormat.multiplicand`)."""
     along = axis if matmul_format.follows_axis else None
     if (key, along) not in casts:
-        casts[key, along] = fmt.cast(matmul_format.name, tensor, _ROLES[key], dim=axis, zeros=zeros)
+        operand = fmt.cast(matmul_format.name, tensor, _ROLES[key], dim=axis, zeros=zeros)
+        values = matmul_format.multiplicand(operand.values, operand.factor)
+        casts[key, along] = dataclasses.replace(operand, values=values)
     return casts[key, along]
 
 

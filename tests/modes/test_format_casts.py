@@ -122,9 +122,10 @@ def test_a_product_taken_in_bf16_is_the_float32_product_rounded_to_bf16(name):
     generator = torch.Generator().manual_seed(0)
     a = formats.cast(name, torch.randn(96, 256, generator=generator), "activation", dim=1)
     b = formats.cast(name, torch.randn(256, 64, generator=generator), "weight", dim=0)
-    assert a.values.dtype == b.values.dtype == torch.bfloat16  # to be multiplied there
     matmul_format = find_format(name)
-    in_bf16 = matmul_format.product(torch.matmul, (a.values, a.factor), (b.values, b.factor))
+    a_values, b_values = (matmul_format.multiplicand(o.values, o.factor) for o in (a, b))
+    assert a_values.dtype == b_values.dtype == torch.bfloat16  # to be multiplied there
+    in_bf16 = matmul_format.product(torch.matmul, (a_values, a.factor), (b_values, b.factor))
     in_fp32 = matmul_format.product(
         torch.matmul, (a.values.float(), a.factor), (b.values.float(), b.factor)
     )
