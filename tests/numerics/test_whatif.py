@@ -340,6 +340,8 @@ def test_a_threshold_taken_away_is_asked_for_by_name(planted):
             r"\(a torch.float32 tensor shaped \(64, 64\), 0, \(1.0, 1.0\), a torch.float32 tensor shaped \(3,\)\)",
         ),
         (lambda t: (t, -1, (1.0, 1.0)), r"\(a torch.float32 tensor shaped \(64, 64\), -1,"),
+        # a share where a count belongs: int() would read it as no overflow
+        (lambda t: (t, 0.5, (1.0, 1.0)), r"\(a torch.float32 tensor shaped \(64, 64\), 0.5,"),
         (lambda t: (t, 0, 1.0), r"\(a torch.float32 tensor shaped \(64, 64\), 0, 1.0\)"),
         (lambda t: t, r"a torch.float32 tensor shaped \(64, 64\);"),
     ],

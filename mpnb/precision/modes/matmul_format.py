@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import time
 from collections.abc import Callable
 from typing import Any
@@ -164,12 +165,13 @@ class MatmulFormat:
         try:
             values, overflow, (low, high), *rest = cast  # type: ignore[misc]
             factor = rest[0] if rest else None
+            overflow = operator.index(overflow)  # a count: a share such as 0.5 is refused
             fits = (
                 len(rest) <= 1
                 and isinstance(values, torch.Tensor)
                 and values.shape == tensor.shape
                 and values.dtype.is_floating_point
-                and 0 <= int(overflow) <= tensor.numel()
+                and 0 <= overflow <= tensor.numel()
                 and (
                     factor is None
                     or isinstance(factor, torch.Tensor)
@@ -195,7 +197,7 @@ class MatmulFormat:
             )
         if factor is not None and not bool((torch.isfinite(factor) & (factor != 0)).all()):
             raise MpnbError(f"{said}: its factor must be finite and nonzero")
-        return values, int(overflow), scales, factor
+        return values, overflow, scales, factor
 
     @property
     def written(self) -> torch.dtype:
