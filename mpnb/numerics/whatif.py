@@ -33,8 +33,8 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
     >>> batch = (torch.randn(32, 64), torch.randint(0, 2, (32,)))
     >>> result = whatif(model, batch, torch.nn.functional.cross_entropy, formats=["fp16", "nvfp4"])
-    >>> len(result.rows), sorted(result.rows[0])
-    (12, ['format', 'layer', 'matmul', 'overflow', 'rel_error', 'scale_range', 'underflow'])
+    >>> len(result.rows), sorted(result.rows[0])  # layer 0, fed the batch: no input_grad
+    (10, ['format', 'layer', 'matmul', 'overflow', 'rel_error', 'scale_range', 'underflow'])
     >>> result.recommend("fp16")
     []
 """
@@ -153,7 +153,7 @@ def whatif(
             return None
         measured.called(name)
         call = next(numbering)
-        waiting[call] = (name, inputs[0].detach(), _matmuls_trained(module))
+        waiting[call] = (name, inputs[0].detach(), _matmuls_trained(module, inputs[0]))
 
         def on_gradient(gradient: torch.Tensor | None) -> None:  # None: none will come
             layer, x, matmuls = waiting.pop(call)
@@ -246,14 +246,22 @@ def _check_held_in_fp32(model: nn.Module) -> None:
             )
 
 
-def _matmuls_trained(module: nn.Module) -> tuple[str, ...]:
-    """The matmuls measured for a call of ``module`` whose gradient comes: its forward, its
-    input's gradient (the first layer's too: the table shows what the layer would hand back),
-    and its weight's only where the weight trains: a frozen layer behind a trainable one (a
-    LoRA model's base layers) computes no weight gradient. A parametrized weight (weight_norm)
-    trains by what it is made of."""
-    weight_trains = any(parameter.requires_grad for parameter in module.parameters())
-    return ("forward", "input_grad", *(("weight_grad",) if weight_trains else ()))
+def _matmuls_trained(module: nn.Module, x: torch.Tensor) -> tuple[str, ...]:
+    """The matmuls a training step runs for a call of ``module`` on ``x`` whose gradient comes:
+    its forward; its input's gradient only where ``x`` needs one (a model's first layer, fed
+    the batch, hands back nothing: autograd runs no such matmul, and an error it would make
+    changes no training); its weight's only where the weight trains (a frozen layer behind a
+    trainable one, a LoRA model's base layers, computes none; nor a frozen weight beside a
+    trainable bias, as BitFit trains). A parametrized weight (weight_norm) trains by what it
+    is made of."""
+    parametrized = getattr(module, "parametrizations", {})
+    made_of = parametrized["weight"].parameters() if "weight" in parametrized else [module.weight]
+    weight_trains = any(parameter.requires_grad for parameter in made_of)
+    return (
+        "forward",
+        *(("input_grad",) if x.requires_grad else ()),
+        *(("weight_grad",) if weight_trains else ()),
+    )
 
 
 class WhatIf:

@@ -145,6 +145,8 @@ def test_each_error_is_torchaos_cast_applied_by_hand_to_the_recorded_tensors(pla
             "weight_grad": ((dy.t(), True), (x, False)),
         }
         for matmul, ((a, a_grad), (b, b_grad)) in matmuls.items():
+            if matmul == "input_grad" and not tensors["x"].requires_grad:
+                continue  # the first layer's: autograd runs none (pinned below)
             reference = a @ b
             for format in FORMATS:
                 cast_a, cast_b = _by_hand(format, a, a_grad, 1), _by_hand(format, b, b_grad, 0)
@@ -184,14 +186,15 @@ def test_the_advice_goes_straight_into_a_modes_keep(planted):
 
 def test_nvfp4_is_worse_than_mxfp8_everywhere(planted):
     error = {(r["layer"], r["matmul"], r["format"]): r["rel_error"] for r in planted.rows}
-    for layer in planted.layers:
-        for matmul in ("forward", "input_grad", "weight_grad"):
-            assert error[layer, matmul, "nvfp4"] > error[layer, matmul, "mxfp8"], (layer, matmul)
+    pairs = {(layer, matmul) for layer, matmul, _ in error}
+    assert len(pairs) == 4 * 3 - 1  # the first layer has no input_grad
+    for layer, matmul in pairs:
+        assert error[layer, matmul, "nvfp4"] > error[layer, matmul, "mxfp8"], (layer, matmul)
 
 
 def test_rows_tables_and_shares(planted):
     assert planted.layers == ["0", "2", "5", "7"]
-    assert len(planted.rows) == 4 * 3 * 6
+    assert len(planted.rows) == (4 * 3 - 1) * 6  # the first layer: no input_grad
     row = planted.worst("5", "fp16")
     assert row["rel_error"] == math.inf and 0 < row["overflow"] < 1
     assert all(
@@ -222,9 +225,7 @@ def test_a_convolution_takes_the_torch_dtypes_only():
     batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 2, (8,)))
     result = whatif(model, batch, nn.functional.cross_entropy)
     conv = {(r["matmul"], r["format"]) for r in result.rows if r["layer"] == "0"}
-    assert conv == {
-        (m, f) for m in ("forward", "input_grad", "weight_grad") for f in ("fp16", "bf16")
-    }
+    assert conv == {(m, f) for m in ("forward", "weight_grad") for f in ("fp16", "bf16")}
     row = result.worst("0", "bf16")
     assert 1e-4 < row["rel_error"] < 1e-2
     assert result.worst("0", "fp8") is None
@@ -306,7 +307,7 @@ def test_bad_names_are_refused_with_the_valid_ones(planted):
 def test_the_formats_asked_for_are_each_named_once_and_at_least_one(planted):
     model, batch, loss = _planted(), _batch(), nn.functional.cross_entropy
     result = whatif(model, batch, loss, formats=["bf16", "fp16", "bf16"])
-    assert result.formats == ("bf16", "fp16") and len(result.rows) == 2 * 3 * 4
+    assert result.formats == ("bf16", "fp16") and len(result.rows) == 2 * (3 * 4 - 1)
     with pytest.raises(MpnbError, match=r"formats=\[\] names no format; valid: fp16, bf16"):
         whatif(model, batch, loss, formats=[])
     with pytest.raises(InvalidChoiceError, match="unknown formats 3; valid: fp16"):
@@ -322,6 +323,18 @@ def test_a_threshold_taken_away_is_asked_for_by_name(planted):
         MpnbError, match=r"no threshold for format 'fp8': set result.thresholds\['fp8'\]"
     ):
         result.recommend("fp8")
+
+
+def test_a_layer_fed_the_batch_has_no_input_grad_row_as_autograd_runs_none(planted):
+    # the first layer's input needs no gradient: training never multiplies its output's
+    # gradient by its weight, so no error there may make recommend() keep it
+    first = {(r["matmul"], r["format"]) for r in planted.rows if r["layer"] == "0"}
+    second = {(r["matmul"], r["format"]) for r in planted.rows if r["layer"] == "2"}
+    assert {matmul for matmul, _ in first} == {"forward", "weight_grad"}
+    assert {matmul for matmul, _ in second} == {"forward", "input_grad", "weight_grad"}
+    x, y = _batch()
+    fed = whatif(_planted(), (x.requires_grad_(), y), nn.functional.cross_entropy, formats="bf16")
+    assert "input_grad" in {r["matmul"] for r in fed.rows if r["layer"] == "0"}
 
 
 @pytest.mark.parametrize(
@@ -475,7 +488,8 @@ def test_it_holds_one_layers_casts_at_a_time(monkeypatch):
     monkeypatch.setattr(layer_matmuls.LayerMatmuls, "layer", measured_layer)
     whatif(_planted(), _batch(), nn.functional.cross_entropy)
     assert measuring == ["7", "5", "2", "0"]  # as the gradients arrive
-    assert len(made) == 4 * (3 + 3 + 3 + 6 + 6 + 6)  # each layer: once per format, or per axis
+    # each layer: once per format, or per axis (the first layer's weight and gradient on one)
+    assert len(made) == 3 * (3 + 3 + 3 + 6 + 6 + 6) + (3 + 3 + 3 + 4 + 4 + 4)
     assert alive_at_start == {"7": 0, "5": 0, "2": 0, "0": 0}
 
 
@@ -550,7 +564,8 @@ class _Unused(nn.Module):
         self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(self.a(x) + 0 * self.b(x))
+        hidden = self.a(x)  # b's input needs a gradient: both its gradient matmuls run
+        return self.c(hidden + 0 * self.b(hidden))
 
 
 def test_an_all_zero_gradient_is_exact_in_every_format():
@@ -929,7 +944,7 @@ def test_a_first_layer_with_a_parametrized_weight_gets_its_gradient_rows():
     first = nn.utils.parametrizations.weight_norm(nn.Linear(16, 16, bias=False))
     model = nn.Sequential(first, nn.Tanh(), nn.Linear(16, 1))
     result = whatif(model, (torch.randn(8, 16), torch.randn(8, 1)), nn.functional.mse_loss)
-    assert sorted(_rows_of(result, "0")) == ["forward", "input_grad", "weight_grad"]
+    assert sorted(_rows_of(result, "0")) == ["forward", "weight_grad"]  # fed the batch
 
 
 def test_each_gradient_is_paired_with_its_own_call_when_another_call_is_detached():
@@ -977,7 +992,18 @@ def test_a_frozen_layer_behind_a_trainable_one_has_no_weight_gradient_row():
     model[2].requires_grad_(False)
     result = whatif(model, batch, nn.functional.mse_loss, ["fp16"])
     assert sorted(_rows_of(result, "2")) == ["forward", "input_grad"]
-    assert sorted(_rows_of(result, "0")) == ["forward", "input_grad", "weight_grad"]
+    assert sorted(_rows_of(result, "0")) == ["forward", "weight_grad"]  # fed the batch
+
+
+def test_a_frozen_weight_with_a_trainable_bias_has_no_weight_gradient_row():
+    """BitFit: only the biases train; a layer's weight gradient is a matmul training never
+    runs, so it may not make recommend() keep the layer."""
+    model, batch = _small()
+    for layer in (model[0], model[2]):
+        layer.weight.requires_grad_(False)
+    result = whatif(model, batch, nn.functional.mse_loss, ["fp16"])
+    assert sorted(_rows_of(result, "2")) == ["forward", "input_grad"]
+    assert sorted(_rows_of(result, "0")) == ["forward"]
 
 
 def test_keeping_the_model_itself_in_a_format_with_a_keep_option_says_what_it_means():
