@@ -175,10 +175,9 @@ def _mxfp8_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
     # read back as the cast's dequantize does (elements times their block's scale), its
     # elements by lookup (:func:`read_bytes`)
     elements = read_bytes(cast.qdata, dtype_table(torch.float8_e4m3fn, padded.device))
-    used = scales.reshape(-1)[elements.reshape(-1, MX_BLOCK).ne(0).any(dim=-1)]  # zeros: exact
-    if used.numel():
-        low, high = torch.aminmax(used)
-        if not _BF16_SAFE_SCALES[0] <= float(low) <= float(high) <= _BF16_SAFE_SCALES[1]:
+    if not _bf16_safe(scales):  # an all-zero block's tiny scale is safe: its zeros are exact
+        used = scales.reshape(-1)[elements.reshape(-1, MX_BLOCK).ne(0).any(dim=-1)]
+        if not _bf16_safe(used):
             elements = elements.float()
     values = elements.reshape(-1, MX_BLOCK) * scales.to(elements.dtype).reshape(-1, 1)
     return values.reshape(padded.shape), scales, rounding_limit(torch.float8_e4m3fn), None
@@ -188,6 +187,16 @@ def _mxfp8_quantize(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, f
 #: smaller than 2**-117 (e4m3's smallest, 2**-9, times it stays normal in bf16), no larger
 #: than 2**119 (448 times it stays finite).
 _BF16_SAFE_SCALES = (2.0**-117, 2.0**119)
+
+
+def _bf16_safe(scales: torch.Tensor) -> bool:
+    """Whether every one of ``scales`` is in :data:`_BF16_SAFE_SCALES` (none: True), read from
+    the scales alone (a block's scale to each 32 elements: a pass over the elements is needed
+    only when some scale is outside)."""
+    if not scales.numel():
+        return True
+    low, high = torch.aminmax(scales)
+    return _BF16_SAFE_SCALES[0] <= float(low) <= float(high) <= _BF16_SAFE_SCALES[1]
 
 
 class MxLayers(LayerSwap):
