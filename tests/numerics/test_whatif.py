@@ -325,6 +325,28 @@ def test_a_threshold_taken_away_is_asked_for_by_name(planted):
         result.recommend("fp8")
 
 
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"rel_error": math.nan, "overflow": 0.0}, "rel_error=nan"),
+        ({"rel_error": "0.1", "overflow": 0.0}, "rel_error='0.1'"),
+        ({"rel_error": 0.1, "overflow": None}, "overflow=None"),
+        ({"rel_error": 0.1, "overflow": -0.5}, "overflow=-0.5"),
+        ({"rel_error": 0.1, "overflow": True}, "overflow=True"),
+        ({"rel_error": 0.1, "overflow": 0.0, "underflow": math.nan}, "underflow=nan"),
+    ],
+)
+def test_a_threshold_that_is_not_a_number_at_least_zero_is_refused(planted, fields, named):
+    # NaN compares false: every layer would pass it, and the advice would be to keep none
+    from mpnb.numerics.whatif import Threshold
+
+    with pytest.raises(MpnbError, match=re.escape(f"Threshold({named}): a threshold is a number")):
+        Threshold(**fields)
+    assert (
+        Threshold(rel_error=math.inf, overflow=0, underflow=None).passed(planted.rows[0]) is False
+    )
+
+
 def test_a_layer_fed_the_batch_has_no_input_grad_row_as_autograd_runs_none(planted):
     # the first layer's input needs no gradient: training never multiplies its output's
     # gradient by its weight, so no error there may make recommend() keep it

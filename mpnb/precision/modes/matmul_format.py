@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import operator
 import time
 from collections.abc import Callable
@@ -81,6 +82,19 @@ class Threshold:
     rel_error: float
     overflow: float
     underflow: float | None = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None and field.name == "underflow":
+                continue
+            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if not number or math.isnan(value) or value < 0:
+                # NaN compares false: a layer past it would never be kept, all converted
+                raise MpnbError(
+                    f"Threshold({field.name}={value!r}): a threshold is a number, 0 or more "
+                    f"(inf: never past it){'; or None: not looked at' if field.name == 'underflow' else ''}"
+                )
 
     def passed(self, row: dict[str, Any]) -> bool:
         """``row`` (one of :attr:`WhatIf.rows <mpnb.numerics.whatif.WhatIf>`) is past this threshold."""
