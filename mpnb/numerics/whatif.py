@@ -147,6 +147,7 @@ def whatif(
     #: the calls whose gradient has not come yet: (layer, its input, the matmuls training runs)
     waiting: dict[int, tuple[str, torch.Tensor, tuple[str, ...]]] = {}
     numbering = itertools.count()
+    loss_backward = False  # the gradients measured are the loss's, arriving in its backward
 
     def on_output(name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> Any:
         if not inputs or not isinstance(inputs[0], torch.Tensor):
@@ -156,6 +157,10 @@ def whatif(
         waiting[call] = (name, inputs[0].detach(), _matmuls_trained(module, inputs[0]))
 
         def on_gradient(gradient: torch.Tensor | None) -> None:  # None: none will come
+            if gradient is not None and not loss_backward:
+                return  # taken inside the forward or the loss (torch.autograd.grad)
+            if call not in waiting:
+                return  # measured already: a second gradient within the loss's backward
             layer, x, matmuls = waiting.pop(call)
             gradient = None if gradient is None else gradient.detach()
             measured.layer(layer, layers[layer], x, gradient, matmuls)  # no gradient: forward
@@ -187,6 +192,7 @@ def whatif(
                     "what-if measures each format against fp32; look for NaN or inf in the batch "
                     "and the weights (torch.isfinite)"
                 )
+            loss_backward = True
             loss.float().backward()
             # a call whose output needed a gradient that never came (detached after it, a
             # side pass): its forward still ran in the format

@@ -347,6 +347,30 @@ def test_a_threshold_that_is_not_a_number_at_least_zero_is_refused(planted, fiel
     )
 
 
+def test_a_gradient_taken_inside_the_loss_is_not_the_one_measured():
+    """A physics-informed loss differentiates the model's output by its input inside the
+    loss (torch.autograd.grad): the output's hook fires there too, before the loss's own
+    backward; the layers are measured with the loss's gradient, once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 1))
+    points = torch.randn(64, 2, requires_grad=True)
+
+    def physics(u, _):
+        (du,) = torch.autograd.grad(u.sum(), points, create_graph=True)
+        return ((du[:, 1] - 0.1 * du[:, 0]) ** 2).mean() + (u**2).mean()
+
+    result = whatif(model, (points, None), physics, formats=["bf16", "fp8"])
+    # the last layer's output gets the same gradient from (u**2).mean() alone (the inner
+    # gradient's graph reaches the weights, not u): its rows are that loss's rows
+    plain = whatif(model, (points, None), lambda u, _: (u**2).mean(), formats=["bf16", "fp8"])
+    last = [r for r in result.rows if r["layer"] == "2"]
+    assert last == [r for r in plain.rows if r["layer"] == "2"] and len(last) == 6
+    assert {r["matmul"] for r in result.rows if r["layer"] == "0"} == {
+        "forward", "input_grad", "weight_grad"
+    }  # fmt: skip
+    assert all(not m._forward_hooks for m in model.modules())
+
+
 def test_a_layer_fed_the_batch_has_no_input_grad_row_as_autograd_runs_none(planted):
     # the first layer's input needs no gradient: training never multiplies its output's
     # gradient by its weight, so no error there may make recommend() keep it
