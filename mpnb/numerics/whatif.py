@@ -193,7 +193,10 @@ def whatif(
                     "and the weights (torch.isfinite)"
                 )
             loss_backward = True
-            loss.float().backward()
+            # into the model's weights only (restored after): none into a batch that needs
+            # gradients or a loss with parameters of its own
+            trained = [p for p in model.parameters() if p.requires_grad]
+            loss.float().backward(inputs=trained or None)
             # a call whose output needed a gradient that never came (detached after it, a
             # side pass): its forward still ran in the format
             for layer, x, _ in list(waiting.values()):

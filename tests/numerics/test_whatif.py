@@ -371,6 +371,28 @@ def test_a_gradient_taken_inside_the_loss_is_not_the_one_measured():
     assert all(not m._forward_hooks for m in model.modules())
 
 
+def test_the_pass_writes_no_gradient_outside_the_model():
+    """A measurement has no side effects: a batch that needs gradients (a saliency map, an
+    adversarial input) and a loss with parameters of its own keep the .grad they had."""
+
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.temperature = nn.Parameter(torch.ones(()))
+
+        def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(out / self.temperature, target)
+
+    model, loss = _planted(), Tempered()
+    x, y = _batch()
+    x.requires_grad_()
+    x.grad = torch.full_like(x, 7.0)  # a gradient the caller holds
+    result = whatif(model, (x, y), loss, formats="bf16")
+    assert torch.equal(x.grad, torch.full_like(x, 7.0)) and loss.temperature.grad is None
+    assert all(p.grad is None for p in model.parameters())
+    assert {"input_grad"} <= {r["matmul"] for r in result.rows if r["layer"] == "0"}
+
+
 def test_a_layer_fed_the_batch_has_no_input_grad_row_as_autograd_runs_none(planted):
     # the first layer's input needs no gradient: training never multiplies its output's
     # gradient by its weight, so no error there may make recommend() keep it
