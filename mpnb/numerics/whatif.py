@@ -60,6 +60,7 @@ from mpnb.numerics.layer_matmuls import LayerMatmuls, multiplies
 from mpnb.numerics.probe import ModuleProbe, uncompiled
 from mpnb.precision.backends import backend_for
 from mpnb.precision.fp32math import exact_fp32_math
+from mpnb.precision.modes.layer_swap import swapped_layers_of
 from mpnb.precision.modes.matmul_format import Threshold
 from mpnb.precision.modes.registry import matmul_formats
 from mpnb.training.batches import batch_loss, map_tensors, to_device
@@ -133,7 +134,7 @@ def whatif(
             f"{type(model).__name__} has no layer a format applies to: what-if measures "
             "nn.Linear, nn.Conv1d/2d/3d and transformers' Conv1D"
         )
-    _check_held_in_fp32(model)
+    _check_held_in_fp32(model, layers)
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     measured = LayerMatmuls(chosen)
@@ -243,9 +244,19 @@ def _trainable(batch: Any) -> Any:
     return map_tensors(batch, lambda tensor: tensor.clone() if tensor.is_inference() else tensor)
 
 
-def _check_held_in_fp32(model: nn.Module) -> None:
-    """Refuse a model whose weights are held in fp16 or bf16: its pass would not be the fp32
-    reference the formats are measured against (its own rounding would read as theirs)."""
+def _check_held_in_fp32(model: nn.Module, layers: dict[str, nn.Module]) -> None:
+    """Refuse a model whose weights are held in fp16 or bf16, or whose layers are a format's
+    already (swapped by a layer-swapping mode): its pass would not be the fp32 reference the
+    formats are measured against (its own rounding would read as theirs)."""
+    for name, module in layers.items():
+        swapped = swapped_layers_of(module)
+        if swapped is not None:
+            raise MpnbError(
+                f"layer {name!r} is {swapped.layer_class} already (mode {swapped.mode}): the "
+                "what-if measures each format against the fp32 pass of the model's own layers. "
+                f"Put its layers back first: `%amp off` (a model held by `%amp {swapped.mode} "
+                "--model`), or call it outside the block that converted them"
+            )
     for name, parameter in model.named_parameters():
         if parameter.is_floating_point() and parameter.element_size() < 4:
             raise MpnbError(

@@ -393,6 +393,18 @@ def test_the_pass_writes_no_gradient_outside_the_model():
     assert {"input_grad"} <= {r["matmul"] for r in result.rows if r["layer"] == "0"}
 
 
+def test_a_model_whose_layers_a_mode_swapped_already_is_refused():
+    # torchao's float8 layers subclass nn.Linear and keep fp32 weights: measured as they are,
+    # the fp32 reference would carry fp8's own rounding
+    model = _planted()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with mpnb.fp8_layers(model, device="cpu"):
+        with pytest.raises(MpnbError, match=r"layer '2' is Float8Linear already \(mode fp8\)"):
+            whatif(model, _batch(), nn.functional.cross_entropy, formats="bf16")
+    assert whatif(model, _batch(), nn.functional.cross_entropy, formats="bf16").rows
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_layer_fed_the_batch_has_no_input_grad_row_as_autograd_runs_none(planted):
     # the first layer's input needs no gradient: training never multiplies its output's
     # gradient by its weight, so no error there may make recommend() keep it
