@@ -214,6 +214,7 @@ class LayerMatmuls:
         operands: tuple[fmt.Operand, fmt.Operand],
     ) -> None:
         norm = self._norm(reference)
+        scaled = [o for o in operands if o.nonzero] or operands  # zeros have no scale
         if not math.isfinite(norm):
             raise MpnbError(
                 f"layer {layer!r}: its {matmul} product is not finite in fp32 (inf or NaN in its "
@@ -230,8 +231,8 @@ class LayerMatmuls:
             "underflow": sum(o.flushed for o in operands)
             / max(1, sum(o.nonzero for o in operands)),
             "scale_range": (
-                min(o.scales[0] for o in operands),
-                max(o.scales[1] for o in operands),
+                min(o.scales[0] for o in scaled),
+                max(o.scales[1] for o in scaled),
             ),
         }
         key = (layer, matmul, format_name)

@@ -405,6 +405,21 @@ def test_a_model_whose_layers_a_mode_swapped_already_is_refused():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_an_all_zero_operand_adds_no_scale_to_its_rows_range():
+    # an all-zero tensor has no scale: the (1, 1) it reports is no scale an operand has
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64))
+    batch = (torch.zeros(16, 64), torch.randn(16, 64))
+    result = whatif(model, batch, nn.functional.mse_loss, formats=["fp8", "mxfp8"])
+    from mpnb.numerics import formats
+
+    weight = model[0].weight.detach()
+    for format in ("fp8", "mxfp8"):
+        (forward,) = [r for r in result.rows if (r["matmul"], r["format"]) == ("forward", format)]
+        alone = formats.cast(format, weight, "weight", dim=1).scales  # as forward casts it
+        assert forward["scale_range"] == pytest.approx(alone), format
+
+
 def test_a_layer_fed_the_batch_has_no_input_grad_row_as_autograd_runs_none(planted):
     # the first layer's input needs no gradient: training never multiplies its output's
     # gradient by its weight, so no error there may make recommend() keep it
