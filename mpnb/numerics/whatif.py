@@ -63,7 +63,7 @@ from mpnb.precision.fp32math import exact_fp32_math
 from mpnb.precision.modes.layer_swap import swapped_layers_of
 from mpnb.precision.modes.matmul_format import Threshold
 from mpnb.precision.modes.registry import matmul_formats
-from mpnb.training.batches import batch_loss, map_tensors, to_device
+from mpnb.training.batches import batch_loss, check_loss_fn, map_tensors, to_device
 from mpnb.training.gradients import check_loss
 
 __all__ = ["WhatIf", "Threshold", "whatif"]
@@ -122,11 +122,7 @@ def whatif(
             f"{type(model).__name__} as the model"
         )
     model = uncompiled(model)
-    if loss_fn is not None and not callable(loss_fn):
-        raise MpnbError(
-            "loss_fn takes a function, loss_fn(outputs, targets) -> a scalar loss, or None for a "
-            f"model that returns its own loss; got {_short(loss_fn)}"
-        )
+    check_loss_fn(loss_fn)
     chosen = fmt.chosen_formats(formats)
     layers = {name: module for name, module in model.named_modules() if multiplies(module)}
     if not layers:
@@ -230,12 +226,6 @@ def _eagerly() -> contextlib.AbstractContextManager[Any]:
     2.6 on; before it, as it is: its compiled modules run no hooks and are named unmeasured)."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
-
-
-def _short(value: object) -> str:
-    """``value`` as a message shows it: its type and the start of its repr."""
-    shown = repr(value)
-    return f"{type(value).__name__} {shown[:60]}{'...' if len(shown) > 60 else ''}"
 
 
 def _trainable(batch: Any) -> Any:

@@ -190,6 +190,29 @@ def samples_in(batch: Any) -> int | None:
     return shape[0] if shape else None
 
 
+def check_loss_fn(loss_fn: object) -> None:
+    """Refuse a ``loss_fn`` that is not a function of ``(outputs, targets)`` (None: the model
+    returns its own loss), naming what was given.
+
+    >>> check_loss_fn(torch.nn.CrossEntropyLoss)
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.MpnbError: loss_fn got the class CrossEntropyLoss, not a loss: pass an instance, CrossEntropyLoss()
+    """
+    if isinstance(loss_fn, type):  # callable, but calling it makes a module, or fails inside
+        raise MpnbError(
+            f"loss_fn got the class {loss_fn.__name__}, not a loss: pass an instance, "
+            f"{loss_fn.__name__}()"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        shown = repr(loss_fn)
+        raise MpnbError(
+            "loss_fn takes a function, loss_fn(outputs, targets) -> a scalar loss, or None for a "
+            f"model that returns its own loss; got {type(loss_fn).__name__} "
+            f"{shown[:60]}{'...' if len(shown) > 60 else ''}"
+        )
+
+
 def batch_loss(
     model: nn.Module, batch: Any, loss_fn: LossFn | None, step_fn: StepFn | None
 ) -> torch.Tensor:

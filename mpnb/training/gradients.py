@@ -31,6 +31,11 @@ def check_loss(loss: Any) -> None:
         raise MpnbError(
             f"the loss must be a tensor, got {type(loss).__name__}: return the loss tensor itself"
         )
+    if loss.is_complex():  # backward would train on its real part alone, without a word
+        raise MpnbError(
+            f"the loss must be a real number, got a {loss.dtype} tensor: return a real loss "
+            "(of a complex output, its .abs() or .real, as you mean it)"
+        )
     if loss.numel() != 1:
         raise MpnbError(
             f"the loss must be a single number, got a tensor of shape {tuple(loss.shape)}: reduce it (.mean())"

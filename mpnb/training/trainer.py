@@ -28,7 +28,14 @@ from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.precision.policy import get_mode
 from mpnb.training.amp_step import AmpStep
-from mpnb.training.batches import LossFn, StepFn, batch_loss, indexed, samples_in
+from mpnb.training.batches import (
+    LossFn,
+    StepFn,
+    batch_loss,
+    check_loss_fn,
+    indexed,
+    samples_in,
+)
 from mpnb.training.capture import FitCapture, active_capture, note_fit, streamed
 from mpnb.training.checkpoint import (
     apply_checkpoint,
@@ -196,6 +203,7 @@ class Trainer:
             raise MpnbError(
                 "give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss"
             )
+        check_loss_fn(loss_fn)
         check_dashboard(dashboard)
         check_strategy(strategy)
         _check_optimizer_trains(model, optimizer)

@@ -31,6 +31,8 @@ def test_a_one_element_output_that_is_not_0_dim_is_not_taken_for_a_loss():
         (lambda m, b: m(b), r"single number, got a tensor of shape \(2, 1\)"),
         (lambda m, b: m(b).sum().detach(), "does not require grad"),
         (lambda m, b: (m(b).sum(), 1), "the loss must be a tensor, got tuple"),
+        # backward would take its real part alone
+        (lambda m, b: m(b).sum() * 1j, "must be a real number, got a torch.complex64"),
     ],
 )
 def test_a_loss_that_cannot_train_is_a_clear_error_and_changes_nothing(step_fn, message):
@@ -72,3 +74,16 @@ def test_bad_fit_arguments_are_refused():
     ):
         mpnb.AmpStep(trainer.optimizer, accumulate=1.5)
     assert len(trainer.history) == 0
+
+
+@pytest.mark.parametrize("taker", ["Trainer", "whatif"])
+def test_a_loss_class_given_for_a_loss_is_named_with_the_instance_to_pass(taker):
+    # a class is callable: called with (outputs, targets) it fails inside torch, far away
+    model = nn.Linear(4, 2)
+    with pytest.raises(MpnbError, match=r"got the class CrossEntropyLoss.*CrossEntropyLoss\(\)"):
+        if taker == "Trainer":
+            optimizer = torch.optim.SGD(model.parameters(), 0.1)
+            mpnb.Trainer(model, optimizer, nn.CrossEntropyLoss, device="cpu", dashboard=None)
+        else:
+            batch = (torch.randn(3, 4), torch.tensor([0, 1, 0]))
+            mpnb.whatif(model, batch, nn.CrossEntropyLoss)
