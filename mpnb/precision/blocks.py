@@ -29,7 +29,8 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
 
     Args:
         dtype: ``"bf16"`` / ``"fp16"`` (or aliases, or a torch dtype). Default: the session
-            mode's dtype, else the device's preferred one.
+            mode's: its dtype, autocast off in a mode that runs without it (fp32, tf32), the
+            device's preferred dtype where no mode is chosen (mode off).
         device: ``"cpu"``, ``"cuda"``, ``"hpu"``... Default: the session device.
         enabled: False runs the block with autocast off.
         cache: keep cast weight copies for the whole block (see AutocastSettings).
@@ -55,11 +56,15 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
         fp32: Iterable[str] = (),
         lower: Iterable[str] = (),
     ) -> None:
+        by_mode = dtype is None and enabled and session.mode.runs_without_autocast
+        enabled = enabled and not by_mode
         self.settings = session.autocast_settings(dtype, device, enabled=enabled, cache=cache)
         self.oplists = OpLists.of(lower, fp32, source="this block")
         if self.oplists and not enabled:
+            why = f"the session's mode {session.mode.name} runs without it (give a dtype)"
             raise MpnbError(
-                "op lists act only under autocast; this block has autocast off (drop the lists or --off)"
+                "op lists act only under autocast; this block has autocast off: "
+                f"{why if by_mode else 'drop the lists or --off'}"
             )
         self._scopes: list[contextlib.ExitStack] = []
 

@@ -96,9 +96,16 @@ def test_autocast_follows_the_session_mode():
     mpnb.set_mode("fp16", device="cpu")
     with mpnb.autocast() as settings:
         assert settings.dtype is torch.float16 and settings.device == torch.device("cpu")
-    mpnb.set_mode("fp32")
-    with mpnb.autocast() as settings:  # autocast off in the mode: the device's preferred dtype
-        assert settings.dtype is torch.bfloat16
+    for mode in ("fp32", "tf32"):  # modes that run without autocast: the block too
+        mpnb.set_mode(mode)
+        with mpnb.autocast() as settings:
+            assert not settings.enabled and not torch.is_autocast_enabled("cpu")
+            assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype is torch.float32
+        with mpnb.autocast("bf16") as settings:  # a dtype asked for wins
+            assert settings.enabled and settings.dtype is torch.bfloat16
+    mpnb.set_mode("off")
+    with mpnb.autocast() as settings:  # no mode chosen: the device's preferred dtype
+        assert settings.enabled and settings.dtype is torch.bfloat16
 
 
 def test_modes_set_fp32_math_and_off_restores_it():

@@ -60,6 +60,14 @@ def test_autocast_cell_overrides_the_session_mode_for_that_cell_only(ip):
     assert run(ip, "linear(x).dtype") is BF16
 
 
+def test_an_autocast_cell_asks_for_autocast_in_a_mode_without_it(ip):
+    # `with mpnb.autocast():` follows a mode that runs without autocast; the cell magic is a
+    # request for autocast: the device's preferred dtype
+    run(ip, "%amp fp32")
+    assert run(ip, "%%autocast\nlinear(x).dtype") is BF16
+    assert run(ip, "import mpnb\nwith mpnb.autocast():\n    y = linear(x).dtype\ny") is F32
+
+
 def test_amp_switch_takes_effect_from_the_next_cell(ip):
     assert run(ip, "%amp bf16\nlinear(x).dtype") is F32
     assert run(ip, "linear(x).dtype") is BF16

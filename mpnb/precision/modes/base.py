@@ -160,6 +160,18 @@ class Mode:
         converted (mode off)."""
         return self.autocast_dtype is None and self.fp32_math is None and not self.converts_layers
 
+    @property
+    def runs_without_autocast(self) -> bool:
+        """Whether the mode chooses a precision and runs it with autocast off (fp32, tf32): a
+        block that asks for the session's autocast, ``with mpnb.autocast():``, runs with it off
+        too. Mode off chooses nothing.
+
+        >>> from mpnb.precision.modes import parse_mode
+        >>> [parse_mode(name).runs_without_autocast for name in ("off", "fp32", "tf32", "bf16")]
+        [False, True, True, False]
+        """
+        return self.autocast_dtype is None and not self.changes_nothing
+
     # -- where it runs -------------------------------------------------------------------
 
     def check(self, device: torch.device) -> None:

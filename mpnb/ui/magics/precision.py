@@ -113,8 +113,13 @@ class PrecisionMagics(Magics):
                 f"--off runs the cell without autocast; it takes no --dtype (got {args.dtype!r})"
             )
         with as_usage_error():
+            # the cell asks for autocast: in a mode without it (fp32), the device's preferred
+            # dtype, where `with mpnb.autocast():` would follow the mode and run it off
+            asked = args.dtype or (
+                None if args.off else session.autocast_settings(None, args.device).dtype
+            )
             context = autocast(
-                args.dtype,
+                asked,
                 args.device,
                 enabled=not args.off,
                 cache=args.cache,
