@@ -221,6 +221,24 @@ def test_help_text_comes_from_the_docstrings_and_arguments(ip):
     assert "fp32, tf32, fp16, bf16" in ip.magics_manager.magics["line"]["amp"].__doc__
 
 
+def test_a_comment_after_a_magics_arguments_is_a_comment(ip):
+    # IPython hands a line magic the rest of its line, comment included
+    run(ip, "%amp bf16            # every following cell runs under bf16 autocast")
+    assert mpnb.get_mode() == "bf16"
+    run(ip, "%oplist add fp32 layer_norm   # per-op lists")
+    assert "layer_norm" in str(mpnb.get_oplists())
+    assert run(ip, "%%autocast -d fp16   # this cell only\nlinear(x).dtype") is F16
+    assert "'#'" in usage_error(ip, "%amp '#'")  # quoted, it is an argument
+
+
+def test_dash_h_shows_a_magics_help_and_cell_magics_say_their_double_percent(ip):
+    help_text = usage_error(ip, "%amp --help")
+    assert help_text.startswith("%amp [") and "one of off, fp32" in help_text
+    assert "usage: %%autocast [" in usage_error(ip, "%%autocast --bogus\n1")
+    assert ip.magics_manager.magics["cell"]["autocast"].__doc__.startswith("::\n\n  %%autocast [")
+    assert "%%compare [" in usage_error(ip, "%%compare -h\n1")
+
+
 def test_amp_status_prints_in_a_script_that_ipython_runs_as_one_cell(tmp_path):
     """``ipython file.ipy`` runs the file as one cell: the status is printed there too."""
     import subprocess

@@ -167,8 +167,8 @@ class Mode:
         too. Mode off chooses nothing.
 
         >>> from mpnb.precision.modes import parse_mode
-        >>> [parse_mode(name).runs_without_autocast for name in ("off", "fp32", "tf32", "bf16")]
-        [False, True, True, False]
+        >>> {name: parse_mode(name).runs_without_autocast for name in ("off", "fp32", "bf16")}
+        {'off': False, 'fp32': True, 'bf16': False}
         """
         return self.autocast_dtype is None and not self.changes_nothing
 

@@ -60,9 +60,11 @@ def parse_line(magic, line: str, valid: str = "") -> argparse.Namespace:
             f"arguments {quoted(line)} are too long; a magic's arguments are limited to {MAX_LINE:,} characters"
         )
     try:
-        words = shlex.split(line)
+        words = shlex.split(without_comment(line))
     except ValueError as error:  # an unbalanced quote
         raise UsageError(f"cannot parse {quoted(line)}: {error}") from None
+    if words in (["-h"], ["--help"]):  # magic_arguments' parsers add no help option
+        raise UsageError(magic.parser.format_help().removeprefix("::").strip())
     try:
         return magic.parser.parse_args(words)
     except UsageError as error:
@@ -71,6 +73,36 @@ def parse_line(magic, line: str, valid: str = "") -> argparse.Namespace:
         )  # IPython's "::" prefix
         detail = f"; {valid}" if valid else ""
         raise UsageError(f"{_short(str(error))}{detail}; usage: {usage}") from None
+
+
+def without_comment(line: str) -> str:
+    """``line`` up to a ``#`` that starts a word outside quotes: a comment, as in the Python
+    around the magic (IPython hands a line magic its comment as arguments).
+
+    >>> without_comment("bf16   # every following cell")
+    'bf16   '
+    >>> without_comment("--keep 'head #2' lm#x")
+    "--keep 'head #2' lm#x"
+    """
+    quote = None
+    for index, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1].isspace()):
+            return line[:index]
+    return line
+
+
+def cell_usage(func):
+    """Show a cell magic's usage with its ``%%`` (magic_arguments writes one ``%`` for every
+    magic); put above ``magic_arguments()``."""
+    parser = func.parser
+    said = parser.format_usage()
+    parser.prog = f"%{parser.prog}"
+    func.__doc__ = func.__doc__.replace(said.rstrip(), parser.format_usage().rstrip(), 1)
+    return func
 
 
 def _short(message: str) -> str:

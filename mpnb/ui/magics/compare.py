@@ -47,7 +47,7 @@ from mpnb.precision.policy import session
 from mpnb.training.capture import capture_fits
 from mpnb.training.telemetry import Sink
 from mpnb.ui.environment import DASHBOARD_KINDS
-from mpnb.ui.magics.arguments import as_usage_error, choice, parse_line
+from mpnb.ui.magics.arguments import as_usage_error, cell_usage, choice, parse_line
 from mpnb.ui.magics.cell_runner import run_cell_body
 
 __all__: list[str] = []
@@ -60,6 +60,7 @@ _PROGRESS_CHOICES = (*DASHBOARD_KINDS, "none")
 class CompareMagics(Magics):
     """The ``%%compare`` cell magic."""
 
+    @cell_usage
     @magic_arguments()
     @argument(
         "--modes",

@@ -30,7 +30,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from mpnb.precision.policy import session
-from mpnb.ui.magics.arguments import as_usage_error, parse_line
+from mpnb.ui.magics.arguments import as_usage_error, cell_usage, parse_line
 from mpnb.ui.magics.cell_runner import run_cell_body
 
 __all__: list[str] = []
@@ -93,6 +93,7 @@ def _cell_on_rank(body: str) -> dict[str, Any] | None:
 class DistributedMagics(Magics):
     """The ``%%distributed`` cell magic."""
 
+    @cell_usage
     @magic_arguments()
     @argument("--nproc", type=int, default=2, help="worker processes (default 2)")
     @argument(

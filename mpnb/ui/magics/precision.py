@@ -32,6 +32,7 @@ from mpnb.precision.policy import session
 from mpnb.precision.status import status
 from mpnb.ui.magics.arguments import (
     as_usage_error,
+    cell_usage,
     choice,
     parse_line,
     with_mode_options,
@@ -54,6 +55,7 @@ def _op_names(values: list[list[str]] | None) -> list[str]:
 class PrecisionMagics(Magics):
     """Precision-mode magics; see each magic's ``?`` help."""
 
+    @cell_usage
     @magic_arguments()
     @argument(
         "-d",
