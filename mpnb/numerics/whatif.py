@@ -62,7 +62,7 @@ from mpnb.precision.backends import backend_for
 from mpnb.precision.fp32math import exact_fp32_math
 from mpnb.precision.modes.layer_swap import swapped_layers_of
 from mpnb.precision.modes.matmul_format import Threshold
-from mpnb.precision.modes.registry import matmul_formats
+from mpnb.precision.modes.registry import find_format, matmul_formats
 from mpnb.training.batches import batch_loss, check_loss_fn, map_tensors, to_device
 from mpnb.training.gradients import check_loss
 
@@ -123,7 +123,7 @@ def whatif(
         )
     model = uncompiled(model)
     check_loss_fn(loss_fn)
-    chosen = fmt.chosen_formats(formats)
+    chosen, skipped = _castable(fmt.chosen_formats(formats), asked=formats is not None)
     layers = {name: module for name, module in model.named_modules() if multiplies(module)}
     if not layers:
         raise MpnbError(
@@ -208,7 +208,22 @@ def whatif(
     unmeasured = [
         name for name, module in layers.items() if name not in reached and measured.applies(module)
     ]
-    return WhatIf(rows, chosen, unmeasured)
+    return WhatIf(rows, chosen, unmeasured, skipped)
+
+
+def _castable(chosen: tuple[str, ...], asked: bool) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The formats of ``chosen`` whose casts run on this machine, and why each other does not.
+    Formats asked for by name must all run; of the default ones, those that cannot are left
+    out (and said under the tables)."""
+    skipped = {name: why for name in chosen if (why := find_format(name).why_unavailable())}
+    kept = tuple(name for name in chosen if name not in skipped)
+    if skipped and (asked or not kept):
+        running = [name for name in fmt.format_names() if not find_format(name).why_unavailable()]
+        raise MpnbError(
+            "; ".join(f"format {name} {why}" for name, why in skipped.items())
+            + f" (formats that run here: {', '.join(running) or 'none'})"
+        )
+    return kept, skipped
 
 
 def shown_layer(name: str) -> str:
@@ -302,11 +317,16 @@ class WhatIf:
     """
 
     def __init__(
-        self, rows: list[dict[str, Any]], formats: Sequence[str], unmeasured: Sequence[str] = ()
+        self,
+        rows: list[dict[str, Any]],
+        formats: Sequence[str],
+        unmeasured: Sequence[str] = (),
+        skipped: dict[str, str] | None = None,
     ) -> None:
         self.rows = rows
         self.formats = tuple(formats)
         self.unmeasured = list(unmeasured)
+        self.skipped = dict(skipped or {})
         self.layers = list(dict.fromkeys(row["layer"] for row in rows))
         self.thresholds = default_thresholds()
 
@@ -374,6 +394,8 @@ class WhatIf:
             return threshold
         if format not in self.formats:
             fmt.check_format(format)  # an unknown format is named as such
+        if format in self.skipped:
+            raise MpnbError(f"format {format!r} was not measured: it {self.skipped[format]}")
         raise MpnbError(
             f"no threshold for format {format!r}: set result.thresholds[{format!r}] = "
             "Threshold(rel_error=..., overflow=..., underflow=...)"
@@ -383,6 +405,8 @@ class WhatIf:
         if format in self.formats:  # measured: known, even if its mode was unregistered since
             return
         fmt.check_format(format)  # an unknown format is named as such
+        if format in self.skipped:
+            raise MpnbError(f"format {format!r} was not measured: it {self.skipped[format]}")
         raise MpnbError(
             f"format {format!r} was not measured; this what-if measured "
             f"{', '.join(self.formats)}: run whatif(..., formats=[{format!r}, ...])"
@@ -443,13 +467,25 @@ class WhatIf:
     def __str__(self) -> str:
         headers = ("layer", "matmul", "format", "rel_error", "overflow", "underflow", "scale_range")
         table = text_table(headers, [self._cells(row) for row in self.rows])
-        return table + (f"\n{self._unmeasured_line()}" if self.unmeasured else "")
+        return "\n".join([table, *self._notes()])
 
-    def _unmeasured_line(self) -> str:
-        return (
-            f"not measured: {', '.join(self.unmeasured)} (the pass never called them on an "
-            "input: their weight used by other code, or their input given as a keyword)"
-        )
+    def _notes(self) -> list[str]:
+        """What the tables leave out, and why: layers the pass never called, formats whose
+        casts cannot run here."""
+        notes = []
+        if self.unmeasured:
+            notes.append(
+                f"not measured: {', '.join(self.unmeasured)} (the pass never called them on an "
+                "input: their weight used by other code, their input given as a keyword, or "
+                "not used by this batch)"
+            )
+        reasons: dict[str, list[str]] = {}
+        for name, why in self.skipped.items():
+            reasons.setdefault(why, []).append(name)
+        notes += [
+            f"formats not measured: {', '.join(names)} ({why})" for why, names in reasons.items()
+        ]
+        return notes
 
     def __repr__(self) -> str:
         return (
@@ -492,8 +528,7 @@ class WhatIf:
                 cells.append(("KEEP " if threshold and threshold.passed(row) else "") + text)
             body.append(cells)
         advice = "".join(f"<li>{html.escape(self._advice(f))}</li>" for f in self.formats)
-        if self.unmeasured:
-            advice += f"<li>{html.escape(self._unmeasured_line())}</li>"
+        advice += "".join(f"<li>{html.escape(note)}</li>" for note in self._notes())
         return (
             "<b>mpnb what-if: relative error of each layer's worst matmul</b>"
             f"{html_table(('layer', *self.formats), body)}<ul class='mpnb-whatif'>{advice}</ul>"

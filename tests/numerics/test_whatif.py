@@ -1107,3 +1107,48 @@ def test_keeping_the_model_itself_in_a_format_with_a_keep_option_says_what_it_me
     with pytest.raises(MpnbError, match=r"the model itself.*fp8 would train none of it"):
         configuration("fp8", [""])
     assert configuration("fp16", [""])[1] == [""]  # keep_in_fp32('') runs it in fp32
+
+
+_WITHOUT_TORCHAO = """
+import sys
+sys.modules["torchao"] = None  # as if torchao were not installed
+import torch, mpnb
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+batch = (torch.randn(8, 16), torch.randint(0, 2, (8,)))
+result = mpnb.whatif(model, batch, nn.functional.cross_entropy)
+print("FORMATS:", ",".join(result.formats))
+print(str(result).splitlines()[-1])
+for call in (lambda: result.recommend("fp8"),
+             lambda: mpnb.whatif(model, batch, nn.functional.cross_entropy, formats=["bf16", "mxfp8"])):
+    try:
+        call()
+    except mpnb.MpnbError as error:
+        print("REFUSED:", error)
+"""
+
+
+def test_without_torchao_the_default_formats_are_those_that_run_and_the_rest_are_named():
+    """whatif(model, batch, loss) on a plain install (no torchao): fp16 and bf16 measured, the
+    scaled formats named with the install command; asked for by name, refused before the pass."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCHAO], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "FORMATS: fp16,bf16"
+    assert lines[1] == (
+        "formats not measured: fp8, fp8_rowwise, mxfp8, nvfp4 (needs torchao, which is not "
+        "installed: pip install 'mpnb[fp8]')"
+    )
+    assert lines[2] == (
+        "REFUSED: format 'fp8' was not measured: it needs torchao, which is not installed: "
+        "pip install 'mpnb[fp8]'"
+    )
+    assert lines[3].startswith("REFUSED: format mxfp8 needs torchao") and lines[3].endswith(
+        "(formats that run here: fp16, bf16)"
+    )

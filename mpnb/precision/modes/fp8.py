@@ -64,6 +64,7 @@ from mpnb.precision.modes.layer_swap import (
     is_torchao_layer,
     keep_option,
     layer_names,
+    torchao_missing,
 )
 from mpnb.precision.modes.matmul_format import (
     MatmulFormat,
@@ -441,6 +442,7 @@ class Fp8(LayerSwapMode):
             "fp8",
             _FP8_THRESHOLD,
             writes=torch.bfloat16,  # the mode's autocast
+            unavailable=torchao_missing,
             scaled_cast=float8_recipe_cast("tensorwise"),
             trains_as="fp8:tensorwise",
         ),
@@ -448,6 +450,7 @@ class Fp8(LayerSwapMode):
             "fp8_rowwise",
             _FP8_THRESHOLD,
             writes=torch.bfloat16,  # the mode's autocast
+            unavailable=torchao_missing,
             scaled_cast=float8_recipe_cast("rowwise"),
             follows_axis=True,
             trains_as="fp8:rowwise",

@@ -86,6 +86,14 @@ def import_torchao(module: str, mode: str) -> ModuleType:
         ) from None
 
 
+def torchao_missing() -> str:
+    """Why a torchao cast cannot run here, or an empty string where torchao is installed (a
+    matmul format's ``unavailable``)."""
+    return (
+        "" if torchao_installed() else f"needs torchao, which is not installed: {TORCHAO_INSTALL}"
+    )
+
+
 def torchao_installed() -> bool:
     """Whether torchao can be imported (without importing it)."""
     if "torchao" in sys.modules:

@@ -126,6 +126,8 @@ class MatmulFormat:
             tensor multiplied along another axis is cast again.
         trains_as: the mode that trains in the format, as ``parse_mode`` reads it
             (``"fp8:rowwise"``); empty: the mode that declares it.
+        unavailable: says why the cast cannot run on this machine (its library is not
+            installed), or an empty string where it can; None: it always can.
     """
 
     name: str
@@ -135,6 +137,7 @@ class MatmulFormat:
     follows_axis: bool = False
     trains_as: str = ""
     writes: torch.dtype = torch.float32
+    unavailable: Callable[[], str] | None = None
 
     def __post_init__(self) -> None:
         said = f"matmul format {self.name!r}"
@@ -156,6 +159,14 @@ class MatmulFormat:
                 f"{said}: scaled_cast takes a function (tensor, role, dim) -> (values, overflow, "
                 f"scale range), got {self.scaled_cast!r}"
             )
+
+    def why_unavailable(self) -> str:
+        """Why this format cannot be cast on this machine, or an empty string where it can.
+
+        >>> MatmulFormat("bf16", Threshold(0.02, 0.0), dtype=torch.bfloat16).why_unavailable()
+        ''
+        """
+        return self.unavailable() if self.unavailable is not None else ""
 
     @property
     def any_operation(self) -> bool:

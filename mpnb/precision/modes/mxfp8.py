@@ -52,6 +52,7 @@ from mpnb.precision.modes.layer_swap import (
     is_conv1d,
     keep_option,
     layer_names,
+    torchao_missing,
 )
 from mpnb.precision.modes.matmul_format import (
     MatmulFormat,
@@ -326,6 +327,7 @@ class Mxfp8(LayerSwapMode):
             "mxfp8",
             Threshold(rel_error=0.15, overflow=0.0, underflow=0.01),
             writes=torch.bfloat16,  # the mode's autocast
+            unavailable=torchao_missing,
             scaled_cast=blocked_cast(_mxfp8_quantize, MX_BLOCK),
             follows_axis=True,
         ),

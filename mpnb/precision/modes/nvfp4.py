@@ -41,6 +41,7 @@ from mpnb.precision.modes.layer_swap import (
     import_torchao,
     keep_option,
     layer_names,
+    torchao_missing,
 )
 from mpnb.precision.modes.matmul_format import (
     MatmulFormat,
@@ -220,6 +221,7 @@ class Nvfp4(LayerSwapMode):
             "nvfp4",
             Threshold(rel_error=0.3, overflow=0.1, underflow=0.15),
             writes=torch.bfloat16,  # the mode's autocast
+            unavailable=torchao_missing,
             scaled_cast=blocked_cast(_nvfp4_quantize, NVFP4_BLOCK),
             follows_axis=True,
         ),
