@@ -163,6 +163,15 @@ def test_compare_end_to_end_writes_table_csv_json_and_a_self_contained_report(tm
     assert page.remote_scripts == [] and "Plotly.newPlot" in (out / "report.html").read_text()
 
 
+def test_compare_lists_a_mode_that_cannot_train_the_model_and_runs_the_others(tmp_path):
+    # fp8 converts none of the CNN's Linear layers: its row says why, fp32 still runs
+    result = mpnb("compare", "--modes", "fp32,fp8", "--steps", "2", "--warmup", "0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    table = result.stdout[result.stdout.index("mode  step (ms)") :]
+    assert table.splitlines()[1].split()[0] == "fp32"
+    assert "fp8: not run: fp8 would convert no layer of DigitsCNN" in " ".join(table.split())
+
+
 def test_compare_rejects_bad_input_before_running():
     for args, bad in ((["--modes", "fp32,fp5"], "'fp5'"), (["--model", "resnet"], "'resnet'")):
         result = mpnb("compare", *args)

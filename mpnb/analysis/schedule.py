@@ -176,7 +176,14 @@ def interleave(
             for name in order:
                 count = min(block, steps - turns[name].timed)
                 first_row = len(runs[name].trainer.history)
-                taken = take_turn(name, count, timed_turn=True)
+                try:
+                    taken = take_turn(name, count, timed_turn=True)
+                except MpnbError as error:
+                    if first_row:  # a run that trained: its own error
+                        raise
+                    # no warm-up: its first step is where the mode finds it cannot train
+                    end(name, ModeResult(name, skipped_reason=str(error)))
+                    continue
                 if taken:
                     turns[name].rows.append((first_row, first_row + taken))
                 if taken < count or turns[name].timed >= steps:
