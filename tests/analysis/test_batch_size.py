@@ -241,7 +241,8 @@ def test_a_mode_the_device_cannot_run_is_listed_and_bad_input_runs_nothing():
             raise mpnb.DeviceUnavailableError("no fp16 here", ["bf16"])
         return make_run(mode)
 
-    report = mpnb.max_batch_size(refusing, ["fp16"], memory_budget="40 MiB", limit=32)
+    report = mpnb.max_batch_size(refusing, "fp16", memory_budget="40 MiB", limit=32)  # as compare
+    assert [r.mode for r in report.results] == ["fp16"]  # one mode, not 'f', 'p', '1', '6'
     assert report.result("fp16").skipped_reason.startswith("no fp16 here")
     assert "not run: no fp16 here" in str(report)
     calls = []
