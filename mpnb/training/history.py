@@ -232,8 +232,9 @@ class History:
 
     def to_csv(self, path: str | os.PathLike[str] | None = None) -> str:
         """Write (or return) the history as CSV: a ``# mpnb-history {...}`` line with meta and
-        events, then a header row and one row per step. ``pandas.read_csv(path, comment="#")``
-        reads it too; a spreadsheet shows every text as text, never running one as a formula.
+        events, then a header row and one row per step. ``pandas.read_csv(path, skiprows=1)``
+        reads the rows (``History.load(path).to_pandas()`` too, with the text cells as written);
+        a spreadsheet shows every text as text, never running one as a formula.
 
         The file is replaced whole, never written through a link (see :func:`mpnb._files.atomic_write`).
         """
