@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import html
 import itertools
 from collections.abc import Callable, Iterable, Sequence
@@ -467,7 +468,8 @@ class WhatIf:
     def __str__(self) -> str:
         headers = ("layer", "matmul", "format", "rel_error", "overflow", "underflow", "scale_range")
         table = text_table(headers, [self._cells(row) for row in self.rows])
-        return "\n".join([table, *self._notes()])
+        advice = [self._advice(format) for format in self.formats]
+        return "\n".join([table, "", *advice, *self._notes()])
 
     def _notes(self) -> list[str]:
         """What the tables leave out, and why: layers the pass never called, formats whose
@@ -503,8 +505,20 @@ class WhatIf:
         """What the tables say for ``format``: the layers to keep, or that no threshold is set."""
         if self.threshold_of(format) is None:
             return f"{format}: no threshold (set result.thresholds[{format!r}] = Threshold(...))"
-        kept = ", ".join(map(shown_layer, self.recommend(format)))
-        return f"{format}: keep {kept or 'none'}"
+        kept = self.recommend(format)
+        if not kept:
+            return f"{format}: keep none"
+        reasons = []
+        for layer in kept:
+            row = self.worst(layer, format)
+            threshold = self.threshold_of(format)
+            past = [
+                f"{figure} {row[figure]:.3g} > {limit:g}"
+                for figure, limit in dataclasses.asdict(threshold).items()
+                if limit is not None and row[figure] > limit
+            ]
+            reasons.append(f"{shown_layer(layer)} ({row['matmul']} {', '.join(past)})")
+        return f"{format}: keep {', '.join(reasons)}"
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))

@@ -264,7 +264,7 @@ def _unbindable(
         return (
             f"{type(model).__name__}.forward cannot take {_describe(batch)} as its arguments "
             f"({mismatch}); for (inputs, targets) batches pass loss_fn=f(outputs, targets) "
-            "(%whatif --loss), or step_fn=f(model, batch) -> loss"
+            "or step_fn=f(model, batch) -> loss"
         )
     except ValueError:  # no signature to read (a C-level forward)
         return None

@@ -203,7 +203,10 @@ def test_rows_tables_and_shares(planted):
     )
     assert next(r for r in planted.rows if r["format"] == "mxfp8")["scale_range"][0] < 1
     text = str(planted)
-    assert len(text.splitlines()) == 1 + len(planted.rows)
+    lines = text.splitlines()  # the table, a blank line, the advice per format with its why
+    assert len(lines) == 1 + len(planted.rows) + 1 + len(planted.formats)
+    assert lines[-1].startswith("nvfp4: keep 5 (forward rel_error ") and "> 0.3" in lines[-1]
+    assert "bf16: keep none" in lines
     html = planted._repr_html_()
     assert "fp16: keep 5" in html and "bf16: keep none" in html
     assert "fp16 keeps 1" in repr(planted)
