@@ -15,6 +15,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from mpnb.errors import MpnbError
 from mpnb.numerics.formats import format_names
 from mpnb.numerics.whatif import WhatIf, whatif, whatif_of_fit
 from mpnb.precision.modes.registry import split_names
@@ -73,7 +74,13 @@ class WhatIfMagics(Magics):
                     )
                 return whatif_of_fit(model, formats)
             loss = self._value(args.loss) if args.loss else None
-            return whatif(model, self._value(args.batch), loss, formats)
+            try:
+                return whatif(model, self._value(args.batch), loss, formats)
+            except MpnbError as error:  # said in Python's words: loss_fn= is --loss here
+                said = str(error)
+                if "loss_fn=" in said and not args.loss:
+                    said += " (in %whatif: --loss LOSS_FN)"
+                raise UsageError(said) from None
 
     def _value(self, expression: str):
         """``expression`` evaluated in the notebook's namespace."""
