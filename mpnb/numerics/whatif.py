@@ -182,7 +182,9 @@ def whatif(
             ModuleProbe(model, list(layers), on_output),
             torch.autocast(device.type, enabled=False),
         ):
-            loss = batch_loss(model, _trainable(to_device(batch, device)), loss_fn, None)
+            batch = _trainable(to_device(batch, device))
+            _check_batch(batch)
+            loss = batch_loss(model, batch, loss_fn, None)
             check_loss(loss)
             if not bool(torch.isfinite(loss.detach())):
                 raise MpnbError(
@@ -251,9 +253,10 @@ def _trainable(batch: Any) -> Any:
 
 
 def _check_held_in_fp32(model: nn.Module, layers: dict[str, nn.Module]) -> None:
-    """Refuse a model whose weights are held in fp16 or bf16, or whose layers are a format's
-    already (swapped by a layer-swapping mode): its pass would not be the fp32 reference the
-    formats are measured against (its own rounding would read as theirs)."""
+    """Refuse a model whose weights are held in another dtype than fp32, or whose layers are a
+    format's already (swapped by a layer-swapping mode): its pass would not be the fp32
+    reference the formats are measured against (its own rounding would read as theirs); and
+    one whose weights autograd cannot train (not made yet, or made under inference mode)."""
     for name, module in layers.items():
         swapped = swapped_layers_of(module)
         if swapped is not None:
@@ -264,12 +267,48 @@ def _check_held_in_fp32(model: nn.Module, layers: dict[str, nn.Module]) -> None:
                 "--model`), or call it outside the block that converted them"
             )
     for name, parameter in model.named_parameters():
-        if parameter.is_floating_point() and parameter.element_size() < 4:
+        if isinstance(parameter, nn.parameter.UninitializedParameter):
+            raise MpnbError(
+                f"the model's weight {name!r} is not made yet (a Lazy layer): run the model once "
+                "on a batch, model(inputs), then measure it"
+            )
+        if parameter.is_inference():
+            raise MpnbError(
+                f"the model's weight {name!r} was made under torch.inference_mode(), and "
+                "autograd cannot train such a tensor: make the model outside that block (or "
+                "under torch.no_grad()), then measure it"
+            )
+        if parameter.is_floating_point() and parameter.dtype != torch.float32:
             raise MpnbError(
                 f"the what-if measures each format against fp32, and the model holds "
                 f"{parameter.dtype} weights ({name!r}): measure a float32 copy, "
                 "whatif(copy.deepcopy(model).float(), batch, ...), with a float32 batch"
             )
+
+
+def _check_batch(batch: Any) -> None:
+    """Refuse a batch the fp32 pass cannot take: floating-point values in another dtype (the
+    model's float32 layers refuse them, or the format's reference would not be fp32), or no
+    sample."""
+    tensors: list[torch.Tensor] = []
+
+    def seen(tensor: torch.Tensor) -> torch.Tensor:
+        tensors.append(tensor)
+        return tensor
+
+    map_tensors(batch, seen)
+    for tensor in tensors:
+        if tensor.is_floating_point() and tensor.dtype != torch.float32:
+            raise MpnbError(
+                f"the batch holds {tensor.dtype} values (a tensor shaped {tuple(tensor.shape)}): "
+                "the what-if's pass is fp32, the reference the formats are measured against; "
+                "pass them as float32 (tensor.float())"
+            )
+    if tensors and tensors[0].dim() and not len(tensors[0]):
+        raise MpnbError(
+            f"the batch holds no sample (a tensor shaped {tuple(tensors[0].shape)}): the "
+            "what-if measures one pass on at least one"
+        )
 
 
 def _matmuls_trained(module: nn.Module, x: torch.Tensor) -> tuple[str, ...]:

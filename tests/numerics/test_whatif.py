@@ -1155,3 +1155,36 @@ def test_without_torchao_the_default_formats_are_those_that_run_and_the_rest_are
     assert lines[3].startswith("REFUSED: format mxfp8 needs torchao") and lines[3].endswith(
         "(formats that run here: fp16, bf16)"
     )
+
+
+def _lazy() -> nn.Module:
+    return nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def _made_in_inference_mode() -> nn.Module:
+    with torch.inference_mode():
+        return nn.Sequential(nn.Linear(32, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def _pair(rows: int = 4, features: int = 32, dtype: torch.dtype = torch.float32) -> tuple:
+    return torch.randn(rows, features, dtype=dtype), torch.randn(rows, 4)
+
+
+@pytest.mark.parametrize(
+    "make_model, batch, said",
+    [
+        (lambda: _small()[0].double(), _pair(), r"holds torch.float64 weights \('0.weight'\)"),
+        (lambda: _small()[0], _pair(dtype=torch.float16), r"batch holds torch.float16 values"),
+        (
+            lambda: _small()[0],
+            _pair(rows=0),
+            r"batch holds no sample \(a tensor shaped \(0, 32\)\)",
+        ),
+        (_lazy, _pair(), r"'0.weight' is not made yet"),
+        (_made_in_inference_mode, _pair(), r"'0.weight' was made under torch.inference_mode"),
+    ],
+)
+def test_a_model_or_batch_that_cannot_make_the_fp32_pass_is_named(make_model, batch, said):
+    model = make_model()
+    with pytest.raises(MpnbError, match=said):
+        whatif(model, batch, nn.functional.mse_loss, formats="bf16")
