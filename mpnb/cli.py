@@ -231,9 +231,11 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpnb`` command."""
+    from mpnb import __version__
     from mpnb.precision.modes import mode_names
 
     parser = _Parser(prog="mpnb", description="Mixed-precision training toolkit for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"mpnb {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     report = commands.add_parser(
         "devices", help="report what each device can do for mixed precision"

@@ -31,6 +31,13 @@ def test_devices_json():
     assert cpu["available"] and cpu["autocast_dtypes"] == ["bf16", "fp16"] and cpu["verified"] == {}
 
 
+def test_version_is_printed():
+    import mpnb as package
+
+    result = mpnb("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"mpnb {package.__version__}"
+
+
 def test_bad_command_is_an_error_that_lists_the_commands():
     result = mpnb("fly")
     assert result.returncode == 2 and "'fly'" in result.stderr and "devices" in result.stderr

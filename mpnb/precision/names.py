@@ -63,8 +63,23 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
         if dtype is not None:
             return dtype
     hint = "For fp32, turn autocast off (--off, or enabled=False)." if _means_fp32(value) else ""
+    hint = hint or _mode_hint(value)
     raise InvalidChoiceError(
         "autocast dtype", value, ["bf16 (bfloat16)", "fp16 (float16, half)"], hint
+    )
+
+
+def _mode_hint(value: object) -> str:
+    """Where ``value`` names a mode that swaps layers (fp8, mxfp8, nvfp4) rather than an
+    autocast dtype: how to train in it."""
+    from mpnb.precision.modes.registry import find_mode  # the registry imports this module
+
+    mode = find_mode(str(value))
+    if mode is None or not mode.converts_layers:
+        return ""
+    return (
+        f"{mode.name} is a mode that swaps a model's layers, not an autocast dtype: "
+        f"mpnb.Trainer(..., mode={mode.name!r}), or %amp {mode.name} in a notebook."
     )
 
 

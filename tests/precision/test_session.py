@@ -63,7 +63,16 @@ def test_one_autocast_object_can_be_reentered():
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
-        ({"dtype": "fp8"}, InvalidChoiceError, "'fp8'"),
+        (
+            {"dtype": "fp8"},
+            InvalidChoiceError,
+            r"'fp8'.*a mode that swaps a model's layers.*mode='fp8'",
+        ),
+        (
+            {"dtype": "fp5"},
+            InvalidChoiceError,
+            r"'fp5'; valid: bf16 \(bfloat16\), fp16 \(float16, half\)$",
+        ),
         ({"dtype": "float32"}, InvalidChoiceError, "turn autocast off"),
         ({"device": "tpu"}, InvalidChoiceError, "'tpu'"),
     ],
