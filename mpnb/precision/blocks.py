@@ -28,9 +28,10 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
     instead of warning and silently running in fp32.
 
     Args:
-        dtype: ``"bf16"`` / ``"fp16"`` (or aliases, or a torch dtype). Default: the session
-            mode's: its dtype, autocast off in a mode that runs without it (fp32, tf32), the
-            device's preferred dtype where no mode is chosen (mode off).
+        dtype: ``"bf16"`` / ``"fp16"`` (or aliases, or a torch dtype). Default: inside an
+            autocast already (a fit's, an outer block's), its dtype; else the session mode's:
+            its dtype, autocast off in a mode that runs without it (fp32, tf32), the device's
+            preferred dtype where no mode is chosen (mode off).
         device: ``"cpu"``, ``"cuda"``, ``"hpu"``... Default: the session device.
         enabled: False runs the block with autocast off.
         cache: keep cast weight copies for the whole block (see AutocastSettings).
@@ -56,7 +57,13 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
         fp32: Iterable[str] = (),
         lower: Iterable[str] = (),
     ) -> None:
-        by_mode = dtype is None and enabled and session.mode.runs_without_autocast
+        by_mode = False
+        if dtype is None and enabled:
+            kind = session.autocast_settings(None, device, enabled=False).device.type
+            if torch.is_autocast_enabled(kind):  # inside a fit's or a block's: what runs there
+                dtype = torch.get_autocast_dtype(kind)
+            else:
+                by_mode = session.mode.runs_without_autocast
         enabled = enabled and not by_mode
         self.settings = session.autocast_settings(dtype, device, enabled=enabled, cache=cache)
         self.oplists = OpLists.of(lower, fp32, source="this block")

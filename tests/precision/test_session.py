@@ -117,6 +117,35 @@ def test_autocast_follows_the_session_mode():
         assert settings.enabled and settings.dtype is torch.bfloat16
 
 
+def test_autocast_without_a_dtype_inside_an_autocast_keeps_what_runs_there():
+    # a model's forward holding `with mpnb.autocast():` inside a bf16 fit of an fp32 session
+    mpnb.set_mode("fp32", device="cpu")
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with mpnb.autocast():
+                seen.append(
+                    torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+                )
+                return self.linear(x)
+
+    for mode, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        model = Model()
+        trainer = mpnb.Trainer(
+            model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.cross_entropy,
+            mode=mode, device="cpu", dashboard=None,
+        )  # fmt: skip
+        trainer.fit([(torch.randn(4, 8), torch.randint(0, 4, (4,)))], max_steps=1)
+        assert seen[-1] is dtype, (mode, seen)
+    with mpnb.autocast("bf16"), mpnb.autocast() as inner:  # an outer block's, likewise
+        assert inner.enabled and inner.dtype is torch.bfloat16
+
+
 def test_modes_set_fp32_math_and_off_restores_it():
     mpnb.set_mode("tf32", device="cpu")
     assert torch.get_float32_matmul_precision() == "medium"
