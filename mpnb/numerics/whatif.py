@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 import html
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -193,10 +193,10 @@ def whatif(
                     "and the weights (torch.isfinite)"
                 )
             loss_backward = True
-            # into the model's weights only (restored after): none into a batch that needs
-            # gradients or a loss with parameters of its own
-            trained = [p for p in model.parameters() if p.requires_grad]
-            loss.float().backward(inputs=trained or None)
+            # as a training step runs it; a gradient it leaves outside the model (a batch that
+            # needs one, a loss's own parameter) is put back as found, the model's are below
+            with _grads_kept(_leaves_of(loss)):
+                loss.float().backward()
             # a call whose output needed a gradient that never came (detached after it, a
             # side pass): its forward still ran in the format
             for layer, x, _ in list(waiting.values()):
@@ -212,6 +212,37 @@ def whatif(
         name for name, module in layers.items() if name not in reached and measured.applies(module)
     ]
     return WhatIf(rows, chosen, unmeasured, skipped)
+
+
+def _leaves_of(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a backward from ``loss`` accumulates a gradient into (its graph's leaves
+    that need one), found by walking the graph."""
+    leaves, seen = [], set()
+    nodes = [loss.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        nodes.extend(following for following, _ in node.next_functions)
+    return leaves
+
+
+@contextlib.contextmanager
+def _grads_kept(leaves: list[torch.Tensor]) -> Iterator[None]:
+    """Inside, each of ``leaves`` starts with no gradient; on leaving, the gradient it had is
+    put back, the same tensor, unchanged (a backward adds into an existing one in place)."""
+    held = [(leaf, leaf.grad) for leaf in leaves]
+    for leaf, _ in held:
+        leaf.grad = None
+    try:
+        yield
+    finally:
+        for leaf, grad in held:
+            leaf.grad = grad
 
 
 def _castable(chosen: tuple[str, ...], asked: bool) -> tuple[tuple[str, ...], dict[str, str]]:

@@ -423,6 +423,46 @@ def test_an_all_zero_operand_adds_no_scale_to_its_rows_range():
         assert forward["scale_range"] == pytest.approx(alone), format
 
 
+def test_the_pass_runs_every_matmul_a_step_runs_and_puts_outside_gradients_back():
+    """The backward is a training step's: a soft prompt before a frozen layer gets its
+    gradient through that layer (its input_grad runs), a reentrant checkpoint that takes only
+    the batch reaches its layers; the gradients it leaves outside the model (the prompt, a
+    closure's parameter) are put back, the same tensors."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    prompt = torch.randn(5, 8, requires_grad=True)
+    held = torch.zeros_like(prompt)
+    prompt.grad = held
+    temperature = nn.Parameter(torch.tensor(2.0))
+    loss = lambda out, target: nn.functional.cross_entropy(out / temperature, target)  # noqa: E731
+    result = whatif(model, (prompt, torch.randint(0, 4, (5,))), loss, formats="bf16")
+    assert {r["matmul"] for r in result.rows if r["layer"] == "0"} == {"forward", "input_grad"}
+    assert prompt.grad is held and not held.any() and temperature.grad is None
+    model.requires_grad_(False)  # nothing in the model trains: the prompt alone
+    whatif(model, (prompt, torch.randint(0, 4, (5,))), loss, formats="bf16")
+    assert prompt.grad is held and not held.any() and temperature.grad is None
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            inner = lambda y: self.b(torch.relu(self.a(y)))  # noqa: E731
+            return checkpoint(inner, x, use_reentrant=True)
+
+    x = torch.randn(4, 8, requires_grad=True)  # as torch asks of a reentrant checkpoint
+    net = Checkpointed()
+    result = whatif(net, (x, torch.randn(4, 8)), nn.functional.mse_loss, formats="bf16")
+    assert {(r["layer"], r["matmul"]) for r in result.rows} == {
+        (layer, matmul) for layer in "ab" for matmul in ("forward", "input_grad", "weight_grad")
+    }
+    assert x.grad is None and all(p.grad is None for p in net.parameters())
+
+
 def test_a_layer_fed_the_batch_has_no_input_grad_row_as_autograd_runs_none(planted):
     # the first layer's input needs no gradient: training never multiplies its output's
     # gradient by its weight, so no error there may make recommend() keep it
