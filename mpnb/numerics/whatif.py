@@ -318,9 +318,8 @@ def _check_held_in_fp32(model: nn.Module, layers: dict[str, nn.Module]) -> None:
 
 
 def _check_batch(batch: Any) -> None:
-    """Refuse a batch the fp32 pass cannot take: floating-point values in another dtype (the
-    model's float32 layers refuse them, or the format's reference would not be fp32), or no
-    sample."""
+    """Refuse a batch with no sample in it: one of its tensors has no row (what the layers
+    would get is nothing to measure, and the message the pass meets is about its layers)."""
     tensors: list[torch.Tensor] = []
 
     def seen(tensor: torch.Tensor) -> torch.Tensor:
@@ -328,17 +327,11 @@ def _check_batch(batch: Any) -> None:
         return tensor
 
     map_tensors(batch, seen)
-    for tensor in tensors:
-        if tensor.is_floating_point() and tensor.dtype != torch.float32:
-            raise MpnbError(
-                f"the batch holds {tensor.dtype} values (a tensor shaped {tuple(tensor.shape)}): "
-                "the what-if's pass is fp32, the reference the formats are measured against; "
-                "pass them as float32 (tensor.float())"
-            )
-    if tensors and tensors[0].dim() and not len(tensors[0]):
+    empty = next((t for t in tensors if t.dim() and not len(t)), None)
+    if empty is not None:
         raise MpnbError(
-            f"the batch holds no sample (a tensor shaped {tuple(tensors[0].shape)}): the "
-            "what-if measures one pass on at least one"
+            f"the batch holds no sample (a tensor shaped {tuple(empty.shape)}): the what-if "
+            "measures one pass on at least one"
         )
 
 

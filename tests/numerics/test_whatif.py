@@ -1214,11 +1214,15 @@ def _pair(rows: int = 4, features: int = 32, dtype: torch.dtype = torch.float32)
     "make_model, batch, said",
     [
         (lambda: _small()[0].double(), _pair(), r"holds torch.float64 weights \('0.weight'\)"),
-        (lambda: _small()[0], _pair(dtype=torch.float16), r"batch holds torch.float16 values"),
         (
             lambda: _small()[0],
             _pair(rows=0),
             r"batch holds no sample \(a tensor shaped \(0, 32\)\)",
+        ),
+        (
+            lambda: _small()[0],
+            (torch.randn(3, 32), torch.randn(0, 4)),  # an inconsistent pair, not the first
+            r"batch holds no sample \(a tensor shaped \(0, 4\)\)",
         ),
         (_lazy, _pair(), r"'0.weight' is not made yet"),
         (_made_in_inference_mode, _pair(), r"'0.weight' was made under torch.inference_mode"),
