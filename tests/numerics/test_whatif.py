@@ -1232,3 +1232,9 @@ def test_a_model_or_batch_that_cannot_make_the_fp32_pass_is_named(make_model, ba
     model = make_model()
     with pytest.raises(MpnbError, match=said):
         whatif(model, batch, nn.functional.mse_loss, formats="bf16")
+
+
+def test_float64_targets_from_numpy_are_measured_as_a_fit_trains_on_them():
+    model, (x, y) = _small()
+    result = whatif(model, (x, y.double()), nn.functional.mse_loss, formats="bf16")
+    assert len(result.rows) == 5  # two layers, the first with no input_grad
