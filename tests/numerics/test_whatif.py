@@ -4,6 +4,7 @@ proved on a short run; the model, the switches and the hooks as found."""
 
 from __future__ import annotations
 
+import fractions
 import functools
 import math
 import re
@@ -337,17 +338,23 @@ def test_a_threshold_taken_away_is_asked_for_by_name(planted):
         ({"rel_error": 0.1, "overflow": -0.5}, "overflow=-0.5"),
         ({"rel_error": 0.1, "overflow": True}, "overflow=True"),
         ({"rel_error": 0.1, "overflow": 0.0, "underflow": math.nan}, "underflow=nan"),
+        ({"rel_error": 10**400, "overflow": 0.0}, "(401 characters)"),  # past float's range
     ],
 )
 def test_a_threshold_that_is_not_a_number_at_least_zero_is_refused(planted, fields, named):
     # NaN compares false: every layer would pass it, and the advice would be to keep none
     from mpnb.numerics.whatif import Threshold
 
-    with pytest.raises(MpnbError, match=re.escape(f"Threshold({named}): a threshold is a number")):
+    with pytest.raises(MpnbError, match=re.escape(f"{named}): a threshold is a number")):
         Threshold(**fields)
     assert (
         Threshold(rel_error=math.inf, overflow=0, underflow=None).passed(planted.rows[0]) is False
     )
+    exact = Threshold(rel_error=fractions.Fraction(1, 10**6), overflow=0)  # read as a float
+    assert exact.rel_error == 1e-6 and isinstance(exact.overflow, float)
+    result = WhatIf(planted.rows, planted.formats)
+    result.thresholds["fp16"] = exact
+    assert "fp16: keep " in str(result) and "fp16: keep" in result._repr_html_()
 
 
 def test_a_gradient_taken_inside_the_loss_is_not_the_one_measured():

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, quoted
 
 __all__: list[str] = []
 
@@ -89,12 +89,18 @@ class Threshold:
             if value is None and field.name == "underflow":
                 continue
             number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-            if not number or math.isnan(value) or value < 0:
+            try:
+                value = float(value) if number else math.nan
+            except OverflowError:  # an int past float's range
+                value = math.nan
+            if math.isnan(value) or value < 0:
                 # NaN compares false: a layer past it would never be kept, all converted
                 raise MpnbError(
-                    f"Threshold({field.name}={value!r}): a threshold is a number, 0 or more "
+                    f"Threshold({field.name}={quoted(getattr(self, field.name))}): a threshold is a "
+                    "number, 0 or more "
                     f"(inf: never past it){'; or None: not looked at' if field.name == 'underflow' else ''}"
                 )
+            object.__setattr__(self, field.name, value)  # a float: a Fraction prints with :g too
 
     def passed(self, row: dict[str, Any]) -> bool:
         """``row`` (one of :attr:`WhatIf.rows <mpnb.numerics.whatif.WhatIf>`) is past this threshold."""
