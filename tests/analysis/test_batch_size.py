@@ -252,6 +252,9 @@ def test_a_mode_the_device_cannot_run_is_listed_and_bad_input_runs_nothing():
         mpnb.max_batch_size(lambda mode: calls.append(mode), ["bf16"], start=64, limit=32)
     with pytest.raises(ValueError, match="'lots'"):
         mpnb.max_batch_size(lambda mode: calls.append(mode), ["bf16"], memory_budget="lots")
+    for seconds in (math.nan, -1, "5"):  # NaN reached int() in the probe's size
+        with pytest.raises(ValueError, match=r"trial_seconds takes a number of seconds, 0 or more"):
+            mpnb.max_batch_size(lambda mode: calls.append(mode), ["bf16"], trial_seconds=seconds)
     assert calls == []
 
 
