@@ -229,11 +229,17 @@ def test_a_comment_after_a_magics_arguments_is_a_comment(ip):
     assert "layer_norm" in str(mpnb.get_oplists())
     assert run(ip, "%%autocast -d fp16   # this cell only\nlinear(x).dtype") is F16
     assert "'#'" in usage_error(ip, "%amp '#'")  # quoted, it is an argument
+    # a backslash-escaped quote opens no quotation: the comment after it is one
+    run(ip, '%amp fp8 --keep "a\\"b"  # c')
+    assert session.mode.keep == ('a"b',)  # not 'a"b', '#', 'c'
+    run(ip, "%amp off")
+    assert "don't" in usage_error(ip, "%amp don\\'t  # a note")
 
 
 def test_dash_h_shows_a_magics_help_and_cell_magics_say_their_double_percent(ip):
     help_text = usage_error(ip, "%amp --help")
     assert help_text.startswith("%amp [") and "one of off, fp32" in help_text
+    assert usage_error(ip, "%amp bf16 -h") == help_text  # among other words too
     assert "usage: %%autocast [" in usage_error(ip, "%%autocast --bogus\n1")
     assert ip.magics_manager.magics["cell"]["autocast"].__doc__.startswith("::\n\n  %%autocast [")
     assert "%%compare [" in usage_error(ip, "%%compare -h\n1")

@@ -63,7 +63,7 @@ def parse_line(magic, line: str, valid: str = "") -> argparse.Namespace:
         words = shlex.split(without_comment(line))
     except ValueError as error:  # an unbalanced quote
         raise UsageError(f"cannot parse {quoted(line)}: {error}") from None
-    if words in (["-h"], ["--help"]):  # magic_arguments' parsers add no help option
+    if {"-h", "--help"} & set(words):  # magic_arguments' parsers add no help option
         raise UsageError(magic.parser.format_help().removeprefix("::").strip())
     try:
         return magic.parser.parse_args(words)
@@ -83,10 +83,16 @@ def without_comment(line: str) -> str:
     'bf16   '
     >>> without_comment("--keep 'head #2' lm#x")
     "--keep 'head #2' lm#x"
+    >>> without_comment(r'--keep "a\\"b # c"  # a comment')  # an escaped quote
+    '--keep "a\\\\"b # c"  '
     """
-    quote = None
+    quote, escaped = None, False
     for index, char in enumerate(line):
-        if quote:
+        if escaped:  # the character after a backslash is itself, as the shell reads it
+            escaped = False
+        elif char == "\\" and quote != "'":  # literal within single quotes only
+            escaped = True
+        elif quote:
             quote = None if char == quote else quote
         elif char in "'\"":
             quote = char
