@@ -88,6 +88,17 @@ def test_nvfp4_casts_a_tiny_tensor_with_shares_and_errors_that_make_sense(larges
             assert error < 0.2
 
 
+@pytest.mark.parametrize("width", [1, 2, 3, 4])
+def test_a_table_of_any_row_width_reads_bytes_back_as_its_rows(width):
+    # a contributor's decode may give several values a byte, in float32: 4-16 bytes a row
+    from mpnb.precision.modes.matmul_format import byte_table, read_bytes
+
+    table = byte_table(lambda codes: codes.float().unsqueeze(1) / 3 + torch.arange(width))
+    codes = torch.tensor([[0, 7], [255, 3]], dtype=torch.uint8)
+    expected = table[codes.long()].reshape(2, 2 * width)
+    assert torch.equal(read_bytes(codes, table), expected)
+
+
 def test_codes_of_any_shape_read_back_in_that_shape():
     table = dtype_table(torch.float8_e4m3fn)
     for shape in [(0, 32), (3, 0), (2, 3, 4), ()]:
