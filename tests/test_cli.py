@@ -22,6 +22,8 @@ def test_devices_report():
     assert (
         "cpu" in result.stdout and "bf16 -> bf16" in result.stdout and "fp32 math" in result.stdout
     )
+    assert "cpu layer modes: fp8: emulated" in result.stdout
+    assert max(map(len, result.stdout.splitlines())) <= 100  # a terminal's width, not 300+
 
 
 def test_devices_json():

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 import torch
 
@@ -204,10 +205,19 @@ class DeviceReport(_Renders):
     )
 
     def to_text(self) -> str:
-        lines = [text_table(self._HEADERS, self.rows()), ""]
-        for info in self.devices:
+        # the table's short columns; a present device's long ones after it, wrapped to a
+        # terminal's width (a row of all six ran past 300 characters)
+        short = len(self._HEADERS) - 2
+        lines = [text_table(self._HEADERS[:short], [row[:short] for row in self.rows()]), ""]
+        for info, row in zip(self.devices, self.rows(), strict=True):
+            for header, value in zip(self._HEADERS[short:], row[short:], strict=True):
+                if value and value != "-":  # an absent device's details: why it is absent
+                    lines += textwrap.wrap(
+                        f"{info.type} {header}: {value}", 100, subsequent_indent="    "
+                    )
             if info.available:
-                lines += info.notes()
+                for note in info.notes():
+                    lines += textwrap.wrap(note, 100, subsequent_indent="    ")
         return "\n".join(lines).rstrip()
 
     def _repr_html_(self) -> str:
