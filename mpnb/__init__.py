@@ -62,7 +62,7 @@ from mpnb.ui.views import install as _install_ui_views
 # The core asks mpnb.views for its dashboards and figures; the Jupyter ones are the default.
 _install_ui_views()
 
-__version__ = "0.1.0"
+from mpnb._version import __version__ as __version__  # noqa: E402
 
 __all__ = [
     "Mode",

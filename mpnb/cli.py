@@ -231,7 +231,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpnb`` command."""
-    from mpnb import __version__
+    from mpnb._version import __version__
     from mpnb.precision.modes import mode_names
 
     parser = _Parser(prog="mpnb", description="Mixed-precision training toolkit for PyTorch.")

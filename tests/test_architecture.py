@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "mpnb"
 #: The core's layers, lowest first: each may import only itself and what stands before it.
 #: The package root stands above everything: no module inside may import it.
 CORE_LAYERS = (
-    ("mpnb.errors",),
+    ("mpnb.errors", "mpnb._version"),
     ("mpnb._render", "mpnb._files", "mpnb._stderr", "mpnb.views"),
     ("mpnb.oplists",),
     ("mpnb.precision",),

@@ -43,8 +43,9 @@ _DTYPE_ALIASES = {
 DTYPE_NAMES = ("bf16", "fp16")
 
 
-def parse_dtype(value: str | torch.dtype) -> torch.dtype:
-    """Return the autocast dtype named by ``value``: float16 or bfloat16.
+def parse_dtype(value: str | torch.dtype, hint: str = "") -> torch.dtype:
+    """Return the autocast dtype named by ``value``: float16 or bfloat16. ``hint``: said after
+    the valid names when ``value`` is none of them (what a caller knows it may mean).
 
     Raises:
         InvalidChoiceError: ``value`` is not a dtype autocast can lower to.
@@ -62,24 +63,10 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
         dtype = _DTYPE_ALIASES.get(str(value).strip().lower())
         if dtype is not None:
             return dtype
-    hint = "For fp32, turn autocast off (--off, or enabled=False)." if _means_fp32(value) else ""
-    hint = hint or _mode_hint(value)
+    if _means_fp32(value):
+        hint = "For fp32, turn autocast off (--off, or enabled=False)."
     raise InvalidChoiceError(
         "autocast dtype", value, ["bf16 (bfloat16)", "fp16 (float16, half)"], hint
-    )
-
-
-def _mode_hint(value: object) -> str:
-    """Where ``value`` names a mode that swaps layers (fp8, mxfp8, nvfp4) rather than an
-    autocast dtype: how to train in it."""
-    from mpnb.precision.modes.registry import find_mode  # the registry imports this module
-
-    mode = find_mode(str(value))
-    if mode is None or not mode.converts_layers:
-        return ""
-    return (
-        f"{mode.name} is a mode that swaps a model's layers, not an autocast dtype: "
-        f"mpnb.Trainer(..., mode={mode.name!r}), or %amp {mode.name} in a notebook."
     )
 
 

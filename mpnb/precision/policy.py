@@ -33,6 +33,7 @@ from mpnb.precision.autocast_settings import AutocastSettings, ThreadAutocast, c
 from mpnb.precision.backends import Backend, backend_for, resolve_device
 from mpnb.precision.fp32math import Fp32MathSwitch
 from mpnb.precision.modes import Mode, parse_mode
+from mpnb.precision.modes.registry import find_mode
 from mpnb.precision.names import Fp32Math, parse_dtype
 
 __all__ = ["Session", "set_mode", "get_mode", "set_oplists", "get_oplists"]
@@ -236,7 +237,7 @@ class Session:
         target = resolve_device(self.device if device is None else device)
         backend = backend_for(target)
         if dtype is not None:
-            chosen = parse_dtype(dtype)
+            chosen = parse_dtype(dtype, _mode_hint(dtype))
         else:
             chosen = self.mode.autocast_dtype or backend.preferred_dtype()
         if enabled:
@@ -349,6 +350,18 @@ class Session:
 
 
 session = Session()
+
+
+def _mode_hint(value: object) -> str:
+    """Where ``value`` names a mode that swaps layers (fp8, mxfp8, nvfp4) rather than an
+    autocast dtype: how to train in it (empty otherwise)."""
+    mode = find_mode(value) if isinstance(value, str) else None
+    if mode is None or not mode.converts_layers:
+        return ""
+    return (
+        f"{mode.name} is a mode that swaps a model's layers, not an autocast dtype: "
+        f"mpnb.Trainer(..., mode={mode.name!r}), or %amp {mode.name} in a notebook."
+    )
 
 
 def set_mode(mode: str | Mode, device: str | torch.device | None = None, **options: Any) -> Mode:

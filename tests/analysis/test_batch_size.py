@@ -378,11 +378,12 @@ def test_a_step_whose_small_batches_are_fixed_costs_is_timed_again_and_confirmed
     """A 32-sample step (its time under the memory profiler, or Adam's update alone) scaled
     to thousands of samples foresaw 40-200 s for a step that takes well under one: the answer
     was left to the account. A bare step, and a probe of a size between, time it truly."""
-    report = mpnb.max_batch_size(wide_mlp_run, ["fp32"], memory_budget="96 MiB", trial_seconds=1.0)
+    # the answer's real step takes ~0.25 s here (1 s on a loaded machine), foreseen at 26-82 s
+    report = mpnb.max_batch_size(wide_mlp_run, ["fp32"], memory_budget="96 MiB")
     result = report.result("fp32")
     assert result.batch_size > 2000 and result.checked and result.note == "", str(report)
     real = [t for t in result.trials if t.kind in ("step", "probe")]
-    assert max(t.step_seconds for t in real) < 1.0, real
+    assert max(t.step_seconds for t in real) < 5.0, real
 
 
 def test_an_answer_at_the_search_limit_is_printed_as_a_lower_bound():
