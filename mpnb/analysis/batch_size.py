@@ -272,8 +272,8 @@ def max_batch_size(
     names = mode_labels(modes)  # "fp32,bf16" too, as compare takes them
     if not 1 <= start <= limit:
         raise ValueError(f"need 1 <= start <= limit, got start={start}, limit={limit}")
-    seconds = trial_seconds
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+    number = isinstance(trial_seconds, (int, float)) and not isinstance(trial_seconds, bool)
+    if not number or not trial_seconds >= 0:  # NaN too
         raise ValueError(
             f"trial_seconds takes a number of seconds, 0 or more (inf: every real step), got "
             f"{trial_seconds!r}"

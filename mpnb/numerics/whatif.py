@@ -64,7 +64,7 @@ from mpnb.precision.fp32math import exact_fp32_math
 from mpnb.precision.modes.layer_swap import swapped_layers_of
 from mpnb.precision.modes.matmul_format import Threshold
 from mpnb.precision.modes.registry import find_format, matmul_formats
-from mpnb.training.batches import batch_loss, check_loss_fn, map_tensors, to_device
+from mpnb.training.batches import batch_loss, check_loss_fn, map_tensors, tensors_in, to_device
 from mpnb.training.gradients import check_loss
 
 __all__ = ["WhatIf", "Threshold", "whatif"]
@@ -249,10 +249,11 @@ def _castable(chosen: tuple[str, ...], asked: bool) -> tuple[tuple[str, ...], di
     """The formats of ``chosen`` whose casts run on this machine, and why each other does not.
     Formats asked for by name must all run; of the default ones, those that cannot are left
     out (and said under the tables)."""
-    skipped = {name: why for name in chosen if (why := find_format(name).why_unavailable())}
+    why = {name: find_format(name).why_unavailable() for name in fmt.format_names()}
+    skipped = {name: why[name] for name in chosen if why[name]}
     kept = tuple(name for name in chosen if name not in skipped)
     if skipped and (asked or not kept):
-        running = [name for name in fmt.format_names() if not find_format(name).why_unavailable()]
+        running = [name for name, reason in why.items() if not reason]
         raise MpnbError(
             "; ".join(f"format {name} {why}" for name, why in skipped.items())
             + f" (formats that run here: {', '.join(running) or 'none'})"
@@ -320,14 +321,7 @@ def _check_held_in_fp32(model: nn.Module, layers: dict[str, nn.Module]) -> None:
 def _check_batch(batch: Any) -> None:
     """Refuse a batch with no sample in it: one of its tensors has no row (what the layers
     would get is nothing to measure, and the message the pass meets is about its layers)."""
-    tensors: list[torch.Tensor] = []
-
-    def seen(tensor: torch.Tensor) -> torch.Tensor:
-        tensors.append(tensor)
-        return tensor
-
-    map_tensors(batch, seen)
-    empty = next((t for t in tensors if t.dim() and not len(t)), None)
+    empty = next((t for t in tensors_in(batch) if t.dim() and not len(t)), None)
     if empty is not None:
         raise MpnbError(
             f"the batch holds no sample (a tensor shaped {tuple(empty.shape)}): the what-if "
@@ -458,8 +452,6 @@ class WhatIf:
             return threshold
         if format not in self.formats:
             fmt.check_format(format)  # an unknown format is named as such
-        if format in self.skipped:
-            raise MpnbError(f"format {format!r} was not measured: it {self.skipped[format]}")
         raise MpnbError(
             f"no threshold for format {format!r}: set result.thresholds[{format!r}] = "
             "Threshold(rel_error=..., overflow=..., underflow=...)"
@@ -566,7 +558,8 @@ class WhatIf:
 
     def _advice(self, format: str) -> str:
         """What the tables say for ``format``: the layers to keep, or that no threshold is set."""
-        if self.threshold_of(format) is None:
+        threshold = self.threshold_of(format)
+        if threshold is None:
             return f"{format}: no threshold (set result.thresholds[{format!r}] = Threshold(...))"
         kept = self.recommend(format)
         if not kept:
@@ -574,7 +567,6 @@ class WhatIf:
         reasons = []
         for layer in kept:
             row = self.worst(layer, format)
-            threshold = self.threshold_of(format)
             past = [
                 f"{figure} {row[figure]:.3g} > {limit:g}"
                 for figure, limit in dataclasses.asdict(threshold).items()

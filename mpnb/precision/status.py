@@ -207,9 +207,9 @@ class DeviceReport(_Renders):
     def to_text(self) -> str:
         # the table's short columns; a present device's long ones after it, wrapped to a
         # terminal's width (a row of all six ran past 300 characters)
-        short = len(self._HEADERS) - 2
-        lines = [text_table(self._HEADERS[:short], [row[:short] for row in self.rows()]), ""]
-        for info, row in zip(self.devices, self.rows(), strict=True):
+        short, rows = len(self._HEADERS) - 2, self.rows()
+        lines = [text_table(self._HEADERS[:short], [row[:short] for row in rows]), ""]
+        for info, row in zip(self.devices, rows, strict=True):
             for header, value in zip(self._HEADERS[short:], row[short:], strict=True):
                 if value and value != "-":  # an absent device's details: why it is absent
                     lines += textwrap.wrap(
