@@ -31,7 +31,8 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
         dtype: ``"bf16"`` / ``"fp16"`` (or aliases, or a torch dtype). Default: inside an
             autocast already (a fit's, an outer block's), its dtype; else the session mode's:
             its dtype, autocast off in a mode that runs without it (fp32, tf32), the device's
-            preferred dtype where no mode is chosen (mode off).
+            preferred dtype where no mode is chosen (mode off). A fit's mode stands in for
+            the session's while it runs (:meth:`Session.running <mpnb.precision.policy.Session.running>`).
         device: ``"cpu"``, ``"cuda"``, ``"hpu"``... Default: the session device.
         enabled: False runs the block with autocast off.
         cache: keep cast weight copies for the whole block (see AutocastSettings).
@@ -63,12 +64,12 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
             if torch.is_autocast_enabled(kind):  # inside a fit's or a block's: what runs there
                 dtype = torch.get_autocast_dtype(kind)
             else:
-                by_mode = session.mode.runs_without_autocast
+                by_mode = session.mode_in_force.runs_without_autocast
         enabled = enabled and not by_mode
         self.settings = session.autocast_settings(dtype, device, enabled=enabled, cache=cache)
         self.oplists = OpLists.of(lower, fp32, source="this block")
         if self.oplists and not enabled:
-            why = f"the session's mode {session.mode.name} runs without it (give a dtype)"
+            why = f"mode {session.mode_in_force.name} runs without it (give a dtype)"
             raise MpnbError(
                 "op lists act only under autocast; this block has autocast off: "
                 f"{why if by_mode else 'drop the lists or --off'}"

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
@@ -37,6 +38,10 @@ from mpnb.precision.modes.registry import find_mode
 from mpnb.precision.names import Fp32Math, parse_dtype
 
 __all__ = ["Session", "set_mode", "get_mode", "set_oplists", "get_oplists"]
+
+
+#: The mode of the run this thread is in (a fit's), where it is not the session's.
+_RUNNING: contextvars.ContextVar[Mode | None] = contextvars.ContextVar("mpnb_running", default=None)
 
 
 class SessionSnapshot(NamedTuple):
@@ -259,6 +264,28 @@ class Session:
             yield new_mode
         finally:
             self.restore(saved)
+
+    @contextlib.contextmanager
+    def running(self, mode: Mode) -> Iterator[None]:
+        """``mode`` in force for a block of this thread (a fit's, in its own mode) without changing
+        the session: :attr:`mode_in_force` reads it, and ``mpnb.autocast()`` with no dtype
+        follows it (off in a fit in fp32 or tf32, whatever the session's mode).
+
+        Example:
+            >>> with session.running(parse_mode("fp32")):
+            ...     session.mode_in_force.name
+            'fp32'
+        """
+        token = _RUNNING.set(mode)
+        try:
+            yield
+        finally:
+            _RUNNING.reset(token)
+
+    @property
+    def mode_in_force(self) -> Mode:
+        """The mode of the run this thread is in (:meth:`running`), else the session's."""
+        return _RUNNING.get() or self.mode
 
     def snapshot(self) -> SessionSnapshot:
         """Mode, device, fp32-math wish and the flags in force now, for :meth:`restore`."""

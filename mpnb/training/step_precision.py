@@ -79,21 +79,24 @@ class TrainingPrecision:
 
     @contextlib.contextmanager
     def math_scope(self) -> Iterator[None]:
-        """Set the mode's fp32-math flags (fp32: exact, tf32: reduced) for a block.
+        """The mode in force for a block (:meth:`Session.running
+        <mpnb.precision.policy.Session.running>`: a model's ``mpnb.autocast()`` follows it),
+        with its fp32-math flags (fp32: exact, tf32: reduced).
 
         The block borrows the session's one fp32-math switch; afterwards the flags are where
         the session wants them, including a wish made during the block (``%tf32 on`` from a
         widget while a fit runs).
         """
         level = self.mode.fp32_math
-        if level is None:
-            yield
-            return
-        session.fp32_math.set(backend_for(self.device), level)
-        try:
-            yield
-        finally:
-            session.apply_fp32_wish()
+        with session.running(self.mode):
+            if level is None:
+                yield
+                return
+            session.fp32_math.set(backend_for(self.device), level)
+            try:
+                yield
+            finally:
+                session.apply_fp32_wish()
 
     def model_scope(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """What the mode does to ``model`` for a block (fp8: its eligible Linear layers

@@ -146,6 +146,33 @@ def test_autocast_without_a_dtype_inside_an_autocast_keeps_what_runs_there():
         assert inner.enabled and inner.dtype is torch.bfloat16
 
 
+def test_autocast_without_a_dtype_inside_a_fit_without_autocast_runs_none():
+    # session mode off (autocast would be bf16), a fit in fp32 or tf32: the fit's mode is in force
+    mpnb.set_mode("off", device="cpu")
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with mpnb.autocast():
+                seen.append(torch.is_autocast_enabled("cpu"))
+                return self.linear(x)
+
+    for mode in ("fp32", "tf32"):
+        model = Model()
+        trainer = mpnb.Trainer(
+            model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.cross_entropy,
+            mode=mode, device="cpu", dashboard=None,
+        )  # fmt: skip
+        trainer.fit([(torch.randn(4, 8), torch.randint(0, 4, (4,)))], max_steps=1)
+        assert seen[-1] is False, (mode, seen)
+    with mpnb.autocast() as after:  # the fit's mode ended with it: the session's again
+        assert after.enabled and after.dtype is torch.bfloat16
+
+
 def test_modes_set_fp32_math_and_off_restores_it():
     mpnb.set_mode("tf32", device="cpu")
     assert torch.get_float32_matmul_precision() == "medium"
