@@ -106,8 +106,12 @@ def test_markup_typed_as_an_op_name_is_shown_as_text_never_rendered(panel, name)
     )
 
 
-def test_amp_panel_magic_shows_a_panel(ip, capsys):
+def test_amp_panel_in_a_terminal_says_where_the_panel_shows_and_what_to_type(ip, capsys):
+    # a terminal shell has no kernel to show widgets in: their repr is no panel
     run(ip, "%amp panel")
+    shown = capsys.readouterr().out
+    assert "VBox(" not in shown and "a notebook" in shown and "%amp MODE" in shown
+    assert "mode" in shown and "off" in shown  # the status, as %amp status shows it
     assert "--device goes with a mode" in usage_error(ip, "%amp panel --device cpu")
 
 

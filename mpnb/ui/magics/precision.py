@@ -30,6 +30,7 @@ from mpnb.precision.modes.registry import read_options
 from mpnb.precision.names import DTYPE_NAMES
 from mpnb.precision.policy import session
 from mpnb.precision.status import status
+from mpnb.ui.environment import in_notebook_kernel
 from mpnb.ui.magics.arguments import (
     as_usage_error,
     cell_usage,
@@ -178,11 +179,16 @@ class PrecisionMagics(Magics):
                 got = ", ".join(f"--{flag} {value!r}" for flag, value in extra.items())
                 verb = "goes" if len(extra) == 1 else "go"
                 raise UsageError(f"{flags} {verb} with a mode, not with {args.mode} (got {got})")
-            if args.mode.strip().lower() == "panel":
+            if args.mode.strip().lower() == "panel" and in_notebook_kernel():
                 from mpnb.ui.widgets.panel import panel
 
                 panel()
                 return None
+            if args.mode.strip().lower() == "panel":  # widgets in a terminal show as their repr
+                print(
+                    "mpnb: the panel is widgets, shown in a notebook (JupyterLab, Notebook, VS Code); "
+                    "here the same switches are %amp MODE, %tf32 on|off and %oplist. The session now:"
+                )
             # shown, not returned: a value is shown only as a cell's last line, and `ipython
             # file.ipy` runs a whole file as one cell (mpnb.status() returns the object)
             display(status())
