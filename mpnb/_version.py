@@ -2,5 +2,5 @@
 
 __all__: list[str] = []
 
-#: The release, as pyproject.toml says it.
-__version__ = "0.1.0"
+#: The release (PEP 440): 0.4 in development. pyproject.toml reads it from here.
+__version__ = "0.4.0.dev0"

@@ -40,6 +40,14 @@ def test_version_is_printed():
     assert result.returncode == 0 and result.stdout.strip() == f"mpnb {package.__version__}"
 
 
+def test_the_installed_distribution_has_the_package_version():
+    import importlib.metadata
+
+    import mpnb as package
+
+    assert importlib.metadata.version("mpnb") == package.__version__
+
+
 def test_bad_command_is_an_error_that_lists_the_commands():
     result = mpnb("fly")
     assert result.returncode == 2 and "'fly'" in result.stderr and "devices" in result.stderr
