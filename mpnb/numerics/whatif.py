@@ -126,12 +126,14 @@ def whatif(
     check_loss_fn(loss_fn)
     chosen, skipped = _castable(fmt.chosen_formats(formats), asked=formats is not None)
     layers = {name: module for name, module in model.named_modules() if multiplies(module)}
+    _check_held_in_fp32(model, layers)
+    # a layer with no weight element (a zero-width head) makes no product to measure
+    layers = {name: module for name, module in layers.items() if module.weight.numel()}
     if not layers:
         raise MpnbError(
             f"{type(model).__name__} has no layer a format applies to: what-if measures "
             "nn.Linear, nn.Conv1d/2d/3d and transformers' Conv1D"
         )
-    _check_held_in_fp32(model, layers)
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     measured = LayerMatmuls(chosen)

@@ -8,6 +8,7 @@ import fractions
 import functools
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -920,6 +921,26 @@ def test_linear_layers_the_pass_never_called_are_named_as_unmeasured():
     assert result.unmeasured == ["self_attn.out_proj"]
     assert "not measured: self_attn.out_proj" in str(result)
     assert "not measured: self_attn.out_proj" in result._repr_html_()
+
+
+def test_a_layer_with_no_weight_element_multiplies_nothing_and_is_left_out():
+    """A zero-width Linear (a head sized by a config to zero) makes no product to measure."""
+
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept, self.empty = nn.Linear(8, 4), nn.Linear(8, 0)
+            self.into_empty = nn.Linear(0, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.kept(x), self.empty(x)], dim=1) + self.into_empty(x[:, :0])
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: initializing zero-element tensors is a no-op
+        model = Branches()
+    result = whatif(model, (torch.randn(4, 8), torch.randn(4, 4)), nn.functional.mse_loss, ["bf16"])
+    assert result.layers == ["kept"] and result.unmeasured == []
 
 
 def test_the_fp32_reference_is_computed_in_exact_fp32_math_whatever_the_session_holds():
