@@ -14,6 +14,7 @@ import mpnb
 import mpnb.examples as ex
 from mpnb.analysis.comparison import compare
 from mpnb.precision.policy import session
+from mpnb.training.history import History
 from mpnb.ui.plots.compare_progress import LiveComparison, TextComparison
 from mpnb.ui.plots.compare_report import MODE_TRACES
 from tests.conftest import policy_state, run, run_expecting, torch_state, usage_error
@@ -176,6 +177,19 @@ def test_text_progress_shows_a_bar_per_mode_and_each_end():
     assert any(line.startswith("fp32  [####################]  4/4 steps") for line in lines)
     assert "fp16  not run: no fp16 here; available here: bf16" in lines
     assert lines[-1].startswith("bf16  done: 4 steps, median ")
+
+
+def test_text_progress_reads_a_cold_first_step_as_that_and_the_rate_from_the_rest():
+    out = io.StringIO()
+    bar = TextComparison(["bf16"], interval=0, stream=out).sink_for("bf16", 100)
+    history = History()
+    history.extend({"step": [1], "loss": [2.3], "step_time": [1.2]})  # warming up: 1.2 s
+    bar.update(history)
+    assert "first step 1200.0 ms" in out.getvalue() and "ms/step" not in out.getvalue()
+    history.extend({"step": [2, 3, 4], "loss": [2.2, 2.1, 2.0], "step_time": [0.08, 0.5, 0.09]})
+    bar.update(history)
+    # the rate of the steps after the first: their median (one slow step moves it little)
+    assert out.getvalue().splitlines()[-1].endswith("4/100 steps  90.0 ms/step  loss 2")
 
 
 class _Tables(HTMLParser):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import html
 import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -53,9 +54,21 @@ def make_comparison_progress(
     return view
 
 
-def _latest(history: History) -> tuple[int, float, float]:
+#: The steps the bar's rate is the median of: the latest, the first step left out.
+_RATE_STEPS = 10
+
+
+def _latest(history: History) -> tuple[int, str, float]:
+    """The latest step, its rate as the bar says it and its loss. The first step warms up
+    (kernels chosen, caches filled: tens of times a step after it on a first run) and is said
+    as that; the rate after it is the median of the latest steps past the first."""
     last = len(history) - 1
-    return history.step[last], history.step_time[last], history.loss[last]
+    if last == 0:
+        rate = f"first step {history.step_time[0] * 1e3:.1f} ms"
+    else:
+        recent = sorted(history.step_time[max(1, last + 1 - _RATE_STEPS) :])
+        rate = f"{statistics.median(recent) * 1e3:.1f} ms/step"
+    return history.step[last], rate, history.loss[last]
 
 
 class TextComparison(ComparisonProgress):
@@ -113,11 +126,11 @@ class _TextBar(Sink):
             self._show(history)
 
     def _show(self, history: History) -> None:
-        step, step_time, loss = _latest(history)
+        step, rate, loss = _latest(history)
         filled = min(_BAR_WIDTH, round(_BAR_WIDTH * step / self.steps))
         line = (
             f"{self.mode.ljust(self.view.width)}  [{'#' * filled}{'-' * (_BAR_WIDTH - filled)}]  "
-            f"{step:>{len(str(self.steps))}}/{self.steps} steps  {step_time * 1e3:.1f} ms/step  loss {loss:.4g}"
+            f"{step:>{len(str(self.steps))}}/{self.steps} steps  {rate}  loss {loss:.4g}"
         )
         print(
             f"\r{line}" if self.tty else line,
