@@ -117,31 +117,37 @@ def test_autocast_follows_the_session_mode():
         assert settings.enabled and settings.dtype is torch.bfloat16
 
 
+class AutocastInside(torch.nn.Module):
+    """A model whose forward holds ``with mpnb.autocast():``; ``seen``: the dtype autocast ran
+    in there at each call (None: off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+        self.seen: list[torch.dtype | None] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with mpnb.autocast():
+            on = torch.is_autocast_enabled("cpu")
+            self.seen.append(torch.get_autocast_dtype("cpu") if on else None)
+            return self.linear(x)
+
+
+def _fit_one_step(model: torch.nn.Module, mode: str) -> None:
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.cross_entropy,
+        mode=mode, device="cpu", dashboard=None,
+    )  # fmt: skip
+    trainer.fit([(torch.randn(4, 8), torch.randint(0, 4, (4,)))], max_steps=1)
+
+
 def test_autocast_without_a_dtype_inside_an_autocast_keeps_what_runs_there():
     # a model's forward holding `with mpnb.autocast():` inside a bf16 fit of an fp32 session
     mpnb.set_mode("fp32", device="cpu")
-    seen = []
-
-    class Model(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(8, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            with mpnb.autocast():
-                seen.append(
-                    torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
-                )
-                return self.linear(x)
-
     for mode, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        model = Model()
-        trainer = mpnb.Trainer(
-            model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.cross_entropy,
-            mode=mode, device="cpu", dashboard=None,
-        )  # fmt: skip
-        trainer.fit([(torch.randn(4, 8), torch.randint(0, 4, (4,)))], max_steps=1)
-        assert seen[-1] is dtype, (mode, seen)
+        model = AutocastInside()
+        _fit_one_step(model, mode)
+        assert model.seen[-1] is dtype, (mode, model.seen)
     with mpnb.autocast("bf16"), mpnb.autocast() as inner:  # an outer block's, likewise
         assert inner.enabled and inner.dtype is torch.bfloat16
 
@@ -149,26 +155,10 @@ def test_autocast_without_a_dtype_inside_an_autocast_keeps_what_runs_there():
 def test_autocast_without_a_dtype_inside_a_fit_without_autocast_runs_none():
     # session mode off (autocast would be bf16), a fit in fp32 or tf32: the fit's mode is in force
     mpnb.set_mode("off", device="cpu")
-    seen = []
-
-    class Model(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(8, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            with mpnb.autocast():
-                seen.append(torch.is_autocast_enabled("cpu"))
-                return self.linear(x)
-
     for mode in ("fp32", "tf32"):
-        model = Model()
-        trainer = mpnb.Trainer(
-            model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.cross_entropy,
-            mode=mode, device="cpu", dashboard=None,
-        )  # fmt: skip
-        trainer.fit([(torch.randn(4, 8), torch.randint(0, 4, (4,)))], max_steps=1)
-        assert seen[-1] is False, (mode, seen)
+        model = AutocastInside()
+        _fit_one_step(model, mode)
+        assert model.seen[-1] is None, (mode, model.seen)
     with mpnb.autocast() as after:  # the fit's mode ended with it: the session's again
         assert after.enabled and after.dtype is torch.bfloat16
 
