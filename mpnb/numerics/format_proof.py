@@ -146,7 +146,8 @@ def prove(
     Raises:
         InvalidChoiceError: an unknown format.
         MpnbError: the mode's own refusal where this machine cannot run it (nvfp4 off
-            Blackwell GPUs), raised by ``make_run``; ``keep`` holds something other than
+            Blackwell GPUs), raised by ``make_run``, or of a model it would convert no layer of
+            (before a step); ``keep`` holds something other than
             names; a run trained no step (its data was empty).
         TypeError: ``make_run`` returned something else than a trainer and its data.
         ValueError: ``steps`` is not a whole number >= 1.
@@ -190,6 +191,8 @@ def _losses(
             "or (trainer, data, metric) with an mpnb.Trainer, as compare's make_run does"
         )
     trainer, data = run[0], run[1]
+    if trainer.mode.converts_layers:  # said before a step, not from inside the fit
+        trainer.mode.check_model(trainer.model, trainer.device)
     for layer in in_fp32:
         trainer.keep_in_fp32(layer)
     history = trainer.fit(data, max_steps=steps)

@@ -33,7 +33,7 @@ from torch import nn
 from mpnb.errors import MpnbError
 from mpnb.numerics import formats as fmt
 from mpnb.precision.modes.matmul_format import MatmulFormat
-from mpnb.precision.modes.registry import find_format
+from mpnb.precision.modes.registry import find_format, format_mode
 
 __all__: list[str] = []
 
@@ -83,6 +83,7 @@ class LayerMatmuls:
     def __init__(self, formats: Sequence[str]) -> None:
         self.formats = formats
         self._found = {name: find_format(name) for name in formats}
+        self._modes = {name: format_mode(name) for name in formats}
         self.rows: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._references: dict[str, torch.Tensor] = {}
         self._called: dict[str, int] = {}
@@ -90,15 +91,28 @@ class LayerMatmuls:
         self._norms: dict[int, float] = {}
 
     def applies(self, module: nn.Module) -> bool:
-        """Whether one of the formats applies to ``module`` (a scaled format: to linear layers
-        only).
+        """Whether one of the formats applies to ``module`` (:meth:`formats_for`).
 
         >>> LayerMatmuls(["mxfp8"]).applies(torch.nn.Conv2d(1, 1, 3)), LayerMatmuls(["bf16"]).applies(torch.nn.Conv2d(1, 1, 3))
         (False, True)
         """
-        if not isinstance(module, _CONVOLUTIONS):
-            return True
-        return any(found.any_operation for found in self._found.values())
+        return bool(self.formats_for(module))
+
+    def formats_for(self, module: nn.Module) -> list[str]:
+        """The formats that apply to ``module``: a dtype format to every layer that multiplies;
+        a scaled one to the linear layers its mode casts when it trains (fp8's float8 layers
+        replace ``nn.Linear`` alone, not transformers' ``Conv1D``).
+
+        >>> measured = LayerMatmuls(["bf16", "fp8", "mxfp8"])
+        >>> measured.formats_for(torch.nn.Linear(4, 4)), measured.formats_for(torch.nn.Conv2d(1, 1, 3))
+        (['bf16', 'fp8', 'mxfp8'], ['bf16'])
+        """
+        return [
+            name
+            for name in self.formats
+            if self._found[name].any_operation
+            or (not isinstance(module, _CONVOLUTIONS) and self._modes[name].casts_layer(module))
+        ]
 
     def layer(
         self,
@@ -117,23 +131,24 @@ class LayerMatmuls:
             matmuls = ("forward",)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             gradient = None if gradient is None else gradient.float()
+            formats = self.formats_for(module)
             if isinstance(module, _CONVOLUTIONS):
-                self._convolution(name, module, x.float(), gradient, matmuls)
+                self._convolution(name, module, x.float(), gradient, (formats, matmuls))
             else:
                 weight = linear_weight(module).float()
                 x = x.float().reshape(-1, weight.shape[1])
                 if gradient is not None:
                     gradient = gradient.reshape(-1, weight.shape[0])
-                self._linear(name, x, weight, gradient, matmuls)
+                self._linear(name, (x, weight, gradient), formats, matmuls)
 
     def _linear(
         self,
         name: str,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        gradient: torch.Tensor | None,
+        operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        formats: list[str],
         chosen: Collection[str],
     ) -> None:
+        x, weight, gradient = operands
         matmuls = {matmul: LINEAR_MATMULS[matmul] for matmul in MATMULS if matmul in chosen}
         given = {"x": x, "weight": weight, "gradient": gradient}
         tensors = {
@@ -143,7 +158,7 @@ class LayerMatmuls:
             if given[key] is not None
         }
         zeros = {key: fmt.zeros_in(t) for key, t in tensors.items()}
-        for format_name in self.formats:
+        for format_name in formats:
             casts: dict[tuple[str, int | None], fmt.Operand] = {}
             for matmul, (left, right, multiply) in matmuls.items():
                 a, b = (
@@ -176,16 +191,16 @@ class LayerMatmuls:
         module: nn.Module,
         x: torch.Tensor,
         gradient: torch.Tensor | None,
-        chosen: Collection[str],
+        measured: tuple[list[str], Collection[str]],
     ) -> None:
+        """The formats of ``measured`` (those that apply) for its matmuls of a convolution."""
+        formats, chosen = measured
         weight = module.weight.detach().float()
         reference = _convolution_products(module, x, weight, gradient)
         parts = [("x", x, "activation"), ("weight", weight, "weight")]
         if gradient is not None:
             parts.append(("gradient", gradient, "gradient"))
-        for format_name in self.formats:
-            if not self._found[format_name].any_operation:
-                continue  # a scaled format applies to linear layers only
+        for format_name in formats:
             cast = {
                 part: fmt.cast(format_name, tensor, role, dim=1) for part, tensor, role in parts
             }

@@ -63,7 +63,7 @@ from mpnb.precision.backends import backend_for
 from mpnb.precision.fp32math import exact_fp32_math
 from mpnb.precision.modes.layer_swap import swapped_layers_of
 from mpnb.precision.modes.matmul_format import Threshold
-from mpnb.precision.modes.registry import find_format, matmul_formats
+from mpnb.precision.modes.registry import find_format, format_mode, matmul_formats
 from mpnb.training.batches import batch_loss, check_loss_fn, map_tensors, tensors_in, to_device
 from mpnb.training.gradients import check_loss
 
@@ -213,7 +213,8 @@ def whatif(
     unmeasured = [
         name for name, module in layers.items() if name not in reached and measured.applies(module)
     ]
-    return WhatIf(rows, chosen, unmeasured, skipped)
+    unconverted = {name: format_mode(name).converts_none_of(model) for name in chosen}
+    return WhatIf(rows, chosen, unmeasured, skipped, {k: v for k, v in unconverted.items() if v})
 
 
 def _leaves_of(loss: torch.Tensor) -> list[torch.Tensor]:
@@ -363,6 +364,9 @@ class WhatIf:
         unmeasured: layers a format applies to that the pass never called on an input: their
             weight multiplied by other code (``nn.MultiheadAttention``'s ``out_proj``), their
             input given as a keyword, or not used by this batch.
+        unconverted: format -> why its mode would convert no layer of the model (its layers
+            kept by the mode's own rules, or of a kind it does not swap): trained in that mode,
+            the model would run in bf16 whatever the advice.
 
     Example:
         >>> import torch
@@ -382,11 +386,13 @@ class WhatIf:
         formats: Sequence[str],
         unmeasured: Sequence[str] = (),
         skipped: dict[str, str] | None = None,
+        unconverted: dict[str, str] | None = None,
     ) -> None:
         self.rows = rows
         self.formats = tuple(formats)
         self.unmeasured = list(unmeasured)
         self.skipped = dict(skipped or {})
+        self.unconverted = dict(unconverted or {})
         self.layers = list(dict.fromkeys(row["layer"] for row in rows))
         self.thresholds = default_thresholds()
 
@@ -530,7 +536,7 @@ class WhatIf:
 
     def _notes(self) -> list[str]:
         """What the tables leave out, and why: layers the pass never called, formats whose
-        casts cannot run here."""
+        casts cannot run here; and formats whose mode would convert no layer of this model."""
         notes = []
         if self.unmeasured:
             notes.append(
@@ -544,6 +550,10 @@ class WhatIf:
         notes += [
             f"formats not measured: {', '.join(names)} ({why})" for why, names in reasons.items()
         ]
+        trained: dict[str, list[str]] = {}
+        for name, why in self.unconverted.items():
+            trained.setdefault(why, []).append(name)
+        notes += [f"{', '.join(names)}: {why}" for why, names in trained.items()]
         return notes
 
     def __repr__(self) -> str:
@@ -564,8 +574,11 @@ class WhatIf:
         if threshold is None:
             return f"{format}: no threshold (set result.thresholds[{format!r}] = Threshold(...))"
         kept = self.recommend(format)
+        # where the mode would convert no layer, the advice changes nothing: why, below
+        but = "; but no layer of this model would train in it (below)"
+        but = but if format in self.unconverted else ""
         if not kept:
-            return f"{format}: keep none"
+            return f"{format}: keep none{but}"
         reasons = []
         for layer in kept:
             row = self.worst(layer, format)
@@ -575,7 +588,7 @@ class WhatIf:
                 if limit is not None and row[figure] > limit
             ]
             reasons.append(f"{shown_layer(layer)} ({row['matmul']} {', '.join(past)})")
-        return f"{format}: keep {', '.join(reasons)}"
+        return f"{format}: keep {', '.join(reasons)}{but}"
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))

@@ -206,8 +206,10 @@ def test_rows_tables_and_shares(planted):
     assert next(r for r in planted.rows if r["format"] == "mxfp8")["scale_range"][0] < 1
     text = str(planted)
     lines = text.splitlines()  # the table, a blank line, the advice per format with its why
-    assert len(lines) == 1 + len(planted.rows) + 1 + len(planted.formats)
-    assert lines[-1].startswith("nvfp4: keep 5 (forward rel_error ") and "> 0.3" in lines[-1]
+    # and a note: nvfp4 would convert none of its layers, 64 wide (a multiple of 128 it takes)
+    assert len(lines) == 1 + len(planted.rows) + 1 + len(planted.formats) + 1
+    assert lines[-1].startswith("nvfp4: nvfp4 would convert no layer of Sequential")
+    assert lines[-2].startswith("nvfp4: keep 5 (forward rel_error ") and "> 0.3" in lines[-2]
     assert "bf16: keep none" in lines
     html = planted._repr_html_()
     assert "fp16: keep 5" in html and "bf16: keep none" in html
@@ -267,9 +269,19 @@ def test_gpt2_with_planted_outlier_features_finds_the_planted_layers():
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     result = whatif(model, {"input_ids": ids, "labels": ids})
     assert "transformer.h.0.attn.c_attn" in result.layers and "lm_head" in result.layers
-    for format in ("fp16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4"):
+    for format in ("fp16", "mxfp8"):
         assert result.recommend(format) == list(planted), format
     assert result.recommend("bf16") == []
+    # fp8's and nvfp4's layers replace nn.Linear alone: GPT-2's Conv1D layers would train in
+    # bf16, so they are not measured in those formats, and the modes would convert no layer
+    conv1d = [name for name in result.layers if name != "lm_head"]
+    for format in ("fp8", "fp8_rowwise", "nvfp4"):
+        assert all(result.worst(name, format) is None for name in conv1d), format
+        assert result.recommend(format) == ["lm_head"], format
+        assert "Conv1D layers (GPT-2's) are not torch.nn.Linear" in result.unconverted[format]
+    assert set(result.unconverted) == {"fp8", "fp8_rowwise", "nvfp4"}
+    assert "fp8: keep lm_head" in str(result) and "would train in it (below)" in str(result)
+    assert "fp8, fp8_rowwise: fp8 would convert no layer of GPT2LMHeadModel" in str(result)
 
 
 def test_model_switches_and_hooks_are_as_found_even_on_error():

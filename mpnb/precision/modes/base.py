@@ -233,6 +233,17 @@ class Mode:
                 "layers (see mpnb.precision.modes.mode_names(converts_layers=True))"
             )
 
+    def casts_layer(self, module: nn.Module) -> bool:
+        """Whether the mode's matmul formats reach ``module``'s matmuls when it trains (a mode
+        that swaps layers: the kinds it swaps). The what-if measures a scaled format on those
+        layers only."""
+        return True
+
+    def converts_none_of(self, model: nn.Module) -> str:
+        """Why the mode, with its options, would convert no layer of ``model`` (it would train
+        in bf16), in a sentence; empty where it converts some, or converts no layers at all."""
+        return ""
+
     @contextlib.contextmanager
     def model_scope(self, model: nn.Module, device: torch.device) -> Iterator[Any]:
         """What the mode does to ``model`` for a block, undone exactly on any exit; yields what

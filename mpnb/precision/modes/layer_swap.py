@@ -209,7 +209,7 @@ class LayerSwap:
                 f"{self.mode} keep names no module of {type(model).__name__}: "
                 f"{', '.join(map(repr, unknown))}"
             )
-        self.kept, self.converted, self.already = self._eligible()
+        self.kept, self.converted, self.already = self.plan(model, self.keep)
         self._check_already_converted()
         self._swapped: list[tuple[nn.Module, str, nn.Module]] = []
 
@@ -283,45 +283,67 @@ class LayerSwap:
 
     # -- which layers -------------------------------------------------------------------------
 
-    def _eligible(self) -> tuple[dict[str, str], list[str], list[str]]:
-        """(kept: name -> reason, to convert, already converted) over the model's Linear layers."""
+    @classmethod
+    def plan(
+        cls, model: nn.Module, keep: tuple[str, ...] = ()
+    ) -> tuple[dict[str, str], list[str], list[str]]:
+        """Which of ``model``'s layers the format would swap, keeping those named in ``keep``:
+        (kept: name -> reason, to convert, already converted), in model order. Read from the
+        model alone, on any machine (the device's refusal is the constructor's).
+
+        Example:
+            >>> from mpnb.precision.modes.mxfp8 import MxLayers
+            >>> model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(3)))
+            >>> kept, converted, already = MxLayers.plan(model)
+            >>> converted, kept["0"]
+            (['1'], 'the first Linear layer')
+        """
         parents = {
             f"{name}.{child}".lstrip("."): module
-            for name, module in self.model.named_modules()
+            for name, module in model.named_modules()
             for child, _ in module.named_children()
         }
-        linears = [(n, m) for n, m in self.model.named_modules() if self.is_candidate(m)]
+        linears = [(n, m) for n, m in model.named_modules() if cls.is_candidate(m)]
         kept: dict[str, str] = {}
         converted, already = [], []
         for index, (name, module) in enumerate(linears):
-            if self.is_layer(module):
+            if cls.is_layer(module):
                 already.append(name)
                 continue
-            reason = self._kept_because(name, module, index, len(linears), parents.get(name))
+            reason = cls._kept_because(name, module, (index, len(linears)), parents.get(name), keep)
             if reason:
                 kept[name] = reason
             else:
                 converted.append(name)
         return kept, converted, already
 
-    def is_candidate(self, module: nn.Module) -> bool:
+    @classmethod
+    def is_candidate(cls, module: nn.Module) -> bool:
         """Whether ``module`` is a layer this format may swap: a Linear layer, and transformers'
         ``Conv1D`` (GPT-2's transposed Linear) where the format takes it."""
-        return isinstance(module, nn.Linear) or (self.takes_conv1d and is_conv1d(module))
+        return isinstance(module, nn.Linear) or (cls.takes_conv1d and is_conv1d(module))
 
+    @classmethod
     def _kept_because(
-        self, name: str, module: nn.Module, index: int, count: int, parent: nn.Module | None
+        cls,
+        name: str,
+        module: nn.Module,
+        place: tuple[int, int],
+        parent: nn.Module | None,
+        keep: tuple[str, ...],
     ) -> str:
-        """Why the Linear layer ``name`` stays in high precision (empty: it is converted)."""
-        block = self.multiple_of
+        """Why the Linear layer ``name``, at ``place`` (its index, of how many), stays in high
+        precision (empty: it is converted)."""
+        block = cls.multiple_of
         inputs, outputs = features(module)
+        index, count = place
         if name == "":
             return "the model itself is the Linear layer"
         if index == 0:
             return FIRST_LAYER
         if index == count - 1:
             return LAST_LAYER
-        if named_in(name, self.keep):
+        if named_in(name, keep):
             return KEPT_BY_NAME
         if parametrize.is_parametrized(module):
             return (
@@ -332,7 +354,7 @@ class LayerSwap:
         if isinstance(parent, nn.MultiheadAttention):
             return "its MultiheadAttention uses the weight directly"
         if is_sharded(module.weight):
-            return f"sharded already ({self.mode} converts a layer before FSDP shards it)"
+            return f"sharded already ({cls.mode} converts a layer before FSDP shards it)"
         return ""
 
     def _check_already_converted(self) -> None:
@@ -365,23 +387,34 @@ class LayerSwap:
         Raises:
             MpnbError: no eligible Linear layer; says why each was kept.
         """
-        if self.converted or self.already:
-            return
-        by_name = [name for name, why in self.kept.items() if why == KEPT_BY_NAME]
-        if by_name and set(self.kept.values()) <= {FIRST_LAYER, LAST_LAYER, KEPT_BY_NAME}:
-            raise MpnbError(
-                f"{self.mode} would convert no layer of {type(self.model).__name__}: keep names "
+        found = self.none_converted(self.model, (self.kept, self.converted, self.already))
+        if found:
+            raise MpnbError(found)
+
+    @classmethod
+    def none_converted(
+        cls, model: nn.Module, plan: tuple[dict[str, str], list[str], list[str]]
+    ) -> str:
+        """Why the format would convert no layer of ``model`` under ``plan`` (:meth:`plan`'s),
+        in a sentence; empty where it converts some."""
+        kept, converted, already = plan
+        if converted or already:
+            return ""
+        by_name = [name for name, why in kept.items() if why == KEPT_BY_NAME]
+        if by_name and set(kept.values()) <= {FIRST_LAYER, LAST_LAYER, KEPT_BY_NAME}:
+            return (
+                f"{cls.mode} would convert no layer of {type(model).__name__}: keep names "
                 f"every Linear layer between the first and the last ({', '.join(by_name)}), which "
                 "it keeps itself, so it would train in bf16: use mode bf16, or keep fewer"
             )
-        reasons = "; ".join(f"{name or 'the model'}: {why}" for name, why in self.kept.items())
+        reasons = "; ".join(f"{name or 'the model'}: {why}" for name, why in kept.items())
         found = reasons or "it has no torch.nn.Linear layer"
-        if not self.takes_conv1d and any(is_conv1d(module) for module in self.model.modules()):
+        if not cls.takes_conv1d and any(is_conv1d(module) for module in model.modules()):
             found += "; transformers' Conv1D layers (GPT-2's) are not torch.nn.Linear"
-        raise MpnbError(
-            f"{self.mode} would convert no layer of {type(self.model).__name__} ({found}), so it "
+        return (
+            f"{cls.mode} would convert no layer of {type(model).__name__} ({found}), so it "
             "would train in bf16: use mode bf16, or a model with Linear layers whose sizes are "
-            f"multiples of {self.multiple_of}"
+            f"multiples of {cls.multiple_of}"
         )
 
     # -- the swap -----------------------------------------------------------------------------
@@ -583,6 +616,12 @@ class LayerSwapMode(Mode):
 
     def check_model(self, model: nn.Module, device: torch.device) -> None:
         self.layer_swap(model, device).check_converts()
+
+    def casts_layer(self, module: nn.Module) -> bool:
+        return self.layers.is_candidate(module)
+
+    def converts_none_of(self, model: nn.Module) -> str:
+        return self.layers.none_converted(model, self.layers.plan(model, self.keep))
 
     @contextlib.contextmanager
     def model_scope(self, model: nn.Module, device: torch.device) -> Iterator[LayerSwap]:
