@@ -67,7 +67,9 @@ def shape_only_copy(
     """``model`` and a fresh optimizer of the same class and parameter groups, made of fake
     tensors (call inside ``with fake_mode():``). The real model and optimizer are untouched;
     the optimizer's state is not copied (it appears at the copy's first step)."""
-    twin = copy.deepcopy(model)
+    # a buffer (BatchNorm's running statistics and step count) is cloned here, a fake tensor:
+    # deepcopy copies a plain tensor's storage for real, which a fake tensor cannot take
+    twin = copy.deepcopy(model, {id(buffer): buffer.clone() for buffer in model.buffers()})
     twins = dict(zip((id(p) for p in model.parameters()), twin.parameters(), strict=True))
     groups = [
         {

@@ -131,6 +131,27 @@ def test_a_forward_that_reads_values_is_counted_on_the_real_step():
     assert account.categories["parameters"] == bytes_of(model.parameters())
 
 
+def test_a_batchnorm_model_is_counted_shape_only_and_quietly(capfd):
+    """BatchNorm's buffers (running statistics, the step count) are copied as fake tensors too:
+    copying them as torch copies a buffer failed under the fake mode, logged a traceback to
+    stderr at each account and fell back to the real step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 26 * 26, 10)
+    )
+    trainer = mpnb.Trainer(
+        model, torch.optim.Adam(model.parameters()), nn.functional.cross_entropy,
+        mode="bf16", device="cpu", dashboard=None,
+    )  # fmt: skip
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    account = account_step(trainer, (torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))))
+    assert account.shape_only
+    weights = bytes_of([*model.parameters(), *model.buffers()])  # the column counts buffers
+    assert account.categories["parameters"] == weights
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    assert "fake_tensor" not in capfd.readouterr().err
+
+
 def test_memory_measures_what_the_account_cannot_see_on_its_own_lines():
     report = mpnb.memory(lambda mode: cnn_run(mode, widths=(32, 64)), ["fp32", "bf16"])
     for account in report.accounts:
