@@ -63,6 +63,22 @@ def test_parameters_and_adam_state_are_counted_exactly_and_the_categories_add_up
     assert account.shape_only and account.batch_size == 32
 
 
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_the_optimizer_state_column_holds_its_state_and_the_steps_temporaries_are_workspace(mode):
+    """AdamW's foreach step makes temporaries the size of the weights; where the peak falls in
+    the step they are the step's workspace, not state the optimizer keeps between steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+    trainer = mpnb.Trainer(
+        model, torch.optim.AdamW(model.parameters()), nn.functional.cross_entropy,
+        mode=mode, device="cpu", dashboard=None,
+    )  # fmt: skip
+    account = account_step(trainer, (torch.randn(16, 32), torch.randint(0, 10, (16,))))
+    parameters = list(model.parameters())
+    assert account.categories["optimizer state"] == 2 * bytes_of(parameters) + 4 * len(parameters)
+    assert account.tracked == sum(account.categories.values())
+
+
 def test_the_account_leaves_the_run_untouched_and_is_the_same_every_time():
     trainer, data = cnn_run("bf16")
     weights = [parameter.detach().clone() for parameter in trainer.model.parameters()]
