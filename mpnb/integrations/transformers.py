@@ -69,7 +69,8 @@ def precision_args(
     """The ``TrainingArguments`` keywords for a mode (default: the session's ``%amp`` mode).
 
     ``tf32`` is set only on CUDA (the Trainer refuses it elsewhere): True for mode tf32, False
-    for fp32; None leaves the Trainer's default.
+    for fp32; None leaves the Trainer's default. Only precision is set: on a machine without a
+    GPU, transformers refuses ``bf16=True`` unless ``use_cpu=True`` is given beside it.
 
     Raises:
         InvalidChoiceError: an unknown mode, naming the valid ones.
