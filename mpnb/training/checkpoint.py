@@ -198,7 +198,7 @@ def run_mismatch(trainer: Checkpointed, state: dict[str, Any]) -> str | None:
         saved, own = ("with", "without") if scaler else ("without", "with")
         return (
             f"it was saved {saved} a loss scaler (fp16 has one), this trainer runs {own} one "
-            f"({trainer.mode.label}): build the trainer in the checkpoint's mode, load, then switch"
+            f"({trainer.mode.label}): build the trainer in the checkpoint's mode, load, then switch (trainer.mode = {trainer.mode.name!r})"
         )
     if scaler and not isinstance(scaler.get("scale"), (int, float)):
         return f"its loss scale is {scaler.get('scale')!r}, not a number"

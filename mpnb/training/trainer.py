@@ -44,7 +44,7 @@ from mpnb.training.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from mpnb.training.control import FitControl, FitEnd, running_on_this_thread
+from mpnb.training.control import FitControl, FitEnd, FitState, running_on_this_thread
 from mpnb.training.data_position import DataPosition
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
@@ -347,8 +347,42 @@ class Trainer:
 
     @property
     def mode(self) -> Mode:
-        """The precision mode training runs in."""
+        """The precision mode training runs in. Set it between fits to train the next ones in
+        another mode (a name, or a mode object with its options), as a checkpoint saved in one
+        mode is loaded first and then trained on in another; the switch is noted on the history.
+        A running fit follows the session's mode instead (``%amp``, the panel, ``mpnb.set_mode``).
+
+        Example:
+            >>> model = torch.nn.Linear(4, 2)
+            >>> trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss, mode="fp16", device="cpu", dashboard=None)
+            >>> trainer.mode = "bf16"
+            >>> trainer.mode, trainer.history.events[-1]["message"]
+            (Mode('bf16'), 'mode fp16 -> bf16')
+
+        Raises:
+            InvalidChoiceError: an unknown mode or option (nothing changed).
+            MpnbError: set while a fit runs, or a mode this model or device cannot train in.
+        """
         return self.amp.precision.mode
+
+    @mode.setter
+    def mode(self, mode: str | Mode) -> None:
+        if self.control.state is not FitState.IDLE:
+            raise MpnbError(
+                "trainer.mode is set between fits; a running fit follows the session's mode at "
+                "its next step: %amp MODE, the panel, or mpnb.set_mode(MODE)"
+            )
+        precision = TrainingPrecision.resolve(mode, self.device)
+        if precision.mode == self.mode:
+            return
+        check_switch(self.strategy, self.mode, precision.mode)
+        check_scalable(self.optimizer, precision.needs_scaler, self.model)
+        if precision.mode.converts_layers:
+            precision.mode.check_model(self.model, self.device)
+        message = f"mode {self.mode.label} -> {precision.mode.label}"
+        self.amp.set_precision(precision)
+        step = self.amp.steps + 1
+        self.history.note(message, kind="switch", step=step, mode=precision.mode.label)
 
     def fit(
         self,

@@ -159,6 +159,24 @@ def test_a_checkpoint_of_another_kind_of_run_is_refused(tmp_path, saved, loading
         target.load(tmp_path / "run.pt")
 
 
+def test_a_checkpoint_loaded_in_its_own_mode_trains_on_in_another_once_the_mode_is_set(tmp_path):
+    _, data = linear_problem(steps=2)
+    source = trainer_for(mode="fp16")
+    source.fit(data)
+    source.save(tmp_path / "run.pt")
+    with pytest.raises(MpnbError, match=r"load, then switch \(trainer.mode = 'bf16'\)"):
+        trainer_for(seed=1, mode="bf16").load(tmp_path / "run.pt")
+    target = trainer_for(seed=1, mode="fp16")
+    target.load(tmp_path / "run.pt")
+    with pytest.raises(mpnb.InvalidChoiceError, match="'fp99'"):
+        target.mode = "fp99"
+    assert target.mode.name == "fp16"  # a refused mode changes nothing
+    target.mode = "bf16"
+    assert target.history.events[-1]["message"] == "mode fp16 -> bf16"
+    target.fit(data, max_steps=target.amp.steps + 1)
+    assert target.history.mode[-1] == "bf16" and target.history.mode[0] == "fp16"
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
