@@ -55,6 +55,26 @@ from mpnb.training.window import Window, WindowPhase
 __all__ = ["AmpStep"]
 
 
+def check_optimizer(optimizer: object) -> None:
+    """Refuse what is not an optimizer (its class, a model or a loss in its place), naming it.
+
+    >>> check_optimizer(torch.optim.SGD)
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.MpnbError: optimizer takes a torch.optim.Optimizer made over the model's parameters, such as torch.optim.SGD(model.parameters(), lr=0.01); got the class SGD
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        given = (
+            f"the class {optimizer.__name__}"
+            if isinstance(optimizer, type)
+            else f"a {type(optimizer).__name__}"
+        )
+        raise MpnbError(
+            "optimizer takes a torch.optim.Optimizer made over the model's parameters, such as "
+            f"torch.optim.SGD(model.parameters(), lr=0.01); got {given}"
+        )
+
+
 class AmpStep:
     """One optimizer's mixed-precision step: ``autocast()``, ``backward(loss)``, ``step()``.
 
@@ -130,6 +150,7 @@ class AmpStep:
         sinks: Iterable[Sink] = (),
         history: History | None = None,
     ) -> None:
+        check_optimizer(optimizer)
         if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
             raise ValueError(
                 f"accumulate must be a positive number of micro-batches, got {accumulate}"

@@ -204,8 +204,13 @@ def check_loss_fn(loss_fn: object) -> None:
             f"loss_fn got the class {loss_fn.__name__}, not a loss: pass an instance, "
             f"{loss_fn.__name__}()"
         )
+    if isinstance(loss_fn, torch.optim.Optimizer):
+        raise MpnbError(
+            f"loss_fn got an optimizer ({type(loss_fn).__name__}): the arguments go "
+            "Trainer(model, optimizer, loss_fn)"
+        )
     if loss_fn is not None and not callable(loss_fn):
-        shown = repr(loss_fn)
+        shown = " ".join(repr(loss_fn).split())  # one line: a module's repr spans many
         raise MpnbError(
             "loss_fn takes a function, loss_fn(outputs, targets) -> a scalar loss, or None for a "
             f"model that returns its own loss; got {type(loss_fn).__name__} "

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, quoted
 from mpnb.numerics.instruments import fit_instruments
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.modes import Mode, parse_mode
 from mpnb.precision.policy import get_mode
-from mpnb.training.amp_step import AmpStep
+from mpnb.training.amp_step import AmpStep, check_optimizer
 from mpnb.training.batches import (
     LossFn,
     StepFn,
@@ -421,7 +421,14 @@ class Trainer:
             if value is not None and (
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
-                raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+                if isinstance(value, torch.Tensor):  # fit(x, y): batches are what fit takes
+                    raise ValueError(
+                        f"{name} must be a positive whole number, got a Tensor shaped "
+                        f"{tuple(value.shape)}: fit takes batches, not x and y apart; for "
+                        "tensors x and y, fit([(x, y)]) or a torch DataLoader over "
+                        "TensorDataset(x, y)"
+                    )
+                raise ValueError(f"{name} must be a positive whole number, got {quoted(value)}")
         if not isinstance(data, Iterable):
             raise MpnbError(
                 f"data must be an iterable of batches (a list, a DataLoader, a generator), got {type(data).__name__}"
@@ -695,6 +702,7 @@ def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) 
     Raises:
         MpnbError: says how to build the optimizer.
     """
+    check_optimizer(optimizer)
     own = {id(parameter) for parameter in model.parameters()}
     if not any(
         id(parameter) in own for group in optimizer.param_groups for parameter in group["params"]

@@ -87,3 +87,20 @@ def test_a_loss_class_given_for_a_loss_is_named_with_the_instance_to_pass(taker)
         else:
             batch = (torch.randn(3, 4), torch.tensor([0, 1, 0]))
             mpnb.whatif(model, batch, nn.CrossEntropyLoss)
+
+
+def test_arguments_in_the_wrong_place_are_named_in_one_line_with_the_order():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(MpnbError) as swapped:
+        mpnb.Trainer(model, mse, optimizer, device="cpu", dashboard=None)
+    said = str(swapped.value)
+    assert "\n" not in said and "Trainer(model, optimizer, loss_fn)" in said
+    with pytest.raises(MpnbError, match=r"optimizer takes a torch.optim.Optimizer .*the class SGD"):
+        mpnb.Trainer(model, torch.optim.SGD, mse, device="cpu", dashboard=None)
+    trainer = mpnb.Trainer(model, optimizer, mse, device="cpu", dashboard=None)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with pytest.raises(ValueError) as tensors:
+        trainer.fit(x, y)  # the scikit-learn habit: x and y, where fit takes batches
+    said = str(tensors.value)
+    assert "\n" not in said and "a Tensor shaped (8, 2)" in said and "fit([(x, y)])" in said
