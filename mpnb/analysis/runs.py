@@ -27,7 +27,8 @@ def built_run(make_run: MakeRun, mode: str) -> tuple[Any, Any, Callable[[Any], f
         TypeError: make_run('bf16') returned a str; it must return (trainer, data) or (trainer, data, metric), e.g. return trainer, train_loader
 
     Raises:
-        TypeError: ``make_run`` returned something else than 2 or 3 items with a trainer first.
+        TypeError: ``make_run`` returned something else than 2 or 3 items with a trainer first
+            (and, third, a function).
     """
     run = make_run(mode)
     shape = "(trainer, data) or (trainer, data, metric), e.g. return trainer, train_loader"
@@ -40,7 +41,14 @@ def built_run(make_run: MakeRun, mode: str) -> tuple[Any, Any, Callable[[Any], f
             f"make_run({mode!r}) returned a {type(trainer).__name__} first; it must return {shape} "
             "with an mpnb.Trainer"
         )
-    return trainer, run[1], run[2] if len(run) == 3 else None
+    metric = run[2] if len(run) == 3 else None
+    if metric is not None and not callable(metric):  # said before any mode trains, not after all
+        raise TypeError(
+            f"make_run({mode!r}) returned a {type(metric).__name__} as its metric; the metric is "
+            "a function measured after training, metric(trainer) -> float, e.g. "
+            "lambda trainer: accuracy(trainer.model, test)"
+        )
+    return trainer, run[1], metric
 
 
 def first_batch(data: Any) -> Any:

@@ -203,6 +203,19 @@ def test_a_make_run_that_returns_only_a_trainer_is_told_what_to_return():
             analysis(lambda mode: cnn_run(mode)[0], ["bf16"])
 
 
+def test_a_metric_that_is_no_function_is_refused_before_any_mode_trains():
+    built = []
+
+    def make_run(mode):
+        trainer, data = cnn_run(mode)
+        built.append(trainer)
+        return trainer, data, 0.5  # a value where metric(trainer) -> float goes
+
+    with pytest.raises(TypeError, match=r"returned a float as its metric.*metric\(trainer\)"):
+        mpnb.compare(make_run, ["fp32", "bf16"], steps=2, warmup=0)
+    assert len(built) == 1 and len(built[0].history) == 0  # the first run, untrained
+
+
 def gpt2_run(mode):
     pytest.importorskip("transformers")
     model = gpt2_model(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
