@@ -142,6 +142,13 @@ class NumericsLog:
     def __str__(self) -> str:
         from mpnb._render import text_table
 
+        if not self.steps:  # a short, clean fit: a table of headers would say nothing
+            return (
+                f"no step sampled yet: the watch samples every {DEFAULT_EVERY}th optimizer step by "
+                "default, and each step after a skipped step or a non-finite loss; "
+                "Trainer(..., watch_numerics=1) samples every step"
+            )
+
         def nearest_trouble(name: str) -> tuple[bool, float]:
             return (_worst(self.nonfinite.get(name, [])) == 0, self.headroom(name))
 

@@ -133,3 +133,15 @@ def test_the_watch_is_on_by_default_every_200th_step_and_densely_after_a_skip():
     assert trainer.numerics.steps == list(range(2, 2 + DENSE_STEPS))  # after the skip, densely
     off = mpnb.Trainer(linear, torch.optim.SGD(linear.parameters()), watch_numerics=False)
     assert off.numerics is None
+
+
+def test_a_watch_that_sampled_no_step_says_why_instead_of_an_empty_table():
+    model = torch.nn.Linear(4, 2)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss,
+        mode="bf16", device="cpu", dashboard=None,
+    )  # fmt: skip
+    trainer.fit([(torch.randn(8, 4), torch.randn(8, 2))] * 3)  # short and clean: none sampled
+    shown = str(trainer.numerics)
+    assert trainer.numerics.steps == [] and "no step sampled" in shown and "module" not in shown
+    assert "watch_numerics=1" in shown
