@@ -104,3 +104,14 @@ def test_arguments_in_the_wrong_place_are_named_in_one_line_with_the_order():
         trainer.fit(x, y)  # the scikit-learn habit: x and y, where fit takes batches
     said = str(tensors.value)
     assert "\n" not in said and "a Tensor shaped (8, 2)" in said and "fit([(x, y)])" in said
+
+
+def test_a_torch_dtype_names_its_mode_as_it_names_autocasts_dtype():
+    model = nn.Linear(4, 2)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), mse,
+        mode=torch.bfloat16, device="cpu", dashboard=None,
+    )  # fmt: skip
+    assert trainer.mode.name == "bf16"
+    with pytest.raises(mpnb.InvalidChoiceError, match="unknown mode 'float8_e4m3fn'; valid: off"):
+        mpnb.Trainer(model, torch.optim.SGD(model.parameters()), mse, mode=torch.float8_e4m3fn)

@@ -22,6 +22,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.modes.base import Mode
 from mpnb.precision.modes.matmul_format import MatmulFormat
@@ -365,7 +367,8 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
     """The mode ``value`` names, with ``options`` (None values are left at their defaults).
 
     ``value`` is a mode object, or a name or alias in any case, optionally followed by a colon
-    and the value of the mode's first option (``"fp8:rowwise"``).
+    and the value of the mode's first option (``"fp8:rowwise"``), or a torch dtype that names a
+    mode (``torch.bfloat16``: bf16).
 
     Raises:
         InvalidChoiceError: no such mode, or an option the mode does not take, or a bad value.
@@ -375,10 +378,16 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
         Mode('fp8', recipe='rowwise', keep=('head',))
         >>> parse_mode(parse_mode("fp8"), recipe=None)
         Mode('fp8')
+        >>> parse_mode(torch.bfloat16), parse_mode(torch.float32)
+        (Mode('bf16'), Mode('fp32'))
     """
     given = {key: value for key, value in options.items() if value is not None}
     if isinstance(value, Mode):
         return _with_options(value, given) if given else value
+    if isinstance(
+        value, torch.dtype
+    ):  # torch.bfloat16: the mode of that name, as autocast takes it
+        value = str(value).removeprefix("torch.")
     name, colon, first = str(value).partition(":")
     return _labelled(mode_class(name, value), colon, first, given)
 
