@@ -24,11 +24,17 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
         ("-d half --device cpu", (F16, F16, F32)),
         ("--dtype bfloat16 --no-cache", (BF16, BF16, F32)),
         ("--off", (F32, F32, F32)),
+        ("fp16", (F16, F16, F32)),  # the dtype as a word, as %amp takes its mode
+        ("bf16 --device cpu", (BF16, BF16, F32)),
     ],
 )
 def test_autocast_cell_output_dtypes(ip, options, expected):
     assert run(ip, f"%%autocast {options}\n{OUTPUTS}") == expected
     assert run(ip, OUTPUTS) == (F32, F32, F32)
+
+
+def test_autocast_cell_refuses_two_different_dtypes(ip):
+    assert "two dtypes: 'fp16' and --dtype 'bf16'" in usage_error(ip, "%%autocast fp16 -d bf16\n1")
 
 
 def test_autocast_cache_option(ip):

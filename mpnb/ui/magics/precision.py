@@ -59,6 +59,12 @@ class PrecisionMagics(Magics):
     @cell_usage
     @magic_arguments()
     @argument(
+        "dtype_word",
+        nargs="?",
+        metavar="DTYPE",
+        help="the autocast dtype, as --dtype takes it: %%%%autocast bf16",
+    )
+    @argument(
         "-d",
         "--dtype",
         help=f"autocast dtype: {' or '.join(DTYPE_NAMES)} (aliases float16/half, bfloat16). "
@@ -106,11 +112,16 @@ class PrecisionMagics(Magics):
 
         Example::
 
-            %%autocast --dtype bf16 --fp32 layer_norm --trace
+            %%autocast bf16 --fp32 layer_norm --trace
             out = model(x)
         """
         __tracebackhide__ = True
         args = parse_line(self.autocast, line, f"dtypes: {', '.join(DTYPE_NAMES)}")
+        if args.dtype_word and args.dtype and args.dtype_word != args.dtype:
+            raise UsageError(
+                f"two dtypes: {args.dtype_word!r} and --dtype {args.dtype!r}; give one"
+            )
+        args.dtype = args.dtype or args.dtype_word
         if args.off and args.dtype:
             raise UsageError(
                 f"--off runs the cell without autocast; it takes no --dtype (got {args.dtype!r})"
