@@ -242,9 +242,26 @@ def batch_loss(
     except TypeError as error:
         refusal = _unbindable(model, batch, args, kwargs)
         if refusal is None:  # the forward took the batch; the error is its own
+            _note_positional(error, args)
             raise
         raise MpnbError(refusal) from error
+    except Exception as error:
+        _note_positional(error, args)
+        raise
     return _loss_of(output)
+
+
+def _note_positional(error: BaseException, args: Sequence[Any]) -> None:
+    """Say under a forward's own error, where the batch went in as several positional
+    arguments, that it did: an ``(inputs, labels)`` pair handed to a transformers model lands
+    its labels in the forward's second parameter (``past_key_values``), and the error raised
+    deep inside names neither."""
+    if len(args) > 1 and hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(
+            f"mpnb: with no loss_fn, a tuple batch goes to the model as {len(args)} positional "
+            "arguments, model(*batch); give loss_fn=f(outputs, targets) for (inputs, targets) "
+            "pairs, or batches as dicts of keyword arguments ({'input_ids': ..., 'labels': ...})"
+        )
 
 
 def _arguments_of(batch: Any) -> tuple[Sequence[Any], Mapping[str, Any]]:

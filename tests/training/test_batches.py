@@ -136,6 +136,21 @@ def test_a_pair_batch_without_a_loss_fn_says_to_pass_one(ip):
     assert "Sequential.forward cannot take a tuple of 2" in str(shown) and "--loss" in str(shown)
 
 
+def test_a_pair_batch_a_transformers_model_fails_on_deep_inside_carries_mpnbs_note():
+    # GPT-2 takes (input_ids, past_key_values, ...): the labels land where a cache goes
+    model = gpt2()
+    ids = torch.randint(0, 96, (2, 12))
+    trainer = mpnb.Trainer(
+        model, torch.optim.AdamW(model.parameters(), 1e-3), mode="bf16", device="cpu",
+        dashboard=None,
+    )  # fmt: skip
+    with pytest.raises(Exception) as failed:
+        trainer.fit([(ids, ids)])
+    notes = getattr(failed.value, "__notes__", [])
+    assert any("a tuple batch goes to the model as 2 positional arguments" in n for n in notes)
+    assert trainer.amp.between_steps and len(trainer.history) == 0
+
+
 def test_a_type_error_inside_the_models_forward_is_the_models_own():
     class Strict(nn.Module):
         def forward(self, x, y):
