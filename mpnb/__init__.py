@@ -114,11 +114,11 @@ def panel(trainer=None):
 
     With a ``trainer``, its *what if* button runs :func:`whatif` on the last batch of that
     trainer's fit. Returns the :class:`mpnb.ui.widgets.panel.ControlPanel`. Outside a notebook
-    the widgets show as text.
+    it says where the panel shows and what drives the same switches there.
 
     Example:
         >>> control_panel = panel()
-        VBox(...)
+        mpnb: the panel is widgets, shown in a notebook ...
         >>> control_panel.mode.value == get_mode()   # the toggle shows the session's mode
         True
         >>> control_panel.close()

@@ -190,16 +190,12 @@ class PrecisionMagics(Magics):
                 got = ", ".join(f"--{flag} {value!r}" for flag, value in extra.items())
                 verb = "goes" if len(extra) == 1 else "go"
                 raise UsageError(f"{flags} {verb} with a mode, not with {args.mode} (got {got})")
-            if args.mode.strip().lower() == "panel" and in_notebook_kernel():
+            if args.mode.strip().lower() == "panel":
                 from mpnb.ui.widgets.panel import panel
 
-                panel()
-                return None
-            if args.mode.strip().lower() == "panel":  # widgets in a terminal show as their repr
-                print(
-                    "mpnb: the panel is widgets, shown in a notebook (JupyterLab, Notebook, VS Code); "
-                    "here the same switches are %amp MODE, %tf32 on|off and %oplist. The session now:"
-                )
+                panel()  # in a terminal: where it shows, and the session's status after
+                if in_notebook_kernel():
+                    return None
             # shown, not returned: a value is shown only as a cell's last line, and `ipython
             # file.ipy` runs a whole file as one cell (mpnb.status() returns the object)
             display(status())

@@ -42,6 +42,7 @@ from mpnb.precision.modes import mode_names, registered
 from mpnb.precision.modes.registry import split_names
 from mpnb.precision.names import Fp32Math
 from mpnb.precision.policy import Session, session
+from mpnb.ui.environment import in_notebook_kernel
 
 __all__ = ["ControlPanel", "panel"]
 
@@ -330,7 +331,8 @@ class ControlPanel:
         shell = get_ipython()
         cell = shell.execution_count if shell is not None else None
         if cell is None or cell != self._shown_in_cell:
-            display(self.widget)
+            # outside a notebook a widget's text form is its repr: no panel, so say where it shows
+            display(self.widget) if in_notebook_kernel() else print(ELSEWHERE)
             self._shown_in_cell = cell
 
 
@@ -369,9 +371,12 @@ def panel(trainer: object | None = None) -> ControlPanel:
     """Show a control panel for the session and return it (``%amp panel`` does the same); with
     a ``trainer``, its *what if* button measures the last batch of that trainer's fit.
 
-    Example (outside a notebook, showing it prints the widgets' text form):
-        >>> shown = panel()
-        VBox(children=(HBox(children=(ToggleButtons(description='mode', ...
+    Outside a notebook (a script, a terminal) there is nothing to draw widgets on: it says so,
+    with what drives the same switches there, and returns the panel all the same.
+
+    Example:
+        >>> shown = panel()  # doctest: +ELLIPSIS
+        mpnb: the panel is widgets, shown in a notebook ...
         >>> shown
         <mpnb.ControlPanel mode=off device=...>
         >>> shown.close()
@@ -380,6 +385,14 @@ def panel(trainer: object | None = None) -> ControlPanel:
     control_panel = ControlPanel(trainer=trainer)
     control_panel._ipython_display_()
     return control_panel
+
+
+#: What :func:`panel` says where no notebook draws it.
+ELSEWHERE = (
+    "mpnb: the panel is widgets, shown in a notebook (JupyterLab, Notebook, VS Code); here the "
+    "same switches are %amp MODE, %tf32 on|off and %oplist (mpnb.set_mode, mpnb.tf32, "
+    "mpnb.set_oplists in a script)"
+)
 
 
 def _option_widget(field: dataclasses.Field) -> widgets.Widget:
