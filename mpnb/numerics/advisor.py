@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from mpnb.numerics.probe import ModuleProbe, leaf_names, uncompiled
 from mpnb.numerics.watch import MEASURES, ModuleMeasures
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.backends import backend_for, resolve_device
+from mpnb.training.batches import batch_loss, check_loss_fn, to_device
 from mpnb.training.random_state import kept_random_state
 
 __all__ = ["Advice", "advise"]
@@ -219,15 +220,13 @@ def left_as_found(model: nn.Module, device: torch.device) -> Iterator[Callable[[
 
 def _pass(
     model: nn.Module,
-    batch: Sequence[Any],
-    loss_fn: Callable,
+    batch: Any,
+    loss_fn: Callable | None,
     device: torch.device,
     dtype: torch.dtype | None,
 ) -> _Copies:
     """One pass; the reference's (``dtype`` None) measured by the watch's engine as well."""
-    inputs, targets = (
-        part.to(device) if isinstance(part, torch.Tensor) else part for part in batch
-    )
+    batch = to_device(batch, device)
     copies = _Copies(model)
     model.zero_grad(set_to_none=True)
     try:
@@ -244,7 +243,7 @@ def _pass(
                 cache_enabled=False,
             ),
         ):
-            loss = loss_fn(model(inputs), targets)
+            loss = batch_loss(model, batch, loss_fn, None)
         # outside autocast, as a training step runs it, whatever the caller's cell holds
         with torch.autocast(device.type, enabled=False):
             loss.float().backward()
@@ -276,8 +275,8 @@ def _largest(tensor: torch.Tensor | None) -> float:
 
 def advise(
     model: nn.Module,
-    batch: Sequence[Any],
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batch: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     *,
     device: str | torch.device | None = None,
 ) -> Advice:
@@ -287,8 +286,10 @@ def advise(
         model: left exactly as found: weights, buffers (BatchNorm statistics), gradients,
             each module's train/eval flag and its device. Every pass starts from that state
             and from the same random state, so dropout draws the same masks in each.
-        batch: ``(inputs, targets)``.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar``.
+        batch: one batch, as the Trainer takes it: ``(inputs, targets)`` with a ``loss_fn``;
+            without one, what the model takes to compute its own loss (a dict of keyword
+            arguments, as a Hugging Face model takes them).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar``; None for a model that returns its loss.
         device: where to run; default the model's device.
 
     Example:
@@ -303,6 +304,7 @@ def advise(
         >>> report.fp16_overflow, report.recommended_dtype
         ([], 'bf16')
     """
+    check_loss_fn(loss_fn)
     model = uncompiled(model)
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     target = resolve_device(device) if device is not None or first is None else first.device

@@ -193,3 +193,14 @@ def test_a_compiled_model_is_advised_under_its_own_layer_names():
         "1",
         "2",
     ]
+
+
+def test_a_model_that_computes_its_own_loss_is_advised_from_a_dict_batch():
+    # as the Trainer and whatif take a Hugging Face model: no loss_fn, the batch as keywords
+    from tests.conformance.models import gpt2_model
+
+    model = gpt2_model(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = mpnb.advise(model, {"input_ids": ids, "labels": ids}, device="cpu")
+    assert report.recommended_dtype in ("bf16", "fp16")
+    assert any(row.module.endswith("mlp.c_fc") for row in report.rows)
