@@ -139,9 +139,10 @@ def whatif(
     measured = LayerMatmuls(chosen)
     if not any(measured.applies(module) for module in layers.values()):
         everywhere = [name for name, found in matmul_formats().items() if found.any_operation]
+        kinds = sorted({type(module).__name__ for module in layers.values()})
         raise MpnbError(
-            f"{', '.join(chosen)} apply to linear layers only, and the layers of "
-            f"{type(model).__name__} that multiply are convolutions: measure them in "
+            f"{', '.join(chosen)} apply to none of {type(model).__name__}'s layers that multiply "
+            f"({', '.join(kinds)}), a kind their modes' layers do not replace; measure them in "
             f"{', '.join(everywhere)}"
         )
     #: the calls whose gradient has not come yet: (layer, its input, the matmuls training runs)

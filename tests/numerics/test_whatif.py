@@ -878,8 +878,12 @@ def test_a_model_held_in_low_precision_is_refused_with_the_way_to_measure_it(dty
 def test_scaled_formats_asked_of_a_convolution_model_say_they_apply_to_linear_layers():
     model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Conv1d(4, 2, 3))
     batch = (torch.randn(4, 2, 10), torch.randn(4, 2, 6))
-    with pytest.raises(MpnbError, match=r"mxfp8, nvfp4 apply to linear layers.*fp16, bf16"):
+    with pytest.raises(MpnbError, match=r"mxfp8, nvfp4 apply to none of .* \(Conv1d\).*fp16, bf16"):
         whatif(model, batch, nn.functional.mse_loss, ["mxfp8", "nvfp4"])
+    transformers = pytest.importorskip("transformers")
+    conv1d = nn.Sequential(transformers.pytorch_utils.Conv1D(8, 8))  # GPT-2's linear kind
+    with pytest.raises(MpnbError, match=r"fp8 apply to none of Sequential's layers .*\(Conv1D\)"):
+        whatif(conv1d, (torch.randn(4, 8), torch.randn(4, 8)), nn.functional.mse_loss, ["fp8"])
 
 
 def test_a_frozen_layers_forward_is_measured_as_training_would_run_it():
