@@ -212,11 +212,13 @@ def test_unload_inside_an_amp_cell_closes_that_cell_scope_at_its_end(ip):
     assert run(ip, "linear(x).dtype") is F32
 
 
-def test_reload_and_double_load(ip):
+def test_reload_and_double_load(ip, capsys):
     run(ip, "%load_ext mpnb")
     run(ip, "%amp bf16")
+    capsys.readouterr()
     run(ip, "%reload_ext mpnb")
-    assert mpnb.get_mode() == "off"
+    assert mpnb.get_mode() == "off"  # a reload starts again, and says so
+    assert "mpnb: unloaded; mode bf16 ended" in capsys.readouterr().out
     run(ip, "%amp bf16")
     assert run(ip, "linear(x).dtype") is BF16
 
