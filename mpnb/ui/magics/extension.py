@@ -102,7 +102,7 @@ def unload(shell) -> None:
         _unregister(shell.magics_manager, instance)
     ended = session.mode
     session.reset()
-    if ended.name != "off":  # %reload_ext starts again in mode off: said, not silent
+    if not ended.changes_nothing:  # %reload_ext starts again in mode off: said, not silent
         print(
             f"mpnb: unloaded; mode {ended.label} ended and torch's switches are as mpnb found "
             f"them (after a reload: %amp {ended.label} to go on in it)"
