@@ -550,6 +550,10 @@ def _run_worker(
         )
     else:
         dist.init_process_group(backend, timeout=group_timeout)
+    # every rank's connections made before any runs the function: a rank that ends at once
+    # (a function with no collective) and closes its group would otherwise fail a peer still
+    # connecting, and the launch would name that peer's connection error, not what happened
+    dist.barrier()
     channels: list[WorkerChannel] = []  # connected when a trainer first fits here
 
     def stream(index: int, history: History, control: Any) -> RankStream:
