@@ -119,16 +119,16 @@ def tracked_peak(
     # the tracker counts what the optimizer's step allocates as its state: beyond the state it
     # keeps (Adam's moments and step counts), the step's temporaries (foreach's copies the size
     # of the weights), which are the step's workspace
-    kept = storage_bytes(
-        value
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor) and value.device == device
-    )
-    in_state = min(kept, counted.get("optimizer state", 0))
     if "optimizer state" in counted:
-        counted["workspace"] = counted.get("workspace", 0) + counted["optimizer state"] - in_state
-        counted["optimizer state"] = in_state
+        kept = storage_bytes(
+            value
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.device == device
+        )
+        step = counted["optimizer state"]
+        counted["optimizer state"] = min(kept, step)
+        counted["workspace"] = counted.get("workspace", 0) + step - counted["optimizer state"]
     in_copies = min(max(copies, default=0), counted.get("activations", 0))
     counted["weight copies"] = in_copies
     counted["activations"] = counted.get("activations", 0) - in_copies

@@ -384,9 +384,8 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
     given = {key: value for key, value in options.items() if value is not None}
     if isinstance(value, Mode):
         return _with_options(value, given) if given else value
-    if isinstance(
-        value, torch.dtype
-    ):  # torch.bfloat16: the mode of that name, as autocast takes it
+    # a torch dtype (torch.bfloat16) names the mode of its name, as autocast takes it
+    if isinstance(value, torch.dtype):
         value = str(value).removeprefix("torch.")
     name, colon, first = str(value).partition(":")
     return _labelled(mode_class(name, value), colon, first, given)

@@ -46,6 +46,14 @@ from mpnb.ui.environment import in_notebook_kernel
 
 __all__ = ["ControlPanel", "panel"]
 
+#: What a panel shown where no notebook draws widgets says instead.
+ELSEWHERE = (
+    "mpnb: the panel is widgets, shown in a notebook (JupyterLab, Notebook, VS Code); here the "
+    "same switches are %amp MODE, %tf32 on|off and %oplist (mpnb.set_mode, mpnb.tf32, "
+    "mpnb.set_oplists in a script)"
+)
+
+
 _FP32_MATH_LABEL = "reduced-precision fp32 math (TF32 / bf16 math)"
 _BACKQUOTED = re.compile(r"`([^`]+)`")
 
@@ -331,8 +339,10 @@ class ControlPanel:
         shell = get_ipython()
         cell = shell.execution_count if shell is not None else None
         if cell is None or cell != self._shown_in_cell:
-            # outside a notebook a widget's text form is its repr: no panel, so say where it shows
-            display(self.widget) if in_notebook_kernel() else print(ELSEWHERE)
+            if in_notebook_kernel():
+                display(self.widget)
+            else:  # a widget's text form is its repr, no panel: say where it shows
+                print(ELSEWHERE)
             self._shown_in_cell = cell
 
 
@@ -385,14 +395,6 @@ def panel(trainer: object | None = None) -> ControlPanel:
     control_panel = ControlPanel(trainer=trainer)
     control_panel._ipython_display_()
     return control_panel
-
-
-#: What :func:`panel` says where no notebook draws it.
-ELSEWHERE = (
-    "mpnb: the panel is widgets, shown in a notebook (JupyterLab, Notebook, VS Code); here the "
-    "same switches are %amp MODE, %tf32 on|off and %oplist (mpnb.set_mode, mpnb.tf32, "
-    "mpnb.set_oplists in a script)"
-)
 
 
 def _option_widget(field: dataclasses.Field) -> widgets.Widget:
