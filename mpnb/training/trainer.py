@@ -290,8 +290,7 @@ class Trainer:
                 mode cannot convert, or fp16 weights in a mode that scales the loss: the fit goes
                 on in its mode, nothing changed.
         """
-        check_switch(self.strategy, self.mode, precision.mode)
-        check_scalable(self.optimizer, precision.needs_scaler, self.model)
+        self._check_switch(precision)
         running = self.amp.precision
         self._math.close()  # the running mode's layers put back: the new mode converts its own
         try:
@@ -303,6 +302,12 @@ class Trainer:
             self._math.enter_context(running.model_scope(self.model))
             raise
         self.amp.set_precision(precision)
+
+    def _check_switch(self, precision: TrainingPrecision) -> None:
+        """Refuse a switch to ``precision`` this run cannot make (a mode converting layers under
+        FSDP, fp16 weights in a mode that scales the loss); nothing changed."""
+        check_switch(self.strategy, self.mode, precision.mode)
+        check_scalable(self.optimizer, precision.needs_scaler, self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything :meth:`save` writes: model, optimizer, scaler, scheduler, position and
@@ -375,8 +380,7 @@ class Trainer:
         precision = TrainingPrecision.resolve(mode, self.device)
         if precision.mode == self.mode:
             return
-        check_switch(self.strategy, self.mode, precision.mode)
-        check_scalable(self.optimizer, precision.needs_scaler, self.model)
+        self._check_switch(precision)
         if precision.mode.converts_layers:
             precision.mode.check_model(self.model, self.device)
         message = f"mode {self.mode.label} -> {precision.mode.label}"
