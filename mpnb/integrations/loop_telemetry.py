@@ -284,8 +284,9 @@ class LoopTelemetry:
             skipped=skipped,
             lr=run.lr,
             mode=observed if observed is not None else UNSEEN,
+            keep=self.recorder.hold,
         )
-        self.recorder.add_record(record)
+        self.recorder.flush_if_due()  # with what the instruments noted of the step
         run.next_window()
         if record.loss_missing:
             self.notices.say(

@@ -434,14 +434,23 @@ class FirstSkipLocator(Instrument):
         if not self.pending or run is None or compute_loss is None:
             return
         self.pending = False
-        origin = locate_nonfinite(
-            self.model,
-            compute_loss,
-            autocast=run.autocast,
-            device_type=run.device.type,
-            scale=float(scale),
-            random_state=self._state,
-        )
+        try:
+            origin = locate_nonfinite(
+                self.model,
+                compute_loss,
+                autocast=run.autocast,
+                device_type=run.device.type,
+                scale=float(scale),
+                random_state=self._state,
+            )
+        except Exception as error:  # a diagnostic: its failure is said, the fit goes on
+            run.history.note(
+                f"step {step} skipped; its replay, which names where it overflowed, failed: "
+                f"{type(error).__name__}: {error}",
+                kind=ORIGIN_KIND,
+                step=step,
+            )
+            return
         if origin is None:
             run.history.note(
                 f"step {step} skipped, but its replay stayed finite (a kernel that is not "

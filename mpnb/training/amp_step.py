@@ -397,17 +397,17 @@ class AmpStep:
             self.optimizer.zero_grad(set_to_none=True)
             self.steps += 1
             self._window.close()  # before the sinks run: a failing sink cannot leave it open
-            self.recorder.add_record(
-                self.account.close(
-                    step=self.steps,
-                    epoch=self.epoch,
-                    loss_scale=scale_before,
-                    skipped=skipped,
-                    lr=lr,
-                    grad_norm=grad_norm,
-                    mode=self.precision.mode.label,
-                )
+            self.account.close(
+                step=self.steps,
+                epoch=self.epoch,
+                loss_scale=scale_before,
+                skipped=skipped,
+                lr=lr,
+                grad_norm=grad_norm,
+                mode=self.precision.mode.label,
+                keep=self.recorder.hold,
             )
+            self.recorder.flush_if_due()  # with what the instruments noted of the step
 
     def check_weights(self, model: torch.nn.Module | None = None) -> None:
         """Check the weights the optimizer trains against the mode, before they train: fp16

@@ -281,9 +281,9 @@ class StepAccount:
             before_forward(self.next_step, first)
 
     def _step_ended(
-        self, step: int, scale: torch.Tensor | float, skipped: torch.Tensor | bool
+        self, step: int, scale: torch.Tensor | float, skipped: torch.Tensor | bool, watched: bool
     ) -> None:
-        if step >= self._woken_at:
+        if watched:
             for step_end in self._moments.step_end:
                 step_end(step)
         if skipped is True:  # known on the host; a device flag is read at the flush, not here
@@ -384,9 +384,12 @@ class StepAccount:
         lr: float,
         mode: str,
         grad_norm: torch.Tensor | float = math.nan,
+        keep: Callable[[StepRecord], object] | None = None,
     ) -> StepRecord:
         """The step ends: its record, from what was gathered and the clocks; the next step opens.
-        Then the instruments' :meth:`~Instrument.step_end` (and :meth:`~Instrument.step_skipped`)."""
+        ``keep`` takes the record (a recorder's ``hold``) before any instrument hears of the
+        step, so that an instrument that fails, or an interrupt inside one, cannot lose it. Then
+        the instruments' :meth:`~Instrument.step_end` (and :meth:`~Instrument.step_skipped`)."""
         step_time = (*self._step_parts, self.clock.lap())
         loss = self.loss
         record = StepRecord(
@@ -406,10 +409,12 @@ class StepAccount:
         )
         self.discard()
         self.next_step = step + 1
-        if (
-            step >= self._woken_at or skipped is True
-        ):  # an instrument watches it, or must hear of it
-            self._step_ended(step, loss_scale, skipped)
+        # asked before the record is kept: its flush may tell an instrument, which reschedules
+        watched = step >= self._woken_at
+        if keep is not None:
+            keep(record)
+        if watched or skipped is True:  # an instrument watches it, or must hear of it
+            self._step_ended(step, loss_scale, skipped, watched)
         return record
 
 

@@ -185,6 +185,16 @@ class Recorder:
         """:meth:`add_row` for a :class:`~mpnb.training.step_record.StepRecord`, kept as it is: the
         flush turns the pending records into columns at once (their class's ``columns_of``)."""
         self._pending.append(record)
+        self.flush_if_due()
+
+    def hold(self, record: Any) -> None:
+        """:meth:`add_record` with no flush: ``record`` is pending until :meth:`flush_if_due`, the
+        next flush, or a reading of :attr:`history` (a step's row kept before its instruments run,
+        whose notes the flush then shows with it)."""
+        self._pending.append(record)
+
+    def flush_if_due(self) -> None:
+        """Flush when ``flush_every`` rows are pending or a sink is due."""
         if len(self._pending) >= self.flush_every or (self._timed and self._sink_due()):
             self.flush()
 

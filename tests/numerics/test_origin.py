@@ -275,3 +275,50 @@ def test_a_bf16_fits_nan_loss_is_followed_to_the_module_and_op_that_make_it():
         "nan",
     )
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def replay_failing_run(error: BaseException) -> tuple[mpnb.Trainer, BaseException | None]:
+    """An fp16 fit of one overflowing step whose loss function raises ``error`` on its second
+    call: the first skip's replay."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    calls = 0
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise error
+        return nn.functional.mse_loss(out, target)
+
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.01), loss_fn, mode="fp16", dashboard=None
+    )
+    overflowing = (torch.full((3, 4), 1e4), torch.zeros(3, 2))
+    raised = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            trainer.fit([overflowing, (torch.randn(3, 4), torch.zeros(3, 2))])
+        except BaseException as caught:  # what reached the caller, an interrupt too
+            raised = caught
+    return trainer, raised
+
+
+def test_a_replay_that_fails_is_noted_and_the_fit_goes_on_with_every_row():
+    trainer, raised = replay_failing_run(RuntimeError("out of memory in the replay"))
+    assert raised is None
+    assert trainer.history.step == [1, 2]
+    assert trainer.history.skipped == [True, False]
+    origin_notes = [e["message"] for e in trainer.history.events if e["kind"] == "origin"]
+    assert len(origin_notes) == 1
+    assert "replay" in origin_notes[0] and "out of memory in the replay" in origin_notes[0]
+    assert torch._C._len_torch_dispatch_stack() == 0  # the replay left nothing on
+
+
+def test_an_interrupt_in_the_replay_ends_the_fit_with_the_skipped_steps_row_kept():
+    trainer, raised = replay_failing_run(KeyboardInterrupt())
+    assert isinstance(raised, KeyboardInterrupt)
+    assert trainer.amp.steps == 1
+    assert trainer.history.step == [1]
+    assert trainer.history.skipped == [True]
