@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -124,3 +125,55 @@ class DeviceUnavailableError(MpnbError):
     def __init__(self, message: str, available: Iterable[str]) -> None:
         self.available = list(available)
         super().__init__(f"{message}; available here: {', '.join(self.available) or 'none'}")
+
+
+def check_flag(name: str, value: object) -> None:
+    """Refuse an option ``name`` that is not ``True`` or ``False``: a string such as ``"off"``
+    is truthy, and would turn on what it meant to turn off.
+
+    Example:
+        >>> check_flag("record_grad_norm", True)
+        >>> check_flag("record_grad_norm", "no")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: record_grad_norm must be True or False, got 'no'
+    """
+    if not isinstance(value, bool):
+        raise MpnbError(f"{name} must be True or False, got {quoted(value)}")
+
+
+def check_number(
+    name: str,
+    value: object,
+    *,
+    above: float = 0.0,
+    below: float = math.inf,
+    whole: bool = False,
+    meaning: str = "",
+) -> None:
+    """Refuse an option ``name`` that is not a finite number strictly between ``above`` and
+    ``below`` (a whole number with ``whole``); ``meaning`` says what the number is, in the message.
+
+    Example:
+        >>> check_number("init_scale", 2.0**16)
+        >>> check_number("growth_factor", 0.5, above=1.0, meaning="the loss scale's growth")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: growth_factor must be a number above 1 (the loss scale's growth), got 0.5
+        >>> check_number("flush_every", 2.5, whole=True)
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: flush_every must be a whole number above 0, got 2.5
+    """
+    kind = "whole number" if whole else "number"
+    number_types = (int,) if whole else (int, float)
+    valid = (
+        isinstance(value, number_types)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and above < value < below
+    )
+    if not valid:
+        bounds = f"above {above:g}" + (f" and below {below:g}" if below < math.inf else "")
+        said = f" ({meaning})" if meaning else ""
+        raise MpnbError(f"{name} must be a {kind} {bounds}{said}, got {quoted(value)}")

@@ -42,7 +42,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, quoted
 from mpnb.training.step_record import Instrument, WatchedRun
 
 if TYPE_CHECKING:
@@ -186,6 +186,11 @@ class Fp32Modules(Instrument):
             )
 
     def _resolve(self, name: str) -> str:
+        if not isinstance(name, str):
+            raise MpnbError(
+                "keep_in_fp32 takes a module's name, such as "
+                f"{next((found for found, _ in self.model.named_modules() if found), '')!r}; got {quoted(name)}"
+            )
         if name == "":  # the model itself (a model that is one layer, as the what-if names it)
             return name
         names = [found for found, _ in self.model.named_modules() if found]

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, check_flag
 from mpnb.oplists.lists import OpLists
 from mpnb.oplists.override import OpListOverride
 from mpnb.precision.autocast_settings import AutocastSettings
@@ -110,6 +110,7 @@ class tf32:  # noqa: N801 - a switch that is also a context manager, like torch.
     """
 
     def __init__(self, enabled: bool = True, device: str | torch.device | None = None) -> None:
+        check_flag("tf32", enabled)  # a string "off" is truthy
         self._previous = session.snapshot()
         session.set_tf32(enabled, device)
 

@@ -29,13 +29,15 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from mpnb.errors import MpnbError, warn_user
+from mpnb.errors import MpnbError, check_flag, check_number, quoted, warn_user
 from mpnb.precision.modes import Mode
 from mpnb.training.gradients import check_loss, rescale, unscale_and_clip
 from mpnb.training.health import HealthWatch, scale_back
@@ -72,6 +74,61 @@ def check_optimizer(optimizer: object) -> None:
         raise MpnbError(
             "optimizer takes a torch.optim.Optimizer made over the model's parameters, such as "
             f"torch.optim.SGD(model.parameters(), lr=0.01); got {given}"
+        )
+
+
+#: GradScaler's settings: what each is, and its bounds (torch asserts only the two factors; a
+#: fractional growth_interval fails at the first update, a scale of 0 trains the weights to NaN).
+_SCALER_SETTINGS: dict[str, dict[str, Any]] = {
+    "init_scale": {"meaning": "the first loss scale"},
+    "growth_factor": {"above": 1.0, "meaning": "the loss scale's growth after good steps"},
+    "backoff_factor": {"below": 1.0, "meaning": "the loss scale's cut at a skipped step"},
+    "growth_interval": {"whole": True, "meaning": "good steps before the scale grows"},
+}
+
+
+def check_scaler_settings(settings: dict[str, Any]) -> None:
+    """Refuse a GradScaler setting outside its bounds, naming it (``settings``: by name).
+
+    >>> check_scaler_settings({"init_scale": 0.0})
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.MpnbError: init_scale must be a number above 0 (the first loss scale), got 0.0
+    """
+    for name, value in settings.items():
+        check_number(name, value, **_SCALER_SETTINGS[name])
+
+
+def settings_of(scaler: torch.amp.GradScaler) -> dict[str, Any]:
+    """The settings a GradScaler was built with (its scale now, for a scaler already used)."""
+    return {
+        "init_scale": scaler.get_scale(),
+        "growth_factor": scaler.get_growth_factor(),
+        "backoff_factor": scaler.get_backoff_factor(),
+        "growth_interval": scaler.get_growth_interval(),
+    }
+
+
+def forget_unfinished_update(scaler: torch.amp.GradScaler) -> None:
+    """Forget what a GradScaler recorded of an optimizer step whose ``update()`` did not finish
+    (an interrupt inside it): torch would refuse every later step of that optimizer with "step()
+    has already been called since the last update()". What the end of ``update()`` does."""
+    scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
+
+
+def check_scheduler(scheduler: object, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a scheduler that is none (a name, such as ``"cosine"``) or that steps another
+    optimizer than ``optimizer``."""
+    if scheduler is None:
+        return
+    if not callable(getattr(scheduler, "step", None)):
+        raise MpnbError(
+            "scheduler must be a learning-rate scheduler built on the optimizer, such as "
+            f"torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100); got {quoted(scheduler)}"
+        )
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise MpnbError(
+            "the scheduler steps another optimizer than the one given: build it on this one"
         )
 
 
@@ -155,8 +212,13 @@ class AmpStep:
             raise ValueError(
                 f"accumulate must be a positive number of micro-batches, got {accumulate}"
             )
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm must be a positive norm, got {clip_grad_norm}")
+        if clip_grad_norm is not None:
+            check_number("clip_grad_norm", clip_grad_norm, meaning="the largest gradient norm")
+        if min_scale is not None:
+            check_number("min_scale", min_scale, meaning="the loss scale that alarms below it")
+        check_number("flush_every", flush_every, whole=True, meaning="steps between flushes")
+        check_flag("record_grad_norm", record_grad_norm)
+        check_scheduler(scheduler, optimizer)
         self.precision = TrainingPrecision.resolve(mode, device)
         # train_step's: entered once at a time (the window's FORWARD phase)
         self._forward_context = self.precision.autocast.context()
@@ -175,6 +237,7 @@ class AmpStep:
         self._scaler_options = {
             name: value for name, value in settings.items() if value is not None
         }
+        check_scaler_settings(self._scaler_options)
         self._scalers: dict[bool, torch.amp.GradScaler] = {}
         if scaler is not None:
             if self._scaler_options:
@@ -198,6 +261,8 @@ class AmpStep:
                     if self.precision.needs_scaler
                     else f"mode {mode!r} does not scale the loss: leave scaler= out, or give GradScaler(..., enabled=False)"
                 )
+            if scaler.is_enabled():
+                check_scaler_settings(settings_of(scaler))
             self._scalers[scaler.is_enabled()] = scaler  # a later switch of mode comes back to it
         # fp16 weights refused before anything is hooked (GradScaler cannot unscale them)
         check_scalable(optimizer, self.precision.needs_scaler)
@@ -393,6 +458,9 @@ class AmpStep:
             self.scaler.update()
             if self.scheduler is not None and self._step_watch.stepped:
                 self.scheduler.step()
+        except BaseException:
+            forget_unfinished_update(self.scaler)
+            raise
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             self.steps += 1

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mpnb.errors import MpnbError, quoted
+from mpnb.errors import MpnbError, check_flag, quoted
 from mpnb.numerics.instruments import fit_instruments
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.modes import Mode, parse_mode
@@ -206,6 +206,7 @@ class Trainer:
         check_loss_fn(loss_fn)
         check_dashboard(dashboard)
         check_strategy(strategy)
+        check_flag("locate_overflow", locate_overflow)
         _check_optimizer_trains(model, optimizer)
         if recipe is not None or keep is not None:  # options of the mode asked, or of the session's
             mode = parse_mode(get_mode() if mode is None else mode, recipe=recipe, keep=keep)

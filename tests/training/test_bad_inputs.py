@@ -115,3 +115,87 @@ def test_a_torch_dtype_names_its_mode_as_it_names_autocasts_dtype():
     assert trainer.mode.name == "bf16"
     with pytest.raises(mpnb.InvalidChoiceError, match="unknown mode 'float8_e4m3fn'; valid: off"):
         mpnb.Trainer(model, torch.optim.SGD(model.parameters()), mse, mode=torch.float8_e4m3fn)
+
+
+class ScalerUpdateInterrupted(torch.amp.GradScaler):
+    """A real GradScaler whose first update() is interrupted halfway (a Ctrl-C inside it)."""
+
+    interrupted = False
+
+    def update(self, new_scale=None):
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        super().update(new_scale)
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("init_scale", 0, "init_scale must be a number above 0"),
+        ("init_scale", -1.0, "init_scale must be a number above 0"),
+        ("init_scale", float("nan"), "init_scale must be a number above 0"),
+        ("init_scale", float("inf"), "init_scale must be a number above 0"),
+        ("growth_factor", 0.5, "growth_factor must be a number above 1"),
+        ("backoff_factor", 1.5, "backoff_factor must be a number above 0 and below 1"),
+        ("growth_interval", 1.5, r"growth_interval must be a whole number above 0 .*, got 1.5"),
+        ("growth_interval", -5, r"growth_interval must be a whole number above 0 .*, got -5"),
+        ("min_scale", "a", r"min_scale must be a number above 0 .*, got 'a'"),
+        ("clip_grad_norm", "1", r"clip_grad_norm must be a number above 0 .*, got '1'"),
+        ("flush_every", 2.5, r"flush_every must be a whole number above 0 .*, got 2.5"),
+        ("record_grad_norm", "no", "record_grad_norm must be True or False, got 'no'"),
+        ("locate_overflow", "no", "locate_overflow must be True or False, got 'no'"),
+        ("scheduler", "cosine", "scheduler must be a learning-rate scheduler .* got 'cosine'"),
+    ],
+)
+def test_a_bad_trainer_option_is_refused_when_the_trainer_is_built(option, value, message):
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    with pytest.raises(MpnbError, match=message):
+        mpnb.Trainer(model, optimizer, mse, mode="fp16", dashboard=None, **{option: value})
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+
+
+def test_a_scheduler_of_another_optimizer_is_refused():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    other = torch.optim.SGD(nn.Linear(4, 2).parameters(), 0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(other, 1)
+    with pytest.raises(MpnbError, match="the scheduler steps another optimizer"):
+        mpnb.Trainer(model, optimizer, mse, dashboard=None, scheduler=scheduler)
+
+
+def test_a_given_scaler_with_a_growth_interval_torch_cannot_use_is_refused():
+    model = nn.Linear(4, 2)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1.5)
+    with pytest.raises(MpnbError, match="growth_interval must be a whole number above 0"):
+        mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="fp16",
+                     dashboard=None, scaler=scaler)  # fmt: skip
+
+
+def test_a_module_name_that_is_no_string_is_refused_by_keep_in_fp32():
+    model = nn.Sequential(nn.Linear(4, 2))
+    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, dashboard=None)
+    with pytest.raises(MpnbError, match="keep_in_fp32 takes a module's name.*got 0"):
+        trainer.keep_in_fp32(0)
+
+
+@pytest.mark.parametrize("value", ["off", 2, None])
+def test_tf32_takes_only_true_or_false_and_changes_nothing_otherwise(value):
+    before = torch.get_float32_matmul_precision()
+    with pytest.raises(MpnbError, match=f"tf32 must be True or False, got {value!r}"):
+        mpnb.tf32(value)
+    assert torch.get_float32_matmul_precision() == before
+
+
+def test_an_interrupted_scaler_update_leaves_the_next_fit_able_to_step():
+    model, data = linear_problem(steps=2)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="fp16", dashboard=None,
+        scaler=ScalerUpdateInterrupted("cpu"),
+    )  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(data)
+    assert trainer.history.step == [1]
+    history = trainer.fit(data)
+    assert history.step == [1, 2]  # torch refused it: "step() has already been called"
