@@ -83,11 +83,9 @@ def column_default(kind: type) -> Any:
 
 
 def record_json(record: Mapping[str, Any]) -> str:
-    """The record as standard JSON: inf and NaN in columns as the strings ``float()`` reads back."""
-    columns = {
-        name: [_json_safe(value) for value in values] for name, values in record["columns"].items()
-    }
-    return json.dumps({**record, "columns": columns}, allow_nan=False)
+    """The record as standard JSON: inf and NaN (in the columns, the events and the meta) as the
+    strings ``float()`` reads back; the columns read them back as numbers."""
+    return json.dumps(_json_safe(record), allow_nan=False)
 
 
 def record_csv(record: Mapping[str, Any]) -> str:
@@ -102,7 +100,10 @@ def record_csv(record: Mapping[str, Any]) -> str:
     written as its ``\\u`` escape (``"=SUM(2;3)"`` as ``"\\u003dSUM(2;3)"``).
     """
     header = json.dumps(
-        {"version": record["version"], "meta": record["meta"], "events": record["events"]}
+        _json_safe(
+            {"version": record["version"], "meta": record["meta"], "events": record["events"]}
+        ),
+        allow_nan=False,
     )
     header = _JSON_STRING.sub(_inert_json_string, header)
     columns = record["columns"]
@@ -129,8 +130,15 @@ _FORMULA_CHARACTERS = frozenset("=+-@")
 
 
 def _json_safe(value: Any) -> Any:
-    """inf / -inf / NaN as the strings float() reads back; JSON itself has no such numbers."""
-    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+    """``value`` with each inf / -inf / NaN, in its lists and mappings too, as the string float()
+    reads back; JSON itself has no such numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, Mapping):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
 
 
 # -- reading ---------------------------------------------------------------------------------

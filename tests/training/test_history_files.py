@@ -322,3 +322,28 @@ def test_a_header_of_many_repeated_column_names_is_refused_in_linear_time(tmp_pa
     with pytest.raises(ValueError, match="line 2: columns named twice: \\['step'\\]"):
         History.load(tmp_path / "hostile.csv")
     assert time.perf_counter() - started < 0.5  # 10 s when each name was counted in the whole row
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"not standard JSON: {name}")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv"])
+def test_an_event_holding_a_nan_or_inf_is_written_as_standard_json(tmp_path, suffix):
+    """An overflow's origin event holds ``producer_max=nan`` (no producer value) and a value that
+    would be inf: both written as the strings float() reads, as the columns' are."""
+    history = History()
+    history.extend({"step": [1], "loss": [math.nan]})
+    history.note("step 1 skipped", kind="origin", step=1, producer_max=math.nan,
+                 would_be=math.inf, nested={"low": -math.inf})  # fmt: skip
+    path = tmp_path / f"run{suffix}"
+    history.to_json(path) if suffix == ".json" else history.to_csv(path)
+    text = path.read_text(encoding="utf-8")
+    header = text if suffix == ".json" else text.partition("\n")[0].removeprefix("# mpnb-history ")
+    json.loads(header, parse_constant=_refuse_constant)
+    (event,) = History.load(path).events
+    assert (event["producer_max"], event["would_be"], event["nested"]) == (
+        "nan",
+        "inf",
+        {"low": "-inf"},
+    )
