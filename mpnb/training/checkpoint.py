@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mpnb._files import atomic_write
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, quoted
 from mpnb.training.history import History
 from mpnb.training.safe_load import load_plain
 
@@ -126,13 +126,23 @@ def checked_state(
     except _MALFORMED as error:
         problem = f"its contents are not what Trainer.save writes ({type(error).__name__}: {error})"
     if problem is None:
-        try:
-            history = History.from_dict(state["history"])
-        except _MALFORMED as error:
-            problem = f"its history is unreadable ({error!r})"
+        history, problem = run_history(state)
     if problem is not None:
         raise MpnbError(f"{name} does not fit this trainer: {problem}; nothing was loaded")
     return state, history
+
+
+def run_history(state: dict[str, Any]) -> tuple[History, None] | tuple[None, str]:
+    """The history a checked run record holds, or what is wrong with it: unreadable, or ending
+    after the record's step counter (the next fit would number its steps again)."""
+    try:
+        history = History.from_dict(state["history"])
+    except _MALFORMED as error:
+        return None, f"its history is unreadable ({error!r})"
+    steps = state["amp"]["steps"]
+    if len(history) and history.step[-1] > steps:
+        return None, f"its history ends at step {history.step[-1]}, after its step counter {steps}"
+    return history, None
 
 
 #: What checking a file's contents of unexpected types can raise (a tensor's truth value is a RuntimeError).
@@ -193,6 +203,9 @@ def run_mismatch(trainer: Checkpointed, state: dict[str, Any]) -> str | None:
         isinstance(amp[key], int) and not isinstance(amp[key], bool) for key in ("steps", "epoch")
     ):
         return f"its step and epoch counters are {amp['steps']!r} and {amp['epoch']!r}, not whole numbers"
+    for counter in ("steps", "epoch"):
+        if amp[counter] < 0:
+            return f"its {counter.rstrip('s')} counter {amp[counter]} is negative"
     scaler = amp["scaler"]
     if bool(scaler) != trainer.amp.scaler.is_enabled():
         saved, own = ("with", "without") if scaler else ("without", "with")
@@ -216,15 +229,61 @@ def run_mismatch(trainer: Checkpointed, state: dict[str, Any]) -> str | None:
         and saved_scheduler != type(scheduler).__name__
     ):
         return f"its scheduler is a {saved_scheduler}, this trainer's a {type(scheduler).__name__}"
+    if scheduler is not None:
+        problem = _scheduler_mismatch(scheduler, state["scheduler"])
+        if problem is not None:
+            return problem
     position = state["position"]
     if not (
         isinstance(position, (list, tuple))
         and len(position) == 3
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in position[:2])
-        and (position[2] is None or isinstance(position[2], int))
+        and all(_count(value) for value in position[:2])
+        and (position[2] is None or _count(position[2]))
     ):
-        return f"its position {position!r} is not [epoch, batch, end epoch]"
+        return f"its position {position!r} is not [epoch, batch, end epoch] of counts from 0"
     return None
+
+
+def _count(value: Any) -> bool:
+    """A whole number from 0 up."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _scheduler_mismatch(scheduler: Any, saved: Any) -> str | None:
+    """What in a saved scheduler state cannot go into ``scheduler``, whose ``load_state_dict``
+    puts every entry on the object: one that would replace its optimizer or a method (a
+    ``step`` number in place of ``step()``), or a value of another kind (:func:`_values_mismatch`)."""
+    if not isinstance(saved, dict):
+        return f"its scheduler state is a {type(saved).__name__}, not a mapping"
+    for key in saved:
+        replaced = "optimizer" if key == "optimizer" else "method"
+        if key == "optimizer" or callable(getattr(scheduler, str(key), None)):
+            return f"its scheduler state has {quoted(key)}, which would replace the scheduler's {replaced}"
+    return _values_mismatch("scheduler", scheduler.state_dict(), saved)
+
+
+def _values_mismatch(what: str, own: dict[str, Any], saved: dict[str, Any]) -> str | None:
+    """The first entry of ``saved`` (a scheduler's state, an optimizer's parameter group) that
+    cannot replace its entry in ``own``: a number or a tuple of numbers (a learning rate, Adam's
+    betas) given as something else."""
+    for key, value in saved.items():
+        if key in own and not _same_kind(own[key], value):
+            return f"its {what}'s {key!r} is {quoted(value)}, where this {what}'s is {quoted(own[key])}"
+    return None
+
+
+def _same_kind(own: Any, saved: Any) -> bool:
+    """Whether ``saved`` can stand where ``own`` stands: a number for a number (a tensor too, as
+    torch takes a learning rate), a tuple of as many numbers for a tuple of numbers."""
+    if isinstance(own, (int, float)) and not isinstance(own, bool):
+        return isinstance(saved, (int, float, torch.Tensor)) and not isinstance(saved, bool)
+    if isinstance(own, tuple) and all(isinstance(item, (int, float)) for item in own):
+        return (
+            isinstance(saved, (tuple, list))
+            and len(saved) == len(own)
+            and all(_same_kind(mine, theirs) for mine, theirs in zip(own, saved))
+        )
+    return True
 
 
 def _optimizer_type_mismatch(trainer: Checkpointed, optimizer_type: str | None) -> str | None:
@@ -245,6 +304,10 @@ def _optimizer_mismatch(trainer: Checkpointed, saved: Any) -> str | None:
     own_groups = trainer.optimizer.param_groups
     if [len(g["params"]) for g in groups] != [len(g["params"]) for g in own_groups]:
         return "its optimizer has other parameter groups"
+    for own, group in zip(own_groups, groups):
+        problem = _values_mismatch("optimizer", own, group)
+        if problem is not None:
+            return problem
     parameters = dict(
         zip((i for g in groups for i in g["params"]), (p for g in own_groups for p in g["params"]))
     )

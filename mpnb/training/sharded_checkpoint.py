@@ -37,6 +37,7 @@ from mpnb.training.checkpoint import (
     RUN_KEYS,
     apply_run_state,
     incomplete,
+    run_history,
     run_mismatch,
     run_record,
 )
@@ -270,8 +271,7 @@ def _read_run(trainer: Checkpointed, name: str) -> tuple[dict[str, Any], History
         )
     problem = incomplete(record, RUN_KEYS) or run_mismatch(trainer, record)
     if problem is None:
-        try:
-            return record, History.from_dict(record["history"])
-        except (KeyError, TypeError, ValueError) as error:
-            problem = f"its history is unreadable ({error!r})"
+        history, problem = run_history(record)
+        if history is not None:
+            return record, history
     raise MpnbError(f"{name!r} does not fit this trainer: {problem}; nothing was loaded")

@@ -192,21 +192,38 @@ def test_a_checkpoint_loaded_in_its_own_mode_trains_on_in_another_once_the_mode_
             "'exp_avg' of parameter 0",
         ),
         (lambda s: s["optimizer"]["state"].__setitem__(99, {}), "names parameter 99"),
+        # each of these was loaded, and broke the next fit
+        (lambda s: s.__setitem__("position", [-3, -7, None]), r"position \[-3, -7, None\]"),
+        (lambda s: s["amp"].__setitem__("steps", -100), "step counter -100"),
+        (lambda s: s["amp"].__setitem__("epoch", -1), "epoch counter -1"),
+        (lambda s: s["history"]["columns"].__setitem__("step", [7, 9]), "history ends at step 9"),
+        (lambda s: s["scheduler"].__setitem__("step", 1), "scheduler state has 'step'"),
+        (lambda s: s["scheduler"].__setitem__("optimizer", {}), "scheduler state has 'optimizer'"),
+        (lambda s: s["scheduler"].__setitem__("gamma", "x"), "scheduler's 'gamma' is 'x'"),
+        (
+            lambda s: s["optimizer"]["param_groups"][0].__setitem__("lr", "x"),
+            "optimizer's 'lr' is 'x'",
+        ),
+        (
+            lambda s: s["optimizer"]["param_groups"][0].__setitem__("betas", (0.9,)),
+            r"optimizer's 'betas' is \(0.9,\)",
+        ),
     ],
 )
 def test_hand_edited_checkpoints_are_refused_before_anything_changes(tmp_path, damage, message):
     _, data = linear_problem(steps=2)
-    source = trainer_for()
+    source = trainer_for(scheduler=True)
     source.fit(data)
     source.save(tmp_path / "run.pt")
     state = torch.load(tmp_path / "run.pt", weights_only=True)
     damage(state)
     torch.save(state, tmp_path / "edited.pt")
-    target = trainer_for(seed=1)
+    target = trainer_for(seed=1, scheduler=True)
     weight = target.model.weight.detach().clone()
     with pytest.raises(MpnbError, match=r"edited\.pt.*" + message):
         target.load(tmp_path / "edited.pt")
     assert torch.equal(target.model.weight, weight) and len(target.history) == 0
+    assert target.amp.scheduler.last_epoch == 0 and target.position == (0, 0, None)
 
 
 # -- resuming: from a checkpoint, or where the last fit stopped ---------------------------------
