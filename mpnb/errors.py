@@ -10,10 +10,15 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 import sys
 import warnings
 from collections.abc import Iterable
+
+import numpy
+import torch
 
 __all__ = ["MpnbError", "InvalidChoiceError", "DeviceUnavailableError"]
 
@@ -128,8 +133,8 @@ class DeviceUnavailableError(MpnbError):
 
 
 def check_flag(name: str, value: object) -> None:
-    """Refuse an option ``name`` that is not ``True`` or ``False``: a string such as ``"off"``
-    is truthy, and would turn on what it meant to turn off.
+    """Refuse an option ``name`` that is not true or false: ``True``, ``False``, numpy's bools,
+    or 0 and 1. A string such as ``"off"`` is truthy, and would turn on what it meant to turn off.
 
     Example:
         >>> check_flag("record_grad_norm", True)
@@ -138,7 +143,8 @@ def check_flag(name: str, value: object) -> None:
         ...
         mpnb.errors.MpnbError: record_grad_norm must be True or False, got 'no'
     """
-    if not isinstance(value, bool):
+    flag = isinstance(value, (bool, numpy.bool_)) or (isinstance(value, int) and value in (0, 1))
+    if not flag:
         raise MpnbError(f"{name} must be True or False, got {quoted(value)}")
 
 
@@ -149,13 +155,17 @@ def check_number(
     above: float = 0.0,
     below: float = math.inf,
     whole: bool = False,
+    finite: bool = True,
     meaning: str = "",
 ) -> None:
-    """Refuse an option ``name`` that is not a finite number strictly between ``above`` and
-    ``below`` (a whole number with ``whole``); ``meaning`` says what the number is, in the message.
+    """Refuse an option ``name`` that is not a number strictly between ``above`` and ``below``:
+    a Python or numpy number or a one-element tensor, as torch takes; a whole number with
+    ``whole``; a finite one unless ``finite`` is False (then ``below`` may be reached by inf).
+    ``meaning`` says what the number is, in the message.
 
     Example:
         >>> check_number("init_scale", 2.0**16)
+        >>> check_number("clip_grad_norm", math.inf, finite=False)
         >>> check_number("growth_factor", 0.5, above=1.0, meaning="the loss scale's growth")
         Traceback (most recent call last):
         ...
@@ -165,15 +175,35 @@ def check_number(
         ...
         mpnb.errors.MpnbError: flush_every must be a whole number above 0, got 2.5
     """
-    kind = "whole number" if whole else "number"
-    number_types = (int,) if whole else (int, float)
+    number = _plain_number(value, whole)
     valid = (
-        isinstance(value, number_types)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and above < value < below
+        number is not None
+        and not math.isnan(number)
+        and (math.isfinite(number) or not finite)
+        and above < number
+        and (number < below or (not finite and number == below == math.inf))
     )
     if not valid:
+        kind = "whole number" if whole else "number"
         bounds = f"above {above:g}" + (f" and below {below:g}" if below < math.inf else "")
         said = f" ({meaning})" if meaning else ""
         raise MpnbError(f"{name} must be a {kind} {bounds}{said}, got {quoted(value)}")
+
+
+def _plain_number(value: object, whole: bool) -> float | int | None:
+    """``value`` as a plain Python int (``whole``) or float, or None where it is no such number
+    (a bool, a string, a tensor of several elements, an int too large for a float)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            return None
+        value = value.item()
+    if isinstance(value, (bool, numpy.bool_)):
+        return None
+    try:
+        if whole:
+            return operator.index(value)  # type: ignore[arg-type]
+        if isinstance(value, numbers.Real):
+            return float(value)
+    except (TypeError, OverflowError):
+        return None
+    return None

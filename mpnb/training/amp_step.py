@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -75,34 +76,68 @@ def check_optimizer(optimizer: object) -> None:
             "optimizer takes a torch.optim.Optimizer made over the model's parameters, such as "
             f"torch.optim.SGD(model.parameters(), lr=0.01); got {given}"
         )
+    needed = required_arguments(optimizer, "step")
+    if needed:  # LBFGS's closure, which torch's GradScaler does not take either
+        raise MpnbError(
+            f"{type(optimizer).__name__}.step() needs {', '.join(needed)}, and mpnb steps the "
+            "optimizer as torch's GradScaler does, with no argument: use an optimizer whose "
+            "step() takes none (SGD, Adam, AdamW...)"
+        )
 
 
-#: GradScaler's settings: what each is, and its bounds (torch asserts only the two factors; a
-#: fractional growth_interval fails at the first update, a scale of 0 trains the weights to NaN).
+#: The float32 range GradScaler keeps its scale and factors in: a setting outside it becomes 0
+#: (weights trained to NaN) or inf there; half the smallest subnormal rounds to 0.
+_FLOAT32 = torch.finfo(torch.float32)
+_ROUNDS_TO_ZERO = _FLOAT32.smallest_normal * 2.0**-24
+_SCALE = {"above": _ROUNDS_TO_ZERO, "below": _FLOAT32.max}
+#: GradScaler's settings, as options and as its state_dict names them: what each is, and its
+#: bounds (torch asserts only the two factors' sides of 1; a fractional growth_interval fails at
+#: the first update, a scale of 0 trains the weights to NaN).
 _SCALER_SETTINGS: dict[str, dict[str, Any]] = {
-    "init_scale": {"meaning": "the first loss scale"},
-    "growth_factor": {"above": 1.0, "meaning": "the loss scale's growth after good steps"},
-    "backoff_factor": {"below": 1.0, "meaning": "the loss scale's cut at a skipped step"},
-    "growth_interval": {"whole": True, "meaning": "good steps before the scale grows"},
+    "init_scale": {**_SCALE, "meaning": "the first loss scale"},
+    "scale": {**_SCALE, "meaning": "the scaler's loss scale now"},
+    "growth_factor": {
+        "above": 1.0,
+        "below": _FLOAT32.max,
+        "meaning": "the loss scale's growth after good steps",
+    },
+    "backoff_factor": {
+        "above": _ROUNDS_TO_ZERO,
+        "below": 1.0,
+        "meaning": "the loss scale's cut at a skipped step",
+    },
+    "growth_interval": {
+        "whole": True,
+        "below": 2**63,
+        "meaning": "good steps before the scale grows",
+    },
+    "_growth_tracker": {
+        "whole": True,
+        "above": -1,
+        "below": 2**63,
+        "meaning": "good steps counted since the last growth",
+    },
 }
 
 
 def check_scaler_settings(settings: dict[str, Any]) -> None:
-    """Refuse a GradScaler setting outside its bounds, naming it (``settings``: by name).
+    """Refuse a GradScaler setting outside its bounds, naming it (``settings``: by name, as the
+    options or a scaler's ``state_dict`` name them; other names are passed over).
 
     >>> check_scaler_settings({"init_scale": 0.0})
     Traceback (most recent call last):
     ...
-    mpnb.errors.MpnbError: init_scale must be a number above 0 (the first loss scale), got 0.0
+    mpnb.errors.MpnbError: init_scale must be a number above 7.00649e-46 and below 3.40282e+38 (the first loss scale), got 0.0
     """
     for name, value in settings.items():
-        check_number(name, value, **_SCALER_SETTINGS[name])
+        if name in _SCALER_SETTINGS:
+            check_number(name, value, **_SCALER_SETTINGS[name])
 
 
 def settings_of(scaler: torch.amp.GradScaler) -> dict[str, Any]:
-    """The settings a GradScaler was built with (its scale now, for a scaler already used)."""
+    """The settings of a GradScaler given whole: its scale now, its factors and interval."""
     return {
-        "init_scale": scaler.get_scale(),
+        "scale": scaler.get_scale(),
         "growth_factor": scaler.get_growth_factor(),
         "backoff_factor": scaler.get_backoff_factor(),
         "growth_interval": scaler.get_growth_interval(),
@@ -121,7 +156,7 @@ def check_scheduler(scheduler: object, optimizer: torch.optim.Optimizer) -> None
     optimizer than ``optimizer``."""
     if scheduler is None:
         return
-    if not callable(getattr(scheduler, "step", None)):
+    if isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None)):
         raise MpnbError(
             "scheduler must be a learning-rate scheduler built on the optimizer, such as "
             f"torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100); got {quoted(scheduler)}"
@@ -130,6 +165,33 @@ def check_scheduler(scheduler: object, optimizer: torch.optim.Optimizer) -> None
         raise MpnbError(
             "the scheduler steps another optimizer than the one given: build it on this one"
         )
+    needed = required_arguments(scheduler, "step")
+    if needed:
+        raise MpnbError(
+            f"the scheduler's step() needs {', '.join(needed)} ({type(scheduler).__name__}), "
+            "and mpnb steps the scheduler with no argument after each optimizer step: leave "
+            "scheduler= out and call its step() yourself between fits or in a callback"
+        )
+
+
+def required_arguments(instance: object, method: str) -> list[str]:
+    """The names of the arguments ``instance``'s method ``method`` cannot be called without, read
+    from its class (torch wraps an optimizer's ``step`` on the instance); none where its
+    signature cannot be read.
+
+    >>> required_arguments(torch.optim.LBFGS([torch.zeros(1, requires_grad=True)]), "step")
+    ['closure']
+    """
+    try:
+        parameters = list(inspect.signature(getattr(type(instance), method)).parameters.values())
+    except (AttributeError, TypeError, ValueError):
+        return []
+    return [
+        parameter.name
+        for parameter in parameters[1:]  # self
+        if parameter.default is inspect.Parameter.empty
+        and parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+    ]
 
 
 class AmpStep:
@@ -213,7 +275,12 @@ class AmpStep:
                 f"accumulate must be a positive number of micro-batches, got {accumulate}"
             )
         if clip_grad_norm is not None:
-            check_number("clip_grad_norm", clip_grad_norm, meaning="the largest gradient norm")
+            check_number(
+                "clip_grad_norm",
+                clip_grad_norm,
+                finite=False,  # inf: torch's way to measure the norm without clipping
+                meaning="the largest gradient norm",
+            )
         if min_scale is not None:
             check_number("min_scale", min_scale, meaning="the loss scale that alarms below it")
         check_number("flush_every", flush_every, whole=True, meaning="steps between flushes")

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ import torch
 
 from mpnb._files import atomic_write
 from mpnb.errors import MpnbError, quoted
+from mpnb.training.amp_step import check_scaler_settings
 from mpnb.training.history import History
 from mpnb.training.safe_load import load_plain
 
@@ -213,8 +215,11 @@ def run_mismatch(trainer: Checkpointed, state: dict[str, Any]) -> str | None:
             f"it was saved {saved} a loss scaler (fp16 has one), this trainer runs {own} one "
             f"({trainer.mode.label}): build the trainer in the checkpoint's mode, load, then switch (trainer.mode = {trainer.mode.name!r})"
         )
-    if scaler and not isinstance(scaler.get("scale"), (int, float)):
-        return f"its loss scale is {scaler.get('scale')!r}, not a number"
+    if scaler:
+        try:
+            check_scaler_settings(scaler)
+        except MpnbError as refused:
+            return f"its loss scaler's {refused}"
     scheduler = trainer.amp.scheduler
     if (state["scheduler"] is None) != (scheduler is None):
         return (
@@ -255,11 +260,12 @@ def _scheduler_mismatch(scheduler: Any, saved: Any) -> str | None:
     ``step`` number in place of ``step()``), or a value of another kind (:func:`_values_mismatch`)."""
     if not isinstance(saved, dict):
         return f"its scheduler state is a {type(saved).__name__}, not a mapping"
-    for key in saved:
+    own = scheduler.state_dict()  # its own entries are its to read back (CyclicLR's scale_fn)
+    for key in set(saved) - set(own):
         replaced = "optimizer" if key == "optimizer" else "method"
         if key == "optimizer" or callable(getattr(scheduler, str(key), None)):
             return f"its scheduler state has {quoted(key)}, which would replace the scheduler's {replaced}"
-    return _values_mismatch("scheduler", scheduler.state_dict(), saved)
+    return _values_mismatch("scheduler", own, saved)
 
 
 def _values_mismatch(what: str, own: dict[str, Any], saved: dict[str, Any]) -> str | None:
@@ -273,10 +279,19 @@ def _values_mismatch(what: str, own: dict[str, Any], saved: dict[str, Any]) -> s
 
 
 def _same_kind(own: Any, saved: Any) -> bool:
-    """Whether ``saved`` can stand where ``own`` stands: a number for a number (a tensor too, as
-    torch takes a learning rate), a tuple of as many numbers for a tuple of numbers."""
+    """Whether ``saved`` can stand where ``own`` stands: a number for a number (a one-element
+    tensor too, as torch takes a learning rate), finite where ``own`` is; a tuple of as many
+    numbers for a tuple of numbers."""
     if isinstance(own, (int, float)) and not isinstance(own, bool):
-        return isinstance(saved, (int, float, torch.Tensor)) and not isinstance(saved, bool)
+        if isinstance(saved, torch.Tensor):
+            if saved.numel() != 1 or saved.is_complex() or saved.dtype == torch.bool:
+                return False
+            saved = saved.item()
+        return (
+            isinstance(saved, (int, float))
+            and not isinstance(saved, bool)
+            and (math.isfinite(saved) or not math.isfinite(own))
+        )
     if isinstance(own, tuple) and all(isinstance(item, (int, float)) for item in own):
         return (
             isinstance(saved, (tuple, list))
@@ -316,12 +331,22 @@ def _optimizer_mismatch(trainer: Checkpointed, saved: Any) -> str | None:
             return f"its optimizer state names parameter {index!r}, which none of its groups holds"
         parameter = parameters[index]
         for key, value in entry.items() if isinstance(entry, dict) else ():
-            if isinstance(value, torch.Tensor) and value.dim() and value.shape != parameter.shape:
+            # per element, or factored (Adafactor's row and column statistics), as the
+            # parameter's shape takes by broadcasting
+            if isinstance(value, torch.Tensor) and not _broadcasts(value.shape, parameter.shape):
                 return (
                     f"its optimizer state {key!r} of parameter {index} has shape {tuple(value.shape)}, "
                     f"the parameter's is {tuple(parameter.shape)}"
                 )
     return None
+
+
+def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` (a 0-dim one does)."""
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def _state_keys(optimizer_state: Any) -> set[str]:

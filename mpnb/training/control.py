@@ -89,6 +89,15 @@ class FitEnd(_TextEnum):
         """Ended at a stop someone or something asked for (not at the plan's end, nor an error)."""
         return self in (FitEnd.STOPPED, FitEnd.NONFINITE, FitEnd.PEER_STOPPED)
 
+    @classmethod
+    def ended_by(cls, error: BaseException) -> FitEnd:
+        """How a fit that raised ``error`` ended: interrupted by a Ctrl-C, else failed.
+
+        >>> FitEnd.ended_by(KeyboardInterrupt()), FitEnd.ended_by(RuntimeError())
+        (<FitEnd.INTERRUPTED: 'interrupted'>, <FitEnd.FAILED: 'failed'>)
+        """
+        return cls.INTERRUPTED if isinstance(error, KeyboardInterrupt) else cls.FAILED
+
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:

@@ -31,6 +31,7 @@ from mpnb.training.history_format import (
     VERSION,
     checked_record,
     column_default,
+    json_safe,
     parse_csv,
     parse_json,
     record_csv,
@@ -134,9 +135,22 @@ class History:
         return None
 
     def note(self, message: str, **details: Any) -> None:
-        """Record an event (interruption, alarm, switch) at the current step."""
+        """Record an event (interruption, alarm, switch) at the current step. A detail that is
+        an inf or NaN number is kept as the string ``float()`` reads (``"nan"``), as a history
+        file holds it: the event reads the same before and after a file.
+
+        Example:
+            >>> history = History()
+            >>> history.note("step 1 skipped", kind="origin", producer_max=float("nan"))
+            >>> history.events[0]["producer_max"]
+            'nan'
+        """
         self.events.append(
-            {"step": self.columns["step"][-1] if len(self) else 0, "message": message, **details}
+            {
+                "step": self.columns["step"][-1] if len(self) else 0,
+                "message": message,
+                **json_safe(details),
+            }
         )
 
     def rows(self) -> Iterator[dict[str, Any]]:

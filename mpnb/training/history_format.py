@@ -85,7 +85,7 @@ def column_default(kind: type) -> Any:
 def record_json(record: Mapping[str, Any]) -> str:
     """The record as standard JSON: inf and NaN (in the columns, the events and the meta) as the
     strings ``float()`` reads back; the columns read them back as numbers."""
-    return json.dumps(_json_safe(record), allow_nan=False)
+    return json.dumps(json_safe(record), allow_nan=False)
 
 
 def record_csv(record: Mapping[str, Any]) -> str:
@@ -100,7 +100,7 @@ def record_csv(record: Mapping[str, Any]) -> str:
     written as its ``\\u`` escape (``"=SUM(2;3)"`` as ``"\\u003dSUM(2;3)"``).
     """
     header = json.dumps(
-        _json_safe(
+        json_safe(
             {"version": record["version"], "meta": record["meta"], "events": record["events"]}
         ),
         allow_nan=False,
@@ -129,15 +129,15 @@ def _inert_json_string(string: re.Match[str]) -> str:
 _FORMULA_CHARACTERS = frozenset("=+-@")
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """``value`` with each inf / -inf / NaN, in its lists and mappings too, as the string float()
     reads back; JSON itself has no such numbers."""
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, Mapping):
-        return {key: _json_safe(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 

@@ -471,9 +471,7 @@ class Trainer:
                 self.amp.restart_clock()  # the first step's time counts from here, not from the fit's setup
                 finished = self._run(data, stop, max_steps)
         except BaseException as error:
-            self._ended = (
-                FitEnd.INTERRUPTED if isinstance(error, KeyboardInterrupt) else FitEnd.FAILED
-            )
+            self._ended = FitEnd.ended_by(error)
             self._drop_unfinished_window()
             refused = refusal_error(error, self.mode.autocast_dtype)
             if refused is not None:
@@ -485,9 +483,13 @@ class Trainer:
             self.control.end()
             try:
                 self.amp.close()
+            except BaseException as error:  # the last flush or a sink's close failed
+                if self._ended is FitEnd.NOT_RUN:  # every step of the fit trained before it
+                    self._ended = FitEnd.ended_by(error)
+                raise
             finally:
                 self.amp.account.unwatch()  # the instruments' hooks off, whatever the close did
-            self.amp.recorder.detach(*sinks)
+                self.amp.recorder.detach(*sinks)  # and the fit's sinks, never left for the next
             if capture is not None:
                 capture.steps_taken += self.amp.steps - steps_before
         if finished:

@@ -4,6 +4,9 @@ data that is not batches; a fractional number of epochs or micro-batches."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -132,12 +135,12 @@ class ScalerUpdateInterrupted(torch.amp.GradScaler):
 @pytest.mark.parametrize(
     "option, value, message",
     [
-        ("init_scale", 0, "init_scale must be a number above 0"),
-        ("init_scale", -1.0, "init_scale must be a number above 0"),
-        ("init_scale", float("nan"), "init_scale must be a number above 0"),
-        ("init_scale", float("inf"), "init_scale must be a number above 0"),
+        ("init_scale", 0, "init_scale must be a number above"),
+        ("init_scale", -1.0, "init_scale must be a number above"),
+        ("init_scale", float("nan"), "init_scale must be a number above"),
+        ("init_scale", float("inf"), "init_scale must be a number above"),
         ("growth_factor", 0.5, "growth_factor must be a number above 1"),
-        ("backoff_factor", 1.5, "backoff_factor must be a number above 0 and below 1"),
+        ("backoff_factor", 1.5, "backoff_factor must be a number above .* and below 1"),
         ("growth_interval", 1.5, r"growth_interval must be a whole number above 0 .*, got 1.5"),
         ("growth_interval", -5, r"growth_interval must be a whole number above 0 .*, got -5"),
         ("min_scale", "a", r"min_scale must be a number above 0 .*, got 'a'"),
@@ -199,3 +202,88 @@ def test_an_interrupted_scaler_update_leaves_the_next_fit_able_to_step():
     assert trainer.history.step == [1]
     history = trainer.fit(data)
     assert history.step == [1, 2]  # torch refused it: "step() has already been called"
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("init_scale", np.float32(1024)),
+        ("init_scale", np.int64(1024)),
+        ("init_scale", torch.tensor(1024.0)),
+        ("growth_interval", np.int64(100)),
+        ("growth_factor", np.float32(2)),
+        ("clip_grad_norm", np.float32(1.0)),
+        ("clip_grad_norm", math.inf),  # torch's way to measure the norm without clipping
+        ("flush_every", np.int64(4)),
+        ("record_grad_norm", np.bool_(True)),
+        ("record_grad_norm", 1),
+    ],
+)
+def test_numbers_and_flags_torch_takes_are_taken(option, value):
+    model, data = linear_problem(steps=2)
+    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="fp16",
+                           dashboard=None, **{option: value})  # fmt: skip
+    assert trainer.fit(data).step == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("init_scale", 1e-50),  # 0 in float32: weights trained to NaN
+        ("init_scale", 1e39),  # inf in float32
+        ("init_scale", 2**1024),  # no float at all
+        ("backoff_factor", 1e-50),  # one skip and the scale is 0
+        ("growth_factor", 1e300),
+        ("growth_interval", 2**70),
+    ],
+)
+def test_scaler_settings_outside_float32_are_refused(option, value):
+    model = nn.Linear(4, 2)
+    with pytest.raises(MpnbError, match=f"{option} must be a "):
+        mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="fp16",
+                     dashboard=None, **{option: value})  # fmt: skip
+
+
+def test_a_float_subclass_is_judged_by_its_value_not_its_comparisons():
+    class AlwaysBigger(float):
+        def __gt__(self, other):
+            return True
+
+        def __lt__(self, other):
+            return True
+
+    model = nn.Linear(4, 2)
+    with pytest.raises(MpnbError, match="init_scale must be a number above"):
+        mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="fp16",
+                     dashboard=None, init_scale=AlwaysBigger(-5.0))  # fmt: skip
+
+
+def test_a_used_scaler_whose_scale_underflowed_is_refused_naming_its_scale():
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 0.0})
+    model = nn.Linear(4, 2)
+    with pytest.raises(
+        MpnbError, match="scale must be a number above .*the scaler's loss scale now"
+    ):
+        mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="fp16",
+                     dashboard=None, scaler=scaler)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda o: torch.optim.lr_scheduler.StepLR, "scheduler must be a learning-rate scheduler"),
+        (lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o), r"step\(\) needs metrics"),
+    ],
+)
+def test_a_scheduler_mpnb_cannot_step_is_refused(make, message):
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    with pytest.raises(MpnbError, match=message):
+        mpnb.Trainer(model, optimizer, mse, dashboard=None, scheduler=make(optimizer))
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused():
+    model = nn.Linear(4, 2)
+    with pytest.raises(MpnbError, match=r"LBFGS.step\(\) needs closure"):
+        mpnb.Trainer(model, torch.optim.LBFGS(model.parameters()), mse, dashboard=None)

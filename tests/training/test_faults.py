@@ -11,6 +11,7 @@ from torch import nn
 
 import mpnb
 import mpnb.examples as ex
+from mpnb.training.telemetry import Sink
 
 from .test_training import linear_problem, mse
 
@@ -141,13 +142,17 @@ def test_a_failure_after_the_update_counts_the_step_and_never_trains_its_batch_a
 def test_a_failing_scheduler_or_sink_after_the_update_still_records_the_step():
     _, data = linear_problem(steps=3)
     model, opt = build()
-    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
-        opt
-    )  # its step() needs a metric: it raises
+
+    class FailingStepLR(torch.optim.lr_scheduler.StepLR):
+        def step(self, epoch=None):
+            if self.last_epoch >= 0:  # any step after the one it takes when built
+                raise RuntimeError("the scheduler failed")
+            super().step(epoch)
+
     trainer = mpnb.Trainer(
-        model, opt, mse, mode="bf16", device="cpu", dashboard=None, scheduler=plateau
+        model, opt, mse, mode="bf16", device="cpu", dashboard=None, scheduler=FailingStepLR(opt, 1)
     )
-    with pytest.raises(TypeError):
+    with pytest.raises(RuntimeError, match="the scheduler failed"):
         trainer.fit(data)
     assert trainer.history.step == [1] and trainer.amp.between_steps and trainer.position[1] == 1
 
@@ -203,3 +208,30 @@ def test_an_error_while_a_generators_window_is_replayed_keeps_the_batches_not_ye
     trainer.fit(stream)
     assert len(trainer.history) == 3
     assert torch.equal(model.weight, reference.weight)
+
+
+class InterruptedOnce(Sink):
+    """A dashboard whose first drawing is interrupted (a Ctrl-C while it draws)."""
+
+    def __init__(self):
+        self.updates = 0
+
+    def update(self, history):
+        self.updates += 1
+        if self.updates == 1:
+            raise KeyboardInterrupt
+
+
+def test_a_sink_interrupted_in_the_last_flush_is_detached_with_the_fits_instruments():
+    _, data = linear_problem(steps=3)
+    model, opt = build()
+    sink = InterruptedOnce()
+    trainer = mpnb.Trainer(model, opt, mse, mode="bf16", device="cpu", dashboard=sink)
+    attached = list(trainer.amp.recorder.sinks)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(data)
+    assert trainer.history.step == [1, 2, 3] and trainer.ended == "interrupted"
+    assert list(trainer.amp.recorder.sinks) == attached  # none of the fit's left on
+    trainer.fit(data, epochs=1, max_steps=trainer.amp.steps + 3)
+    assert trainer.history.step == [1, 2, 3, 4, 5, 6]
+    assert sink.updates == 2  # the next fit's one flush, drawn once

@@ -342,6 +342,7 @@ def test_an_event_holding_a_nan_or_inf_is_written_as_standard_json(tmp_path, suf
     header = text if suffix == ".json" else text.partition("\n")[0].removeprefix("# mpnb-history ")
     json.loads(header, parse_constant=_refuse_constant)
     (event,) = History.load(path).events
+    assert event == history.events[0]  # as it was noted: the numbers as float() reads them
     assert (event["producer_max"], event["would_be"], event["nested"]) == (
         "nan",
         "inf",

@@ -5,6 +5,8 @@ where the last one stopped goes on with the same data iterator and trains as one
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -208,6 +210,13 @@ def test_a_checkpoint_loaded_in_its_own_mode_trains_on_in_another_once_the_mode_
             lambda s: s["optimizer"]["param_groups"][0].__setitem__("betas", (0.9,)),
             r"optimizer's 'betas' is \(0.9,\)",
         ),
+        (lambda s: s["optimizer"]["param_groups"][0].__setitem__("lr", math.nan), "'lr' is nan"),
+        (lambda s: s["scheduler"].__setitem__("gamma", math.nan), "'gamma' is nan"),
+        (lambda s: s["amp"]["scaler"].__setitem__("scale", 0.0), "loss scaler's scale must be"),
+        (
+            lambda s: s["amp"]["scaler"].__setitem__("growth_interval", 1.5),
+            "loss scaler's growth_interval must be",
+        ),
     ],
 )
 def test_hand_edited_checkpoints_are_refused_before_anything_changes(tmp_path, damage, message):
@@ -319,3 +328,40 @@ def test_a_load_between_fits_forgets_where_the_stopped_fit_was_in_its_data(tmp_p
     )  # back to batch 0: the loader's place at batch 3 no longer applies
     trainer.fit(loader, epochs=1)
     assert trainer.history.step == [1, 2, 3, 4, 5, 6] and len(trainer.history) == 6
+
+
+def round_trip(make_optimizer, make_scheduler=lambda optimizer: None, tmp_path=None):
+    """A run of ``make_optimizer``'s optimizer saved after a fit and loaded into a fresh one,
+    which then trains on."""
+    _, data = linear_problem(steps=2)
+
+    def trainer():
+        model, _ = linear_problem(steps=0)
+        optimizer = make_optimizer(model.parameters())
+        return mpnb.Trainer(model, optimizer, mse, mode="fp16", device="cpu", dashboard=None,
+                            scheduler=make_scheduler(optimizer))  # fmt: skip
+
+    source = trainer()
+    source.fit(data)
+    source.save(tmp_path / "run.pt")
+    target = trainer()
+    target.load(tmp_path / "run.pt")
+    target.fit(data)  # the next epoch
+    return target
+
+
+def test_an_adafactor_checkpoint_with_factored_statistics_loads(tmp_path):
+    target = round_trip(lambda parameters: torch.optim.Adafactor(parameters, lr=1e-2),
+                        tmp_path=tmp_path)  # fmt: skip
+    assert target.amp.steps == 4
+
+
+def test_a_cyclic_schedule_with_its_own_scale_function_loads(tmp_path):
+    target = round_trip(
+        lambda parameters: torch.optim.SGD(parameters, lr=0.01, momentum=0.9),
+        lambda optimizer: torch.optim.lr_scheduler.CyclicLR(
+            optimizer, 0.01, 0.1, step_size_up=2, scale_fn=lambda x: 1.0
+        ),
+        tmp_path=tmp_path,
+    )
+    assert target.amp.steps == 4
