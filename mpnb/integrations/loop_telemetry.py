@@ -116,7 +116,7 @@ class LoopTelemetry:
         watch_numerics: int | bool | None = True,
         locate_overflow: bool = True,
     ) -> None:
-        check_dashboard(dashboard)
+        dashboard = check_dashboard(dashboard)
         watch_numerics = check_watch_numerics(watch_numerics)  # refused here, not at a run's start
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(

@@ -130,7 +130,7 @@ class Fp32Modules(Instrument):
             MpnbError: no module of that name (the message lists the closest names); nothing
                 changes.
         """
-        found = self._resolve(name)
+        found = self.resolve(name)
         if found in self._saved or found in self._waiting:
             return found
         if self._run is None:
@@ -165,7 +165,7 @@ class Fp32Modules(Instrument):
     def release(self, name: str | None = None) -> None:
         """Put module ``name`` (every kept module for None) back as it was."""
         for kept in [name] if name is not None else list(self._saved):
-            module, before = self._saved.pop(self._resolve(kept))
+            module, before = self._saved.pop(self.resolve(kept))
             if before is _ABSENT:
                 del module.forward
             else:
@@ -185,7 +185,9 @@ class Fp32Modules(Instrument):
                 module=name,
             )
 
-    def _resolve(self, name: str) -> str:
+    def resolve(self, name: str) -> str:
+        """``name`` as the model knows it (a name as an origin gives it, the root's class first,
+        works too), or an error listing the closest names."""
         if not isinstance(name, str):
             raise MpnbError(
                 "keep_in_fp32 takes a module's name, such as "

@@ -66,6 +66,11 @@ class FitInstruments(list["Instrument"]):
         run's first step when none is on (:meth:`Fp32Modules.keep`); its name."""
         return self._remedy.keep(module, step)
 
+    def module_name(self, module: str) -> str:
+        """``module`` as the model names it (:meth:`Fp32Modules.resolve`), or an error listing
+        the closest names."""
+        return self._remedy.resolve(module)
+
     def undo_for_reset(self, history: History, step: int) -> None:
         """The session was reset: the modules kept in float32 are put back, noted on ``history``."""
         self._remedy.undo_for_reset(history, step)

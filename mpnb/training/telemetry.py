@@ -441,16 +441,22 @@ def _settle_step_times(columns: dict[str, list[Any]], samples: list[int | None])
     columns["samples_per_s"] = rates
 
 
-def check_dashboard(dashboard: object) -> None:
-    """Refuse a dashboard that is neither a name in :data:`DASHBOARDS`, a :class:`Sink`, nor None.
+def check_dashboard(dashboard: object) -> str | Sink | None:
+    """The dashboard asked for (False as None: no display), or an error for one that is neither a
+    name in :data:`DASHBOARDS`, a :class:`Sink`, None nor False.
 
+    >>> check_dashboard(False) is None
+    True
     >>> check_dashboard("plot")
     Traceback (most recent call last):
     ...
-    mpnb.errors.InvalidChoiceError: unknown dashboard 'plot'; valid: auto, live, text, None, a Sink
+    mpnb.errors.InvalidChoiceError: unknown dashboard 'plot'; valid: auto, live, text, None (or False), a Sink
     """
-    if dashboard is not None and not isinstance(dashboard, Sink) and dashboard not in DASHBOARDS:
-        raise InvalidChoiceError("dashboard", dashboard, [*DASHBOARDS, "None", "a Sink"])
+    if dashboard is None or dashboard is False:
+        return None
+    if not isinstance(dashboard, Sink) and dashboard not in DASHBOARDS:
+        raise InvalidChoiceError("dashboard", dashboard, [*DASHBOARDS, "None (or False)", "a Sink"])
+    return dashboard  # type: ignore[return-value]
 
 
 def dashboard_sinks(dashboard: str | Sink | None, title: str, control: Any) -> list[Sink]:

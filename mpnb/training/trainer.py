@@ -204,7 +204,7 @@ class Trainer:
                 "give loss_fn or step_fn, not both: step_fn(model, batch) computes the whole loss"
             )
         check_loss_fn(loss_fn)
-        check_dashboard(dashboard)
+        dashboard = check_dashboard(dashboard)
         check_strategy(strategy)
         check_flag("locate_overflow", locate_overflow)
         _check_optimizer_trains(model, optimizer)
@@ -635,7 +635,7 @@ class Trainer:
             tell_sinks=self.amp.recorder.tell_sinks,
         )
 
-    def keep_in_fp32(self, module: str) -> str:
+    def keep_in_fp32(self, module: str | Iterable[str]) -> str | list[str]:
         """The remedy for an overflow named in one module: run ``module`` in float32 (autocast
         off inside it, its inputs cast up) from the next step until the end of this fit, noted
         on the history as a switch; the loss scale the skips lowered goes back to the scaler's
@@ -659,9 +659,16 @@ class Trainer:
             >>> "forward" in vars(trainer.model.classifier)  # put back when the fit ended
             False
 
+        Several names (a list, as ``mpnb.whatif(...).recommend("fp16")`` gives them) keep each;
+        their names are returned as a list.
+
         Raises:
             MpnbError: no module of that name (the closest names are listed); nothing changes.
         """
+        if isinstance(module, (list, tuple)):
+            for name in module:  # every name checked before any is kept
+                self._instruments.module_name(name)
+            return [self.keep_in_fp32(name) for name in module]  # type: ignore[misc]
         found = self._instruments.keep_in_fp32(module, self.amp.steps + 1)
         # between fits the next fit applies it, at its first step: the scale goes back for it
         when = "now" if self._instruments.running else "from the next fit"

@@ -287,3 +287,34 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused():
     model = nn.Linear(4, 2)
     with pytest.raises(MpnbError, match=r"LBFGS.step\(\) needs closure"):
         mpnb.Trainer(model, torch.optim.LBFGS(model.parameters()), mse, dashboard=None)
+
+
+def test_dashboard_false_means_no_dashboard(capsys):
+    model, data = linear_problem(steps=2)
+    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, dashboard=False)
+    trainer.fit(data)
+    assert trainer.dashboard is None and capsys.readouterr().out == ""
+
+
+def test_keep_in_fp32_takes_the_list_the_advice_gives_and_checks_every_name_first():
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="bf16",
+                           dashboard=None)  # fmt: skip
+    _, data = linear_problem(steps=2)
+
+    def kept_in_the_next_fit():
+        events = trainer.fit(data).events
+        return [e["message"] for e in events if e["message"].endswith("(autocast off inside it)")]
+
+    with pytest.raises(MpnbError, match="no module named '9'"):
+        trainer.keep_in_fp32(["0", "9"])
+    assert kept_in_the_next_fit() == []  # the good name was not kept either
+    assert trainer.keep_in_fp32(["0", "2"]) == ["0", "2"]
+    assert len(kept_in_the_next_fit()) == 2
+
+
+def test_keep_as_an_option_of_an_autocast_mode_points_to_keep_in_fp32():
+    model = nn.Linear(6, 3)
+    with pytest.raises(MpnbError, match=r"trainer.keep_in_fp32\(names\)"):
+        mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="bf16",
+                     keep=["0"], dashboard=None)  # fmt: skip

@@ -414,6 +414,8 @@ def _with_options(mode: Mode, options: dict[str, Any]) -> Mode:
                 for other in registered()
                 if any(f.name == key for f in other.option_fields())
             ]
+            if key == "keep":  # what the what-if's advice for an autocast format goes to
+                takers.append("in any mode, trainer.keep_in_fp32(names) runs layers in float32")
             raise InvalidChoiceError(
                 f"option of mode {mode.name}",
                 key,
