@@ -270,3 +270,29 @@ def test_amp_status_prints_in_a_script_that_ipython_runs_as_one_cell(tmp_path):
     assert result.returncode == 0, result.stderr
     shown = result.stdout[: result.stdout.index("end of script")]
     assert "bf16" in shown and "mode" in shown.split("mpnb: mode bf16", 1)[1], result.stdout
+
+
+def test_a_mode_set_in_a_script_says_its_autocast_stays_off_there(tmp_path, ip, capsys):
+    """``ipython file.ipy`` runs a script silently, without the cell hooks that enter the mode's
+    autocast: the mode never applies to the script's own code, and %amp says so (a notebook
+    cell does not hear it)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "session.ipy"
+    script.write_text(
+        "%load_ext mpnb\n%amp bf16\nimport torch\n"
+        "print('dtype', torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "IPython", "--quick", "--no-banner", str(script)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "dtype torch.float32" in result.stdout
+    assert "autocast follows the mode from the next cell: here it stays off" in result.stdout
+    capsys.readouterr()
+    run(ip, "%amp bf16")
+    said = capsys.readouterr().out
+    assert "mpnb: mode bf16" in said and "stays off" not in said
+    run(ip, "%amp off")

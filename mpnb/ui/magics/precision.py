@@ -16,6 +16,8 @@ Example (in IPython)::
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -52,9 +54,28 @@ def _op_names(values: list[list[str]] | None) -> list[str]:
     return [name for group in values or [] for value in group for name in value.split(",") if name]
 
 
+#: Said where ``%amp`` runs in code the shell runs without cells (``ipython file.ipy``,
+#: ``ipython -c``): the mode's autocast is entered per cell, so it would never apply there.
+NO_CELLS = (
+    "this code runs as one cell (ipython file.ipy, ipython -c), and autocast follows the mode "
+    "from the next cell: here it stays off; a Trainer built from now on trains in the mode, "
+    "and `with mpnb.autocast():` applies it to a block"
+)
+
+
 @magics_class
 class PrecisionMagics(Magics):
-    """Precision-mode magics; see each magic's ``?`` help."""
+    """Precision-mode magics; see each magic's ``?`` help.
+
+    Args:
+        shell: the IPython shell.
+        in_cell: whether the code running now is a cell the extension's hook opened a scope
+            for (not so in ``ipython file.ipy``).
+    """
+
+    def __init__(self, shell: Any = None, in_cell: Callable[[], bool] = lambda: True) -> None:
+        super().__init__(shell)
+        self.in_cell = in_cell
 
     @cell_usage
     @magic_arguments()
@@ -204,6 +225,8 @@ class PrecisionMagics(Magics):
         with as_usage_error():
             mode = session.set_mode(args.mode, args.device, model=model, **read_options(args))
         print(f"mpnb: mode {mode.label} on {session.resolved_device()}: {mode.summary}")
+        if not self.in_cell():
+            print(f"mpnb: {NO_CELLS}")
         if session.held is not None:
             print(f"mpnb: {args.model}: {session.held.describe()} converted until the mode changes")
         for note in session.warnings():
