@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mpnb import views
-from mpnb.ui.environment import display_kind
+from mpnb.ui.environment import display_kind, in_notebook_kernel
 
 if TYPE_CHECKING:
     from mpnb.analysis.comparison import ComparisonProgress
@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from mpnb.training.telemetry import Sink
 
 __all__ = ["install"]
+
+#: Said where a live dashboard is asked for outside a notebook kernel.
+LIVE_ELSEWHERE = (
+    "the live dashboard draws in a notebook kernel (Jupyter); here the run shows as text"
+)
 
 
 def make_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> list[Sink]:
@@ -53,9 +58,15 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
     from mpnb.ui.plots.live import LiveDashboard
 
     dashboard = LiveDashboard(title)
+    # outside a notebook kernel there is nowhere to draw widgets (a script would print their
+    # repr, a terminal IPython nothing): they are made, for code to read, and text shows the run
+    elsewhere = [] if in_notebook_kernel() else [TextProgress(title)]
+    if elsewhere:
+        print(f"mpnb: {LIVE_ELSEWHERE}")
     if control is None:
-        display(dashboard.figure)
-        return [dashboard]
+        if not elsewhere:
+            display(dashboard.figure)
+        return [dashboard, *elsewhere]
     from ipywidgets import VBox
 
     from mpnb.ui.widgets.fit_controls import FitButtons
@@ -81,8 +92,9 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
             numerics = NumericsView(subject)
             shown.append(numerics.widget)
             sinks.append(numerics)
-    display(VBox(shown))
-    return sinks
+    if not elsewhere:
+        display(VBox(shown))
+    return [*sinks, *elsewhere]
 
 
 def make_rank_dashboard(kind: str, title: str = "", control: FitControl | None = None) -> RanksView:

@@ -32,11 +32,30 @@ def test_a_count_asked_for_mid_fit_is_drawn_and_leaves_the_fit_exact():
     assert trainer.history.loss == reference.history.loss
 
 
-def test_a_live_dashboard_of_a_trainer_carries_the_memory_view(capsys):
+def test_a_live_dashboard_of_a_trainer_carries_the_memory_view(capsys, monkeypatch):
     trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
+    # drawn as in a notebook kernel, where display() shows the widgets (here: prints their text)
+    monkeypatch.setattr("mpnb.ui.views.in_notebook_kernel", lambda: True)
     make_dashboard("live", "digits", trainer.control)
-    shown = capsys.readouterr().out  # outside a notebook, display() prints the widgets' text
+    shown = capsys.readouterr().out
     assert "description='Stop'" in shown and "description='Memory by category'" in shown
+
+
+def test_a_live_dashboard_asked_for_in_a_script_shows_the_run_as_text(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import mpnb.examples as ex\n"
+        "trainer, data, _ = ex.example_trainer('bf16', 'cpu', widths=(4, 8), dashboard='live')\n"
+        "trainer.fit(data, max_steps=3)\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "description=" not in result.stdout  # no widget's repr
+    assert "draws in a notebook kernel" in result.stdout and "finished" in result.stdout
 
 
 def test_the_remedy_button_offered_for_a_named_overflow_stops_the_skips_mid_fit():
