@@ -207,3 +207,26 @@ def _plain_number(value: object, whole: bool) -> float | int | None:
     except (TypeError, OverflowError):
         return None
     return None
+
+
+#: What a ``make_run`` is, as compare and a what-if's proof call it.
+MAKE_RUN_USAGE = "make_run(mode) -> (trainer, data), a fresh run of that mode each call"
+
+
+def check_function(name: str, value: object, usage: str, call: str) -> None:
+    """Refuse an argument ``name`` that is no function (a list of modes, a trainer, a format's
+    name where the function goes: the arguments swapped), saying what the function does
+    (``usage``) and the order of the ``call``'s arguments.
+
+    Example:
+        >>> check_function("make_run", ["fp32", "bf16"], "make_run(mode) -> (trainer, data)",
+        ...                "compare(make_run, modes, steps)")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: make_run takes a function, make_run(mode) -> (trainer, data); got a list ['fp32', 'bf16']. The arguments go compare(make_run, modes, steps)
+    """
+    if not callable(value) or isinstance(value, type):
+        raise MpnbError(
+            f"{name} takes a function, {usage}; got a {type(value).__name__} "
+            f"{quoted(value, limit=60)}. The arguments go {call}"
+        )

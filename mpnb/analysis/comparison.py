@@ -21,6 +21,7 @@ from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
 from mpnb.analysis.slow_modes import slow_reason
+from mpnb.errors import MAKE_RUN_USAGE, check_function
 from mpnb.precision.modes import Mode, mode_names, parse_mode
 from mpnb.training.control import refuse_inside_a_fit
 from mpnb.training.random_state import kept_random_state
@@ -213,6 +214,7 @@ def compare(
         >>> [row["mode"] for row in result.rows()], result.results[1].history.mode[-1]
         (['fp32', 'bf16'], 'bf16')
     """
+    check_function("make_run", make_run, MAKE_RUN_USAGE, "compare(make_run, modes, steps)")
     return compare_runs(
         lambda name: _BuiltRun(
             name, make_run, warmup + steps, replace_dashboard=progress is not None

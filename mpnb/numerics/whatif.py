@@ -53,7 +53,7 @@ from torch import nn
 
 from mpnb import views
 from mpnb._render import html_table, text_table
-from mpnb.errors import MpnbError
+from mpnb.errors import MAKE_RUN_USAGE, MpnbError, check_function
 from mpnb.numerics import formats as fmt
 from mpnb.numerics.advisor import left_as_found
 from mpnb.numerics.format_proof import Proof, prove
@@ -123,6 +123,11 @@ def whatif(
             f"{type(model).__name__} as the model"
         )
     model = uncompiled(model)
+    if callable(batch) and not isinstance(batch, (torch.Tensor, nn.Module)) and loss_fn is not None:
+        raise MpnbError(
+            f"whatif got a function as the batch ({getattr(batch, '__name__', type(batch).__name__)}): "
+            "the arguments go whatif(model, batch, loss_fn)"
+        )
     check_loss_fn(loss_fn)
     chosen, skipped = _castable(fmt.chosen_formats(formats), asked=formats is not None)
     layers = {name: module for name, module in model.named_modules() if multiplies(module)}
@@ -515,6 +520,9 @@ class WhatIf:
             >>> proof.keep, len(proof.losses), "loss gap" in str(proof)
             ([], 3, True)
         """
+        check_function(
+            "make_run", make_run, MAKE_RUN_USAGE, "result.prove(make_run, format, steps)"
+        )
         return prove(self.recommend(format), make_run, format, steps)
 
     def _cells(self, row: dict[str, Any]) -> list[str]:

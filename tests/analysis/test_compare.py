@@ -227,3 +227,12 @@ def test_the_terminal_table_fits_120_columns_and_says_a_shared_note_once(tmp_pat
     comparison.to_csv(tmp_path / "c.csv")
     rows = list(csv.DictReader(open(tmp_path / "c.csv")))
     assert all("other load" in row["notes"] for row in rows[:4]) and slow in rows[2]["notes"]
+
+
+@pytest.mark.parametrize("first", [["fp32", "bf16"], "trainer"])
+def test_a_list_of_modes_or_a_trainer_in_make_runs_place_is_named_with_the_order(first):
+    if first == "trainer":
+        first, _, _ = ex.example_trainer("fp32", "cpu", widths=(4, 8), dashboard=None)
+    with pytest.raises(mpnb.MpnbError, match=r"make_run takes a function, make_run\(mode\).*"
+                       r"compare\(make_run, modes, steps\)"):  # fmt: skip
+        compare(first, ["fp32"], steps=2)

@@ -1282,3 +1282,11 @@ def test_float64_targets_from_numpy_are_measured_as_a_fit_trains_on_them():
     model, (x, y) = _small()
     result = whatif(model, (x, y.double()), nn.functional.mse_loss, formats="bf16")
     assert len(result.rows) == 5  # two layers, the first with no input_grad
+
+
+def test_arguments_in_the_wrong_order_are_named_with_the_order(planted):
+    with pytest.raises(MpnbError, match=r"make_run takes a function.*got a str 'fp16'.*"
+                       r"result.prove\(make_run, format, steps\)"):  # fmt: skip
+        planted.prove("fp16", _make_run)
+    with pytest.raises(MpnbError, match=r"the arguments go whatif\(model, batch, loss_fn\)"):
+        whatif(_planted(), nn.functional.cross_entropy, _batch())
