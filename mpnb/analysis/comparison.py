@@ -23,6 +23,7 @@ from mpnb.analysis.schedule import ModeRun, default_block, interleave
 from mpnb.analysis.slow_modes import slow_reason
 from mpnb.errors import MAKE_RUN_USAGE, check_function
 from mpnb.precision.modes import Mode, mode_names, parse_mode
+from mpnb.training.batches import epochs_holding
 from mpnb.training.control import refuse_inside_a_fit
 from mpnb.training.random_state import kept_random_state
 from mpnb.training.telemetry import Sink
@@ -229,15 +230,6 @@ def compare(
     )
 
 
-def _epochs_for(data: Any, batches_needed: int) -> int | None:
-    """Epochs of ``data`` that hold ``batches_needed`` batches; None where its length is unknown."""
-    try:
-        length = len(data)
-    except TypeError:  # a generator, a DataLoader over an IterableDataset
-        return None
-    return math.ceil(batches_needed / length) if length else None
-
-
 class _BuiltRun:
     """A mode's run as ``make_run`` builds it: its fits continue one another, turn after turn."""
 
@@ -256,7 +248,7 @@ class _BuiltRun:
             return 0
         trainer, data = self.trainer, self.data
         epochs = (
-            None if self.fitted else _epochs_for(data, self.total_steps * trainer.amp.accumulate)
+            None if self.fitted else epochs_holding(data, self.total_steps * trainer.amp.accumulate)
         )
         own_dashboard = trainer.dashboard
         if self.replace_dashboard:

@@ -25,6 +25,7 @@ from typing import Any
 from mpnb.errors import MpnbError
 from mpnb.precision.modes.base import Mode
 from mpnb.precision.modes.registry import format_mode, parse_mode
+from mpnb.training.batches import epochs_holding
 
 __all__ = ["Proof"]
 
@@ -195,7 +196,9 @@ def _losses(
         trainer.mode.check_model(trainer.model, trainer.device)
     for layer in in_fp32:
         trainer.keep_in_fp32(layer)
-    history = trainer.fit(data, max_steps=steps)
+    # a short dataset cycled, as compare cycles it
+    epochs = epochs_holding(data, steps * trainer.amp.accumulate)
+    history = trainer.fit(data, epochs=epochs, max_steps=steps)
     losses = [float(loss) for loss in history.loss]
     if not losses:
         raise MpnbError(f"the {mode} run trained no step: the data make_run returned gave no batch")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -315,3 +316,17 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
+
+
+def epochs_holding(data: Any, batches_needed: int) -> int | None:
+    """Epochs of ``data`` that hold ``batches_needed`` batches (a short dataset cycled, as compare
+    and a what-if's proof train it); None where its length is unknown.
+
+    >>> epochs_holding([1, 2, 3], 7), epochs_holding(iter([1]), 7)
+    (3, None)
+    """
+    try:
+        length = len(data)
+    except TypeError:  # a generator, a DataLoader over an IterableDataset
+        return None
+    return math.ceil(batches_needed / length) if length else None

@@ -1290,3 +1290,13 @@ def test_arguments_in_the_wrong_order_are_named_with_the_order(planted):
         planted.prove("fp16", _make_run)
     with pytest.raises(MpnbError, match=r"the arguments go whatif\(model, batch, loss_fn\)"):
         whatif(_planted(), nn.functional.cross_entropy, _batch())
+
+
+def test_prove_cycles_a_short_dataset_as_compare_does(planted):
+    def two_batches(mode):
+        trainer, data = _make_run(mode)
+        return trainer, data[:2]
+
+    proof = planted.prove(two_batches, "fp16", steps=5)
+    assert len(proof.losses) == len(proof.bf16_losses) == 5
+    assert "the data ended" not in str(proof)
