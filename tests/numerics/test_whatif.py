@@ -1038,7 +1038,12 @@ def test_a_proof_over_no_step_is_refused_and_a_short_one_says_so():
 
     with pytest.raises(MpnbError, match="trained no step.*data"):
         prove([], empty_run, "fp16", steps=3)
-    short = prove([], _make_run, "fp16", steps=10)  # the data holds 4 batches
+
+    def one_pass(mode):  # a generator of 4 batches: it cannot be cycled
+        trainer, data = _make_run(mode)
+        return trainer, iter(data)
+
+    short = prove([], one_pass, "fp16", steps=10)
     assert len(short.losses) == 4 and "of the 10 asked" in str(short)
 
 
