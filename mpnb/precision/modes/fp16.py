@@ -42,7 +42,10 @@ class Fp16(Mode):
     )
 
     def notes(self, backend: Backend) -> list[str]:
-        return ["fp16 training needs loss scaling: use torch.amp.GradScaler with it"]
+        return [
+            "fp16 training needs loss scaling: mpnb.Trainer and mpnb.AmpStep scale the loss "
+            "themselves; in your own loop, torch.amp.GradScaler"
+        ]
 
     def slow_reason(self, model: nn.Module, device: torch.device) -> str | None:
         has_convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
