@@ -21,7 +21,7 @@ from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
 from mpnb.analysis.slow_modes import slow_reason
-from mpnb.errors import MAKE_RUN_USAGE, check_function
+from mpnb.errors import MAKE_RUN_USAGE, MpnbError, check_function
 from mpnb.precision.modes import Mode, mode_names, parse_mode
 from mpnb.training.batches import epochs_holding
 from mpnb.training.control import refuse_inside_a_fit
@@ -130,7 +130,7 @@ def compare_runs(
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value < least
         ):
-            raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+            raise MpnbError(f"{name} must be a whole number >= {least}, got {value!r}")
     block = default_block(steps) if block is None else block
     view = progress_view(progress, names, title)
 
@@ -163,16 +163,16 @@ def mode_labels(modes: Iterable[str | Mode] | str) -> list[str]:
     chosen = [parse_mode(mode) for mode in given if mode]
     unsaid = [repr(mode) for mode in chosen if mode != mode.label]
     if unsaid:
-        raise ValueError(
+        raise MpnbError(
             f"compare calls make_run with each mode's label, which cannot say all of {', '.join(unsaid)}: "
             'pass the label ("fp8:rowwise") and give the other options to the Trainer in make_run'
         )
     names = [mode.label for mode in chosen]
     if not names:
-        raise ValueError(f"modes names no mode; valid: {', '.join(mode_names())}")
+        raise MpnbError(f"modes names no mode; valid: {', '.join(mode_names())}")
     twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
     if twice is not None:
-        raise ValueError(f"mode {twice!r} is named twice in {names}: each mode runs once")
+        raise MpnbError(f"mode {twice!r} is named twice in {names}: each mode runs once")
     return names
 
 

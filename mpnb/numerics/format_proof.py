@@ -159,7 +159,7 @@ def prove(
     """
     keep = _layer_names(keep)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
+        raise MpnbError(f"steps must be a whole number >= 1, got {steps!r}")
     mode, in_fp32 = configuration(format, keep)
     # the format's run first: a mode that refuses the model or the machine says so before
     # bf16's run has cost anything

@@ -271,7 +271,7 @@ class AmpStep:
     ) -> None:
         check_optimizer(optimizer)
         if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-            raise ValueError(
+            raise MpnbError(
                 f"accumulate must be a positive number of micro-batches, got {accumulate}"
             )
         if clip_grad_norm is not None:

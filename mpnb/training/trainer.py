@@ -427,13 +427,13 @@ class Trainer:
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 if isinstance(value, torch.Tensor):  # fit(x, y): batches are what fit takes
-                    raise ValueError(
+                    raise MpnbError(
                         f"{name} must be a positive whole number, got a Tensor shaped "
                         f"{tuple(value.shape)}: fit takes batches, not x and y apart; for "
                         "tensors x and y, fit([(x, y)]) or a torch DataLoader over "
                         "TensorDataset(x, y)"
                     )
-                raise ValueError(f"{name} must be a positive whole number, got {quoted(value)}")
+                raise MpnbError(f"{name} must be a positive whole number, got {quoted(value)}")
         if not isinstance(data, Iterable):
             raise MpnbError(
                 f"data must be an iterable of batches (a list, a DataLoader, a generator), got {type(data).__name__}"

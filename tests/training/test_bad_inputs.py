@@ -318,3 +318,13 @@ def test_keep_as_an_option_of_an_autocast_mode_points_to_keep_in_fp32():
     with pytest.raises(MpnbError, match=r"trainer.keep_in_fp32\(names\)"):
         mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="bf16",
                      keep=["0"], dashboard=None)  # fmt: skip
+
+
+def test_every_bad_count_is_an_mpnb_error_that_except_mpnberror_catches():
+    model, data = linear_problem(steps=2)
+    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, dashboard=None)
+    for bad in (lambda: trainer.fit(data, epochs=0), lambda: trainer.fit(data, max_steps=-1),
+                lambda: mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse,
+                                     accumulate=0)):  # fmt: skip
+        with pytest.raises(MpnbError):
+            bad()
