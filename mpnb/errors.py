@@ -143,9 +143,17 @@ def check_flag(name: str, value: object) -> None:
         ...
         mpnb.errors.MpnbError: record_grad_norm must be True or False, got 'no'
     """
-    flag = isinstance(value, (bool, numpy.bool_)) or (isinstance(value, int) and value in (0, 1))
-    if not flag:
+    if not is_flag(value):
         raise MpnbError(f"{name} must be True or False, got {quoted(value)}")
+
+
+def is_flag(value: object) -> bool:
+    """Whether ``value`` says true or false as :func:`check_flag` takes it.
+
+    >>> is_flag(numpy.False_), is_flag(0), is_flag("off")
+    (True, True, False)
+    """
+    return isinstance(value, (bool, numpy.bool_)) or (isinstance(value, int) and value in (0, 1))
 
 
 def check_number(
@@ -157,15 +165,18 @@ def check_number(
     whole: bool = False,
     finite: bool = True,
     meaning: str = "",
-) -> None:
-    """Refuse an option ``name`` that is not a number strictly between ``above`` and ``below``:
-    a Python or numpy number or a one-element tensor, as torch takes; a whole number with
-    ``whole``; a finite one unless ``finite`` is False (then ``below`` may be reached by inf).
-    ``meaning`` says what the number is, in the message.
+) -> float | int:
+    """``value`` as a plain Python number (what a file of plain data can hold), or an error for an
+    option ``name`` that is not a number strictly between ``above`` and ``below``: a Python or
+    numpy number or a one-element tensor, as torch takes; a whole number with ``whole``; a finite
+    one unless ``finite`` is False (then ``below`` may be reached by inf). ``meaning`` says what
+    the number is, in the message.
 
     Example:
-        >>> check_number("init_scale", 2.0**16)
+        >>> check_number("init_scale", numpy.float32(1024))
+        1024.0
         >>> check_number("clip_grad_norm", math.inf, finite=False)
+        inf
         >>> check_number("growth_factor", 0.5, above=1.0, meaning="the loss scale's growth")
         Traceback (most recent call last):
         ...
@@ -175,7 +186,7 @@ def check_number(
         ...
         mpnb.errors.MpnbError: flush_every must be a whole number above 0, got 2.5
     """
-    number = _plain_number(value, whole)
+    number = plain_number(value, whole)
     valid = (
         number is not None
         and not math.isnan(number)
@@ -188,9 +199,10 @@ def check_number(
         bounds = f"above {above:g}" + (f" and below {below:g}" if below < math.inf else "")
         said = f" ({meaning})" if meaning else ""
         raise MpnbError(f"{name} must be a {kind} {bounds}{said}, got {quoted(value)}")
+    return number  # type: ignore[return-value]
 
 
-def _plain_number(value: object, whole: bool) -> float | int | None:
+def plain_number(value: object, whole: bool = False) -> float | int | None:
     """``value`` as a plain Python int (``whole``) or float, or None where it is no such number
     (a bool, a string, a tensor of several elements, an int too large for a float)."""
     if isinstance(value, torch.Tensor):

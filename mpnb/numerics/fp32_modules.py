@@ -190,7 +190,7 @@ class Fp32Modules(Instrument):
         works too), or an error listing the closest names."""
         if not isinstance(name, str):
             raise MpnbError(
-                "keep_in_fp32 takes a module's name, such as "
+                "keep_in_fp32 takes a module's name, or a list of them, such as "
                 f"{next((found for found, _ in self.model.named_modules() if found), '')!r}; got {quoted(name)}"
             )
         if name == "":  # the model itself (a model that is one layer, as the what-if names it)

@@ -120,18 +120,23 @@ _SCALER_SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def check_scaler_settings(settings: dict[str, Any]) -> None:
-    """Refuse a GradScaler setting outside its bounds, naming it (``settings``: by name, as the
-    options or a scaler's ``state_dict`` name them; other names are passed over).
+def check_scaler_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with each GradScaler setting as a plain Python number (a numpy scalar handed
+    to GradScaler would reach its ``state_dict``, and a checkpoint then holds what loading
+    refuses), or an error for one outside its bounds, naming it (``settings``: by name, as the
+    options or a scaler's ``state_dict`` name them; other names are passed over as they are).
 
     >>> check_scaler_settings({"init_scale": 0.0})
     Traceback (most recent call last):
     ...
     mpnb.errors.MpnbError: init_scale must be a number above 7.00649e-46 and below 3.40282e+38 (the first loss scale), got 0.0
     """
-    for name, value in settings.items():
-        if name in _SCALER_SETTINGS:
-            check_number(name, value, **_SCALER_SETTINGS[name])
+    return {
+        name: check_number(name, value, **_SCALER_SETTINGS[name])
+        if name in _SCALER_SETTINGS
+        else value
+        for name, value in settings.items()
+    }
 
 
 def settings_of(scaler: torch.amp.GradScaler) -> dict[str, Any]:
@@ -275,15 +280,19 @@ class AmpStep:
                 f"accumulate must be a positive number of micro-batches, got {accumulate}"
             )
         if clip_grad_norm is not None:
-            check_number(
+            clip_grad_norm = check_number(
                 "clip_grad_norm",
                 clip_grad_norm,
                 finite=False,  # inf: torch's way to measure the norm without clipping
                 meaning="the largest gradient norm",
             )
         if min_scale is not None:
-            check_number("min_scale", min_scale, meaning="the loss scale that alarms below it")
-        check_number("flush_every", flush_every, whole=True, meaning="steps between flushes")
+            min_scale = check_number(  # type: ignore[assignment]
+                "min_scale", min_scale, meaning="the loss scale that alarms below it"
+            )
+        flush_every = check_number(  # type: ignore[assignment]
+            "flush_every", flush_every, whole=True, meaning="steps between flushes"
+        )
         check_flag("record_grad_norm", record_grad_norm)
         check_scheduler(scheduler, optimizer)
         self.precision = TrainingPrecision.resolve(mode, device)
@@ -301,10 +310,9 @@ class AmpStep:
             "backoff_factor": backoff_factor,
             "growth_interval": growth_interval,
         }
-        self._scaler_options = {
-            name: value for name, value in settings.items() if value is not None
-        }
-        check_scaler_settings(self._scaler_options)
+        self._scaler_options = check_scaler_settings(
+            {name: value for name, value in settings.items() if value is not None}
+        )
         self._scalers: dict[bool, torch.amp.GradScaler] = {}
         if scaler is not None:
             if self._scaler_options:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from mpnb import views
-from mpnb.errors import InvalidChoiceError, warn_user
+from mpnb.errors import InvalidChoiceError, is_flag, warn_user
 from mpnb.precision.backends import Backend
 from mpnb.training.history import COLUMNS, History, column_default
 from mpnb.training.step_clock import seconds
@@ -452,8 +452,8 @@ def check_dashboard(dashboard: object) -> str | Sink | None:
     ...
     mpnb.errors.InvalidChoiceError: unknown dashboard 'plot'; valid: auto, live, text, None (or False), a Sink
     """
-    if dashboard is None or dashboard is False:
-        return None
+    if dashboard is None or (is_flag(dashboard) and not dashboard):
+        return None  # False, 0 and numpy's False, as a flag reads
     if not isinstance(dashboard, Sink) and dashboard not in DASHBOARDS:
         raise InvalidChoiceError("dashboard", dashboard, [*DASHBOARDS, "None (or False)", "a Sink"])
     return dashboard  # type: ignore[return-value]
@@ -461,7 +461,9 @@ def check_dashboard(dashboard: object) -> str | Sink | None:
 
 def dashboard_sinks(dashboard: str | Sink | None, title: str, control: Any) -> list[Sink]:
     """The sinks that show a run: none, the given one, or those the installed ``dashboard`` view
-    makes for ``"auto"`` / ``"live"`` / ``"text"`` (``control``: the run's FitControl, for its buttons)."""
+    makes for ``"auto"`` / ``"live"`` / ``"text"`` (``control``: the run's FitControl, for its buttons);
+    ``dashboard`` as :func:`check_dashboard` reads it (set on a trainer after it was built, too)."""
+    dashboard = check_dashboard(dashboard)
     if dashboard is None:
         return []
     if isinstance(dashboard, Sink):

@@ -659,16 +659,17 @@ class Trainer:
             >>> "forward" in vars(trainer.model.classifier)  # put back when the fit ended
             False
 
-        Several names (a list, as ``mpnb.whatif(...).recommend("fp16")`` gives them) keep each;
-        their names are returned as a list.
+        Several names (a list, as ``mpnb.whatif(...).recommend("fp16")`` gives them, or any
+        iterable of names) keep each; their names are returned as a list.
 
         Raises:
             MpnbError: no module of that name (the closest names are listed); nothing changes.
         """
-        if isinstance(module, (list, tuple)):
-            for name in module:  # every name checked before any is kept
+        if not isinstance(module, str) and isinstance(module, Iterable):
+            names = list(module)  # a generator too, read once
+            for name in names:  # every name checked before any is kept
                 self._instruments.module_name(name)
-            return [self.keep_in_fp32(name) for name in module]  # type: ignore[misc]
+            return [self.keep_in_fp32(name) for name in names]  # type: ignore[misc]
         found = self._instruments.keep_in_fp32(module, self.amp.steps + 1)
         # between fits the next fit applies it, at its first step: the scale goes back for it
         when = "now" if self._instruments.running else "from the next fit"

@@ -328,3 +328,19 @@ def test_every_bad_count_is_an_mpnb_error_that_except_mpnberror_catches():
                                      accumulate=0)):  # fmt: skip
         with pytest.raises(MpnbError):
             bad()
+
+
+@pytest.mark.parametrize("off", [False, 0, np.False_])
+def test_dashboard_false_set_after_construction_means_no_dashboard(off, capsys):
+    model, data = linear_problem(steps=2)
+    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, dashboard="text")
+    trainer.dashboard = off
+    trainer.fit(data)
+    assert capsys.readouterr().out == ""
+
+
+def test_keep_in_fp32_takes_any_iterable_of_names():
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="bf16",
+                           dashboard=None)  # fmt: skip
+    assert trainer.keep_in_fp32(name for name in ["0", "2"]) == ["0", "2"]

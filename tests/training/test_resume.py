@@ -365,3 +365,25 @@ def test_a_cyclic_schedule_with_its_own_scale_function_loads(tmp_path):
         tmp_path=tmp_path,
     )
     assert target.amp.steps == 4
+
+
+def test_numpy_scaler_settings_make_a_checkpoint_that_loads_back(tmp_path):
+    import numpy as np
+
+    _, data = linear_problem(steps=2)
+
+    def trainer():
+        model, _ = linear_problem(steps=0)
+        return mpnb.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), mse,
+                            mode="fp16", device="cpu", dashboard=None,
+                            growth_factor=np.float64(2.0), growth_interval=np.int64(100),
+                            init_scale=np.float32(1024.0))  # fmt: skip
+
+    source = trainer()
+    source.save(tmp_path / "before.pt")  # an unused scaler reports its settings as given
+    source.fit(data)
+    source.save(tmp_path / "run.pt")
+    trainer().load(tmp_path / "before.pt")
+    target = trainer()
+    target.load(tmp_path / "run.pt")
+    assert target.amp.steps == 2
