@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mpnb._files import atomic_write
-from mpnb.errors import MpnbError, quoted
+from mpnb.errors import MpnbError, plain_number, quoted
 from mpnb.training.amp_step import check_scaler_settings
 from mpnb.training.history import History
 from mpnb.training.safe_load import load_plain
@@ -283,15 +283,8 @@ def _same_kind(own: Any, saved: Any) -> bool:
     tensor too, as torch takes a learning rate), finite where ``own`` is; a tuple of as many
     numbers for a tuple of numbers."""
     if isinstance(own, (int, float)) and not isinstance(own, bool):
-        if isinstance(saved, torch.Tensor):
-            if saved.numel() != 1 or saved.is_complex() or saved.dtype == torch.bool:
-                return False
-            saved = saved.item()
-        return (
-            isinstance(saved, (int, float))
-            and not isinstance(saved, bool)
-            and (math.isfinite(saved) or not math.isfinite(own))
-        )
+        number = plain_number(saved)
+        return number is not None and (math.isfinite(number) or not math.isfinite(own))
     if isinstance(own, tuple) and all(isinstance(item, (int, float)) for item in own):
         return (
             isinstance(saved, (tuple, list))
