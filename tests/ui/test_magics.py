@@ -296,3 +296,22 @@ def test_a_mode_set_in_a_script_says_its_autocast_stays_off_there(tmp_path, ip, 
     said = capsys.readouterr().out
     assert "mpnb: mode bf16" in said and "stays off" not in said
     run(ip, "%amp off")
+
+
+def test_a_notebooks_first_cell_that_loads_and_sets_the_mode_hears_no_script_note(ip, capsys):
+    """The extension loaded and the mode set in one cell (a notebook's usual first cell): the
+    cell began before mpnb's hook, and is no script for that."""
+    run(ip, "%unload_ext mpnb")
+    capsys.readouterr()
+    run(ip, "%load_ext mpnb\n%amp bf16")
+    said = capsys.readouterr().out
+    assert "mpnb: mode bf16" in said and "ipython file.ipy" not in said
+    run(ip, "%amp off")
+
+
+def test_code_after_amp_in_its_own_cell_hears_that_it_runs_as_the_cell_began(ip, capsys):
+    capsys.readouterr()
+    run(ip, "%amp bf16\nout = torch.nn.Linear(2, 2)(torch.ones(1, 2))")
+    assert "autocast follows the mode from the next cell" in capsys.readouterr().out
+    assert ip.user_ns["out"].dtype == torch.float32  # as the note says
+    run(ip, "%amp off")

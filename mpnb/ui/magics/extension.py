@@ -55,12 +55,6 @@ class CellModeHook:
         if not nested:
             scope.enter_context(session.cell_scope())
 
-    def in_cell(self) -> bool:
-        """Whether the code running now is a cell the hooks were told of: ``ipython file.ipy``
-        and ``ipython -c`` run code silently, with no cell scope, so the session's mode never
-        applies to it."""
-        return bool(self._open_scopes)
-
     def post_run_cell(self, result) -> None:
         if self._open_scopes:
             self._open_scopes.pop().close()
@@ -82,9 +76,8 @@ def load(shell) -> None:
     """Register mpnb's magics and cell hook on ``shell``."""
     if id(shell) in _hooks:
         return
-    hook = CellModeHook(shell)
     magics = [
-        PrecisionMagics(shell, in_cell=hook.in_cell),
+        PrecisionMagics(shell),
         OpListMagics(shell),
         CompareMagics(shell),
         DistributedMagics(shell),
@@ -92,6 +85,7 @@ def load(shell) -> None:
     ]
     for instance in magics:
         shell.register_magics(instance)
+    hook = CellModeHook(shell)
     hook.install()
     _hooks[id(shell)] = (hook, magics)
     session.cell_hooks = True

@@ -16,7 +16,6 @@ Example (in IPython)::
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -54,28 +53,46 @@ def _op_names(values: list[list[str]] | None) -> list[str]:
     return [name for group in values or [] for value in group for name in value.split(",") if name]
 
 
-#: Said where ``%amp`` runs in code the shell runs without cells (``ipython file.ipy``,
-#: ``ipython -c``): the mode's autocast is entered per cell, so it would never apply there.
-NO_CELLS = (
-    "this code runs as one cell (ipython file.ipy, ipython -c), and autocast follows the mode "
-    "from the next cell: here it stays off; a Trainer built from now on trains in the mode, "
-    "and `with mpnb.autocast():` applies it to a block"
+#: Said where ``%amp`` does not end its cell: the mode's autocast is entered per cell, so the
+#: rest of the cell runs as it began (``ipython file.ipy`` and ``ipython -c`` run a script as one
+#: cell, so there the mode would never apply).
+REST_OF_THE_CELL = (
+    "autocast follows the mode from the next cell: here it stays off for the rest of this one "
+    "(ipython file.ipy and ipython -c run a script as one cell); a Trainer built from now on "
+    "trains in the mode, and `with mpnb.autocast():` applies it to a block"
 )
+
+
+def code_after_the_magic(cell: str, magic: str) -> bool:
+    """Whether ``cell`` runs code after its first line that calls ``magic`` (blank lines,
+    comments and more of the same magic left out).
+
+    >>> code_after_the_magic("%amp bf16\\n# next cells\\n", "%amp")
+    False
+    >>> code_after_the_magic("%amp bf16\\nout = model(x)\\n", "%amp")
+    True
+    """
+    lines = [line.strip() for line in cell.splitlines()]
+    first = next((i for i, line in enumerate(lines) if line.startswith(magic)), None)
+    return first is not None and any(
+        line and not line.startswith(("#", magic)) for line in lines[first + 1 :]
+    )
+
+
+def _runs_on_after(shell: Any) -> bool:
+    """Whether code runs after the magic running now, in what the shell runs as one cell: a
+    script IPython runs silently (``ipython file.ipy``), or a cell with code after the magic
+    (IPython's own record of the running cell, which its display hook holds while it runs)."""
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    info = getattr(running, "info", None)
+    if info is None:
+        return False
+    return bool(info.silent) or code_after_the_magic(info.raw_cell or "", "%amp")
 
 
 @magics_class
 class PrecisionMagics(Magics):
-    """Precision-mode magics; see each magic's ``?`` help.
-
-    Args:
-        shell: the IPython shell.
-        in_cell: whether the code running now is a cell the extension's hook opened a scope
-            for (not so in ``ipython file.ipy``).
-    """
-
-    def __init__(self, shell: Any = None, in_cell: Callable[[], bool] = lambda: True) -> None:
-        super().__init__(shell)
-        self.in_cell = in_cell
+    """Precision-mode magics; see each magic's ``?`` help."""
 
     @cell_usage
     @magic_arguments()
@@ -225,8 +242,8 @@ class PrecisionMagics(Magics):
         with as_usage_error():
             mode = session.set_mode(args.mode, args.device, model=model, **read_options(args))
         print(f"mpnb: mode {mode.label} on {session.resolved_device()}: {mode.summary}")
-        if not self.in_cell():
-            print(f"mpnb: {NO_CELLS}")
+        if _runs_on_after(self.shell):
+            print(f"mpnb: {REST_OF_THE_CELL}")
         if session.held is not None:
             print(f"mpnb: {args.model}: {session.held.describe()} converted until the mode changes")
         for note in session.warnings():
