@@ -253,13 +253,13 @@ def test_dash_h_shows_a_magics_help_and_cell_magics_say_their_double_percent(ip)
     assert "%%compare [" in usage_error(ip, "%%compare -h\n1")
 
 
-def test_amp_status_prints_in_a_script_that_ipython_runs_as_one_cell(tmp_path):
-    """``ipython file.ipy`` runs the file as one cell: the status is printed there too."""
+def run_ipython_script(tmp_path, text: str) -> str:
+    """What a real ``ipython file.ipy`` of ``text`` prints (it must exit 0)."""
     import subprocess
     import sys
 
     script = tmp_path / "session.ipy"
-    script.write_text("%load_ext mpnb\n%amp bf16\n%amp status\nprint('end of script')\n")
+    script.write_text(text)
     result = subprocess.run(
         [sys.executable, "-m", "IPython", "--quick", "--no-banner", str(script)],
         capture_output=True,
@@ -268,32 +268,37 @@ def test_amp_status_prints_in_a_script_that_ipython_runs_as_one_cell(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    shown = result.stdout[: result.stdout.index("end of script")]
-    assert "bf16" in shown and "mode" in shown.split("mpnb: mode bf16", 1)[1], result.stdout
+    return result.stdout
+
+
+def said_by(ip, capsys, cell: str) -> str:
+    """What running ``cell`` in the shell prints."""
+    capsys.readouterr()
+    run(ip, cell)
+    return capsys.readouterr().out
+
+
+def test_amp_status_prints_in_a_script_that_ipython_runs_as_one_cell(tmp_path):
+    """``ipython file.ipy`` runs the file as one cell: the status is printed there too."""
+    printed = run_ipython_script(
+        tmp_path, "%load_ext mpnb\n%amp bf16\n%amp status\nprint('end of script')\n"
+    )
+    shown = printed[: printed.index("end of script")]
+    assert "bf16" in shown and "mode" in shown.split("mpnb: mode bf16", 1)[1], printed
 
 
 def test_a_mode_set_in_a_script_says_its_autocast_stays_off_there(tmp_path, ip, capsys):
     """``ipython file.ipy`` runs a script silently, without the cell hooks that enter the mode's
     autocast: the mode never applies to the script's own code, and %amp says so (a notebook
     cell does not hear it)."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "session.ipy"
-    script.write_text(
+    printed = run_ipython_script(
+        tmp_path,
         "%load_ext mpnb\n%amp bf16\nimport torch\n"
-        "print('dtype', torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype)\n"
+        "print('dtype', torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype)\n",
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "IPython", "--quick", "--no-banner", str(script)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "dtype torch.float32" in result.stdout
-    assert "autocast follows the mode from the next cell: here it stays off" in result.stdout
-    capsys.readouterr()
-    run(ip, "%amp bf16")
-    said = capsys.readouterr().out
+    assert "dtype torch.float32" in printed
+    assert "autocast follows the mode from the next cell: here it stays off" in printed
+    said = said_by(ip, capsys, "%amp bf16")
     assert "mpnb: mode bf16" in said and "stays off" not in said
     run(ip, "%amp off")
 
@@ -302,16 +307,13 @@ def test_a_notebooks_first_cell_that_loads_and_sets_the_mode_hears_no_script_not
     """The extension loaded and the mode set in one cell (a notebook's usual first cell): the
     cell began before mpnb's hook, and is no script for that."""
     run(ip, "%unload_ext mpnb")
-    capsys.readouterr()
-    run(ip, "%load_ext mpnb\n%amp bf16")
-    said = capsys.readouterr().out
+    said = said_by(ip, capsys, "%load_ext mpnb\n%amp bf16")
     assert "mpnb: mode bf16" in said and "ipython file.ipy" not in said
     run(ip, "%amp off")
 
 
 def test_code_after_amp_in_its_own_cell_hears_that_it_runs_as_the_cell_began(ip, capsys):
-    capsys.readouterr()
-    run(ip, "%amp bf16\nout = torch.nn.Linear(2, 2)(torch.ones(1, 2))")
-    assert "autocast follows the mode from the next cell" in capsys.readouterr().out
+    said = said_by(ip, capsys, "%amp bf16\nout = torch.nn.Linear(2, 2)(torch.ones(1, 2))")
+    assert "autocast follows the mode from the next cell" in said
     assert ip.user_ns["out"].dtype == torch.float32  # as the note says
     run(ip, "%amp off")
