@@ -164,3 +164,17 @@ def test_the_cli_splits_kept_layers_on_commas(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert main(["train", "--mode", "fp8", "--model", "mlp", "--keep", "nothing,else", "--steps", "1", "--out", out]) == 2  # fmt: skip
     assert "keep names no module of DigitsMLP: 'nothing', 'else'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "given, mode", [("bf16-mixed", "bf16"), ("16-mixed", "fp16"), ("32-true", "fp32")]
+)
+def test_a_lightning_precision_setting_as_a_mode_says_which_mode_it_is(given, mode):
+    with pytest.raises(InvalidChoiceError) as refused:
+        parse_mode(given)
+    said = str(refused.value)
+    assert said.startswith(f"unknown mode {given!r}; valid: off, fp32")
+    assert f"{given!r} is Lightning's precision setting for mode {mode}" in said
+    with pytest.raises(InvalidChoiceError) as plain:  # not a setting of Lightning's: no hint
+        parse_mode("bf16-true")
+    assert "Lightning" not in str(plain.value)

@@ -3,11 +3,14 @@ the HTML report of a run is self-contained."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 import mpnb.examples as ex
 from mpnb.errors import InvalidChoiceError
@@ -102,6 +105,14 @@ def test_text_progress_in_a_plain_script():
     assert any(line.startswith("finished: step 15  epoch 0") for line in lines)
     assert any(line.startswith("steps") and "15 (0 skipped)" in line for line in lines)
     assert "Traceback" not in done.stderr and "Warning" not in done.stderr
+
+
+def test_text_progress_prints_nothing_above_the_error_of_a_fit_that_failed_before_its_first_step():
+    trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard="text")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(RuntimeError, match="shapes|size"):
+        trainer.fit([(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))])
+    assert out.getvalue() == ""  # the error says what happened; a summary of nothing adds noise
 
 
 def test_dashboard_kinds():

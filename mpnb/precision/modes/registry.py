@@ -359,8 +359,22 @@ def mode_class(name: str, given: object = None) -> type[Mode]:
     if found is None:
         aliases = ", ".join(alias for alias, mode in _ALIASES.items() if alias != mode)
         shown = name if given is None else given
-        raise InvalidChoiceError("mode", shown, mode_names(), f"Aliases: {aliases}.")
+        hint = _lightning_hint(str(name).strip().lower())
+        raise InvalidChoiceError("mode", shown, mode_names(), f"Aliases: {aliases}.{hint}")
     return _MODES[found]
+
+
+def _lightning_hint(name: str) -> str:
+    """Where ``name`` is a Lightning precision setting (``"bf16-mixed"``), the mode it is: the
+    first registered mode that Lightning's loop runs as that setting; else empty.
+
+    >>> _lightning_hint("16-mixed"), _lightning_hint("int4")
+    (" '16-mixed' is Lightning's precision setting for mode fp16.", '')
+    """
+    for mode in _MODES.values():
+        if mode().lightning_precision == name:
+            return f" {name!r} is Lightning's precision setting for mode {mode.name}."
+    return ""
 
 
 def parse_mode(value: str | Mode, **options: Any) -> Mode:

@@ -71,8 +71,8 @@ class TextProgress(Sink):
     def close(self, history: History) -> None:
         self._print_origins(history)
         if not len(history):
-            # a run that failed before its first step (its error follows) has nothing to sum up
-            self._print("no steps recorded")
+            # nothing to sum up, and the reason is said where it belongs: the error of a run
+            # that failed before its first step, the warning of data that gave no batch
             return
         self._print("finished: " + progress_line(history))
         self._print(text_table(("", ""), history.summary_rows()))
