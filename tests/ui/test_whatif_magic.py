@@ -62,3 +62,14 @@ def test_a_loss_given_with_a_trainer_is_refused_not_ignored(ip):
     )
     said = usage_error(ip, "%whatif trainer --loss loss_fn")
     assert "--loss" in said and "trainer's own loss" in said
+
+
+def test_a_batch_written_as_an_expression_with_spaces_is_one_argument(ip):
+    run(ip, SETUP + "x, y = batch")
+    result = run(ip, "%whatif model (x, y) --loss loss_fn --formats bf16")
+    named = run(ip, "%whatif model batch --loss loss_fn --formats bf16")
+    assert [r["rel_error"] for r in result.rows] == [r["rel_error"] for r in named.rows]
+    result = run(ip, "%whatif model [x[:16], y[:16]] --loss loss_fn --formats bf16")
+    assert result.layers == ["0", "2"]
+    said = usage_error(ip, "%whatif model (x, y --loss loss_fn")  # never closed: all of it
+    assert "cannot read '(x, y --loss loss_fn'" in said

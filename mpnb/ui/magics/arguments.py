@@ -44,12 +44,16 @@ def as_usage_error() -> Iterator[None]:
         raise UsageError(str(error)) from None
 
 
-def parse_line(magic, line: str, valid: str = "") -> argparse.Namespace:
+def parse_line(
+    magic, line: str, valid: str = "", *, expressions: bool = False
+) -> argparse.Namespace:
     """``line`` split as a shell splits it (quotes group words and are removed), then parsed by
     the magic's own magic_arguments.
 
     Args:
         valid: what the magic accepts, added to every error (``"modes: off, fp32, ..."``).
+        expressions: the magic's arguments are Python expressions: a bracketed one written
+            with spaces is one argument (:func:`bracketed`).
 
     Raises:
         UsageError: a line that cannot be split or parsed; it quotes the input short, and says
@@ -63,6 +67,8 @@ def parse_line(magic, line: str, valid: str = "") -> argparse.Namespace:
         words = shlex.split(without_comment(line))
     except ValueError as error:  # an unbalanced quote
         raise UsageError(f"cannot parse {quoted(line)}: {error}") from None
+    if expressions:
+        words = bracketed(words)
     if {"-h", "--help"} & set(words):  # magic_arguments' parsers add no help option
         raise UsageError(magic.parser.format_help().removeprefix("::").strip())
     try:
@@ -73,6 +79,29 @@ def parse_line(magic, line: str, valid: str = "") -> argparse.Namespace:
         )  # IPython's "::" prefix
         detail = f"; {valid}" if valid else ""
         raise UsageError(f"{_short(str(error))}{detail}; usage: {usage}") from None
+
+
+def bracketed(words: list[str]) -> list[str]:
+    """``words`` with those inside one bracketed expression joined back into one: an argument
+    written as Python with spaces (``(x, y)``, ``batch[: 16]``) is one word. Brackets that never
+    close take every word after them (the expression then fails to read, saying so).
+
+    >>> bracketed(["model", "(x,", "y)", "--loss", "f"])
+    ['model', '(x, y)', '--loss', 'f']
+    >>> bracketed(["[a,", "(b,", "c)]"]), bracketed(["x)", "y"])
+    (['[a, (b, c)]'], ['x)', 'y'])
+    """
+    joined: list[str] = []
+    depth = 0
+    for word in words:
+        if depth > 0:
+            joined[-1] += " " + word
+        else:
+            joined.append(word)
+        depth = max(
+            0, depth + sum(word.count(c) for c in "([{") - sum(word.count(c) for c in ")]}")
+        )
+    return joined
 
 
 def without_comment(line: str) -> str:

@@ -57,7 +57,9 @@ class WhatIfMagics(Magics):
             %whatif model batch --loss loss_fn
             %whatif trainer --formats fp8 mxfp8
         """
-        args = parse_line(self.whatif, line, f"formats: {', '.join(format_names())}")
+        args = parse_line(
+            self.whatif, line, f"formats: {', '.join(format_names())}", expressions=True
+        )
         formats = None if args.formats is None else split_names(args.formats)
         model = self._value(args.model)
         with as_usage_error():
