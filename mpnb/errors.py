@@ -202,6 +202,26 @@ def check_number(
     return number  # type: ignore[return-value]
 
 
+def check_count(name: str, value: object, *, least: int = 1, meaning: str = "") -> int:
+    """``value`` as a plain Python int, or an error for a count ``name`` that is not a whole
+    number of at least ``least``: a Python or numpy integer or a one-element integer tensor
+    (not a bool, nor a float even where it is whole). ``meaning`` says what is counted.
+
+    Example:
+        >>> check_count("epochs", numpy.int64(3)), check_count("warmup", 0, least=0)
+        (3, 0)
+        >>> check_count("accumulate", 2.0, meaning="micro-batches an optimizer step")
+        Traceback (most recent call last):
+        ...
+        mpnb.errors.MpnbError: accumulate must be a whole number >= 1 (micro-batches an optimizer step), got 2.0
+    """
+    number = plain_number(value, whole=True)
+    if number is None or number < least:
+        said = f" ({meaning})" if meaning else ""
+        raise MpnbError(f"{name} must be a whole number >= {least}{said}, got {quoted(value)}")
+    return number  # type: ignore[return-value]
+
+
 def plain_number(value: object, whole: bool = False) -> float | int | None:
     """``value`` as a plain Python int (``whole``) or float, or None where it is no such number
     (a bool, a string, a tensor of several elements, an int too large for a float)."""

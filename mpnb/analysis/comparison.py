@@ -21,7 +21,7 @@ from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
 from mpnb.analysis.slow_modes import slow_reason
-from mpnb.errors import MAKE_RUN_USAGE, MpnbError, check_function
+from mpnb.errors import MAKE_RUN_USAGE, MpnbError, check_count, check_function
 from mpnb.precision.modes import Mode, mode_names, parse_mode
 from mpnb.training.batches import epochs_holding
 from mpnb.training.control import refuse_inside_a_fit
@@ -126,11 +126,8 @@ def compare_runs(
     """
     refuse_inside_a_fit("a comparison")
     names = mode_labels(modes)
-    for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0), ("block", block, 1)):
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < least
-        ):
-            raise MpnbError(f"{name} must be a whole number >= {least}, got {value!r}")
+    steps, warmup = check_count("steps", steps), check_count("warmup", warmup, least=0)
+    block = None if block is None else check_count("block", block)
     block = default_block(steps) if block is None else block
     view = progress_view(progress, names, title)
 

@@ -33,7 +33,7 @@ from mpnb import views
 from mpnb._render import html_list, html_table, text_notes, text_table
 from mpnb.analysis._torch_memory import cpu_allocator_peak, fake_mode, storage_bytes, tracked_peak
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, check_count
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode
 from mpnb.training.batches import (
@@ -267,8 +267,7 @@ def memory(
         (0, True)
     """
     names = [parse_mode(mode).label for mode in modes]
-    if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
-        raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+    batch_size = None if batch_size is None else check_count("batch_size", batch_size)
     accounts, skipped = [], {}
     for name in names:
         try:

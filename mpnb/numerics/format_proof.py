@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, check_count
 from mpnb.precision.modes.base import Mode
 from mpnb.precision.modes.registry import format_mode, parse_mode
 from mpnb.training.batches import epochs_holding
@@ -158,8 +158,7 @@ def prove(
         0.0
     """
     keep = _layer_names(keep)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise MpnbError(f"steps must be a whole number >= 1, got {steps!r}")
+    steps = check_count("steps", steps)
     mode, in_fp32 = configuration(format, keep)
     # the format's run first: a mode that refuses the model or the machine says so before
     # bf16's run has cost anything

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from mpnb.errors import MpnbError, check_flag, check_number, quoted, warn_user
+from mpnb.errors import MpnbError, check_count, check_flag, check_number, quoted, warn_user
 from mpnb.precision.modes import Mode
 from mpnb.training.gradients import check_loss, rescale, unscale_and_clip
 from mpnb.training.health import HealthWatch, scale_back
@@ -275,10 +275,9 @@ class AmpStep:
         history: History | None = None,
     ) -> None:
         check_optimizer(optimizer)
-        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-            raise MpnbError(
-                f"accumulate must be a positive number of micro-batches, got {accumulate}"
-            )
+        accumulate = check_count(
+            "accumulate", accumulate, meaning="micro-batches an optimizer step"
+        )
         if clip_grad_norm is not None:
             clip_grad_norm = check_number(
                 "clip_grad_norm",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mpnb.errors import MpnbError, check_flag, quoted
+from mpnb.errors import MpnbError, check_count, check_flag
 from mpnb.numerics.instruments import fit_instruments
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.modes import Mode, parse_mode
@@ -422,18 +422,16 @@ class Trainer:
             return self._fit(data, epochs, max_steps)
 
     def _fit(self, data: Iterable[Any], epochs: int | None, max_steps: int | None) -> History:
-        for name, value in (("epochs", epochs), ("max_steps", max_steps)):
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
-                if isinstance(value, torch.Tensor):  # fit(x, y): batches are what fit takes
-                    raise MpnbError(
-                        f"{name} must be a positive whole number, got a Tensor shaped "
-                        f"{tuple(value.shape)}: fit takes batches, not x and y apart; for "
-                        "tensors x and y, fit([(x, y)]) or a torch DataLoader over "
-                        "TensorDataset(x, y)"
-                    )
-                raise MpnbError(f"{name} must be a positive whole number, got {quoted(value)}")
+        if isinstance(epochs, torch.Tensor) and epochs.numel() > 1:  # fit(x, y)
+            raise MpnbError(
+                f"epochs must be a whole number >= 1, got a Tensor shaped {tuple(epochs.shape)}: "
+                "fit takes batches, not x and y apart; for tensors x and y, fit([(x, y)]) or a "
+                "torch DataLoader over TensorDataset(x, y)"
+            )
+        if epochs is not None:
+            epochs = check_count("epochs", epochs)
+        if max_steps is not None:
+            max_steps = check_count("max_steps", max_steps)
         if not isinstance(data, Iterable):
             raise MpnbError(
                 f"data must be an iterable of batches (a list, a DataLoader, a generator), got {type(data).__name__}"

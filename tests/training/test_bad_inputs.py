@@ -70,10 +70,11 @@ def test_bad_fit_arguments_are_refused():
     )
     with pytest.raises(MpnbError, match="data must be an iterable of batches .* got NoneType"):
         trainer.fit(None)
-    with pytest.raises(ValueError, match="epochs must be a positive whole number, got 1.5"):
+    with pytest.raises(ValueError, match="epochs must be a whole number >= 1, got 1.5"):
         trainer.fit(data, epochs=1.5)
     with pytest.raises(
-        ValueError, match="accumulate must be a positive number of micro-batches, got 1.5"
+        ValueError,
+        match=r"accumulate must be a whole number >= 1 \(micro-batches an optimizer step\), got 1.5",
     ):
         mpnb.AmpStep(trainer.optimizer, accumulate=1.5)
     assert len(trainer.history) == 0
@@ -344,3 +345,35 @@ def test_keep_in_fp32_takes_any_iterable_of_names():
     trainer = mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode="bf16",
                            dashboard=None)  # fmt: skip
     assert trainer.keep_in_fp32(name for name in ["0", "2"]) == ["0", "2"]
+
+
+@pytest.mark.parametrize("count", [np.int64(2), np.int32(2), torch.tensor(2)])
+def test_counts_take_numpy_and_one_element_integer_tensors_as_the_numbers_they_are(count):
+    model, data = linear_problem(steps=3)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    amp = mpnb.AmpStep(optimizer, accumulate=count)
+    assert amp.accumulate == 2 and type(amp.accumulate) is int
+    trainer = mpnb.Trainer(model, optimizer, mse, device="cpu", dashboard=None)
+    trainer.fit(data, epochs=count, max_steps=count)
+    assert len(trainer.history) == 2
+    result = mpnb.compare(
+        lambda mode: (
+            mpnb.Trainer(model, torch.optim.SGD(model.parameters(), 0.1), mse, mode=mode,
+                         device="cpu", dashboard=None),
+            data,
+        ),
+        modes=["fp32"], steps=count, warmup=count - 1, block=count, progress=None,
+    )  # fmt: skip
+    assert result.steps == 2 and type(result.steps) is int
+
+
+@pytest.mark.parametrize("given", [2.0, 0, -1, True, "2", torch.tensor([2, 2]), np.float64(2)])
+def test_a_count_that_is_not_a_whole_number_above_zero_is_refused_naming_it(given):
+    model, data = linear_problem(steps=2)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    with pytest.raises(MpnbError, match=r"accumulate must be a whole number >= 1 \(micro-batches"):
+        mpnb.AmpStep(optimizer, accumulate=given)
+    trainer = mpnb.Trainer(model, optimizer, mse, device="cpu", dashboard=None)
+    with pytest.raises(MpnbError, match="epochs must be a whole number >= 1, got "):
+        trainer.fit(data, epochs=given)
+    assert len(trainer.history) == 0

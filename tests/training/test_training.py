@@ -167,7 +167,8 @@ def test_bad_arguments_are_rejected_with_the_valid_choices():
     model, _ = linear_problem()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(
-        ValueError, match="accumulate must be a positive number of micro-batches, got 0"
+        ValueError,
+        match=r"accumulate must be a whole number >= 1 \(micro-batches an optimizer step\), got 0",
     ):
         mpnb.AmpStep(optimizer, accumulate=0)
     with pytest.raises(ValueError, match=r"clip_grad_norm must be a number above 0 .*, got -1"):
@@ -188,7 +189,7 @@ def test_bad_arguments_are_rejected_with_the_valid_choices():
     with pytest.raises(MpnbError, match="give loss_fn or step_fn, not both"):
         mpnb.Trainer(model, optimizer, mse, step_fn=lambda m, b: m(b).sum())
     trainer = mpnb.Trainer(model, optimizer, mse, mode="fp32", device="cpu", dashboard=None)
-    with pytest.raises(ValueError, match="epochs must be a positive whole number, got 0"):
+    with pytest.raises(ValueError, match="epochs must be a whole number >= 1, got 0"):
         trainer.fit([], epochs=0)
     amp = mpnb.AmpStep(optimizer, mode="fp32", device="cpu")
     with pytest.raises(RuntimeError, match="no backward"):
