@@ -162,8 +162,9 @@ def prove(
     mode, in_fp32 = configuration(format, keep)
     # the format's run first: a mode that refuses the model or the machine says so before
     # bf16's run has cost anything
-    losses = _losses(make_run, mode, in_fp32, steps)
-    baseline = _losses(make_run, BASELINE, [], steps)
+    first = _built(make_run, mode)
+    losses = _losses(first, mode, in_fp32, steps)
+    baseline = _losses(_built(make_run, BASELINE, first[0]), BASELINE, [], steps)
     return Proof(format, mode.label, keep, losses, baseline, steps)
 
 
@@ -181,15 +182,43 @@ def _layer_names(keep: object) -> list[str]:
     return names
 
 
-def _losses(
-    make_run: Callable[[Any], Sequence[Any]], mode: Any, in_fp32: list[str], steps: int
-) -> list[float]:
+def _built(make_run: Callable[[Any], Sequence[Any]], mode: Any, other: Any = None) -> Sequence[Any]:
+    """``make_run(mode)``, checked before a step: a trainer and its data, training in ``mode``
+    (its ``keep`` included), with a model of its own (not ``other``'s, the run before)."""
     run = make_run(mode)
     if not isinstance(run, (tuple, list)) or len(run) not in (2, 3) or not hasattr(run[0], "fit"):
         raise TypeError(
             f"make_run({mode!r}) returned {type(run).__name__}; it must return (trainer, data) "
             "or (trainer, data, metric) with an mpnb.Trainer, as compare's make_run does"
         )
+    trainer = run[0]
+    if other is not None and (trainer is other or trainer.model is other.model):
+        shared = "Trainer" if trainer is other else "model"
+        raise MpnbError(
+            f"the runs of {other.mode.label} and {BASELINE} share one {shared}: build a fresh "
+            "model, optimizer and Trainer in each call of make_run"
+        )
+    wanted = parse_mode(mode)
+    if trainer.mode != wanted:
+        raise MpnbError(
+            f"the run built for mode {_described(wanted)} trains in {_described(trainer.mode)}: "
+            "build its Trainer with mode= the mode make_run(mode) receives (it carries the "
+            "layers to keep)"
+        )
+    return run
+
+
+def _described(mode: Mode) -> str:
+    """A mode's label, with the layers it keeps.
+
+    >>> _described(parse_mode("fp8", keep=["head", "4"])), _described(parse_mode("bf16"))
+    ('fp8 (keep head, 4)', 'bf16')
+    """
+    keep = getattr(mode, "keep", ())
+    return f"{mode.label} (keep {', '.join(keep)})" if keep else mode.label
+
+
+def _losses(run: Sequence[Any], mode: Any, in_fp32: list[str], steps: int) -> list[float]:
     trainer, data = run[0], run[1]
     if trainer.mode.converts_layers:  # said before a step, not from inside the fit
         trainer.mode.check_model(trainer.model, trainer.device)

@@ -605,6 +605,44 @@ def test_prove_runs_the_format_first_so_a_refusal_costs_no_bf16_run(planted):
     assert asked == ["fp8"]
 
 
+@pytest.mark.parametrize(
+    "built, said",
+    [
+        (lambda mode: "bf16", r"the run built for mode fp8 \(keep 5\) trains in bf16"),
+        (lambda mode: "fp8", r"the run built for mode fp8 \(keep 5\) trains in fp8"),
+        (lambda mode: getattr(mode, "name", mode), "the run built for mode fp8 .*trains in fp8"),
+    ],
+)
+def test_prove_refuses_a_run_built_in_another_mode_than_it_was_given(planted, built, said):
+    """A make_run that ignores its mode (or drops the keep it carries) would prove a format
+    that never ran: refused before a step, as compare refuses it."""
+    trained = []
+
+    def make_run(mode):
+        trainer, data = _make_run(built(mode))
+        trainer.fit = lambda *a, **k: trained.append(mode)
+        return trainer, data
+
+    with pytest.raises(MpnbError, match=said):
+        planted.prove(make_run, "fp8", steps=2)
+    assert trained == []
+
+
+def test_prove_refuses_one_model_for_both_runs(planted):
+    """The bf16 run would start where the format's run left the weights."""
+    model, data = _planted(), _make_run("bf16")[1]
+
+    def make_run(mode):
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        trainer = mpnb.Trainer(
+            model, optimizer, nn.functional.cross_entropy, mode=mode, device="cpu", dashboard=None
+        )
+        return trainer, data
+
+    with pytest.raises(MpnbError, match="share one model: build a fresh model"):
+        planted.prove(make_run, "fp16", steps=2)
+
+
 def test_a_model_given_second_and_a_mode_without_formats_are_named():
     batch = _batch()
     with pytest.raises(
