@@ -853,3 +853,22 @@ def test_the_cli_converts_the_layers_the_trainer_does(tmp_path, capsys):
             "kept in bf16: layers.1 (the first Linear layer), layers.5 (the last Linear layer)",
         ]
     )
+
+
+def test_keep_naming_a_module_that_holds_no_linear_layer_is_refused_naming_its_kind():
+    """A name one off in a Sequential (a ReLU) would keep nothing, without a word."""
+    model = mlp()
+    with pytest.raises(
+        MpnbError,
+        match=r"fp8 keep names '1' \(ReLU\), which holds no Linear layer fp8 could convert; "
+        "its Linear layers: 0, 2, 4, 6",
+    ):
+        fp8_layers(model, keep=["2", "1"], device="cpu")
+    with pytest.raises(MpnbError, match=r"names '1' \(ReLU\), which holds no Linear layer"):
+        mpnb.Trainer(
+            model, torch.optim.SGD(model.parameters(), 0.1), nn.functional.mse_loss,
+            mode="fp8", keep=["1"], device="cpu", dashboard=None,
+        ).fit([(torch.randn(4, 32), torch.randn(4, 10))], max_steps=1)  # fmt: skip
+    assert all(type(m) in (nn.Sequential, nn.Linear, nn.ReLU) for m in model.modules())
+    wrapped = nn.Sequential(mlp())  # a module that holds Linear layers is a name to keep
+    assert fp8_layers(wrapped, keep=["0"], device="cpu").keep == ("0",)

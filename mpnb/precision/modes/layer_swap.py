@@ -209,6 +209,7 @@ class LayerSwap:
                 f"{self.mode} keep names no module of {type(model).__name__}: "
                 f"{', '.join(map(repr, unknown))}"
             )
+        self._check_keep_holds_layers(model)
         self.kept, self.converted, self.already = self.plan(model, self.keep)
         self._check_already_converted()
         self._swapped: list[tuple[nn.Module, str, nn.Module]] = []
@@ -282,6 +283,19 @@ class LayerSwap:
         return is_torchao_layer(module, cls.layer_class)
 
     # -- which layers -------------------------------------------------------------------------
+
+    def _check_keep_holds_layers(self, model: nn.Module) -> None:
+        """Refuse a name in ``keep`` that holds no layer this format could swap (a ReLU one off
+        in a Sequential): keeping it would keep nothing, without a word."""
+        layers = [name for name, module in model.named_modules() if self.is_candidate(module)]
+        modules = dict(model.named_modules())
+        for name in self.keep:
+            if not any(named_in(layer, (name,)) for layer in layers):
+                raise MpnbError(
+                    f"{self.mode} keep names {name!r} ({type(modules[name]).__name__}), which "
+                    f"holds no Linear layer {self.mode} could convert; its Linear layers: "
+                    f"{', '.join(layers) or 'none'}"
+                )
 
     @classmethod
     def plan(
