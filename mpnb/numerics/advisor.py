@@ -243,7 +243,7 @@ def _pass(
                 cache_enabled=False,
             ),
         ):
-            loss = batch_loss(model, batch, loss_fn, None)
+            loss = batch_loss(model, batch, loss_fn, None, takes_step_fn=False)
         # outside autocast, as a training step runs it, whatever the caller's cell holds
         with torch.autocast(device.type, enabled=False):
             loss.float().backward()

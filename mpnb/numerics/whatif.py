@@ -192,7 +192,7 @@ def whatif(
         ):
             batch = _trainable(to_device(batch, device))
             _check_batch(batch)
-            loss = batch_loss(model, batch, loss_fn, None)
+            loss = batch_loss(model, batch, loss_fn, None, takes_step_fn=False)
             check_loss(loss)
             if not bool(torch.isfinite(loss.detach())):
                 raise MpnbError(

@@ -220,20 +220,30 @@ def check_loss_fn(loss_fn: object) -> None:
 
 
 def batch_loss(
-    model: nn.Module, batch: Any, loss_fn: LossFn | None, step_fn: StepFn | None
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None,
+    step_fn: StepFn | None,
+    *,
+    takes_step_fn: bool = True,
 ) -> torch.Tensor:
     """The loss of one batch, by the rules in the module's docstring.
+
+    Args:
+        takes_step_fn: whether the caller takes a ``step_fn`` (the what-if does not): an
+            error's advice offers one only where it can be given.
 
     Raises:
         MpnbError: a batch or an output that the chosen rule cannot use, saying what to pass.
     """
     if step_fn is not None:
         return step_fn(model, batch)
+    or_step_fn = " or step_fn=f(model, batch) -> loss" if takes_step_fn else ""
     if loss_fn is not None:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise MpnbError(
                 f"with a loss_fn, each batch must be an (inputs, targets) pair, got {_describe(batch)}; "
-                "leave loss_fn out for a model that computes its own loss, or pass step_fn=f(model, batch) -> loss"
+                f"leave loss_fn out for a model that computes its own loss{or_step_fn}"
             )
         inputs, targets = batch
         return loss_fn(model(inputs), targets)
@@ -241,7 +251,7 @@ def batch_loss(
     try:
         output = model(*args, **kwargs)
     except TypeError as error:
-        refusal = _unbindable(model, batch, args, kwargs)
+        refusal = _unbindable(model, batch, args, kwargs, or_step_fn)
         if refusal is None:  # the forward took the batch; the error is its own
             _note_positional(error, args)
             raise
@@ -249,7 +259,7 @@ def batch_loss(
     except Exception as error:
         _note_positional(error, args)
         raise
-    return _loss_of(output)
+    return _loss_of(output, or_step_fn)
 
 
 def _note_positional(error: BaseException, args: Sequence[Any]) -> None:
@@ -277,24 +287,24 @@ def _arguments_of(batch: Any) -> tuple[Sequence[Any], Mapping[str, Any]]:
 
 
 def _unbindable(
-    model: nn.Module, batch: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+    model: nn.Module, batch: Any, args: Sequence[Any], kwargs: Mapping[str, Any], or_step_fn: str
 ) -> str | None:
     """Why ``model``'s forward cannot take the batch's arguments, or None where it can (asked
-    after a TypeError only: nothing a step)."""
+    after a TypeError only: nothing a step); ``or_step_fn``: the advice's other way, if any."""
     try:
         inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as mismatch:
         return (
             f"{type(model).__name__}.forward cannot take {_describe(batch)} as its arguments "
-            f"({mismatch}); for (inputs, targets) batches pass loss_fn=f(outputs, targets) "
-            "or step_fn=f(model, batch) -> loss"
+            f"({mismatch}); for (inputs, targets) batches pass loss_fn=f(outputs, targets)"
+            f"{or_step_fn}"
         )
     except ValueError:  # no signature to read (a C-level forward)
         return None
     return None
 
 
-def _loss_of(output: Any) -> torch.Tensor:
+def _loss_of(output: Any, or_step_fn: str) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
@@ -303,7 +313,7 @@ def _loss_of(output: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise MpnbError(
             f"the model returned {_describe(output)} with no loss (no .loss, no ['loss'], not a 0-dim tensor); "
-            "give the batch its labels, or pass loss_fn=f(outputs, targets) or step_fn=f(model, batch) -> loss"
+            f"give the batch its labels, or pass loss_fn=f(outputs, targets){or_step_fn}"
         )
     return loss
 

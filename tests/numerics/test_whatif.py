@@ -1343,3 +1343,19 @@ def test_prove_cycles_a_short_dataset_as_compare_does(planted):
     proof = planted.prove(two_batches, "fp16", steps=5)
     assert len(proof.losses) == len(proof.bf16_losses) == 5
     assert "the data ended" not in str(proof)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda model: mpnb.whatif(model, torch.randn(8, 16), nn.functional.cross_entropy),
+        lambda model: mpnb.whatif(model, (torch.randn(8, 16), torch.randint(0, 4, (8,)))),
+        lambda model: mpnb.advise(model, torch.randn(8, 16), nn.functional.cross_entropy),
+    ],
+)
+def test_a_batch_the_loss_cannot_use_is_explained_without_an_option_whatif_lacks(call):
+    """whatif and advise take no step_fn: their advice offers loss_fn alone."""
+    with pytest.raises(MpnbError) as refused:
+        call(nn.Sequential(nn.Linear(16, 4)))
+    said = str(refused.value)
+    assert "loss_fn" in said and "step_fn" not in said
