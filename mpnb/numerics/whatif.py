@@ -152,11 +152,13 @@ def whatif(
         )
     #: the calls whose gradient has not come yet: (layer, its input, the matmuls training runs)
     waiting: dict[int, tuple[str, torch.Tensor, tuple[str, ...]]] = {}
+    unreadable: dict[str, None] = {}  # the layers called with no positional tensor input
     numbering = itertools.count()
     loss_backward = False  # the gradients measured are the loss's, arriving in its backward
 
     def on_output(name: str, module: nn.Module, inputs: Any, output: torch.Tensor) -> Any:
         if not inputs or not isinstance(inputs[0], torch.Tensor):
+            unreadable.setdefault(name)  # its input given as a keyword: the hook sees none
             return None
         measured.called(name)
         call = next(numbering)
@@ -209,6 +211,12 @@ def whatif(
             # side pass): its forward still ran in the format
             for layer, x, _ in list(waiting.values()):
                 measured.layer(layer, layers[layer], x, None)
+    if not measured.rows and unreadable:
+        raise MpnbError(
+            f"the pass called {', '.join(map(shown_layer, unreadable))} with no input tensor "
+            "as the first positional argument (given as a keyword, input=x): the what-if reads "
+            "a layer's input from it; call the layers as layer(x)"
+        )
     if not measured.rows:
         raise MpnbError(
             "the pass reached none of the model's linear layers with a gradient: is the loss "

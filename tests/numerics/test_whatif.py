@@ -1359,3 +1359,17 @@ def test_a_batch_the_loss_cannot_use_is_explained_without_an_option_whatif_lacks
         call(nn.Sequential(nn.Linear(16, 4)))
     said = str(refused.value)
     assert "loss_fn" in said and "step_fn" not in said
+
+
+def test_layers_called_with_their_input_as_a_keyword_are_named_when_none_was_measured():
+    class Keyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.inner(input=x)
+
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    with pytest.raises(MpnbError, match=r"called inner with no input tensor .*input=x"):
+        whatif(Keyword(), batch, nn.functional.cross_entropy, ["bf16"])
