@@ -178,3 +178,27 @@ def test_a_lightning_precision_setting_as_a_mode_says_which_mode_it_is(given, mo
     with pytest.raises(InvalidChoiceError) as plain:  # not a setting of Lightning's: no hint
         parse_mode("bf16-true")
     assert "Lightning" not in str(plain.value)
+
+
+@pytest.mark.parametrize(
+    "mode, options, said",
+    [
+        ("fp8:rowwise", {"recipe": "tensorwise"}, "mode fp8:rowwise already says recipe 'rowwise'"),
+        (parse_mode("fp8", keep=["2"]), {"keep": ["4"]}, r"already says keep \('2',\), and keep"),
+    ],
+)
+def test_a_mode_and_a_keyword_that_disagree_are_refused_not_one_silently_kept(mode, options, said):
+    with pytest.raises(MpnbError, match=said):
+        parse_mode(mode, **options)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(6)))
+    with pytest.raises(MpnbError, match=said):
+        mpnb.Trainer(
+            model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.mse_loss,
+            mode=mode, device="cpu", dashboard=None, **options,
+        )  # fmt: skip
+
+
+def test_a_keyword_that_agrees_with_the_mode_or_sets_a_default_option_is_taken():
+    assert parse_mode("fp8:rowwise", recipe="ROWWISE") == parse_mode("fp8", recipe="rowwise")
+    assert parse_mode(parse_mode("fp8"), keep=["4"]).keep == ("4",)
+    assert parse_mode(parse_mode("fp8", keep=["2"]), keep=("2",)).keep == ("2",)

@@ -397,7 +397,7 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
     """
     given = {key: value for key, value in options.items() if value is not None}
     if isinstance(value, Mode):
-        return _with_options(value, given) if given else value
+        return _with_options(_checked_against(value, given), given) if given else value
     # a torch dtype (torch.bfloat16) names the mode of its name, as autocast takes it
     if isinstance(value, torch.dtype):
         value = str(value).removeprefix("torch.")
@@ -407,12 +407,41 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
 
 def _labelled(mode: type[Mode], colon: str, first: str, given: dict[str, Any]) -> Mode:
     """``mode`` with the option a label's ``":first"`` names (when ``colon``), and ``given``."""
-    if colon:
-        said = mode.label_option()
-        if said is None:  # no option, or none a label can say (a list of layer names)
-            raise InvalidChoiceError(f"option of mode {mode.name}", first, ["none"])
-        given = {said.name: first.strip(), **given}
-    return _with_options(mode(), given)
+    if not colon:
+        return _with_options(mode(), given)
+    said = mode.label_option()
+    if said is None:  # no option, or none a label can say (a list of layer names)
+        raise InvalidChoiceError(f"option of mode {mode.name}", first, ["none"])
+    labelled = _with_options(mode(), {said.name: first.strip()})
+    return _with_options(_checked_against(labelled, given), given)
+
+
+def _checked_against(mode: Mode, options: dict[str, Any]) -> Mode:
+    """``mode``, unless ``options`` set one of its options, already set away from its default,
+    to another value: the mode (or its label) and a keyword would then disagree, and neither
+    may silently win.
+
+    >>> _checked_against(parse_mode("fp8:rowwise"), {"recipe": "tensorwise"})
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.MpnbError: mode fp8:rowwise already says recipe 'rowwise', and recipe='tensorwise' says another: give the recipe once
+    """
+    changed = _with_options(mode, options)
+    for field in mode.option_fields():
+        if field.name not in options:
+            continue
+        default = (
+            field.default
+            if field.default_factory is dataclasses.MISSING
+            else field.default_factory()
+        )
+        own = getattr(mode, field.name)
+        if own != default and own != getattr(changed, field.name):
+            raise MpnbError(
+                f"mode {mode.label} already says {field.name} {own!r}, and "
+                f"{field.name}={options[field.name]!r} says another: give the {field.name} once"
+            )
+    return mode
 
 
 def _with_options(mode: Mode, options: dict[str, Any]) -> Mode:
