@@ -138,6 +138,12 @@ def _compare(args: argparse.Namespace) -> int:
     title = f"mpnb compare: example {args.model} on the bundled digits, {device}"
     paths = write_comparison_files(args.out, comparison, title, devices(check=False).to_text())
     print(f"wrote {', '.join(paths)}")
+    if all(result.history is None for result in comparison.results):
+        print(
+            f"mpnb compare: no mode ran ({', '.join(modes)}); the notes above say why",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

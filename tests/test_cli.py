@@ -189,6 +189,14 @@ def test_compare_lists_a_mode_that_cannot_train_the_model_and_runs_the_others(tm
     assert "fp8: not run: fp8 would convert no layer of DigitsCNN" in " ".join(table.split())
 
 
+def test_compare_fails_when_no_mode_ran(tmp_path):
+    """A script or CI job must not read a table of dashes as success."""
+    result = mpnb("compare", "--modes", "fp8", "--steps", "2", "--warmup", "0", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "not run: fp8 would convert no layer of DigitsCNN" in " ".join(result.stdout.split())
+    assert "mpnb compare: no mode ran (fp8); the notes above say why" in result.stderr
+
+
 def test_compare_rejects_bad_input_before_running():
     for args, bad in ((["--modes", "fp32,fp5"], "'fp5'"), (["--model", "resnet"], "'resnet'")):
         result = mpnb("compare", *args)
