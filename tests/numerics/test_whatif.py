@@ -1373,3 +1373,21 @@ def test_layers_called_with_their_input_as_a_keyword_are_named_when_none_was_mea
     batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
     with pytest.raises(MpnbError, match=r"called inner with no input tensor .*input=x"):
         whatif(Keyword(), batch, nn.functional.cross_entropy, ["bf16"])
+
+
+@pytest.mark.parametrize(
+    "x, said",
+    [
+        (torch.randn(8, 16, device="meta"), r"a tensor on the meta device \(shaped \(8, 16\)\)"),
+        (
+            torch.randn(8, 16).bfloat16(),
+            r"inputs hold a bfloat16 tensor \(shaped \(8, 16\)\).*x.float\(\)",
+        ),
+        (torch.randn(8, 16).double(), r"a float64 tensor"),
+    ],
+)
+def test_a_batch_the_fp32_pass_cannot_run_on_is_named_before_the_pass(x, said):
+    model = nn.Sequential(nn.Linear(16, 4))
+    with pytest.raises(MpnbError, match=said):
+        whatif(model, (x, torch.randint(0, 4, (8,))), nn.functional.cross_entropy, ["bf16"])
+    assert not any(m._forward_hooks for m in model.modules())
