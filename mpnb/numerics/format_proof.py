@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from mpnb.errors import MpnbError, check_count
+from mpnb.numerics.layer_matmuls import shown_layer
 from mpnb.precision.modes.base import Mode
 from mpnb.precision.modes.registry import format_mode, parse_mode
 from mpnb.training.batches import epochs_holding
@@ -86,7 +87,7 @@ class Proof:
     def __str__(self) -> str:
         ours, theirs = self._window
         reference = statistics.fmean(theirs) if theirs else math.nan
-        kept = ", ".join(self.keep) if self.keep else "no layer"
+        kept = ", ".join(map(shown_layer, self.keep)) if self.keep else "no layer"
         share = f"{self.gap / abs(reference):+.1%}" if reference else "n/a"
         trained = min(len(self.losses), len(self.bf16_losses))
         short = (

@@ -56,6 +56,16 @@ def multiplies(module: nn.Module) -> bool:
     )
 
 
+def shown_layer(name: str) -> str:
+    """A layer's name as the tables show it: the model itself (a model that is one layer,
+    named ``''`` as ``named_modules`` and ``keep`` name it) reads "(the model)".
+
+    >>> shown_layer("fc1"), shown_layer("")
+    ('fc1', '(the model)')
+    """
+    return name or "(the model)"
+
+
 def linear_weight(module: nn.Module) -> torch.Tensor:
     """The weight of a linear layer as ``nn.Linear`` holds it: (out features, in features).
 

@@ -57,7 +57,7 @@ from mpnb.errors import MAKE_RUN_USAGE, MpnbError, check_function
 from mpnb.numerics import formats as fmt
 from mpnb.numerics.advisor import left_as_found
 from mpnb.numerics.format_proof import Proof, prove
-from mpnb.numerics.layer_matmuls import LayerMatmuls, multiplies
+from mpnb.numerics.layer_matmuls import LayerMatmuls, multiplies, shown_layer
 from mpnb.numerics.probe import ModuleProbe, uncompiled
 from mpnb.precision.backends import backend_for
 from mpnb.precision.fp32math import exact_fp32_math
@@ -276,16 +276,6 @@ def _castable(chosen: tuple[str, ...], asked: bool) -> tuple[tuple[str, ...], di
             + f" (formats that run here: {', '.join(running) or 'none'})"
         )
     return kept, skipped
-
-
-def shown_layer(name: str) -> str:
-    """A layer's name as the tables show it: the model itself (a model that is one layer,
-    named ``''`` as ``named_modules`` and ``keep`` name it) reads "(the model)".
-
-    >>> shown_layer("fc1"), shown_layer("")
-    ('fc1', '(the model)')
-    """
-    return name or "(the model)"
 
 
 def _eagerly() -> contextlib.AbstractContextManager[Any]:

@@ -1391,3 +1391,18 @@ def test_a_batch_the_fp32_pass_cannot_run_on_is_named_before_the_pass(x, said):
     with pytest.raises(MpnbError, match=said):
         whatif(model, (x, torch.randint(0, 4, (8,))), nn.functional.cross_entropy, ["bf16"])
     assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_a_proof_keeping_a_model_that_is_one_layer_names_it_as_the_tables_do():
+    proof = mpnb.numerics.format_proof.Proof("fp16", "fp16", [""], [1.0, 0.9], [1.0, 0.8])
+    assert "(fp16, keeping (the model))" in str(proof)
+
+
+@pytest.mark.parametrize("fields", [{"overflow": 5}, {"overflow": 0.0, "underflow": 1.5}])
+def test_a_share_threshold_above_one_is_refused_as_a_percentage_mistaken(fields):
+    """overflow=5 meant as 5% would never be passed: every layer converted."""
+    from mpnb.numerics.whatif import Threshold
+
+    with pytest.raises(MpnbError, match=r"a share, from 0 to 1 \(0.05 for 5%\), or inf"):
+        Threshold(rel_error=0.1, **fields)
+    assert Threshold(rel_error=2.0, overflow=1.0, underflow=math.inf).underflow == math.inf

@@ -100,6 +100,11 @@ class Threshold:
                     "number, 0 or more "
                     f"(inf: never past it){'; or None: not looked at' if field.name == 'underflow' else ''}"
                 )
+            if field.name != "rel_error" and 1 < value < math.inf:  # 5 meant as 5%: never past
+                raise MpnbError(
+                    f"Threshold({field.name}={quoted(getattr(self, field.name))}): {field.name} "
+                    "is a share, from 0 to 1 (0.05 for 5%), or inf: never past it"
+                )
             object.__setattr__(self, field.name, value)  # a float: a Fraction prints with :g too
 
     def passed(self, row: dict[str, Any]) -> bool:
