@@ -15,10 +15,10 @@ Example:
     >>> fp16 = cast("fp16", x, "activation", dim=1)
     >>> fp16.values.tolist(), fp16.overflow, fp16.flushed
     ([[1.0, inf, 0.0, 0.0]], 1, 1)
-    >>> cast("fp4", x, "activation", dim=1)
+    >>> cast("int4", x, "activation", dim=1)
     Traceback (most recent call last):
     ...
-    mpnb.errors.InvalidChoiceError: unknown format 'fp4'; valid: fp16, bf16, fp8, fp8_rowwise, mxfp8, nvfp4
+    mpnb.errors.InvalidChoiceError: unknown format 'int4'; valid: fp16, bf16, fp8, fp8_rowwise, mxfp8, nvfp4
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ import torch
 
 from mpnb.errors import InvalidChoiceError, MpnbError
 from mpnb.precision.modes.matmul_format import ROLES
-from mpnb.precision.modes.registry import find_format, matmul_formats
+from mpnb.precision.modes.registry import (
+    find_format,
+    format_mode,
+    matmul_formats,
+    parse_mode,
+    split_names,
+)
 
 __all__: list[str] = []
 
@@ -92,7 +98,7 @@ def chosen_formats(formats: object) -> tuple[str, ...]:
     """
     if formats is None:
         return format_names()
-    names = [formats] if isinstance(formats, str) else formats
+    names = split_names([formats]) if isinstance(formats, str) else formats
     if not isinstance(names, Iterable) or isinstance(names, (bytes, dict)):
         raise InvalidChoiceError(
             "formats", formats, format_names(), "Give a name or a list of names."
@@ -103,15 +109,30 @@ def chosen_formats(formats: object) -> tuple[str, ...]:
     return chosen
 
 
-def check_format(name: str) -> str:
-    """``name`` if it is a format, else an error naming the valid ones.
+def check_format(name: str | torch.dtype) -> str:
+    """The format ``name`` names, else an error naming the valid ones: a format's name in any
+    case, or what names the mode that trains in it (an alias, a torch dtype, a label such as
+    ``"fp8:rowwise"``), as ``Trainer(mode=...)`` takes it.
 
-    >>> check_format("mxfp8")
-    'mxfp8'
+    >>> check_format("mxfp8"), check_format("BFloat16"), check_format(torch.float16), check_format("fp8:rowwise")
+    ('mxfp8', 'bf16', 'fp16', 'fp8_rowwise')
     """
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
     if not isinstance(name, str):
         raise InvalidChoiceError("format", name, format_names())
-    find_format(name)
+    formats = matmul_formats()
+    lowered = name.strip().lower()
+    if lowered in formats:
+        return lowered
+    try:
+        mode = parse_mode(lowered)
+    except MpnbError:
+        mode = None
+    trained = [found for found in formats if mode is not None and format_mode(found) == mode]
+    if trained:
+        return trained[0]
+    find_format(name)  # no such format: its error, naming the valid ones
     return name
 
 

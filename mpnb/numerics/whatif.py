@@ -112,10 +112,10 @@ def whatif(
         >>> result = whatif(model, batch, torch.nn.functional.mse_loss, formats=["bf16", "mxfp8"])
         >>> result.layers, result.formats
         (['0', '2'], ('bf16', 'mxfp8'))
-        >>> whatif(model, batch, torch.nn.functional.mse_loss, formats=["fp4"])
+        >>> whatif(model, batch, torch.nn.functional.mse_loss, formats=["int4"])
         Traceback (most recent call last):
         ...
-        mpnb.errors.InvalidChoiceError: unknown format 'fp4'; valid: fp16, bf16, fp8, fp8_rowwise, mxfp8, nvfp4
+        mpnb.errors.InvalidChoiceError: unknown format 'int4'; valid: fp16, bf16, fp8, fp8_rowwise, mxfp8, nvfp4
     """
     if not isinstance(model, nn.Module):
         raise MpnbError(
@@ -429,6 +429,7 @@ class WhatIf:
         >>> result.worst("0", "mxfp8") is None, result.worst("0", "bf16")["format"]
         (True, 'bf16')
         """
+        format = self._named(format)
         threshold = self.threshold_of(format)
         rows = [r for r in self.rows if r["layer"] == layer and r["format"] == format]
         if threshold is None:  # none set: by error alone
@@ -452,6 +453,7 @@ class WhatIf:
             >>> result.recommend("bf16")
             []
         """
+        format = self._named(format)
         self._measured(format)
         threshold = self._threshold(format)
         return [
@@ -486,6 +488,10 @@ class WhatIf:
             f"no threshold for format {format!r}: set result.thresholds[{format!r}] = "
             "Threshold(rel_error=..., overflow=..., underflow=...)"
         )
+
+    def _named(self, format: str) -> str:
+        """The format ``format`` names, spelt as a mode may be (:func:`~mpnb.numerics.formats.check_format`)."""
+        return format if format in self.formats else fmt.check_format(format)
 
     def _measured(self, format: str) -> None:
         if format in self.formats:  # measured: known, even if its mode was unregistered since
@@ -539,6 +545,7 @@ class WhatIf:
         check_function(
             "make_run", make_run, MAKE_RUN_USAGE, "result.prove(make_run, format, steps)"
         )
+        format = self._named(format)
         return prove(self.recommend(format), make_run, format, steps)
 
     def _cells(self, row: dict[str, Any]) -> list[str]:

@@ -306,8 +306,8 @@ def test_model_switches_and_hooks_are_as_found_even_on_error():
 
 
 def test_bad_names_are_refused_with_the_valid_ones(planted):
-    with pytest.raises(InvalidChoiceError, match="unknown format 'fp4'; valid: fp16, bf16, fp8"):
-        whatif(_planted(), _batch(), nn.functional.cross_entropy, formats=["fp4"])
+    with pytest.raises(InvalidChoiceError, match="unknown format 'int4'; valid: fp16, bf16, fp8"):
+        whatif(_planted(), _batch(), nn.functional.cross_entropy, formats=["int4"])
     with pytest.raises(InvalidChoiceError, match="unknown format 'int8'"):
         planted.recommend("int8")
     result = WhatIf([r for r in planted.rows if r["format"] == "bf16"], ["bf16"])
@@ -1406,3 +1406,18 @@ def test_a_share_threshold_above_one_is_refused_as_a_percentage_mistaken(fields)
     with pytest.raises(MpnbError, match=r"a share, from 0 to 1 \(0.05 for 5%\), or inf"):
         Threshold(rel_error=0.1, **fields)
     assert Threshold(rel_error=2.0, overflow=1.0, underflow=math.inf).underflow == math.inf
+
+
+def test_formats_take_the_spellings_modes_take(planted):
+    """A case, an alias, a torch dtype, a mode's label and commas name formats as they name
+    modes in Trainer(mode=...) and compare."""
+    from mpnb.numerics.formats import chosen_formats
+
+    assert chosen_formats(["BF16", "half", torch.bfloat16, "fp8:rowwise", "fp4"]) == (
+        "bf16", "fp16", "fp8_rowwise", "nvfp4",
+    )  # fmt: skip
+    assert chosen_formats("bf16,fp8") == chosen_formats(["bf16", "fp8"]) == ("bf16", "fp8")
+    assert planted.recommend("FP16") == planted.recommend("fp16") == ["5"]
+    assert planted.worst("5", "float16") == planted.worst("5", "fp16")
+    with pytest.raises(InvalidChoiceError, match="unknown format 'int4'; valid: fp16, bf16"):
+        chosen_formats(["int4"])

@@ -46,8 +46,8 @@ def test_whatif_on_a_trainer_takes_its_last_batch(ip):
 
 def test_bad_input_names_the_valid_values(ip):
     run(ip, SETUP)
-    assert "unknown format 'fp4'; valid: fp16, bf16, fp8" in usage_error(
-        ip, "%whatif model batch --loss loss_fn --formats fp4"
+    assert "unknown format 'int4'; valid: fp16, bf16, fp8" in usage_error(
+        ip, "%whatif model batch --loss loss_fn --formats int4"
     )
     assert "cannot read 'nothing'" in usage_error(ip, "%whatif nothing batch")
     assert "give a batch after the model" in usage_error(ip, "%whatif model")
