@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 import html
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -417,6 +417,22 @@ class WhatIf:
         self.unconverted = dict(unconverted or {})
         self.layers = list(dict.fromkeys(row["layer"] for row in rows))
         self.thresholds = default_thresholds()
+
+    @property
+    def thresholds(self) -> dict[str, Threshold]:
+        """Format -> :class:`Threshold`: change one (``result.thresholds["fp8"] = Threshold(...)``)
+        or set a whole mapping of them."""
+        return self._thresholds
+
+    @thresholds.setter
+    def thresholds(self, value: Mapping[str, Threshold]) -> None:
+        if not isinstance(value, Mapping):
+            raise MpnbError(
+                f"thresholds takes a mapping of format -> Threshold(rel_error=..., overflow=..., "
+                f"underflow=...), got {type(value).__name__}; change one with "
+                "result.thresholds[format] = Threshold(...)"
+            )
+        self._thresholds = dict(value)
 
     def worst(self, layer: str, format: str) -> dict[str, Any] | None:
         """The row of ``layer``'s matmul that fares worst in ``format`` (past its threshold

@@ -1421,3 +1421,14 @@ def test_formats_take_the_spellings_modes_take(planted):
     assert planted.worst("5", "float16") == planted.worst("5", "fp16")
     with pytest.raises(InvalidChoiceError, match="unknown format 'int4'; valid: fp16, bf16"):
         chosen_formats(["int4"])
+
+
+def test_thresholds_set_whole_take_a_mapping_and_refuse_anything_else(planted):
+    result = WhatIf(planted.rows, planted.formats)
+    with pytest.raises(MpnbError, match="thresholds takes a mapping of format -> Threshold"):
+        result.thresholds = None
+    assert result.recommend("fp16") == ["5"]  # unchanged by the refusal
+    result.thresholds = {"fp16": planted.thresholds["fp16"]}
+    assert result.recommend("fp16") == ["5"]
+    with pytest.raises(MpnbError, match="no threshold for format 'bf16'"):
+        result.recommend("bf16")
