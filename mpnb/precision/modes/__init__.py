@@ -31,6 +31,7 @@ from mpnb.precision.modes.registry import option_specs as option_specs
 from mpnb.precision.modes.registry import reference_name as reference_name
 from mpnb.precision.modes.registry import registered as registered
 from mpnb.precision.modes.registry import unregister as unregister
+from mpnb.precision.modes.registry import with_options as with_options
 from mpnb.precision.names import Fp32Math as Fp32Math
 
 # The built-in modes register themselves on import, in this order.

@@ -405,6 +405,19 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
     return _labelled(mode_class(name, value), colon, first, given)
 
 
+def with_options(mode: Mode, **options: Any) -> Mode:
+    """``mode`` with ``options`` in place of its own (None values are left as they are): a
+    default mode, the session's, under the options a call names. Unlike :func:`parse_mode`,
+    which refuses a keyword that contradicts an option the mode was given with, an option
+    given here replaces the mode's.
+
+    >>> with_options(parse_mode("fp8", keep=["4"]), keep=["2"], recipe=None)
+    Mode('fp8', keep=('2',))
+    """
+    given = {key: value for key, value in options.items() if value is not None}
+    return _with_options(mode, given) if given else mode
+
+
 def _labelled(mode: type[Mode], colon: str, first: str, given: dict[str, Any]) -> Mode:
     """``mode`` with the option a label's ``":first"`` names (when ``colon``), and ``given``."""
     if not colon:
