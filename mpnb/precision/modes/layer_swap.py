@@ -31,6 +31,7 @@ Example (mode fp8's layers; mxfp8's and nvfp4's behave alike):
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -104,9 +105,19 @@ def torchao_installed() -> bool:
 def is_torchao_layer(module: nn.Module, class_name: str) -> bool:
     """Whether ``module`` is torchao's ``class_name`` (or a subclass of it, such as FSDP2's
     sharded copy), told without importing torchao."""
+    return is_torchao_class(type(module), class_name)
+
+
+@functools.lru_cache(maxsize=1024)
+def is_torchao_class(kind: type, class_name: str) -> bool:
+    """:func:`is_torchao_layer` of a module's class, read from its MRO once per class (a fit
+    asks it of every module of the model, for each layer-swapping mode).
+
+    >>> is_torchao_class(nn.Linear, "Float8Linear")
+    False
+    """
     return any(
-        cls.__name__ == class_name and cls.__module__.startswith("torchao.")
-        for cls in type(module).__mro__
+        cls.__name__ == class_name and cls.__module__.startswith("torchao.") for cls in kind.__mro__
     )
 
 
@@ -660,7 +671,8 @@ class LayerSwapMode(Mode):
 
     @classmethod
     def found_in(cls, model: nn.Module) -> bool:
-        return any(cls.layers.is_layer(module) for module in model.modules())
+        kinds = {type(module) for module in model.modules()}  # each class asked once
+        return any(is_torchao_class(kind, cls.layers.layer_class) for kind in kinds)
 
     def missing_layers(self, framework: str, observed: str) -> str | None:
         if observed not in self.observed_as:
