@@ -124,6 +124,12 @@ def _create_beside(folder: str, name: str) -> tuple[int, str]:
             return os.open(temporary, flags, 0o666), temporary
         except FileExistsError:
             continue
+        except (FileNotFoundError, NotADirectoryError) as error:  # said of the file asked for
+            raise type(error)(
+                error.errno,
+                f"no folder {folder!r} to write {name!r} in",
+                os.path.join(folder, name),
+            ) from None
 
 
 def _sync_folder(folder: str) -> None:

@@ -90,3 +90,13 @@ def test_text_is_utf8_and_newline_is_passed_on_for_csv(tmp_path):
     with atomic_write(tmp_path / "a.csv", newline="") as file:
         file.write("bf16 ≈ fp32\r\n")
     assert (tmp_path / "a.csv").read_bytes() == "bf16 ≈ fp32\r\n".encode()
+
+
+def test_a_missing_folder_is_named_with_the_file_asked_for_not_the_temporary(tmp_path):
+    destination = tmp_path / "no" / "such" / "run.pt"
+    with pytest.raises(FileNotFoundError) as missing:
+        with atomic_write(destination, binary=True):
+            pass
+    said = str(missing.value)
+    assert str(destination) in said and "folder" in said and ".tmp" not in said
+    assert not (tmp_path / "no").exists()
