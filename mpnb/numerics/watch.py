@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from mpnb import views
+from mpnb.errors import MpnbError
 from mpnb.numerics.limits import (
     FP16_LARGEST_FINITE,
     FP16_SMALLEST_SUBNORMAL,  # noqa: F401  the threshold underflow_counts uses, named here too
@@ -412,12 +413,12 @@ class NumericsWatch(Instrument):
         """``every`` as a sampling interval; True: :data:`DEFAULT_EVERY`.
 
         Raises:
-            ValueError: it is not True or a whole number of steps >= 1.
+            MpnbError: it is not True or a whole number of steps >= 1.
         """
         if every is True:
             return DEFAULT_EVERY
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(
+            raise MpnbError(
                 f"watch_numerics must be True or a whole number of steps >= 1, got {every!r}"
             )
         return every

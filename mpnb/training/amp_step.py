@@ -451,6 +451,10 @@ class AmpStep:
 
     def _micro_batch_done(self, samples: int | None) -> bool:
         """:meth:`step` once its checks passed (as they have right after a backward)."""
+        if samples is not None and (type(samples) is not int or samples < 0):  # one test a step
+            samples = check_count(
+                "samples", samples, least=0, meaning="examples in the micro-batch"
+            )
         self.account.add_samples(samples)
         if self._window.micro_batches % self.accumulate:
             return False

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from mpnb import views
-from mpnb.errors import InvalidChoiceError, is_flag, warn_user
+from mpnb.errors import InvalidChoiceError, MpnbError, is_flag, warn_user
 from mpnb.precision.backends import Backend
 from mpnb.training.history import COLUMNS, History, column_default
 from mpnb.training.step_clock import seconds
@@ -134,6 +134,11 @@ class Recorder:
     ) -> None:
         if flush_every < 1:
             raise ValueError(f"flush_every must be at least 1, got {flush_every}")
+        if history is not None and not isinstance(history, History):
+            raise MpnbError(
+                f"history takes an mpnb History (a trainer's .history, to go on with), got "
+                f"{type(history).__name__}"
+            )
         self.history = history if history is not None else History()
         self.flush_every = flush_every
         self.host_transfers = 0
@@ -148,7 +153,17 @@ class Recorder:
         return tuple(self._sinks)
 
     def attach(self, *sinks: Sink) -> None:
-        """Tell ``sinks`` of the flushes from here on, after the sinks already attached."""
+        """Tell ``sinks`` of the flushes from here on, after the sinks already attached.
+
+        Raises:
+            MpnbError: one is not a :class:`Sink` (nothing is attached then).
+        """
+        odd = next((sink for sink in sinks if not isinstance(sink, Sink)), None)
+        if odd is not None:
+            raise MpnbError(
+                f"sinks take mpnb Sink objects (a subclass of mpnb.training.telemetry.Sink that "
+                f"overrides update and close), got {type(odd).__name__} {odd!r:.60}"
+            )
         self._sinks.extend(sinks)
         self._time_sinks()
 

@@ -377,3 +377,31 @@ def test_a_count_that_is_not_a_whole_number_above_zero_is_refused_naming_it(give
     with pytest.raises(MpnbError, match="epochs must be a whole number >= 1, got "):
         trainer.fit(data, epochs=given)
     assert len(trainer.history) == 0
+
+
+def test_amp_step_refuses_a_history_or_sink_that_is_not_one_when_built():
+    model, _ = linear_problem(steps=1)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    with pytest.raises(MpnbError, match="history takes an mpnb History .*, got list"):
+        mpnb.AmpStep(optimizer, mode="bf16", device="cpu", history=[])
+    with pytest.raises(MpnbError, match="sinks take mpnb Sink objects .*, got int 1"):
+        mpnb.AmpStep(optimizer, mode="bf16", device="cpu", sinks=[1])
+
+
+@pytest.mark.parametrize("samples", ["8", -1, 2.5])
+def test_a_micro_batchs_examples_must_be_a_count(samples):
+    model, data = linear_problem(steps=1)
+    amp = mpnb.AmpStep(torch.optim.SGD(model.parameters(), 0.1), mode="bf16", device="cpu")
+    x, y = data[0]
+    with pytest.raises(MpnbError, match="samples must be a whole number >= 0 .*examples"):
+        amp.train_step(lambda: mse(model(x), y), samples=samples)
+    assert amp.train_step(lambda: mse(model(x), y), samples=np.int64(8))  # a numpy count
+
+
+def test_watch_numerics_and_locate_overflow_are_refused_as_mpnb_errors_by_the_loops():
+    from mpnb.integrations.loop_telemetry import LoopTelemetry
+
+    with pytest.raises(MpnbError, match="watch_numerics must be True or a whole number"):
+        LoopTelemetry("test", dashboard=None, watch_numerics=0)
+    with pytest.raises(MpnbError, match="locate_overflow must be True or False"):
+        LoopTelemetry("test", dashboard=None, locate_overflow="x")
