@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -34,6 +35,7 @@ class StopRequest:
         self.requested = False
         self._previous: Any = None
         self._installed = False
+        self._pid = os.getpid()  # a DataLoader worker forked inside the block inherits the handler
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -56,4 +58,5 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.request()
-        print(self.message, file=sys.stderr, flush=True)
+        if os.getpid() == self._pid:  # said once, by the process that trains: a worker keeps on
+            print(self.message, file=sys.stderr, flush=True)  # quietly until the fit ends it

@@ -603,3 +603,21 @@ def test_a_fit_says_how_it_ended():
     with pytest.raises(ZeroDivisionError):
         trainer.fit(train)
     assert trainer.ended is FitEnd.FAILED
+
+
+def test_a_process_forked_inside_a_fit_keeps_quiet_at_the_first_interrupt(capfd):
+    """A DataLoader worker inherits the fit's SIGINT handler: a Ctrl-C sent to the whole
+    process group is said once, by the process that trains."""
+    from mpnb.training.interrupts import StopRequest
+
+    with StopRequest() as stop:
+        pid = os.fork()
+        if pid == 0:  # the worker: it keeps on until the fit ends it
+            os.kill(os.getpid(), signal.SIGINT)
+            os._exit(0 if stop.requested else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert "Stopping after" not in capfd.readouterr().err
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+    assert capfd.readouterr().err.count("Stopping after the current step") == 1
