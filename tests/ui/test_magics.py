@@ -297,7 +297,7 @@ def test_a_mode_set_in_a_script_says_its_autocast_stays_off_there(tmp_path, ip, 
         "print('dtype', torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype)\n",
     )
     assert "dtype torch.float32" in printed
-    assert "autocast follows the mode from the next cell: here it stays off" in printed
+    assert "autocast follows the mode from the next cell: here autocast stays off" in printed
     said = said_by(ip, capsys, "%amp bf16")
     assert "mpnb: mode bf16" in said and "stays off" not in said
     run(ip, "%amp off")
@@ -316,4 +316,14 @@ def test_code_after_amp_in_its_own_cell_hears_that_it_runs_as_the_cell_began(ip,
     said = said_by(ip, capsys, "%amp bf16\nout = torch.nn.Linear(2, 2)(torch.ones(1, 2))")
     assert "autocast follows the mode from the next cell" in said
     assert ip.user_ns["out"].dtype == torch.float32  # as the note says
+    run(ip, "%amp off")
+
+
+def test_code_after_amp_in_a_cell_begun_under_bf16_hears_bf16_stays_on(ip, capsys):
+    """The cell began under the last mode's autocast: the rest of it keeps that, as said."""
+    run(ip, "import torch")
+    run(ip, "%amp bf16")
+    said = said_by(ip, capsys, "%amp fp32\nout = torch.nn.Linear(2, 2)(torch.ones(1, 2))")
+    assert "here bf16 autocast stays on for the rest of this one" in said
+    assert ip.user_ns["out"].dtype == torch.bfloat16  # as the note says
     run(ip, "%amp off")

@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
+from mpnb._render import dtype_name
 from mpnb.oplists.trace import trace
 from mpnb.precision.backends import backend_for
 from mpnb.precision.blocks import autocast, tf32
@@ -56,11 +58,23 @@ def _op_names(values: list[list[str]] | None) -> list[str]:
 #: Said where ``%amp`` does not end its cell: the mode's autocast is entered per cell, so the
 #: rest of the cell runs as it began (``ipython file.ipy`` and ``ipython -c`` run a script as one
 #: cell, so there the mode would never apply).
-REST_OF_THE_CELL = (
-    "autocast follows the mode from the next cell: here it stays off for the rest of this one "
-    "(ipython file.ipy and ipython -c run a script as one cell); a Trainer built from now on "
-    "trains in the mode, and `with mpnb.autocast():` applies it to a block"
-)
+def rest_of_the_cell(device_type: str) -> str:
+    """What the code after ``%amp`` in its own cell runs under: the autocast the cell began
+    with (on ``device_type``), kept until the cell ends.
+
+    >>> rest_of_the_cell("cpu")  # doctest: +ELLIPSIS
+    'autocast follows the mode from the next cell: here autocast stays off for the rest of this one ...'
+    """
+    now = (
+        f"{dtype_name(torch.get_autocast_dtype(device_type))} autocast stays on"
+        if torch.is_autocast_enabled(device_type)
+        else "autocast stays off"
+    )
+    return (
+        f"autocast follows the mode from the next cell: here {now} for the rest of this one "
+        "(ipython file.ipy and ipython -c run a script as one cell); a Trainer built from now on "
+        "trains in the mode, and `with mpnb.autocast():` applies it to a block"
+    )
 
 
 def code_after_the_magic(cell: str, magic: str) -> bool:
@@ -243,7 +257,7 @@ class PrecisionMagics(Magics):
             mode = session.set_mode(args.mode, args.device, model=model, **read_options(args))
         print(f"mpnb: mode {mode.label} on {session.resolved_device()}: {mode.summary}")
         if _runs_on_after(self.shell):
-            print(f"mpnb: {REST_OF_THE_CELL}")
+            print(f"mpnb: {rest_of_the_cell(session.resolved_device().type)}")
         if session.held is not None:
             print(f"mpnb: {args.model}: {session.held.describe()} converted until the mode changes")
         for note in session.warnings():
