@@ -107,8 +107,8 @@ class Origin:
         """What to call or change, in a phrase: ``trainer.keep_in_fp32("h.1.mlp.c_proj")`` for an
         op that overflowed in a module (``owner``: the object that has ``keep_in_fp32``); for a
         cast of values a producer made, the producer's range or bf16 (fp32 for the consumer only
-        moves the cast); outside every module, the loss; for inputs already non-finite, the
-        weights or the batch."""
+        moves the cast); in the model's own forward, the whole model; outside every module, the
+        loss; for inputs already non-finite, the weights or the batch."""
         if self.kind == "input":
             return "find where the weights or the batch took the inf/NaN (a step before this one)"
         if self.producer:
@@ -117,8 +117,13 @@ class Origin:
                 f"{'fp16' if self.dtype == 'float16' else self.dtype}'s range (its weights, a "
                 "normalization): keeping the module that casts it in fp32 only moves the cast"
             )
-        if not self.module or "." not in self.module:
+        if not self.module:
             return "compute the loss in fp32 (cast the model's output up first), or train in bf16"
+        if "." not in self.module:  # an op of the model's own forward, before any loss
+            return (
+                f'{owner}.keep_in_fp32("") (the whole model: the op is in its own forward), or '
+                "train in bf16"
+            )
         return f'{owner}.keep_in_fp32("{_own_name(self.module)}")'
 
 

@@ -322,3 +322,17 @@ def test_an_interrupt_in_the_replay_ends_the_fit_with_the_skipped_steps_row_kept
     assert trainer.amp.steps == 1
     assert trainer.history.step == [1]
     assert trainer.history.skipped == [True]
+
+
+def test_an_overflow_in_the_models_own_forward_is_remedied_inside_the_model_not_at_the_loss():
+    """An op of the top-level forward overflows before any loss: casting the loss up cannot
+    help; the whole model in fp32 (its name is "") or bf16 can."""
+    from mpnb.numerics.origin import Origin
+
+    own = Origin("W", "aten.mul", "forward", "overflow", "float16", 1e7, 65504.0)
+    assert (
+        own.remedy()
+        == 'trainer.keep_in_fp32("") (the whole model: the op is in its own forward), or train in bf16'
+    )
+    outside = Origin("", "aten.mse_loss", "forward", "overflow", "float16", 1e7, 65504.0)
+    assert outside.remedy().startswith("compute the loss in fp32")
