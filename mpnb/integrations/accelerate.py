@@ -96,6 +96,7 @@ class LoopRecorder(WithTelemetry):
         asked: str | Mode | None = None,
         dashboard: str | Sink | None = "auto",
         step_ends: Callable[[], bool] = lambda: True,
+        on_nonfinite: str = "warn",
         flush_every: int = 64,
         watch_numerics: int | bool | None = True,
         locate_overflow: bool = True,
@@ -104,12 +105,13 @@ class LoopRecorder(WithTelemetry):
 
         ``asked``: the precision the loop was asked for (``"bf16"``, ``"fp16-true"``..., see
         :func:`~mpnb.integrations.observed.precisions`), to have a difference said.
-        ``flush_every``, ``watch_numerics``, ``locate_overflow``: see
+        ``on_nonfinite``, ``flush_every``, ``watch_numerics``, ``locate_overflow``: see
         :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`.
         """
         telemetry = LoopTelemetry(
             framework,
             dashboard,
+            on_nonfinite=on_nonfinite,
             flush_every=flush_every,
             watch_numerics=watch_numerics,
             locate_overflow=locate_overflow,
@@ -174,6 +176,8 @@ def watch(
     optimizer: Any,
     dashboard: str | Sink | None = "auto",
     *,
+    on_nonfinite: str = "warn",
+    flush_every: int = 64,
     watch_numerics: int | bool | None = True,
     locate_overflow: bool = True,
 ) -> LoopRecorder:
@@ -181,7 +185,8 @@ def watch(
     ``mixed_precision`` setting; a row at each micro-batch with ``accelerator.sync_gradients``.
 
     Example (``watch`` reads four attributes of the Accelerator: ``scaler``, ``device``,
-    ``mixed_precision`` and ``sync_gradients``; ``watch_numerics`` and ``locate_overflow`` are
+    ``mixed_precision`` and ``sync_gradients``; ``on_nonfinite``, ``flush_every``,
+    ``watch_numerics`` and ``locate_overflow`` are
     :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`'s. Accelerate allows one ``mixed_precision`` per
     process, and a real Accelerator made here would fix it for every later one, so the example
     passes an object with those four instead):
@@ -211,6 +216,8 @@ def watch(
         asked=_ACCELERATE_PRECISIONS.get(str(accelerator.mixed_precision)),
         dashboard=dashboard,
         step_ends=lambda: accelerator.sync_gradients,
+        on_nonfinite=on_nonfinite,
+        flush_every=flush_every,
         watch_numerics=watch_numerics,
         locate_overflow=locate_overflow,
     )

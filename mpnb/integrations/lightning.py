@@ -244,11 +244,18 @@ def fabric_telemetry(
     optimizer: Any,
     dashboard: str | Sink | None = "auto",
     precision: str | int | None = None,
+    *,
+    on_nonfinite: str = "warn",
+    flush_every: int = 64,
+    watch_numerics: int | bool | None = True,
+    locate_overflow: bool = True,
 ):
     """Telemetry for a Lightning Fabric loop: a started :class:`~mpnb.integrations.accelerate.LoopRecorder`
     reading Fabric's own scaler and precision setting. See :mod:`mpnb.integrations.accelerate`.
     ``precision``: what you passed to Fabric, which rewrites some settings as the Trainer does
     (``"16-mixed"`` becomes ``"bf16-mixed"`` on a CPU), to have the difference said.
+    ``on_nonfinite``, ``flush_every``, ``watch_numerics``, ``locate_overflow``: see
+    :class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`.
 
     Fabric does not know where a step ends: with gradient accumulation, tell ``record`` (a row
     is recorded after every micro-batch otherwise)::
@@ -293,4 +300,8 @@ def fabric_telemetry(
             precision if precision is not None else getattr(plugin, "precision", None)
         ),
         dashboard=dashboard,
+        on_nonfinite=on_nonfinite,
+        flush_every=flush_every,
+        watch_numerics=watch_numerics,
+        locate_overflow=locate_overflow,
     )

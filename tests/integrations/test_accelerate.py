@@ -109,6 +109,25 @@ def test_a_plain_loop_and_a_recorder_used_after_close():
     assert not optimizer._optimizer_step_post_hooks
 
 
+def test_a_loop_asks_to_stop_at_a_non_finite_loss_with_on_nonfinite_stop():
+    from mpnb.integrations.accelerate import watch
+
+    accelerator, model, optimizer = prepared("bf16")
+    stops = []
+    with watch(accelerator, model, optimizer, dashboard=None, on_nonfinite="stop") as recorder:
+        for index, (inputs, targets) in enumerate(batches(6)):
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+            if index == 2:
+                loss = loss * float("nan")
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            stops.append(recorder.record(loss, (inputs, targets)))
+            if stops[-1]:
+                break
+    assert stops == [False, False, True]  # flushed at each step: the loop stops at the bad one
+
+
 def test_importing_mpnb_imports_no_framework():
     code = "import sys, mpnb, mpnb.integrations; print(sorted({'transformers', 'lightning', 'accelerate'} & set(sys.modules)))"
     assert (
