@@ -30,6 +30,7 @@ from mpnb._files import atomic_write
 from mpnb.errors import MpnbError, plain_number, quoted
 from mpnb.training.amp_step import check_scaler_settings
 from mpnb.training.history import History
+from mpnb.training.random_state import RandomState
 from mpnb.training.safe_load import load_plain
 
 if TYPE_CHECKING:
@@ -46,11 +47,15 @@ _KEYS = ("model", "optimizer", *RUN_KEYS)
 
 
 def checkpoint_state(trainer: Checkpointed) -> dict[str, Any]:
-    """Everything :meth:`Trainer.save` writes: plain data and tensors only."""
+    """Everything :meth:`Trainer.save` writes: plain data and tensors only. Its ``"random"``
+    entry, torch's random state (an mpnb before it reads the file without it), makes a model
+    that draws random numbers (Dropout) resume as the unbroken run would."""
+    state = RandomState.capture(trainer.device.type)
     return {
         **run_record(trainer),
         "model": trainer.model.state_dict(),
         "optimizer": trainer.optimizer.state_dict(),
+        "random": {"device_type": state.device_type, "cpu": state.cpu, "devices": state.devices},
     }
 
 
@@ -180,7 +185,41 @@ def _mismatch(trainer: Checkpointed, state: dict[str, Any]) -> str | None:
     ):
         if trainer.optimizer.state:
             return "its optimizer state has other entries (saved with another optimizer type?)"
-    return run_mismatch(trainer, state)
+    return _random_mismatch(state.get("random")) or run_mismatch(trainer, state)
+
+
+def _random_mismatch(saved: Any) -> str | None:
+    """What makes a checkpoint's random state unusable (None: fine, or none saved)."""
+    if saved is None:
+        return None
+    cpu = saved.get("cpu") if isinstance(saved, dict) else None
+    own = torch.get_rng_state()
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != own.dtype or cpu.shape != own.shape:
+        return "its random state is not what Trainer.save writes"
+    devices = saved.get("devices")
+    if devices is not None and not (
+        isinstance(devices, (list, tuple))
+        and all(isinstance(d, torch.Tensor) and d.dtype == torch.uint8 for d in devices)
+    ):
+        return "its device random state is not what Trainer.save writes"
+    return None
+
+
+def _restore_random(trainer: Checkpointed, saved: Any) -> None:
+    """torch's random state as saved (the device's where the trainer runs on that kind of
+    device with as many of them; the CPU's always)."""
+    if saved is None:
+        return
+    devices = saved.get("devices")
+    kind = trainer.device.type
+    same_devices = (
+        devices is not None
+        and saved.get("device_type") == kind
+        and len(devices) == len(RandomState.capture(kind).devices or ())
+    )
+    RandomState(
+        kind if same_devices else "cpu", saved["cpu"], devices if same_devices else None
+    ).restore()
 
 
 def incomplete(state: dict[str, Any], keys: tuple[str, ...]) -> str | None:
@@ -355,6 +394,7 @@ def apply_checkpoint(trainer: Checkpointed, state: dict[str, Any], history: Hist
     except BaseException:
         _apply(trainer, saved, saved_history)
         raise
+    _restore_random(trainer, state.get("random"))  # last: checked before, nothing to undo
     trainer.amp.discard_window()  # an unfinished accumulation window belonged to the run replaced
 
 

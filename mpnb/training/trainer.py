@@ -688,7 +688,7 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save model, optimizer, scaler, scheduler, position and history in one file (with
+        """Save model, optimizer, scaler, scheduler, position, history and torch's random state in one file (with
         ``strategy="fsdp"``: a directory of shards, written by every rank together; see
         :mod:`mpnb.training.sharded_checkpoint`)."""
         if self.strategy == "fsdp":

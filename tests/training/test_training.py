@@ -307,6 +307,57 @@ def test_checkpoint_round_trip_continues_like_an_unbroken_run(tmp_path):
     assert second.history.loss == full.history.loss
 
 
+def _dropout_run(steps: int, data: list) -> mpnb.Trainer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.Linear(16, 3))
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.1), nn.functional.cross_entropy,
+        mode="bf16", device="cpu", dashboard=None,
+    )  # fmt: skip
+    if steps:
+        trainer.fit(data, max_steps=steps)
+    return trainer
+
+
+def test_a_checkpoint_keeps_the_random_state_so_dropout_resumes_bit_for_bit(tmp_path):
+    generator = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator))
+        for _ in range(8)
+    ]
+    full = _dropout_run(8, data)
+    first = _dropout_run(3, data)
+    first.save(tmp_path / "run.pt")
+    torch.manual_seed(1234)  # another process, another stream: the checkpoint puts its own back
+    second = _dropout_run(0, data)
+    second.load(tmp_path / "run.pt")
+    second.fit(data)
+    assert second.history.loss == full.history.loss
+    for mine, theirs in zip(second.model.parameters(), full.model.parameters()):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_checkpoint_without_a_random_state_loads_and_a_bad_one_changes_nothing(tmp_path):
+    trainer = _dropout_run(2, [(torch.randn(8, 6), torch.randint(0, 3, (8,)))] * 2)
+    state = torch.load(_saved(trainer, tmp_path), weights_only=True)
+    del state["random"]  # as an mpnb before 0.4 wrote it
+    torch.save(state, tmp_path / "old.pt")
+    stream = torch.get_rng_state()
+    trainer.load(tmp_path / "old.pt")
+    assert torch.equal(torch.get_rng_state(), stream)  # nothing saved: the stream goes on
+    state["random"] = {"device_type": "cpu", "cpu": torch.zeros(3, dtype=torch.uint8)}
+    torch.save(state, tmp_path / "bad.pt")
+    steps = trainer.amp.steps
+    with pytest.raises(MpnbError, match="its random state is not what Trainer.save writes"):
+        trainer.load(tmp_path / "bad.pt")
+    assert torch.equal(torch.get_rng_state(), stream) and trainer.amp.steps == steps
+
+
+def _saved(trainer: mpnb.Trainer, folder) -> str:
+    trainer.save(folder / "run.pt")
+    return str(folder / "run.pt")
+
+
 def test_checkpoint_loading_refuses_pickled_code(tmp_path):
     trainer, _, _ = ex.example_trainer("bf16", "cpu", widths=(4, 8), dashboard=None)
     torch.save(
