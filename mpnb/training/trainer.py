@@ -688,9 +688,9 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save model, optimizer, scaler, scheduler, position, history and torch's random state in one file (with
-        ``strategy="fsdp"``: a directory of shards, written by every rank together; see
-        :mod:`mpnb.training.sharded_checkpoint`)."""
+        """Save model, optimizer, scaler, scheduler, position, history and torch's random state
+        in one file (with ``strategy="fsdp"``: a directory of shards, written by every rank
+        together, without the random state; see :mod:`mpnb.training.sharded_checkpoint`)."""
         if self.strategy == "fsdp":
             save_sharded(self, path)
         else:
