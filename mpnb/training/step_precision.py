@@ -20,7 +20,7 @@ import torch
 from mpnb.errors import MpnbError
 from mpnb.precision.autocast_settings import AutocastSettings
 from mpnb.precision.backends import backend_for
-from mpnb.precision.modes import Mode, mode_found_in, parse_mode, with_options
+from mpnb.precision.modes import Mode, chosen_mode, mode_found_in
 from mpnb.precision.policy import session
 
 __all__ = ["TrainingPrecision"]
@@ -66,9 +66,7 @@ class TrainingPrecision:
         Raises:
             MpnbError: unknown mode, option or device, or a device the mode does not run on.
         """
-        chosen = (  # the session's mode under the options given, or the mode given with them
-            with_options(session.mode, **options) if mode is None else parse_mode(mode, **options)
-        )
+        chosen = chosen_mode(mode, session.mode, **options)
         dtype = chosen.autocast_dtype
         settings = session.autocast_settings(dtype, device, enabled=dtype is not None)
         chosen.check(settings.device)

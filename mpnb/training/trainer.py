@@ -25,7 +25,7 @@ from torch import nn
 from mpnb.errors import MpnbError, check_count, check_flag
 from mpnb.numerics.instruments import fit_instruments
 from mpnb.oplists.refusals import refusal_error
-from mpnb.precision.modes import Mode, parse_mode, with_options
+from mpnb.precision.modes import Mode, chosen_mode
 from mpnb.precision.policy import get_mode
 from mpnb.training.amp_step import AmpStep, check_optimizer
 from mpnb.training.batches import (
@@ -209,10 +209,7 @@ class Trainer:
         check_flag("locate_overflow", locate_overflow)
         _check_optimizer_trains(model, optimizer)
         if recipe is not None or keep is not None:  # options of the mode asked, or of the session's
-            options = {"recipe": recipe, "keep": keep}  # a session's mode: the options replace its
-            mode = (
-                with_options(get_mode(), **options) if mode is None else parse_mode(mode, **options)
-            )
+            mode = chosen_mode(mode, get_mode(), recipe=recipe, keep=keep)
         try:
             self.amp = AmpStep(
                 optimizer,

@@ -24,6 +24,7 @@ Example:
 
 # __all__ lists what users call; the helpers imported "as" themselves are for the rest of mpnb.
 from mpnb.precision.modes.base import Mode
+from mpnb.precision.modes.registry import chosen_mode as chosen_mode
 from mpnb.precision.modes.registry import find_mode as find_mode
 from mpnb.precision.modes.registry import mode_found_in as mode_found_in
 from mpnb.precision.modes.registry import mode_names, parse_mode, register
@@ -31,7 +32,6 @@ from mpnb.precision.modes.registry import option_specs as option_specs
 from mpnb.precision.modes.registry import reference_name as reference_name
 from mpnb.precision.modes.registry import registered as registered
 from mpnb.precision.modes.registry import unregister as unregister
-from mpnb.precision.modes.registry import with_options as with_options
 from mpnb.precision.names import Fp32Math as Fp32Math
 
 # The built-in modes register themselves on import, in this order.

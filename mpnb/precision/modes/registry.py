@@ -397,7 +397,7 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
     """
     given = {key: value for key, value in options.items() if value is not None}
     if isinstance(value, Mode):
-        return _with_options(_checked_against(value, given), given) if given else value
+        return _options_agreeing(value, given) if given else value
     # a torch dtype (torch.bfloat16) names the mode of its name, as autocast takes it
     if isinstance(value, torch.dtype):
         value = str(value).removeprefix("torch.")
@@ -405,17 +405,20 @@ def parse_mode(value: str | Mode, **options: Any) -> Mode:
     return _labelled(mode_class(name, value), colon, first, given)
 
 
-def with_options(mode: Mode, **options: Any) -> Mode:
-    """``mode`` with ``options`` in place of its own (None values are left as they are): a
-    default mode, the session's, under the options a call names. Unlike :func:`parse_mode`,
-    which refuses a keyword that contradicts an option the mode was given with, an option
-    given here replaces the mode's.
+def chosen_mode(mode: str | Mode | None, default: Mode, **options: Any) -> Mode:
+    """The mode a call asks for: ``mode`` with ``options`` as :func:`parse_mode` reads them (a
+    keyword that contradicts the mode is refused), or, for None, ``default`` (the session's)
+    with the options in place of its own (None values are left as they are).
 
-    >>> with_options(parse_mode("fp8", keep=["4"]), keep=["2"], recipe=None)
+    >>> chosen_mode(None, parse_mode("fp8", keep=["4"]), keep=["2"], recipe=None)
     Mode('fp8', keep=('2',))
+    >>> chosen_mode("bf16", parse_mode("fp8"))
+    Mode('bf16')
     """
+    if mode is not None:
+        return parse_mode(mode, **options)
     given = {key: value for key, value in options.items() if value is not None}
-    return _with_options(mode, given) if given else mode
+    return _with_options(default, given) if given else default
 
 
 def _labelled(mode: type[Mode], colon: str, first: str, given: dict[str, Any]) -> Mode:
@@ -426,15 +429,15 @@ def _labelled(mode: type[Mode], colon: str, first: str, given: dict[str, Any]) -
     if said is None:  # no option, or none a label can say (a list of layer names)
         raise InvalidChoiceError(f"option of mode {mode.name}", first, ["none"])
     labelled = _with_options(mode(), {said.name: first.strip()})
-    return _with_options(_checked_against(labelled, given), given)
+    return _options_agreeing(labelled, given)
 
 
-def _checked_against(mode: Mode, options: dict[str, Any]) -> Mode:
-    """``mode``, unless ``options`` set one of its options, already set away from its default,
-    to another value: the mode (or its label) and a keyword would then disagree, and neither
-    may silently win.
+def _options_agreeing(mode: Mode, options: dict[str, Any]) -> Mode:
+    """``mode`` with ``options``, unless one of them sets an option the mode already set away
+    from its default to another value: the mode (or its label) and a keyword would then
+    disagree, and neither may silently win.
 
-    >>> _checked_against(parse_mode("fp8:rowwise"), {"recipe": "tensorwise"})
+    >>> _options_agreeing(parse_mode("fp8:rowwise"), {"recipe": "tensorwise"})
     Traceback (most recent call last):
     ...
     mpnb.errors.MpnbError: mode fp8:rowwise already says recipe 'rowwise', and recipe='tensorwise' says another: give the recipe once
@@ -454,7 +457,7 @@ def _checked_against(mode: Mode, options: dict[str, Any]) -> Mode:
                 f"mode {mode.label} already says {field.name} {own!r}, and "
                 f"{field.name}={options[field.name]!r} says another: give the {field.name} once"
             )
-    return mode
+    return changed
 
 
 def _with_options(mode: Mode, options: dict[str, Any]) -> Mode:
