@@ -127,8 +127,7 @@ def compare_runs(
     refuse_inside_a_fit("a comparison")
     names = mode_labels(modes)
     steps, warmup = check_count("steps", steps), check_count("warmup", warmup, least=0)
-    block = None if block is None else check_count("block", block)
-    block = default_block(steps) if block is None else block
+    block = default_block(steps) if block is None else check_count("block", block)
     view = progress_view(progress, names, title)
 
     def ended(result: ModeResult) -> None:

@@ -127,11 +127,12 @@ def check_format(name: str | torch.dtype) -> str:
         return lowered
     try:
         mode = parse_mode(lowered)
-    except MpnbError:
+    except MpnbError:  # no mode either: the format's own error below
         mode = None
-    trained = [found for found in formats if mode is not None and format_mode(found) == mode]
-    if trained:
-        return trained[0]
+    if mode is not None:
+        trained = next((found for found in formats if format_mode(found) == mode), None)
+        if trained is not None:
+            return trained
     find_format(name)  # no such format: its error, naming the valid ones
     return name
 

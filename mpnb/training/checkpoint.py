@@ -215,7 +215,7 @@ def _restore_random(trainer: Checkpointed, saved: Any) -> None:
     same_devices = (
         devices is not None
         and saved.get("device_type") == kind
-        and len(devices) == len(RandomState.capture(kind).devices or ())
+        and len(devices) == torch.get_device_module(kind).device_count()
     )
     RandomState(
         kind if same_devices else "cpu", saved["cpu"], devices if same_devices else None

@@ -213,14 +213,14 @@ class LayerSwap:
         self.model, self.keep = model, layer_names(keep, self.mode)
         self.device = resolve_device(device)
         self.emulated = self.hardware(self.device) == "emulated"
-        names = {name for name, _ in model.named_modules()}
-        unknown = [name for name in self.keep if name not in names]
+        modules = dict(model.named_modules())
+        unknown = [name for name in self.keep if name not in modules]
         if unknown:
             raise MpnbError(
                 f"{self.mode} keep names no module of {type(model).__name__}: "
                 f"{', '.join(map(repr, unknown))}"
             )
-        self._check_keep_holds_layers(model)
+        self._check_keep_holds_layers(modules)
         self.kept, self.converted, self.already = self.plan(model, self.keep)
         self._check_already_converted()
         self._swapped: list[tuple[nn.Module, str, nn.Module]] = []
@@ -295,11 +295,11 @@ class LayerSwap:
 
     # -- which layers -------------------------------------------------------------------------
 
-    def _check_keep_holds_layers(self, model: nn.Module) -> None:
+    def _check_keep_holds_layers(self, modules: dict[str, nn.Module]) -> None:
         """Refuse a name in ``keep`` that holds no layer this format could swap (a ReLU one off
-        in a Sequential): keeping it would keep nothing, without a word."""
-        layers = [name for name, module in model.named_modules() if self.is_candidate(module)]
-        modules = dict(model.named_modules())
+        in a Sequential): keeping it would keep nothing, without a word. ``modules``: the
+        model's, by name."""
+        layers = [name for name, module in modules.items() if self.is_candidate(module)]
         for name in self.keep:
             if not any(named_in(layer, (name,)) for layer in layers):
                 raise MpnbError(

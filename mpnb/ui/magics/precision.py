@@ -55,12 +55,11 @@ def _op_names(values: list[list[str]] | None) -> list[str]:
     return [name for group in values or [] for value in group for name in value.split(",") if name]
 
 
-#: Said where ``%amp`` does not end its cell: the mode's autocast is entered per cell, so the
-#: rest of the cell runs as it began (``ipython file.ipy`` and ``ipython -c`` run a script as one
-#: cell, so there the mode would never apply).
 def rest_of_the_cell(device_type: str) -> str:
     """What the code after ``%amp`` in its own cell runs under: the autocast the cell began
-    with (on ``device_type``), kept until the cell ends.
+    with (on ``device_type``), kept until the cell ends, as the mode's autocast is entered per
+    cell (``ipython file.ipy`` and ``ipython -c`` run a script as one cell: there the mode
+    never applies).
 
     >>> rest_of_the_cell("cpu")  # doctest: +ELLIPSIS
     'autocast follows the mode from the next cell: here autocast stays off for the rest of this one ...'
