@@ -304,7 +304,7 @@ def advise(
         >>> report.fp16_overflow, report.recommended_dtype
         ([], 'bf16')
     """
-    check_loss_fn(loss_fn)
+    check_loss_fn(loss_fn, takes_step_fn=False)
     model = uncompiled(model)
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     target = resolve_device(device) if device is not None or first is None else first.device

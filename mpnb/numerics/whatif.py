@@ -128,7 +128,7 @@ def whatif(
             f"whatif got a function as the batch ({getattr(batch, '__name__', type(batch).__name__)}): "
             "the arguments go whatif(model, batch, loss_fn)"
         )
-    check_loss_fn(loss_fn)
+    check_loss_fn(loss_fn, takes_step_fn=False)
     chosen, skipped = _castable(fmt.chosen_formats(formats), asked=formats is not None)
     layers = {name: module for name, module in model.named_modules() if multiplies(module)}
     _check_held_in_fp32(model, layers)

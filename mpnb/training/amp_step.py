@@ -179,6 +179,26 @@ def check_scheduler(scheduler: object, optimizer: torch.optim.Optimizer) -> None
         )
 
 
+def misplaced_arguments(first: object, more: tuple[object, ...]) -> str:
+    """What to say to ``AmpStep(first, *more)``: it takes the optimizer alone, its options by name.
+
+    >>> misplaced_arguments(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), ("bf16",))
+    "AmpStep takes one argument, the optimizer, and its options by name: AmpStep(optimizer, mode='bf16')"
+    """
+    if isinstance(first, torch.nn.Module):
+        return (
+            f"AmpStep takes the optimizer alone, not the model (got a {type(first).__name__} "
+            "first): the forward is yours, AmpStep scales, steps and records; "
+            "AmpStep(optimizer, mode=...), or mpnb.Trainer(model, optimizer, loss_fn) for a "
+            "whole loop"
+        )
+    shown = f"mode={more[0]!r}" if isinstance(more[0], str) else "mode=..."
+    return (
+        "AmpStep takes one argument, the optimizer, and its options by name: "
+        f"AmpStep(optimizer, {shown})"
+    )
+
+
 def required_arguments(instance: object, method: str) -> list[str]:
     """The names of the arguments ``instance``'s method ``method`` cannot be called without, read
     from its class (torch wraps an optimizer's ``step`` on the instance); none where its
@@ -256,7 +276,7 @@ class AmpStep:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        *,
+        *misplaced: object,
         mode: str | Mode | None = None,
         device: str | torch.device | None = None,
         scheduler: Any = None,
@@ -274,6 +294,8 @@ class AmpStep:
         sinks: Iterable[Sink] = (),
         history: History | None = None,
     ) -> None:
+        if misplaced:  # the options go by name; Python's own error would count arguments
+            raise MpnbError(misplaced_arguments(optimizer, misplaced))
         check_optimizer(optimizer)
         accumulate = check_count(
             "accumulate", accumulate, meaning="micro-batches an optimizer step"

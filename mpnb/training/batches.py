@@ -191,9 +191,10 @@ def samples_in(batch: Any) -> int | None:
     return shape[0] if shape else None
 
 
-def check_loss_fn(loss_fn: object) -> None:
+def check_loss_fn(loss_fn: object, *, takes_step_fn: bool = True) -> None:
     """Refuse a ``loss_fn`` that is not a function of ``(outputs, targets)`` (None: the model
-    returns its own loss), naming what was given.
+    returns its own loss), naming what was given; ``takes_step_fn``: whether the caller takes a
+    ``step_fn`` to offer instead (as :func:`batch_loss`).
 
     >>> check_loss_fn(torch.nn.CrossEntropyLoss)
     Traceback (most recent call last):
@@ -217,6 +218,30 @@ def check_loss_fn(loss_fn: object) -> None:
             f"model that returns its own loss; got {type(loss_fn).__name__} "
             f"{shown[:60]}{'...' if len(shown) > 60 else ''}"
         )
+    if loss_fn is not None:
+        _check_takes_two(loss_fn, takes_step_fn)
+
+
+def _check_takes_two(loss_fn: Callable[..., Any], takes_step_fn: bool) -> None:
+    """Refuse a ``loss_fn`` whose signature cannot take ``(outputs, targets)`` (one argument
+    only, or three required), before a step meets Python's own error; one with no signature to
+    read (a builtin) is taken as it is."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        or_step_fn = (
+            ", or step_fn=f(model, batch) -> loss for another layout" if takes_step_fn else ""
+        )
+        raise MpnbError(
+            f"loss_fn is called loss_fn(outputs, targets) -> a scalar loss, and {name}{signature} "
+            f"cannot take those two: give it both (the targets are the batch's second part), or "
+            f"leave loss_fn out for a model that returns its own loss{or_step_fn}"
+        ) from None
 
 
 def batch_loss(

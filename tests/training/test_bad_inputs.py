@@ -405,3 +405,42 @@ def test_watch_numerics_and_locate_overflow_are_refused_as_mpnb_errors_by_the_lo
         LoopTelemetry("test", dashboard=None, watch_numerics=0)
     with pytest.raises(MpnbError, match="locate_overflow must be True or False"):
         LoopTelemetry("test", dashboard=None, locate_overflow="x")
+
+
+@pytest.mark.parametrize("taker", ["Trainer", "whatif"])
+def test_a_loss_fn_that_cannot_take_outputs_and_targets_is_refused_at_once(taker):
+    # met at the first step as Python's "takes 1 positional argument but 2 were given"
+    model = nn.Linear(4, 2)
+    batch = (torch.randn(3, 4), torch.randn(3, 2))
+
+    def loss_of(output):
+        return output.float().pow(2).mean()
+
+    with pytest.raises(MpnbError) as refused:
+        if taker == "Trainer":
+            optimizer = torch.optim.SGD(model.parameters(), 0.1)
+            mpnb.Trainer(model, optimizer, loss_of, device="cpu", dashboard=None)
+        else:
+            mpnb.whatif(model, batch, loss_of)
+    said = str(refused.value)
+    assert "loss_of(output)" in said and "loss_fn(outputs, targets)" in said
+    assert "step_fn" in said if taker == "Trainer" else "step_fn" not in said
+    # what can take both stays taken: defaults, *args, a loss module, a builtin-backed partial
+    for fine in (
+        lambda output, target, weight=None: output.float().sub(target).pow(2).mean(),
+        lambda *parts: parts[0].float().sub(parts[1]).pow(2).mean(),
+        nn.MSELoss(),
+        mse,
+    ):
+        mpnb.whatif(model, batch, fine, formats="bf16")
+
+
+def test_ampstep_given_the_model_first_says_it_takes_the_optimizer_alone():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(MpnbError) as refused:
+        mpnb.AmpStep(model, optimizer)
+    said = str(refused.value)
+    assert "AmpStep(optimizer, mode=...)" in said and "Linear" in said
+    with pytest.raises(MpnbError, match=r"options by name.*AmpStep\(optimizer, mode='bf16'\)"):
+        mpnb.AmpStep(optimizer, "bf16")
