@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from mpnb._render import dtype_name
-from mpnb.errors import MpnbError, check_flag
+from mpnb.errors import check_flag, check_number
 from mpnb.integrations.honesty import (
     UNSEEN,
     Notices,
@@ -120,10 +120,9 @@ class LoopTelemetry:
         dashboard = check_dashboard(dashboard)
         watch_numerics = check_watch_numerics(watch_numerics)  # refused here, not at a run's start
         check_flag("locate_overflow", locate_overflow)
-        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
-            raise MpnbError(
-                f"flush_every must be a whole number of steps, at least 1; got {flush_every!r}"
-            )
+        flush_every = check_number(  # type: ignore[assignment]
+            "flush_every", flush_every, whole=True, meaning="steps between flushes"
+        )
         self.framework, self.dashboard = framework, dashboard
         self.history = History()
         self.control = FitControl()

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from mpnb import views
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, plain_number, quoted
 from mpnb.numerics.limits import (
     FP16_LARGEST_FINITE,
     FP16_SMALLEST_SUBNORMAL,  # noqa: F401  the threshold underflow_counts uses, named here too
@@ -417,11 +417,12 @@ class NumericsWatch(Instrument):
         """
         if every is True:
             return DEFAULT_EVERY
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        number = plain_number(every, whole=True)  # a numpy integer too, as every count
+        if number is None or number < 1:
             raise MpnbError(
-                f"watch_numerics must be True or a whole number of steps >= 1, got {every!r}"
+                f"watch_numerics must be True or a whole number of steps >= 1, got {quoted(every)}"
             )
-        return every
+        return number  # type: ignore[return-value]
 
     def begin(self, run: WatchedRun) -> None:
         self._run = run

@@ -444,3 +444,26 @@ def test_ampstep_given_the_model_first_says_it_takes_the_optimizer_alone():
     assert "AmpStep(optimizer, mode=...)" in said and "Linear" in said
     with pytest.raises(MpnbError, match=r"options by name.*AmpStep\(optimizer, mode='bf16'\)"):
         mpnb.AmpStep(optimizer, "bf16")
+
+
+def test_the_loops_take_counts_as_the_trainer_does_numpy_integers_included():
+    from mpnb.integrations.loop_telemetry import LoopTelemetry
+    from mpnb.numerics.watch import NumericsWatch
+
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    said = {}
+    for taker in ("Trainer", "loop"):
+        with pytest.raises(MpnbError) as refused:
+            if taker == "Trainer":
+                mpnb.Trainer(model, optimizer, mse, dashboard=None, flush_every=2.5)
+            else:
+                LoopTelemetry("test", dashboard=None, flush_every=2.5)
+        said[taker] = str(refused.value)
+    assert said["Trainer"] == said["loop"]  # one wording for one option
+    loop = LoopTelemetry("test", dashboard=None, flush_every=np.int64(8))
+    assert type(loop.recorder.flush_every) is int and loop.recorder.flush_every == 8
+    assert NumericsWatch.check_every(np.int64(50)) == 50
+    assert type(NumericsWatch.check_every(np.int64(50))) is int
+    with pytest.raises(MpnbError, match="watch_numerics must be True or a whole number"):
+        NumericsWatch.check_every(np.float64(50.0))
