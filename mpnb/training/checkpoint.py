@@ -196,10 +196,19 @@ def _random_mismatch(saved: Any) -> str | None:
     own = torch.get_rng_state()
     if not isinstance(cpu, torch.Tensor) or cpu.dtype != own.dtype or cpu.shape != own.shape:
         return "its random state is not what Trainer.save writes"
+    try:  # torch's own check, on a generator of no one's: a valid Mersenne Twister state
+        torch.Generator().set_state(cpu)
+    except RuntimeError as refused:
+        return f"its random state is not one torch's generator takes ({refused})"
     devices = saved.get("devices")
     if devices is not None and not (
-        isinstance(devices, (list, tuple))
-        and all(isinstance(d, torch.Tensor) and d.dtype == torch.uint8 for d in devices)
+        isinstance(saved.get("device_type"), str)
+        and saved["device_type"] != "cpu"  # a CPU run saves its one generator only
+        and isinstance(devices, (list, tuple))
+        and all(
+            isinstance(d, torch.Tensor) and d.dtype == torch.uint8 and d.is_contiguous()
+            for d in devices
+        )
     ):
         return "its device random state is not what Trainer.save writes"
     return None
@@ -285,6 +294,8 @@ def run_mismatch(trainer: Checkpointed, state: dict[str, Any]) -> str | None:
         and (position[2] is None or _count(position[2]))
     ):
         return f"its position {position!r} is not [epoch, batch, end epoch] of counts from 0"
+    if position[2] is not None and position[0] > position[2]:  # the next fit would train nothing
+        return f"its position {list(position)!r} is in epoch {position[0]}, past its end epoch {position[2]}"
     return None
 
 
@@ -361,8 +372,15 @@ def _optimizer_mismatch(trainer: Checkpointed, saved: Any) -> str | None:
     for index, entry in saved["state"].items():
         if index not in parameters:
             return f"its optimizer state names parameter {index!r}, which none of its groups holds"
+        if not isinstance(entry, dict):
+            return f"its optimizer state of parameter {index} is a {type(entry).__name__}, not a mapping"
         parameter = parameters[index]
-        for key, value in entry.items() if isinstance(entry, dict) else ():
+        for key, value in entry.items():
+            if not _state_value(value):
+                return (
+                    f"its optimizer state {key!r} of parameter {index} is {quoted(value)}, "
+                    "not a tensor or a number"
+                )
             # per element, or factored (Adafactor's row and column statistics), as the
             # parameter's shape takes by broadcasting
             if isinstance(value, torch.Tensor) and not _broadcasts(value.shape, parameter.shape):
@@ -371,6 +389,16 @@ def _optimizer_mismatch(trainer: Checkpointed, saved: Any) -> str | None:
                     f"the parameter's is {tuple(parameter.shape)}"
                 )
     return None
+
+
+def _state_value(value: Any) -> bool:
+    """What an optimizer keeps per parameter: a strided tensor (Adam's moments), a number (a step
+    count), None (SGD's momentum before its first step), or a list or tuple of them."""
+    if isinstance(value, torch.Tensor):
+        return value.layout == torch.strided
+    if isinstance(value, (list, tuple)):
+        return all(map(_state_value, value))
+    return value is None or isinstance(value, (int, float))
 
 
 def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
@@ -386,16 +414,32 @@ def _state_keys(optimizer_state: Any) -> set[str]:
     return {key for entry in per_parameter.values() for key in entry}
 
 
-def apply_checkpoint(trainer: Checkpointed, state: dict[str, Any], history: History) -> None:
-    """Put a :func:`read_checkpoint` state into ``trainer``; on any failure, put everything back."""
+def apply_checkpoint(
+    trainer: Checkpointed, state: dict[str, Any], history: History, name: str = "the state"
+) -> None:
+    """Put a :func:`read_checkpoint` state into ``trainer``; on any failure, put everything back,
+    torch's random state included. What torch refuses that the checks let through (a model
+    entry its ``load_state_dict`` cannot copy) is an MpnbError that starts with ``name``."""
     saved, saved_history = copy.deepcopy(_training_state(trainer)), trainer.amp.recorder.history
+    stream = RandomState.capture(trainer.device.type)
     try:
         _apply(trainer, state, history)
-    except BaseException:
+        _restore_random(trainer, state.get("random"))
+    except BaseException as error:
         _apply(trainer, saved, saved_history)
+        stream.restore()
+        if isinstance(error, Exception) and not isinstance(error, MpnbError):
+            raise MpnbError(
+                f"{name} does not fit this trainer: torch refused its contents "
+                f"({type(error).__name__}: {_first_line(error)}); nothing was loaded"
+            ) from error
         raise
-    _restore_random(trainer, state.get("random"))  # last: checked before, nothing to undo
     trainer.amp.discard_window()  # an unfinished accumulation window belonged to the run replaced
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message, its first line only (torch's state_dict errors run over several)."""
+    return str(error).strip().split("\n")[0]
 
 
 def _apply(trainer: Checkpointed, state: dict[str, Any], history: History) -> None:

@@ -705,7 +705,7 @@ class Trainer:
             load_sharded(self, path)
             return
         state, history = read_checkpoint(self, path)
-        apply_checkpoint(self, state, history)
+        apply_checkpoint(self, state, history, repr(os.fspath(path)))
 
 
 def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -353,6 +353,82 @@ def test_a_checkpoint_without_a_random_state_loads_and_a_bad_one_changes_nothing
     assert torch.equal(torch.get_rng_state(), stream) and trainer.amp.steps == steps
 
 
+def _as_found(trainer: mpnb.Trainer) -> tuple:
+    """What a refused load must leave as it was: weights, optimizer, position, history, stream."""
+    return (
+        copy.deepcopy(trainer.model.state_dict()),
+        copy.deepcopy(trainer.optimizer.state_dict()),
+        trainer.position,
+        list(trainer.history.step),
+        torch.get_rng_state(),
+    )
+
+
+def _same(found: tuple, now: tuple) -> bool:
+    weights, optimizer, position, steps, stream = found
+    return (
+        all(torch.equal(weights[key], value) for key, value in now[0].items())
+        and repr(optimizer) == repr(now[1])
+        and (position, steps) == now[2:4]
+        and torch.equal(stream, now[4])
+    )
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "a zeroed generator state",  # the right dtype and shape, but no mt19937 state
+        "a strided generator state",
+        "device states on a cpu run",
+        "an optimizer moment that is a string",
+        "an optimizer entry that is a list",
+        "a sparse weight",
+        "a position past the planned end",
+    ],
+)
+def test_a_checkpoint_torch_would_refuse_halfway_is_refused_first_and_changes_nothing(
+    tmp_path, damage
+):
+    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,)))] * 4
+
+    def adam_run() -> mpnb.Trainer:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.Linear(16, 3))
+        optimizer = torch.optim.Adam(model.parameters(), 1e-2)
+        return mpnb.Trainer(model, optimizer, nn.functional.cross_entropy, dashboard=None)
+
+    source = adam_run()
+    source.fit(data, epochs=2, max_steps=3)
+    state = torch.load(_saved(source, tmp_path), weights_only=True)
+    cpu = state["random"]["cpu"]
+    changes = {
+        "a zeroed generator state": lambda: state["random"].update(cpu=torch.zeros_like(cpu)),
+        "a strided generator state": lambda: state["random"].update(
+            cpu=torch.zeros(2 * cpu.numel(), dtype=torch.uint8)[::2]
+        ),
+        "device states on a cpu run": lambda: state["random"].update(
+            devices=[torch.zeros(8, dtype=torch.uint8)]
+        ),
+        "an optimizer moment that is a string": lambda: state["optimizer"]["state"][0].update(
+            exp_avg="x"
+        ),
+        "an optimizer entry that is a list": lambda: state["optimizer"]["state"].update({0: [1]}),
+        "a sparse weight": lambda: state["model"].update(
+            {"2.weight": state["model"]["2.weight"].to_sparse()}
+        ),
+        "a position past the planned end": lambda: state.update(position=[5, 0, 2]),
+    }
+    changes[damage]()
+    torch.save(state, tmp_path / "damaged.pt")
+    trainer = adam_run()
+    trainer.fit(data, epochs=2, max_steps=2)
+    torch.manual_seed(123)
+    found = _as_found(trainer)
+    with pytest.raises(MpnbError, match=r"damaged\.pt.*nothing was loaded"):
+        trainer.load(tmp_path / "damaged.pt")
+    assert _same(found, _as_found(trainer))
+
+
 def _saved(trainer: mpnb.Trainer, folder) -> str:
     trainer.save(folder / "run.pt")
     return str(folder / "run.pt")
