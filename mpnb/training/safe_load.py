@@ -88,21 +88,73 @@ def check_records(file: IO[bytes], name: str) -> None:
     """
     try:
         if not zipfile.is_zipfile(file):
-            return
+            return  # the legacy format, or no archive at all: torch reports it
         file.seek(0)
         with zipfile.ZipFile(file) as archive:
             records = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError):  # damaged: torch reports it
-        return
+            for record in records:
+                if (
+                    record.compress_type != zipfile.ZIP_STORED
+                    or record.compress_size != record.file_size
+                ):
+                    raise MpnbError(
+                        f"{name!r} refused: its record {record.filename!r} is compressed "
+                        f"({record.compress_size:,} bytes said to inflate to "
+                        f"{record.file_size:,}); torch.save stores every record as is"
+                    )
+            # torch's reader never compares a record with its CRC: a flipped bit would load
+            damaged = archive.testzip()
+    except MpnbError:
+        raise
+    except Exception as error:  # zipfile reports a damaged directory in many ways
+        raise _damaged(name, error) from None
     finally:
         file.seek(0)
-    for record in records:
-        if record.compress_type != zipfile.ZIP_STORED or record.compress_size != record.file_size:
-            raise MpnbError(
-                f"{name!r} refused: its record {record.filename!r} is compressed "
-                f"({record.compress_size:,} bytes said to inflate to {record.file_size:,}); "
-                "torch.save stores every record as is"
-            )
+    if damaged is not None:
+        raise _damaged(name, f"its record {damaged!r} does not match its checksum")
+
+
+def _damaged(name: str, cause: BaseException | str) -> MpnbError:
+    """The MpnbError for a file that cannot be read as a checkpoint."""
+    said = repr(cause) if isinstance(cause, BaseException) else cause
+    return MpnbError(f"{name!r} cannot be read as a checkpoint (damaged or truncated?): {said}")
+
+
+class _Window(io.RawIOBase):
+    """``length`` bytes of ``file`` from ``offset``, read as a file of their own.
+
+    >>> window = _Window(io.BytesIO(b"..record.."), 2, 6)
+    >>> window.read(), window.seek(-2, io.SEEK_END), window.read()
+    (b'record', 4, b'rd')
+    """
+
+    def __init__(self, file: IO[bytes], offset: int, length: int) -> None:
+        super().__init__()
+        self._file, self._offset, self._length = file, offset, length
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        if start + offset < 0:
+            raise ValueError(f"a seek to {start + offset}, before the window's start")
+        self._position = start + offset
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        size = max(0, min(len(buffer), self._length - self._position))
+        self._file.seek(self._offset + self._position)
+        read = self._file.readinto(memoryview(buffer)[:size])  # type: ignore[attr-defined]
+        self._position += read
+        return read
 
 
 def unsafe_globals(source: str | os.PathLike[str] | IO[bytes]) -> list[str]:
@@ -139,7 +191,7 @@ def _unreadable(name: str, error: BaseException, file: str | IO[bytes]) -> MpnbE
     refused = unsafe_globals(file)
     if refused:
         return _refusal(name, refused, _PLAIN)
-    return MpnbError(f"{name!r} cannot be read as a checkpoint (damaged or truncated?): {error!r}")
+    return _damaged(name, error)
 
 
 def _refusal(name: str, refused: list[str], what_is_read: str) -> MpnbError:
@@ -161,7 +213,7 @@ def _globals_in_torch_file(file: IO[bytes]) -> set[str]:
                 )
         file.seek(0)
         return _globals_in_pickles(file)
-    except (OSError, zipfile.BadZipFile):  # a damaged archive: it is reported as damaged
+    except Exception:  # a damaged archive (zipfile says so in many ways): reported as damaged
         return set()
 
 
@@ -231,9 +283,10 @@ def _dcp_reading() -> tuple[type, type]:
                 raise MpnbError(
                     f"{name!r} changed while it was read: it no longer holds its records"
                 )
-            piece = super()._slice_file(file, sinfo)
-            check_records(piece, name)
-            return piece
+            # checked through a window of its own: torch's view seeks from its end the wrong
+            # way, where zipfile reads an archive's directory
+            check_records(_Window(file, sinfo.offset, sinfo.length), name)
+            return super()._slice_file(file, sinfo)
 
         def read_data(self, plan: Any, planner: Any) -> Any:
             try:

@@ -144,3 +144,49 @@ def test_a_legacy_file_names_a_global_hidden_behind_the_memo(tmp_path):
     assert unsafe_globals(tmp_path / "legacy.pt") == [SYSTEM]
     with pytest.raises(MpnbError, match=rf"legacy\.pt' refused: it holds `{SYSTEM}`"):
         load_plain(tmp_path / "legacy.pt")
+
+
+def _torch_file(tmp_path) -> tuple[str, bytes]:
+    path = tmp_path / "run.pt"
+    torch.save({"weight": torch.linspace(-1, 1, 64), "step": 3}, path)
+    return str(path), path.read_bytes()
+
+
+def test_a_record_damaged_after_it_was_written_is_refused_naming_it(tmp_path):
+    # torch's reader does not look at a record's CRC: a flipped bit loaded as a weight of 1e36
+    import zipfile
+
+    path, raw = _torch_file(tmp_path)
+    with zipfile.ZipFile(path) as archive:
+        record = next(info for info in archive.infolist() if info.filename.endswith("/data/0"))
+    damaged = bytearray(raw)
+    name_length, extra_length = int.from_bytes(raw[record.header_offset + 26 : record.header_offset + 28], "little"), int.from_bytes(raw[record.header_offset + 28 : record.header_offset + 30], "little")  # fmt: skip
+    damaged[record.header_offset + 30 + name_length + extra_length + 3] ^= 0x40
+    (tmp_path / "run.pt").write_bytes(bytes(damaged))
+    with pytest.raises(MpnbError, match=r"run\.pt' cannot be read .*damaged.*data/0"):
+        load_plain(path)
+
+
+@pytest.mark.parametrize("where", ["a name byte", "the version needed"])
+def test_a_damaged_archive_directory_is_an_mpnb_error(tmp_path, where):
+    path, raw = _torch_file(tmp_path)
+    directory = raw.rfind(b"PK\x01\x02")  # the last record's directory entry
+    offset = directory + (46 if where == "a name byte" else 6)
+    damaged = bytearray(raw)
+    damaged[offset] = 0xFF if where == "a name byte" else 0xAB
+    (tmp_path / "run.pt").write_bytes(bytes(damaged))
+    with pytest.raises(MpnbError, match=r"run\.pt' cannot be read as a checkpoint"):
+        load_plain(path)
+
+
+def test_a_dcp_shard_record_damaged_after_it_was_written_is_refused_naming_the_shard(tmp_path):
+    state = a_state()
+    dcp_save(state, tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "__0_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    where = bytes(raw).find(state["model"]["weight"].numpy().tobytes())
+    assert where > 0
+    raw[where + 1] ^= 0x40  # one bit of a weight
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(MpnbError, match=r"__0_0\.distcp' cannot be read .*checksum"):
+        dcp_load(zeroed(a_state()), tmp_path / "ckpt")
