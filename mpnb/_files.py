@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -72,6 +73,12 @@ def atomic_write(
         'old\\n'
     """
     destination = os.fspath(path)
+    if not destination or (os.path.isdir(destination) and not os.path.islink(destination)):
+        # else the content would be written beside the folder, then fail to take its place
+        said = "an empty path names the current folder" if not destination else "a folder"
+        raise IsADirectoryError(
+            errno.EISDIR, f"{said}, not a file: give a file's path", destination or "."
+        )
     folder, name = os.path.split(os.path.abspath(destination))
     mode = _mode_of(destination)
     descriptor, temporary = _create_beside(folder, name)

@@ -100,3 +100,17 @@ def test_a_missing_folder_is_named_with_the_file_asked_for_not_the_temporary(tmp
     said = str(missing.value)
     assert str(destination) in said and "folder" in said and ".tmp" not in said
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("given", ["", ".", "runs"])
+def test_a_path_that_names_no_file_is_refused_before_a_byte_is_written(
+    tmp_path, monkeypatch, given
+):
+    # an empty path and a folder wrote the whole content beside the folder, then failed to rename
+    (tmp_path / "work" / "runs").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(IsADirectoryError) as refused:
+        with atomic_write(given) as file:
+            file.write("x")
+    assert repr(given or ".") in str(refused.value) and ".tmp" not in str(refused.value)
+    assert files_in(tmp_path) == ["work"] and files_in(tmp_path / "work") == ["runs"]
