@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import weakref
 from collections.abc import Callable, Iterator
@@ -232,10 +233,17 @@ class _Watch(TorchDispatchMode):
         }
         self.tracker = ModTracker()
         self.tracker.register_user_hooks(
+            pre_fw_hook=self._before_forward,
             post_fw_hook=self._after_forward,
             pre_bw_hook=self._before_backward,
             post_bw_hook=self._after_backward,
         )
+        #: when each module was last entered (a forward began, or its gradient arrived)
+        self._entered: dict[str, int] = {}
+        self._entries = itertools.count()
+        #: modules that returned their input itself (a Dropout of p=0, an Identity): no op of
+        #: theirs runs in backward, though the tracker holds them open there
+        self._passed_through: set[str] = set()
         self._modules = {id(module): module for module in model.modules()}
         self._made_by: dict[int, tuple[str, Any]] = {}  # a module output's id: (module, ref)
         self.origin: Origin | None = None
@@ -251,15 +259,23 @@ class _Watch(TorchDispatchMode):
 
     # -- module boundaries ------------------------------------------------------------------
 
+    def _before_forward(self, module: nn.Module, inputs: Any) -> None:
+        self._entered[self.names.get(id(module), "")] = next(self._entries)
+
     def _after_forward(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
         if self.origin is None and not _finite(outputs) and _finite(inputs):
             self._name(self.names.get(id(module), ""), "forward")
         name = self.names.get(id(module), "")
-        for output in _floats(outputs):  # the innermost module that returned it names it
+        given = {id(tensor) for tensor in _floats(inputs)}
+        returned = _floats(outputs)
+        if returned and all(id(output) in given for output in returned):
+            self._passed_through.add(name)
+        for output in returned:  # the innermost module that returned it names it
             if id(output) not in self._made_by or self._made_by[id(output)][1]() is not output:
                 self._made_by[id(output)] = (name, weakref.ref(output))
 
     def _before_backward(self, module: nn.Module, grad_outputs: Any) -> None:
+        self._entered[self.names.get(id(module), "")] = next(self._entries)
         if self.origin is None and not _finite(grad_outputs):
             self._name_made_in_backward()
 
@@ -327,8 +343,17 @@ class _Watch(TorchDispatchMode):
         return out
 
     def _innermost(self) -> str:
+        """The module running now: the deepest of those the tracker holds open, and of two as
+        deep the one entered last. In backward a module that returned its input itself (a
+        Dropout of p=0 after a Linear) is entered on the very tensor the Linear made, and stays
+        open while the Linear's matmul runs: it is passed over. The tracker's set alone would
+        name either, by the order of string hashes."""
         modules = [name for name in self.tracker.parents if name != "Global"]
-        return max(modules, key=lambda name: name.count("."), default="")
+        if self.tracker.is_bw:
+            modules = [name for name in modules if name not in self._passed_through] or modules
+        return max(
+            modules, key=lambda name: (name.count("."), self._entered.get(name, -1)), default=""
+        )
 
     def _finding(self, func: Any, args: Any, kwargs: Any, bad: torch.Tensor) -> Origin:
         """What one op did: made an overflow or a NaN from finite inputs, or passed them on."""
