@@ -6,8 +6,9 @@ bf16, and the format's mode keeping the layers :meth:`~mpnb.numerics.whatif.What
 names. A mode with a ``keep`` option (fp8, and any mode that takes one) gets them there; fp16
 and bf16 run each kept layer in fp32 (``Trainer.keep_in_fp32``). Both train the same number of
 steps from the same fresh run, and the report is the loss gap step by step: its mean over the
-second half of the run and its spread (the standard deviation of the per-step differences),
-beside bf16's own loss.
+second half of the run, its spread (the standard deviation of the per-step differences) and
+standard error, whether it stands out of that noise (more than two standard errors), beside
+bf16's own loss.
 
 Example:
     >>> configuration("fp8", ["lm_head"])
@@ -31,6 +32,9 @@ from mpnb.training.batches import epochs_holding
 __all__ = ["Proof"]
 
 BASELINE = "bf16"
+#: A gap further than this many standard errors from zero stands out of the step-to-step noise
+#: (the per-step differences are paired: both runs take the same batches in the same order).
+GAP_STANDARD_ERRORS = 2.0
 
 
 @dataclasses.dataclass
@@ -44,13 +48,15 @@ class Proof:
         losses: its loss at each step; ``bf16_losses``: bf16's.
         gap: the mean of (its loss - bf16's) over the second half of the steps.
         spread: the standard deviation of those per-step differences.
+        standard_error: the gap's (the spread over the square root of their count).
+        shows_gap: whether the gap is more than two standard errors from zero.
 
     Example:
         >>> proof = Proof("fp8", "fp8:tensorwise", ["4"], [2.0, 1.5, 1.2, 1.0], [2.0, 1.4, 1.1, 1.0])
-        >>> round(proof.gap, 3), round(proof.spread, 3)
-        (0.05, 0.071)
+        >>> round(proof.gap, 3), round(proof.spread, 3), round(proof.standard_error, 3), proof.shows_gap
+        (0.05, 0.071, 0.05, False)
         >>> print(proof)
-        fp8 (fp8:tensorwise, keeping 4) beside bf16 over 4 steps: loss gap +0.05 (spread 0.0707, over the last 2 steps), +4.8% of bf16's mean loss there, 1.05
+        fp8 (fp8:tensorwise, keeping 4) beside bf16 over 4 steps: loss gap +0.05 over the last 2 steps (spread 0.0707, standard error 0.05): 1.0 standard errors, no gap beyond the noise; +4.8% of bf16's mean loss there (1.05)
     """
 
     format: str
@@ -84,10 +90,33 @@ class Proof:
             return math.nan
         return statistics.stdev(differences)
 
+    @property
+    def standard_error(self) -> float:
+        """The gap's standard error: the spread over the square root of the steps it averages."""
+        steps = len(self._window[0])
+        return self.spread / math.sqrt(steps) if steps else math.nan
+
+    @property
+    def shows_gap(self) -> bool:
+        """Whether the gap stands out of the step-to-step noise: more than
+        :data:`GAP_STANDARD_ERRORS` standard errors from zero (a run gone inf or NaN does)."""
+        if not math.isfinite(self.gap) or math.isnan(self.standard_error):
+            return True
+        return abs(self.gap) > GAP_STANDARD_ERRORS * self.standard_error
+
+    def _verdict(self) -> str:
+        if not math.isfinite(self.gap) or math.isnan(self.standard_error):
+            return "a run's loss is not finite"
+        if self.standard_error == 0:
+            return "a gap" if self.gap else "no gap"
+        errors = abs(self.gap) / self.standard_error
+        said = "a gap" if self.shows_gap else "no gap beyond the noise"
+        return f"{errors:.1f} standard errors, {said}"
+
     def __str__(self) -> str:
         ours, theirs = self._window
         reference = statistics.fmean(theirs) if theirs else math.nan
-        kept = ", ".join(map(shown_layer, self.keep)) if self.keep else "no layer"
+        kept = ", ".join(map(shown_layer, self.keep)) if self.keep else "no layer of the advice"
         share = f"{self.gap / abs(reference):+.1%}" if reference else "n/a"
         trained = min(len(self.losses), len(self.bf16_losses))
         short = (
@@ -96,9 +125,10 @@ class Proof:
             else ""
         )
         return (
-            f"{self.format} ({self.mode}, keeping {kept}) beside {BASELINE} over "
-            f"{trained} steps{short}: loss gap {self.gap:+.3g} (spread {self.spread:.3g}, over "
-            f"the last {len(ours)} steps), {share} of {BASELINE}'s mean loss there, {reference:.3g}"
+            f"{self.format} ({self.mode}, keeping {kept}) beside {BASELINE} over {trained} "
+            f"steps{short}: loss gap {self.gap:+.3g} over the last {len(ours)} steps (spread "
+            f"{self.spread:.3g}, standard error {self.standard_error:.2g}): {self._verdict()}; "
+            f"{share} of {BASELINE}'s mean loss there ({reference:.3g})"
         )
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:

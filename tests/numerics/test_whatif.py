@@ -1432,3 +1432,20 @@ def test_thresholds_set_whole_take_a_mapping_and_refuse_anything_else(planted):
     assert result.recommend("fp16") == ["5"]
     with pytest.raises(MpnbError, match="no threshold for format 'bf16'"):
         result.recommend("bf16")
+
+
+def test_a_proof_says_whether_its_gap_stands_out_of_the_step_noise():
+    from mpnb.numerics.format_proof import Proof
+
+    bf16 = [1.0, 0.9, 0.8, 0.7, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35]
+    noise = [0.01, -0.01, 0.012, -0.008, 0.01]
+    within = Proof("fp8", "fp8", [], bf16, bf16[:5] + [b + n for b, n in zip(bf16[5:], noise)])
+    behind = Proof(
+        "fp8", "fp8", ["2"], bf16[:5] + [b + 0.05 + n for b, n in zip(bf16[5:], noise)], bf16
+    )
+    assert not within.shows_gap and behind.shows_gap
+    assert "no gap beyond the noise" in str(within) and "no layer of the advice" in str(within)
+    assert ", a gap;" in str(behind) and "keeping 2" in str(behind)
+    assert math.isclose(behind.standard_error, behind.spread / math.sqrt(5))
+    diverged = Proof("fp8", "fp8", [], bf16[:9] + [math.inf], bf16)
+    assert diverged.shows_gap and "not finite" in str(diverged)
