@@ -872,3 +872,15 @@ def test_keep_naming_a_module_that_holds_no_linear_layer_is_refused_naming_its_k
     assert all(type(m) in (nn.Sequential, nn.Linear, nn.ReLU) for m in model.modules())
     wrapped = nn.Sequential(mlp())  # a module that holds Linear layers is a name to keep
     assert fp8_layers(wrapped, keep=["0"], device="cpu").keep == ("0",)
+
+
+def test_a_model_whose_linear_layers_are_only_the_first_and_last_is_told_why_not_sizes():
+    # the advice was "a model with Linear layers whose sizes are multiples of 16", which
+    # resizing cannot satisfy: the mode keeps its first and last Linear layers itself
+    with pytest.raises(MpnbError) as refused:
+        fp8_layers(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), device="cpu").convert()
+    said = str(refused.value)
+    assert "keeps the first and the last Linear layer" in said and "multiples" not in said
+    odd = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 10), nn.Linear(10, 16), nn.Linear(16, 4))
+    with pytest.raises(MpnbError, match="whose sizes are multiples of 16"):
+        fp8_layers(odd, device="cpu").convert()  # layers between them, of sizes it cannot take

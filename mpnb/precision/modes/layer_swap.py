@@ -434,12 +434,24 @@ class LayerSwap:
             )
         reasons = "; ".join(f"{name or 'the model'}: {why}" for name, why in kept.items())
         found = reasons or "it has no torch.nn.Linear layer"
-        if not cls.takes_conv1d and any(is_conv1d(module) for module in model.modules()):
+        conv1d = not cls.takes_conv1d and any(is_conv1d(module) for module in model.modules())
+        if conv1d:
             found += "; transformers' Conv1D layers (GPT-2's) are not torch.nn.Linear"
+        if kept and not conv1d and set(kept.values()) <= {FIRST_LAYER, LAST_LAYER}:
+            # no size to change: there is no Linear layer between the two it keeps
+            remedy = (
+                f"it keeps the first and the last Linear layer in bf16 itself and {type(model).__name__} "
+                "has none between them: use mode bf16, or a model with Linear layers between "
+                "its first and last"
+            )
+        else:
+            remedy = (
+                "use mode bf16, or a model with Linear layers whose sizes are multiples of "
+                f"{cls.multiple_of}"
+            )
         return (
             f"{cls.mode} would convert no layer of {type(model).__name__} ({found}), so it "
-            "would train in bf16: use mode bf16, or a model with Linear layers whose sizes are "
-            f"multiples of {cls.multiple_of}"
+            f"would train in bf16: {remedy}"
         )
 
     # -- the swap -----------------------------------------------------------------------------
