@@ -221,9 +221,11 @@ class PrecisionMagics(Magics):
     def amp(self, line: str) -> object:
         """Set the session precision mode for every following cell, or show the status.
 
-        Modes: off (mpnb changes nothing), fp32 (exact fp32), tf32 (reduced-precision fp32
-        math), fp16 and bf16 (autocast), fp8 (Linear layers in float8 through torchao, the rest
-        under bf16 autocast; emulated on a CPU). ``%%autocast`` overrides the mode for one cell.
+        Modes (every registered one is listed under ``mode`` below): off (mpnb changes nothing),
+        fp32 (exact fp32), tf32 (reduced-precision fp32 math), fp16 and bf16 (autocast), fp8,
+        mxfp8 and nvfp4 (Linear layers in that format through torchao, the rest under bf16
+        autocast; emulated on a CPU, nvfp4 on Blackwell GPUs only). ``%%autocast`` overrides
+        the mode for one cell; a switch takes effect from the next cell.
 
         Example::
 
