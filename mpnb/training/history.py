@@ -172,10 +172,11 @@ class History:
         A dict that shows itself as a table (see :class:`RunSummary`).
 
         The final loss is the last step the optimizer took, NaN or inf included: a diverged run
-        reads as one (steps whose loss could not be read are left out)."""
+        reads as one (steps whose loss could not be read are left out); ``final_loss_step`` is
+        that step, ``last_step`` the run's last, and the table names the step where they differ."""
         losses = [
-            v
-            for v, s, missing in zip(self.loss, self.skipped, self.loss_missing)
+            (step, v)
+            for step, v, s, missing in zip(self.step, self.loss, self.skipped, self.loss_missing)
             if not (s or missing)
         ]
         timed = self.step_time[1:] or self.step_time  # the first step carries warm-up
@@ -184,7 +185,9 @@ class History:
         return RunSummary(
             steps=len(self),
             skipped=len(self.skipped_steps),
-            final_loss=losses[-1] if losses else math.nan,
+            final_loss=losses[-1][1] if losses else math.nan,
+            final_loss_step=losses[-1][0] if losses else None,
+            last_step=self.step[-1] if len(self) else None,
             final_loss_scale=self.loss_scale[-1] if len(self) else math.nan,
             median_step_time=statistics.median(timed) if timed else math.nan,
             median_samples_per_s=statistics.median(rates) if rates else math.nan,
@@ -315,7 +318,7 @@ class RunSummary(dict):
         """(label, formatted value) pairs, for tables."""
         return [
             ("steps", f"{self['steps']} ({self['skipped']} skipped)"),
-            ("final loss", f"{self['final_loss']:.4g}"),
+            ("final loss", self._final_loss()),
             ("final loss scale", f"{self['final_loss_scale']:g}"),
             ("median step time", f"{self['median_step_time'] * 1e3:.2f} ms"),
             ("median throughput", f"{self['median_samples_per_s']:.0f} samples/s"),
@@ -323,6 +326,14 @@ class RunSummary(dict):
             ("modes", ", ".join(self["modes"]) or "-"),
             *(("alarm", message) for message in self["alarms"]),
         ]
+
+    def _final_loss(self) -> str:
+        """The final loss, with its step where steps after it were skipped (or unread)."""
+        shown = f"{self['final_loss']:.4g}"
+        step = self.get("final_loss_step")
+        if step is not None and step != self.get("last_step"):
+            shown += f" (step {step}, the last the optimizer took)"
+        return shown
 
     def __repr__(self) -> str:
         # a table without its (empty) header line

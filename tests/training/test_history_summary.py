@@ -43,3 +43,23 @@ def test_summary_is_still_the_mapping_code_reads():
     empty = History().summary()
     assert math.isnan(empty["final_loss"]) and "steps" in repr(empty)
     assert torch.tensor(summary["final_loss"]).isfinite()
+
+
+def test_a_final_loss_before_skipped_last_steps_says_which_step_it_is():
+    # the last line of progress showed the skipped step's loss (88.44), the summary the last
+    # taken step's (4.882), both as "loss" with nothing to tell them apart
+    history = History()
+    history.extend(
+        {
+            "step": [1, 2, 3],
+            "loss": [4.882, 88.4, 90.1],
+            "skipped": [False, True, True],
+            "loss_scale": [65536.0, 32768.0, 16384.0],
+        }
+    )
+    summary = history.summary()
+    assert summary["final_loss"] == 4.882 and summary["final_loss_step"] == 1
+    assert dict(summary.rows())["final loss"] == "4.882 (step 1, the last the optimizer took)"
+    history.extend({"step": [4], "loss": [3.5], "skipped": [False], "loss_scale": [16384.0]})
+    assert dict(history.summary().rows())["final loss"] == "3.5"  # the last step: as it was
+    assert History().summary()["final_loss_step"] is None
