@@ -212,6 +212,8 @@ def test_every_bad_value_is_one_line_naming_it_and_its_range_with_nothing_create
         (["train", "--lr", "inf"], ["inf", "a positive number"]),
         (["train", "--out", "a/../b", "--mode", "fp5"], ["'fp5'", "valid: off, fp32"]),
         (["compare", "--out", "c/../d", "--modes", "fp5"], ["'fp5'", "valid:"]),
+        # an empty name was dropped, keeping nothing the user asked for
+        (["train", "--mode", "fp8", "--model", "mlp", "--keep", ""], ["--keep", "''"]),
     ]
     for args, said in cases:
         result = mpnb(*args, cwd=tmp_path)

@@ -884,3 +884,17 @@ def test_a_model_whose_linear_layers_are_only_the_first_and_last_is_told_why_not
     odd = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 10), nn.Linear(10, 16), nn.Linear(16, 4))
     with pytest.raises(MpnbError, match="whose sizes are multiples of 16"):
         fp8_layers(odd, device="cpu").convert()  # layers between them, of sizes it cannot take
+
+
+def test_a_keep_that_names_no_module_lists_the_closest_names_or_the_layers():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+    with pytest.raises(
+        MpnbError,
+        match=r"keep names no module of Sequential: 'layer2'; its Linear layers: 0, 2, 3$",
+    ):
+        fp8_layers(model, keep=["layer2"], device="cpu")
+    pytest.importorskip("transformers")
+    from tests.conformance.models import gpt2_model
+
+    with pytest.raises(MpnbError, match=r"'lm-head'; closest: lm_head"):
+        fp8_layers(gpt2_model(), keep=["lm-head"], device="cpu")

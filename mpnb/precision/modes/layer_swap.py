@@ -31,6 +31,7 @@ Example (mode fp8's layers; mxfp8's and nvfp4's behave alike):
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -218,12 +219,26 @@ class LayerSwap:
         if unknown:
             raise MpnbError(
                 f"{self.mode} keep names no module of {type(model).__name__}: "
-                f"{', '.join(map(repr, unknown))}"
+                f"{', '.join(map(repr, unknown))}{self._names_to_keep(modules, unknown)}"
             )
         self._check_keep_holds_layers(modules)
         self.kept, self.converted, self.already = self.plan(model, self.keep)
         self._check_already_converted()
         self._swapped: list[tuple[nn.Module, str, nn.Module]] = []
+
+    @classmethod
+    def _names_to_keep(cls, modules: dict[str, nn.Module], unknown: list[str]) -> str:
+        """What ``keep`` could have named: the names closest to ``unknown``, else the model's
+        layers this format swaps (the first few)."""
+        names = [name for name in modules if name]
+        close = dict.fromkeys(
+            found for name in unknown for found in difflib.get_close_matches(name, names, n=3)
+        )
+        if close:
+            return f"; closest: {', '.join(close)}"
+        layers = [name for name, module in modules.items() if name and cls.is_candidate(module)]
+        more = f" and {len(layers) - 8} more" if len(layers) > 8 else ""
+        return f"; its Linear layers: {', '.join(layers[:8])}{more}" if layers else ""
 
     # -- what a subclass provides -----------------------------------------------------------
 

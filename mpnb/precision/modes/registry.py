@@ -268,9 +268,14 @@ class OptionSpec:
         if not self.many or value is None:
             return value
         groups = value if isinstance(value, list) else [value]
-        return split_names(
+        given = [
             item for group in groups for item in (group if isinstance(group, list) else [group])
-        )
+        ]
+        names = split_names(given)
+        if not names or any(not str(item).replace(",", " ").split() for item in given):
+            shown = " ".join(repr(item) for item in given)
+            raise MpnbError(f"--{self.name} takes names, got {shown}, with none in it")
+        return names
 
 
 def split_names(texts: Iterable[object]) -> tuple[str, ...]:
