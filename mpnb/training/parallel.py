@@ -101,6 +101,26 @@ def agreed_stop(wants_stop: bool, steps: int, every: int, device: torch.device) 
     return bool(flag.item())
 
 
+def check_same_mode(label: str) -> None:
+    """Refuse a fit whose ranks would train in different modes (a mode chosen by rank-local
+    code, or a switch on one rank): DDP averages their gradients, and an fp16 gradient scaled by
+    65536 averaged with a bf16 one trains neither. Every rank calls this as its fit starts; one
+    small all-gather of the labels, and every rank raises the same error.
+
+    Raises:
+        MpnbError: the ranks' modes differ (each named with its rank).
+    """
+    labels: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(labels, label)
+    if len(set(labels)) > 1:
+        by_rank = ", ".join(f"rank {rank} {name}" for rank, name in enumerate(labels))
+        raise MpnbError(
+            f"the ranks would train in different modes ({by_rank}): their gradients are averaged "
+            "every step, so every rank must train in one mode; give each Trainer the same mode "
+            "(nothing was trained)"
+        )
+
+
 def wrap_model(
     model: nn.Module,
     strategy: str | None,

@@ -51,6 +51,7 @@ from mpnb.training.interrupts import StopRequest
 from mpnb.training.master_weights import UnscalableWeightsError, check_scalable, unscalable
 from mpnb.training.parallel import (
     agreed_stop,
+    check_same_mode,
     check_strategy,
     check_switch,
     rank_share,
@@ -442,6 +443,8 @@ class Trainer:
         capture = active_capture()
         if capture is not None:
             max_steps = self._join(capture, data, max_steps)
+        if self.strategy is not None:  # the ranks' gradients are averaged: one mode for all
+            check_same_mode(self.mode.label)
         self._data.plan(epochs)
         self._ended = FitEnd.NOT_RUN  # until this fit ends
         # a capture's budget is spent: the plan stays, for a later fit(data) to go on with

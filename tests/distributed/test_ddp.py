@@ -178,3 +178,22 @@ def uneven_epoch_rank() -> int:
 def test_an_epoch_that_does_not_divide_among_the_ranks_does_not_hang():
     """7 batches on 2 ranks: 3 steps each; rank 0 must not wait for a 4th that rank 1 never takes."""
     assert launch(uneven_epoch_rank, nproc=2, timeout=60).results == [3, 3]
+
+
+def rank_in_its_own_mode() -> str:
+    """fp16 on rank 0, bf16 on rank 1: DDP would average a scaled gradient with an unscaled one."""
+    trainer = build_trainer("ddp", mode=("fp16", "bf16")[dist.get_rank()])
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    try:
+        trainer.fit(batches(), max_steps=4)
+    except MpnbError as refused:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+        return f"{refused} | unchanged {unchanged} | steps {len(trainer.history)}"
+    return "trained"
+
+
+def test_ranks_in_different_modes_are_refused_before_a_step():
+    # rank 1's weights reached 3e3 within 4 steps, without a word
+    said = launch(rank_in_its_own_mode, nproc=2, dashboard=None).results
+    assert said[0] == said[1] and "rank 0 fp16, rank 1 bf16" in said[0], said
+    assert said[0].endswith("| unchanged True | steps 0"), said
