@@ -21,7 +21,7 @@ Example:
     >>> from mpnb.analysis.comparison import mode_result
     >>> class Run:
     ...     def __init__(self, mode):
-    ...         self.mode, self.trainer = mode, None
+    ...         self.mode, self.trainer, self.data = mode, None, None
     ...     def advance(self, steps, sink):
     ...         if self.trainer is None:
     ...             self.trainer, self.data, _ = ex.example_trainer(self.mode, "cpu", widths=(4, 8), dashboard=None)
@@ -60,9 +60,11 @@ class ModeRun(Protocol):
 
     Attributes:
         trainer: the run's :class:`~mpnb.training.trainer.Trainer`, None until built.
+        data: the data its fits take, None until built.
     """
 
     trainer: Any
+    data: Any
 
     def advance(self, steps: int, sink: Sink | None) -> int:
         """Train up to ``steps`` more optimizer steps, reporting to ``sink``; return the steps taken.
@@ -200,13 +202,21 @@ def _check_own_run(name: str, run: ModeRun, others: Mapping[str, ModeRun]) -> No
         if other == name or other_run.trainer is None:
             continue
         if other_run.trainer is trainer:
-            shared = "Trainer"
+            shared = "one Trainer"
         elif other_run.trainer.model is trainer.model:
-            shared = "model"
+            shared = "one model"
+        elif (parameter := _shared_parameter(trainer.model, other_run.trainer.model)) is not None:
+            shared = f"the parameter {parameter!r} (a module built once, outside the run)"
+        elif isinstance(run.data, Iterator) and other_run.data is run.data:
+            raise ValueError(
+                f"the runs of modes {other!r} and {name!r} share one data iterator: each would "
+                "train on the batches the other left; give each run its own (a list or a "
+                "DataLoader, or a generator made in make_run; in %%compare: inside the cell)"
+            )
         else:
             continue
         raise ValueError(
-            f"the runs of modes {other!r} and {name!r} share one {shared}: build a fresh model, optimizer and "
+            f"the runs of modes {other!r} and {name!r} share {shared}: build a fresh model, optimizer and "
             "Trainer for each mode (in %%compare: inside the cell)"
         )
     if trainer.mode.label != name:
@@ -214,6 +224,12 @@ def _check_own_run(name: str, run: ModeRun, others: Mapping[str, ModeRun]) -> No
             f"the run built for mode {name!r} trains in {trainer.mode.label!r}: build its Trainer with mode={name!r} "
             "(make_run(mode) receives the mode to use)"
         )
+
+
+def _shared_parameter(model: Any, other: Any) -> str | None:
+    """The name in ``model`` of a parameter ``other`` trains too, or None."""
+    theirs = {id(parameter) for parameter in other.parameters()}
+    return next((name for name, p in model.named_parameters() if id(p) in theirs), None)
 
 
 def _result(run: ModeRun, turns: _Turns, warmup: int, steps: int) -> ModeResult:

@@ -338,3 +338,35 @@ def test_asking_for_a_mode_that_was_not_compared_names_the_ones_that_were(tmp_pa
         ][0]["metric"]
         is None
     )
+
+
+def test_runs_sharing_a_data_iterator_or_a_module_are_refused_naming_what():
+    # each mode trained on the batches the other left, or on the other's trained backbone, and
+    # the table printed as if they were comparable
+    batches = [(x, y) for x, y in ex.digits(batch_size=32)[0]]
+    shared_batches = (batch for batch in batches * 3)
+
+    def fresh_trainer(mode, model):
+        optimizer = torch.optim.SGD(model.parameters(), 0.1)
+        return mpnb.Trainer(
+            model, optimizer, nn.functional.cross_entropy, mode=mode, dashboard=None
+        )
+
+    def one_generator(mode):
+        return fresh_trainer(mode, nn.Sequential(nn.Flatten(), nn.Linear(64, 10))), shared_batches
+
+    with pytest.raises(ValueError, match="share one data iterator"):
+        compare(one_generator, ["fp32", "bf16"], steps=2, warmup=0, progress=None)
+    backbone = nn.Sequential(nn.Flatten(), nn.Linear(64, 16))
+
+    def shared_backbone(mode):
+        return fresh_trainer(mode, nn.Sequential(backbone, nn.Linear(16, 10))), batches
+
+    with pytest.raises(ValueError, match=r"share the parameter '0\.1\.weight'"):
+        compare(shared_backbone, ["fp32", "bf16"], steps=2, warmup=0, progress=None)
+    # each with its own generator over the same list: fine
+    own = compare(
+        lambda mode: (fresh_trainer(mode, nn.Sequential(nn.Flatten(), nn.Linear(64, 10))), iter(batches)),
+        ["fp32", "bf16"], steps=2, warmup=0, progress=None,
+    )  # fmt: skip
+    assert [len(result.history) for result in own.results] == [2, 2]
