@@ -18,6 +18,11 @@ Where they show something, they ask this module for a view factory:
   (``sink_for(mode, steps, warmup)``, ``finished(result)``, ``close(comparison)``).
 - ``advice_figure(advice) -> figure``: the numerics advisor's heatmap (``Advice.figure``).
 - ``whatif_figure(result) -> figure``: the what-if's heatmap, layer x format (``WhatIf.figure``).
+- ``cell_end(control)``: where a front end runs code in cells, ends a framework's run with the
+  cell that started it when that cell raises and leaves it open (``control.abandon``):
+  ``transformers.Trainer`` tells its callbacks nothing when ``train()`` raises. Asked once per
+  run of a framework's loop (:class:`~mpnb.integrations.loop_telemetry.LoopTelemetry`), whatever
+  its dashboard; a front end without cells can leave it out.
 - ``rank_dashboard(kind, title, control) -> RanksView``: how :func:`mpnb.distributed.launch`
   shows every rank's telemetry while they train (``kind`` as for ``dashboard``); see
   :class:`~mpnb.distributed.rank_rows.RanksView`. A Stop button calls ``control.stop()``.
@@ -35,7 +40,7 @@ Example:
     >>> provide(nothing=print)
     Traceback (most recent call last):
     ...
-    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure, memory_figure, numerics_figure, rank_dashboard, whatif_figure
+    mpnb.errors.InvalidChoiceError: unknown view 'nothing'; valid: dashboard, history_figure, comparison_progress, advice_figure, memory_figure, numerics_figure, rank_dashboard, whatif_figure, cell_end
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ VIEW_NAMES = (
     "numerics_figure",
     "rank_dashboard",
     "whatif_figure",
+    "cell_end",
 )
 
 _factories: dict[str, Callable[..., Any] | None] = dict.fromkeys(VIEW_NAMES)
@@ -104,6 +110,16 @@ def provided(**factories: Callable[..., Any] | None) -> Iterator[None]:
         yield
     finally:
         _factories.update(previous)
+
+
+def installed(name: str) -> Callable[..., Any] | None:
+    """The factory installed for view ``name``, or None (a view a front end may leave out).
+
+    >>> with provided(cell_end=None):
+    ...     installed("cell_end") is None
+    True
+    """
+    return _factories[name]
 
 
 def view(name: str) -> Callable[..., Any]:

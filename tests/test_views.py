@@ -34,6 +34,7 @@ def test_import_mpnb_installs_the_jupyter_views():
         "numerics_figure": ui_views.numerics_figure,
         "rank_dashboard": ui_views.make_rank_dashboard,
         "whatif_figure": ui_views.whatif_figure,
+        "cell_end": ui_views.end_with_its_cell,
     }
 
 

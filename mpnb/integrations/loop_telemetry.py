@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mpnb import views
 from mpnb._render import dtype_name
 from mpnb.errors import check_flag, check_number
 from mpnb.integrations.honesty import (
@@ -205,6 +206,11 @@ class LoopTelemetry:
         self._run.sinks = sinks
         self._run.account.watch(instruments, self._run.watched(self.history), self.steps + 1)
         self.control.begin()
+        # a framework that raises tells its callbacks nothing: in a notebook, the end of the
+        # cell that raised ends the run, whatever shows it (a dashboard, a sink, nothing)
+        end_with_its_cell = views.installed("cell_end")
+        if end_with_its_cell is not None:
+            end_with_its_cell(self.control)
         self._run.control_listener = self._follow_control(self._run, on_stop)
         self.control.on_state.append(self._run.control_listener)
         self.notices.say("session_autocast", session_autocast_around(device.type, self.framework))

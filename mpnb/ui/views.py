@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mpnb import views
+from mpnb.ui.cell_end import end_with_its_cell
 from mpnb.ui.environment import display_kind, in_notebook_kernel
 
 if TYPE_CHECKING:
@@ -43,14 +44,10 @@ def make_dashboard(kind: str, title: str = "", control: FitControl | None = None
     when the control steers a Trainer or a framework's telemetry, the remedy for a named overflow
     and, when it watches numerics, their live heatmaps below, with a memory-by-category view for
     a Trainer: :mod:`mpnb.ui.widgets.remedy_view`, :mod:`mpnb.ui.widgets.numerics_view`,
-    :mod:`mpnb.ui.widgets.memory_view`), and
-    the fit is abandoned if the cell running now raises and leaves it open (see :mod:`mpnb.ui.cell_end`).
+    :mod:`mpnb.ui.widgets.memory_view`).
     """
-    from mpnb.ui.cell_end import end_with_its_cell
     from mpnb.ui.plots.text import TextProgress
 
-    if control is not None:
-        end_with_its_cell(control)
     if display_kind(kind) == "text":
         return [TextProgress(title)]
     from IPython.display import display
@@ -180,4 +177,5 @@ def install() -> None:
         numerics_figure=numerics_figure,
         rank_dashboard=make_rank_dashboard,
         whatif_figure=whatif_figure,
+        cell_end=end_with_its_cell,
     )

@@ -315,7 +315,8 @@ def test_label_smoothing_is_named_as_the_reason_no_loss_can_be_read(tmp_path):
     assert len(said) == 1 and "label_smoothing_factor=0.1" in said[0], said
 
 
-def test_a_train_that_raised_in_a_notebook_cell_is_ended_with_that_cell(tmp_path, ip):
+@pytest.mark.parametrize("dashboard", ["text", None])
+def test_a_train_that_raised_in_a_notebook_cell_is_ended_with_that_cell(tmp_path, ip, dashboard):
     """transformers tells its callbacks nothing when train() raises: in IPython, the end of the
     cell that raised ends mpnb's run (its dashboard closed, its hooks off, the failure noted),
     instead of leaving it to look alive until the next train()."""
@@ -328,7 +329,8 @@ def test_a_train_that_raised_in_a_notebook_cell_is_ended_with_that_cell(tmp_path
             if state.global_step == 2:
                 raise RuntimeError("failed at step 2")
 
-    callback = MpnbCallback(dashboard="text")
+    # (with no dashboard too: the run was left open, its hook on the model, no failure noted)
+    callback = MpnbCallback(dashboard=dashboard)
     args = TrainingArguments(str(tmp_path), use_cpu=True, per_device_train_batch_size=8, max_steps=4, report_to=[],
                              save_strategy="no", disable_tqdm=True)  # fmt: skip
     trainer = Trainer(
