@@ -176,6 +176,7 @@ class MpnbCallback(Callback, WithTelemetry):
             asked=asked_precision(setting),
             title=f"Lightning: {type(pl_module).__name__}",
             on_stop=lambda: setattr(trainer, "should_stop", True),
+            after_step=trainer.global_step,  # a fit resumed from a ckpt_path numbers on
         )
         if len(trainer.optimizers) > 1:
             self.telemetry.notices.say(

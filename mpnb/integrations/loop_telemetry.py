@@ -158,8 +158,13 @@ class LoopTelemetry:
         asked: str | Mode | None,
         title: str | None = None,
         on_stop: Callable[[], None] | None = None,
+        after_step: int = 0,
     ) -> None:
         """Attach to a run about to start: hooks on ``model`` and ``optimizer``, the dashboard.
+
+        ``after_step``: the framework's own count of optimizer steps as the run starts (one
+        resumed from the framework's checkpoint): the rows number on from it, as its logs and
+        checkpoints do, unless this telemetry has counted further itself.
 
         ``asked``: the precision the framework was asked for (a name in
         :func:`~mpnb.integrations.observed.precisions`, or None when unknown). ``on_stop``: the
@@ -189,6 +194,7 @@ class LoopTelemetry:
             replays=False,  # the framework holds the batches: no step can be replayed
         )
         self._run = _Run(model, optimizer, scaler, device, asked, instruments)
+        self.steps = max(self.steps, after_step)
         if instruments.numerics is not None:
             self.numerics = instruments.numerics
         self.runs += 1

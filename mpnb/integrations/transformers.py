@@ -159,6 +159,7 @@ class MpnbCallback(TrainerCallback, WithTelemetry):
             asked=asked_precision(args),
             title=f"{_FRAMEWORK}: {type(model).__name__}",
             on_stop=lambda: setattr(control, "should_training_stop", True),
+            after_step=state.global_step,  # a run resumed from a checkpoint numbers on
         )
         smoothing = getattr(args, "label_smoothing_factor", 0)
         self.telemetry.no_loss_reason = (

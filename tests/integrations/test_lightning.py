@@ -513,3 +513,12 @@ def test_layers_converted_in_configure_model_are_read_as_their_mode(
     else:
         assert len(said) == 1 and notice in said[0]
         assert [e["kind"] for e in callback.history.events][-1] == "precision_mismatch"
+
+
+def test_a_fit_resumed_from_a_checkpoint_numbers_its_steps_on(tmp_path):
+    trainer, _, _ = fit(MpnbCallback(dashboard=None), "bf16-mixed", max_steps=3)
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    resumed = MpnbCallback(dashboard=None)
+    again = quiet_trainer(resumed, precision="bf16-mixed", max_steps=5)
+    again.fit(Classifier(), loader(), ckpt_path=tmp_path / "step3.ckpt")
+    assert resumed.history.step == [4, 5] and again.global_step == 5

@@ -411,3 +411,31 @@ def test_mx_layers_swapped_around_the_trainer_are_read_as_mxfp8(tmp_path):
         Trainer(model=model, args=args, train_dataset=token_data(), callbacks=[callback]).train()
     assert layers.converted and callback.history.mode == ["mxfp8"] * 3
     assert type(model.transformer.h[1].mlp.c_fc).__name__ == "Conv1D"  # given back
+
+
+def test_a_run_resumed_from_the_trainers_checkpoint_numbers_its_steps_on(tmp_path):
+    # a fresh callback numbered the resumed run's rows 1, 2... while the Trainer's logs and
+    # checkpoints went on from step 3
+    def arguments(steps: int, save: str) -> TrainingArguments:
+        return TrainingArguments(
+            str(tmp_path), use_cpu=True, per_device_train_batch_size=8, max_steps=steps,
+            logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy=save, save_steps=3,
+            disable_tqdm=True, **precision_args("bf16"),
+        )  # fmt: skip
+
+    first = MpnbCallback(dashboard=None)
+    Trainer(
+        model=gpt2_model(),
+        args=arguments(3, "steps"),
+        train_dataset=token_data(),
+        callbacks=[first],
+    ).train()
+    resumed = MpnbCallback(dashboard=None)
+    trainer = Trainer(
+        model=gpt2_model(), args=arguments(6, "no"), train_dataset=token_data(), callbacks=[resumed]
+    )
+    trainer.train(resume_from_checkpoint=True)
+    history = resumed.history
+    assert history.step == [4, 5, 6] and trainer.state.global_step == 6
+    assert history.loss == pytest.approx(logged(trainer, "loss")[-3:], rel=1e-6)
+    assert "starts after step 3" in history.events[0]["message"]
