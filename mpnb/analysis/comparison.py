@@ -21,7 +21,7 @@ from mpnb.analysis.results import Comparison, ModeResult
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
 from mpnb.analysis.slow_modes import slow_reason
-from mpnb.errors import MAKE_RUN_USAGE, MpnbError, check_count, check_function
+from mpnb.errors import MAKE_RUN_USAGE, MpnbError, check_count, check_function, warn_user
 from mpnb.precision.modes import Mode, mode_names, parse_mode
 from mpnb.training.batches import epochs_holding
 from mpnb.training.control import refuse_inside_a_fit
@@ -84,17 +84,28 @@ def mode_result(
     name: str,
     trainer: Any,
     warmup: int,
-    metric: float = math.nan,
+    metric: Callable[[], object] | None = None,
     memory: MemoryAccount | None = None,
 ) -> ModeResult:
     """The result of a finished run: ``trainer``'s history with the first ``warmup`` steps
-    untimed, and the account of its step's memory if counted."""
+    untimed, its ``metric()`` (NaN without one), and the account of its step's memory if
+    counted. A metric that raises, or gives what is no number, is NaN with a note and a warning
+    naming the mode: the comparison's other figures stand."""
+    notes = _notes(trainer)
+    value = math.nan
+    if metric is not None:
+        try:
+            value = float(metric())  # type: ignore[arg-type]
+        except Exception as error:  # the user's metric: any failure of it is its own
+            said = f"its metric raised {type(error).__name__}: {error}"
+            warn_user(f"{name}: {said}; its other figures are kept")
+            notes.append(said)
     return ModeResult(
         name,
         trainer.history,
         timed_from=warmup,
-        metric=metric,
-        notes=_notes(trainer),
+        metric=value,
+        notes=notes,
         verdict=trainer.mode.compare_verdict(trainer.device),
         memory=memory,
     )
@@ -258,8 +269,9 @@ class _BuiltRun:
         return trainer.amp.steps - before
 
     def result(self, warmup: int) -> ModeResult:
-        value = float(self.metric(self.trainer)) if self.metric is not None else math.nan
-        return mode_result(self.name, self.trainer, warmup, value, self._memory())
+        metric = self.metric
+        measure = None if metric is None else (lambda: metric(self.trainer))
+        return mode_result(self.name, self.trainer, warmup, measure, self._memory())
 
     def _memory(self) -> MemoryAccount | None:
         """The account of the run's step on its data's first batch, read again without changing

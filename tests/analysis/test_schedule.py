@@ -370,3 +370,21 @@ def test_runs_sharing_a_data_iterator_or_a_module_are_refused_naming_what():
         ["fp32", "bf16"], steps=2, warmup=0, progress=None,
     )  # fmt: skip
     assert [len(result.history) for result in own.results] == [2, 2]
+
+
+def test_a_metric_that_fails_for_one_mode_keeps_the_comparison_and_names_the_mode():
+    # a metric that raised threw the whole finished comparison away, with no mode named
+    def make_run(mode):
+        trainer, data = dropout_run(mode)
+
+        def metric(trained):
+            if trained.mode.label == "bf16":
+                raise ZeroDivisionError("division by zero")
+            return 0.5
+
+        return trainer, data, metric
+
+    with pytest.warns(RuntimeWarning, match="bf16: its metric raised ZeroDivisionError"):
+        result = compare(make_run, ["fp32", "bf16"], steps=2, warmup=0, progress=None)
+    assert result.result("fp32").metric == 0.5 and math.isnan(result.result("bf16").metric)
+    assert any("metric raised ZeroDivisionError" in note for note in result.result("bf16").notes)

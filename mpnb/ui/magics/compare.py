@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -212,13 +211,17 @@ class _CellRun:
         }
 
     def result(self, warmup: int) -> ModeResult:
-        value = math.nan
-        if self.metric is not None:
+        expression = self.metric
+        if expression is None:
+            return mode_result(self.name, self.trainer, warmup)
+
+        def measure() -> object:
             # one dict: nested scopes (a generator expression, a lambda) see the names too
             with self._in_mode():
                 namespace = {**self.shell.user_global_ns, **self.shell.user_ns, **self.bound}
-                value = float(eval(self.metric, namespace))
-        return mode_result(self.name, self.trainer, warmup, value)
+                return eval(expression, namespace)
+
+        return mode_result(self.name, self.trainer, warmup, measure)
 
 
 def _short_name(expression: str | None) -> str:
