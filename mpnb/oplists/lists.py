@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import functools
@@ -446,6 +447,7 @@ def read_op_file(path: str | os.PathLike[str]) -> list[str]:
                 f"op-list file {quoted(name)} is {size:,} bytes; op-list files are limited to 1 MiB"
             )
         raw = file.read(size)
+    raw = raw.removeprefix(codecs.BOM_UTF8)  # what Windows' Notepad writes first
     names = []
     for number, line in enumerate(raw.splitlines(), start=1):
         try:

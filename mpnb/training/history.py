@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -24,6 +25,7 @@ from typing import Any
 from mpnb import views
 from mpnb._files import atomic_write, read_regular
 from mpnb._render import html_table, text_table
+from mpnb.errors import MpnbError
 from mpnb.precision.backends.base import format_bytes
 from mpnb.training.history_format import (
     COLUMNS,
@@ -145,12 +147,17 @@ class History:
             >>> history.events[0]["producer_max"]
             'nan'
         """
+        details = json_safe(details)
+        for key, value in details.items():
+            try:
+                json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError):
+                raise MpnbError(
+                    f"event detail {key!r} is a {type(value).__name__}, which a history file "
+                    "cannot hold: give a number, a string, or a list or dict of them"
+                ) from None
         self.events.append(
-            {
-                "step": self.columns["step"][-1] if len(self) else 0,
-                "message": message,
-                **json_safe(details),
-            }
+            {"step": self.columns["step"][-1] if len(self) else 0, "message": message, **details}
         )
 
     def rows(self) -> Iterator[dict[str, Any]]:
@@ -273,7 +280,7 @@ class History:
         name = os.fspath(path)
         raw = read_regular(name, what="a history")
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8-sig")  # a byte-order mark (a spreadsheet's save) read past
         except UnicodeDecodeError as error:
             line = raw.count(b"\n", 0, error.start) + 1
             raise ValueError(

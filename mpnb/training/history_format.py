@@ -29,6 +29,7 @@ import json
 import math
 import numbers
 import re
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -131,7 +132,14 @@ _FORMULA_CHARACTERS = frozenset("=+-@")
 
 def json_safe(value: Any) -> Any:
     """``value`` with each inf / -inf / NaN, in its lists and mappings too, as the string float()
-    reads back; JSON itself has no such numbers."""
+    reads back (JSON itself has no such numbers), and each numpy number or array and torch tensor
+    as the Python numbers and lists they hold (``.tolist()``: an ``np.float64`` from a metric).
+
+    >>> json_safe({"accuracy": numpy.float32(0.5), "loss": [float("nan")]})
+    {'accuracy': 0.5, 'loss': ['nan']}
+    """
+    if isinstance(value, (numpy.generic, numpy.ndarray)) or _is_tensor(value):
+        value = value.tolist()
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, Mapping):
@@ -139,6 +147,12 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(item) for item in value]
     return value
+
+
+def _is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor (torch is asked only where it is imported already)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 # -- reading ---------------------------------------------------------------------------------

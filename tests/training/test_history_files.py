@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from mpnb.errors import MpnbError
 from mpnb.training.history import COLUMNS, History
 from tests.planted import FORMULA_STARTS, assert_link_replaced, files_in, is_number, plant_link
 from tests.training.test_telemetry import same
@@ -348,3 +349,37 @@ def test_an_event_holding_a_nan_or_inf_is_written_as_standard_json(tmp_path, suf
         "inf",
         {"low": "-inf"},
     )
+
+
+def test_an_event_detail_of_numpy_or_a_tensor_is_kept_as_a_plain_number(tmp_path):
+    # np.float64 (what sklearn's metrics return) made Trainer.save write a file its load
+    # refused, and np.float32 / a 0-d tensor made to_json and to_csv raise TypeError
+    import numpy as np
+    import torch
+
+    history = History()
+    history.note("validation", accuracy=np.float64(0.93), loss=np.float32(0.5), step=np.int64(3),
+                 grad=torch.tensor(2.0), scores=np.array([1, 2]))  # fmt: skip
+    event = history.events[0]
+    assert event["accuracy"] == 0.93 and type(event["accuracy"]) is float
+    assert type(event["loss"]) is float and event["step"] == 3 and type(event["step"]) is int
+    assert event["grad"] == 2.0 and event["scores"] == [1, 2]
+    history.to_csv(tmp_path / "run.csv")
+    assert History.load(tmp_path / "run.csv").events == history.events
+    with pytest.raises(MpnbError, match=r"event detail 'model' is a Linear"):
+        history.note("bad", model=torch.nn.Linear(1, 1))
+    assert len(history.events) == 1  # nothing noted
+
+
+def test_files_saved_with_a_byte_order_mark_load(tmp_path):
+    # a UTF-8 BOM (Windows' Notepad, a spreadsheet's save) read as part of the first line
+    from mpnb import OpLists
+
+    history = History()
+    history.extend({"step": [1], "loss": [0.5]})
+    history.to_csv(tmp_path / "run.csv")
+    text = (tmp_path / "run.csv").read_text(encoding="utf-8")
+    (tmp_path / "bom.csv").write_text(text, encoding="utf-8-sig")
+    assert History.load(tmp_path / "bom.csv").loss == [0.5]
+    (tmp_path / "ops.txt").write_text("softmax\n", encoding="utf-8-sig")
+    assert "softmax" in OpLists.from_files(tmp_path / "ops.txt").lower
