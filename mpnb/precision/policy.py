@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mpnb._render import dtype_name
-from mpnb.errors import DeviceUnavailableError, InvalidChoiceError
+from mpnb.errors import DeviceUnavailableError, InvalidChoiceError, MpnbError, quoted
 from mpnb.oplists.lists import OpLists
 from mpnb.oplists.session_lists import SessionOpLists
 from mpnb.precision.autocast_settings import AutocastSettings, ThreadAutocast, check_autocast_dtype
@@ -427,7 +427,15 @@ def set_oplists(lists: OpLists) -> OpLists:
         ...     torch.log_softmax(torch.randn(3), 0).dtype
         torch.float32
         >>> _ = set_oplists(OpLists())
+
+    Raises:
+        MpnbError: ``lists`` is not an :class:`~mpnb.oplists.lists.OpLists`; nothing changes.
     """
+    if not isinstance(lists, OpLists):  # the session's override would be half replaced
+        raise MpnbError(
+            f"set_oplists takes an OpLists, such as OpLists.preset('hmp') or OpLists.of(fp32=[...]), "
+            f"got {quoted(lists)}; OpLists() empties the lists"
+        )
     for note in session.oplists.replace(lists):
         print(f"mpnb: {note}")
     return get_oplists()

@@ -362,3 +362,23 @@ def test_hmp_defaults_bad_input_and_reset():
     assert F.softmax(_X, -1).dtype == torch.float32 and F.linear(_X, _W).dtype == torch.bfloat16
     session.reset()  # what %unload_ext does: the conversion goes too
     assert not torch.is_autocast_enabled("cpu") and dispatcher_state() == before
+
+
+@pytest.mark.parametrize("given", [None, [], {}, 0, "hmp"])
+def test_set_oplists_refuses_what_is_not_op_lists_and_changes_nothing(given):
+    # None dropped the session's override, then raised with the lists still saying fp32;
+    # [] left a list where the session keeps its OpLists
+    import mpnb
+    from mpnb import OpLists
+    from mpnb.errors import MpnbError
+    from mpnb.precision.policy import session
+
+    mpnb.set_oplists(OpLists.preset("hmp"))
+    try:
+        with pytest.raises(MpnbError, match=r"set_oplists takes an OpLists"):
+            mpnb.set_oplists(given)
+        assert mpnb.get_oplists() == OpLists.preset("hmp") and session.oplists.active
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.log_softmax(torch.randn(4, 4).bfloat16(), 0).dtype == torch.float32
+    finally:
+        mpnb.set_oplists(OpLists())
