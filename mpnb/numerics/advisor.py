@@ -244,6 +244,12 @@ def _pass(
             ),
         ):
             loss = batch_loss(model, batch, loss_fn, None, takes_step_fn=False)
+        if dtype is None and not bool(torch.isfinite(loss.detach()).all()):
+            raise MpnbError(
+                f"the loss is {float(loss.detach().float().flatten()[0]):g} in fp32: the "
+                "reference pass is not finite itself, so nothing can be said of fp16 or bf16 on "
+                "this batch; look for NaN or inf in the batch and the weights (torch.isfinite)"
+            )
         # outside autocast, as a training step runs it, whatever the caller's cell holds
         with torch.autocast(device.type, enabled=False):
             loss.float().backward()
@@ -308,7 +314,12 @@ def advise(
     model = uncompiled(model)
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     target = resolve_device(device) if device is not None or first is None else first.device
-    with left_as_found(model, target) as start_again:
+    # the passes need gradients wherever advise is called from (a no_grad or inference block)
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        left_as_found(model, target) as start_again,
+    ):
         reference = _pass(model, batch, loss_fn, target, None)
         low = {}
         for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):

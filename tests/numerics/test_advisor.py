@@ -204,3 +204,23 @@ def test_a_model_that_computes_its_own_loss_is_advised_from_a_dict_batch():
     report = mpnb.advise(model, {"input_ids": ids, "labels": ids}, device="cpu")
     assert report.recommended_dtype in ("bf16", "fp16")
     assert any(row.module.endswith("mlp.c_fc") for row in report.rows)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_loss_not_finite_in_fp32_is_said_not_reported_as_a_clean_bill(bad):
+    # the advice read "No fp16 overflow or gradient underflow found on this batch."
+    from mpnb.errors import MpnbError
+
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    with pytest.raises(MpnbError, match=rf"the loss is {bad:g} in fp32"):
+        mpnb.advise(torch.nn.Linear(6, 3), (x, y), lambda o, t: F.cross_entropy(o, t) * bad)
+
+
+def test_advise_runs_inside_a_no_grad_block_as_it_does_outside():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    outside = mpnb.advise(model, batch, F.cross_entropy)
+    with torch.no_grad():
+        inside = mpnb.advise(model, batch, F.cross_entropy)
+    assert [row.module for row in inside.rows] == [row.module for row in outside.rows]
+    assert inside.advice == outside.advice
