@@ -165,6 +165,29 @@ def aten_overloads(name: str) -> list[torch._ops.OpOverload]:
     ]
 
 
+@functools.cache
+def _covered(entry: str) -> frozenset[str]:
+    """The aten overloads a list entry stands for (its own name where it has none that
+    autocast casts): two entries that share one name the same op."""
+    overloads = frozenset(str(overload) for overload in aten_overloads(entry))
+    return overloads or frozenset({_spelled(canonical_name(entry))})
+
+
+def _check_apart(lower: Iterable[str], fp32: Iterable[str]) -> None:
+    """Refuse lists that name one op on both, under two spellings (``softmax`` and
+    ``softmax.int``, ``div`` and ``truediv``): the lower list would win, whatever the fp32 list
+    says."""
+    fp32 = list(fp32)
+    for low in lower:
+        for high in fp32:
+            if _covered(low) & _covered(high):
+                raise MpnbError(
+                    f"{_spelled(canonical_name(low))!r} (lower) and "
+                    f"{_spelled(canonical_name(high))!r} (fp32) name the same op "
+                    f"({sorted(_covered(low) & _covered(high))[0]}); put it on one list"
+                )
+
+
 def _spelled(entry: str) -> str:
     """``entry`` as torch spells it (``LSTM`` -> ``lstm``, ``softmax.INT`` -> ``softmax.int``), or
     as written when no operator has that name in any case. aten has no two operator names
@@ -287,6 +310,7 @@ class OpLists:
         given = {"lower": self.lower, "fp32": self.fp32}
         if all(isinstance(entries, Mapping) for entries in given.values()):
             self.lower, self.fp32 = dict(self.lower), dict(self.fp32)
+            _check_apart(list(self.lower), list(self.fp32))
             return
         names = {
             which: list(entries) if isinstance(entries, Mapping) else _op_names(entries)
@@ -332,6 +356,7 @@ class OpLists:
             raise MpnbError(
                 f"op {both[0]!r} is on both the lower and the fp32 list; name each op on one list"
             )
+        _check_apart(lower, fp32)
         lists = cls()
         lists.add("lower", lower, source)
         lists.add("fp32", fp32, source)
@@ -348,10 +373,16 @@ class OpLists:
         Raises:
             InvalidChoiceError: a file names an unknown op (nothing is loaded).
         """
+        read = {
+            which: (read_op_file(path), os.path.basename(os.fspath(path)))
+            for which, path in (("lower", lower_path), ("fp32", fp32_path))
+            if path is not None
+        }
+        # one op in both files: refused, where adding the fp32 file would take it silently
+        _check_apart(*(read[which][0] if which in read else [] for which in LIST_NAMES))
         lists = cls()
-        for which, path in (("lower", lower_path), ("fp32", fp32_path)):
-            if path is not None:
-                lists.add(which, read_op_file(path), source=os.path.basename(os.fspath(path)))
+        for which, (names, source) in read.items():
+            lists.add(which, names, source=source)
         return lists
 
     def _list(self, which: str) -> dict[str, str]:
@@ -371,8 +402,10 @@ class OpLists:
         target = self._list(which)
         names = [check_op(name) for name in _op_names(ops)]
         other = self.fp32 if target is self.lower else self.lower
+        covered = set().union(*map(_covered, names)) if names else set()
+        for entry in [entry for entry in other if _covered(entry) & covered]:
+            del other[entry]  # another spelling of the same op (truediv for div) goes too
         for name in names:
-            other.pop(name, None)
             target[name] = source
 
     def remove(self, which: str, ops: str | Iterable[str]) -> None:

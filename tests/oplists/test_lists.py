@@ -191,3 +191,24 @@ def test_oplist_magic_matches_op_names_whatever_their_case(ip):
     assert session.oplists.lists.fp32 == {"lstm": "user"}
     run(ip, "%oplist remove fp32 Lstm")
     assert not session.oplists.lists
+
+
+def test_one_op_under_two_spellings_cannot_sit_on_both_lists(tmp_path):
+    # softmax and softmax.int, div and truediv name the same aten overloads: the lower list won
+    # in every autocast block, silently, whatever the fp32 list said
+    from mpnb.errors import MpnbError
+    from mpnb.oplists.lists import OpLists
+
+    with pytest.raises(
+        MpnbError, match=r"'softmax' \(lower\) and 'softmax.int' \(fp32\) name the same op"
+    ):
+        OpLists.of(lower=["softmax"], fp32=["softmax.int"])
+    with pytest.raises(MpnbError, match="name the same op"):
+        OpLists(lower={"div": "a"}, fp32={"truediv": "b"})
+    (tmp_path / "lower.txt").write_text("softmax\n")
+    (tmp_path / "fp32.txt").write_text("softmax\n")
+    with pytest.raises(MpnbError, match="name the same op"):
+        OpLists.from_files(tmp_path / "lower.txt", tmp_path / "fp32.txt")
+    hmp = OpLists.preset("hmp")  # its fp32 list holds div, divide and truediv
+    hmp.add("lower", ["div"])  # takes every spelling of aten.div off the fp32 list
+    assert not {"div", "divide", "truediv"} & set(hmp.fp32) and "div" in hmp.lower
