@@ -49,7 +49,7 @@ from mpnb._render import html_table, text_table
 from mpnb.analysis.comparison import mode_labels
 from mpnb.analysis.memory import MemoryAccount, account_step, measure_step
 from mpnb.analysis.runs import MakeRun, built_run, first_batch
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, check_count
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode, reference_name
 from mpnb.training.batches import with_batch_size
@@ -93,8 +93,8 @@ def parse_bytes(size: int | float | str) -> int:
         value = float(match.group(1)) * _UNITS[unit]
     else:
         value = float(size)
-    if not value > 0:
-        raise ValueError(f"a memory budget must be positive, got {size!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"a memory budget must be a positive, finite size, got {size!r}")
     return int(value)
 
 
@@ -270,7 +270,9 @@ def max_batch_size(
         (64, 'limit')
     """
     names = mode_labels(modes)  # "fp32,bf16" too, as compare takes them
-    if not 1 <= start <= limit:
+    start = check_count("start", start, meaning="the batch size of the first real step")
+    limit = check_count("limit", limit, meaning="the largest batch size considered")
+    if not start <= limit:
         raise ValueError(f"need 1 <= start <= limit, got start={start}, limit={limit}")
     number = isinstance(trial_seconds, (int, float)) and not isinstance(trial_seconds, bool)
     if not number or not trial_seconds >= 0:  # NaN too

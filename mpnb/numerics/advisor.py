@@ -27,7 +27,7 @@ from torch import nn
 from mpnb import views
 from mpnb._render import html_list, html_table, text_table
 from mpnb.errors import MpnbError
-from mpnb.numerics.layer_matmuls import relative_error
+from mpnb.numerics.layer_matmuls import relative_error, shown_layer
 from mpnb.numerics.limits import FP16_LARGEST_FINITE
 from mpnb.numerics.probe import ModuleProbe, leaf_names, uncompiled
 from mpnb.numerics.watch import MEASURES, ModuleMeasures
@@ -378,12 +378,12 @@ def _findings(
     for row in overflowing:
         peak = max(row.max_activation, row.max_gradient)
         advice.append(
-            f"fp16 overflow in {row.module} ({row.kind}): values reach {peak:.3g} > {FP16_LARGEST_FINITE:.0f}. Use bf16, or put "
+            f"fp16 overflow in {shown_layer(row.module)} ({row.kind}): values reach {peak:.3g} > {FP16_LARGEST_FINITE:.0f}. Use bf16, or put "
             f"{row.kind}'s ops on the FP32 list (%oplist add fp32 ...) so that module stays in fp32."
         )
     for row in underflowing:
         advice.append(
-            f"fp16 gradient underflow in {row.module} ({row.kind}): {row.underflow_share:.0%} of its gradient values are "
+            f"fp16 gradient underflow in {shown_layer(row.module)} ({row.kind}): {row.underflow_share:.0%} of its gradient values are "
             f"below 2^-24 and would become 0 in fp16; loss scaling (torch.amp.GradScaler) fixes it."
         )
     if largest_gradient > 0:

@@ -252,6 +252,14 @@ def test_a_mode_the_device_cannot_run_is_listed_and_bad_input_runs_nothing():
         mpnb.max_batch_size(lambda mode: calls.append(mode), ["bf16"], start=64, limit=32)
     with pytest.raises(ValueError, match="'lots'"):
         mpnb.max_batch_size(lambda mode: calls.append(mode), ["bf16"], memory_budget="lots")
+    # 2.5 met 'repeat() takes 1 positional argument', inf an OverflowError inside int()
+    with pytest.raises(ValueError, match=r"start must be a whole number >= 1 .*, got 2.5"):
+        mpnb.max_batch_size(lambda mode: calls.append(mode), ["bf16"], start=2.5)
+    with pytest.raises(ValueError, match=r"limit must be a whole number >= 1 .*, got '64'"):
+        mpnb.max_batch_size(lambda mode: calls.append(mode), ["bf16"], limit="64")
+    for budget in (math.inf, math.nan, "inf GiB"):
+        with pytest.raises(ValueError, match="memory (budget|size)"):
+            mpnb.max_batch_size(lambda mode: calls.append(mode), ["bf16"], memory_budget=budget)
     for seconds in (math.nan, -1, "5"):  # NaN reached int() in the probe's size
         with pytest.raises(ValueError, match=r"trial_seconds takes a number of seconds, 0 or more"):
             mpnb.max_batch_size(lambda mode: calls.append(mode), ["bf16"], trial_seconds=seconds)

@@ -224,3 +224,13 @@ def test_advise_runs_inside_a_no_grad_block_as_it_does_outside():
         inside = mpnb.advise(model, batch, F.cross_entropy)
     assert [row.module for row in inside.rows] == [row.module for row in outside.rows]
     assert inside.advice == outside.advice
+
+
+def test_a_model_that_is_one_layer_is_named_as_the_model_in_the_advice():
+    # the advice read "fp16 overflow in  (Linear)"
+    model = torch.nn.Linear(6, 3)
+    with torch.no_grad():
+        model.weight.mul_(1e5)
+    report = mpnb.advise(model, (torch.randn(8, 6), torch.randint(0, 3, (8,))), F.cross_entropy)
+    assert report.fp16_overflow == [""]  # its name as named_modules and keep_in_fp32 give it
+    assert any(line.startswith("fp16 overflow in (the model) (Linear)") for line in report.advice)
