@@ -33,7 +33,7 @@ from mpnb.numerics.probe import ModuleProbe, leaf_names, uncompiled
 from mpnb.numerics.watch import MEASURES, ModuleMeasures
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.backends import backend_for, resolve_device
-from mpnb.training.batches import batch_loss, check_loss_fn, to_device
+from mpnb.training.batches import batch_loss, check_loss_fn, check_real_batch, to_device
 from mpnb.training.random_state import kept_random_state
 
 __all__ = ["Advice", "advise"]
@@ -311,6 +311,7 @@ def advise(
         ([], 'bf16')
     """
     check_loss_fn(loss_fn, takes_step_fn=False)
+    check_real_batch(batch, loss_fn is not None, "advise")
     model = uncompiled(model)
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     target = resolve_device(device) if device is not None or first is None else first.device

@@ -64,7 +64,13 @@ from mpnb.precision.fp32math import exact_fp32_math
 from mpnb.precision.modes.layer_swap import swapped_layers_of
 from mpnb.precision.modes.matmul_format import Threshold
 from mpnb.precision.modes.registry import find_format, format_mode, matmul_formats
-from mpnb.training.batches import batch_loss, check_loss_fn, map_tensors, tensors_in, to_device
+from mpnb.training.batches import (
+    batch_loss,
+    check_loss_fn,
+    check_real_batch,
+    map_tensors,
+    to_device,
+)
 from mpnb.training.gradients import check_loss
 
 __all__ = ["WhatIf", "Threshold", "whatif"]
@@ -192,7 +198,7 @@ def whatif(
             ModuleProbe(model, list(layers), on_output),
             torch.autocast(device.type, enabled=False),
         ):
-            _check_batch(batch, loss_fn is not None)
+            check_real_batch(batch, loss_fn is not None, "the what-if")
             batch = _trainable(to_device(batch, device))
             loss = batch_loss(model, batch, loss_fn, None, takes_step_fn=False)
             check_loss(loss)
@@ -322,35 +328,6 @@ def _check_held_in_fp32(model: nn.Module, layers: dict[str, nn.Module]) -> None:
                 f"the what-if measures each format against fp32, and the model holds "
                 f"{parameter.dtype} weights ({name!r}): measure a float32 copy, "
                 "whatif(copy.deepcopy(model).float(), batch, ...), with a float32 batch"
-            )
-
-
-def _check_batch(batch: Any, paired: bool) -> None:
-    """Refuse a batch the fp32 pass cannot run on, saying why, before it is moved: a tensor
-    with no data (on the meta device), an input of floating point in another dtype than
-    float32 (the model runs in float32: torch would refuse the mismatch inside a layer; read
-    where the batch is an ``(inputs, targets)`` pair, whose targets go to the loss alone: a
-    float64 target from numpy is fine), or no sample (a tensor with no row: nothing to
-    measure, and the message the pass meets is about its layers)."""
-    pair = paired and isinstance(batch, (tuple, list)) and len(batch) == 2
-    inputs = {id(t) for t in tensors_in(batch[0])} if pair else set()
-    for tensor in tensors_in(batch):
-        shape = tuple(tensor.shape)
-        if tensor.is_meta:
-            raise MpnbError(
-                f"the batch holds a tensor on the meta device (shaped {shape}), which has no "
-                "data: the what-if measures one real pass; give it a batch of real tensors"
-            )
-        if id(tensor) in inputs and tensor.is_floating_point() and tensor.dtype != torch.float32:
-            raise MpnbError(
-                f"the batch's inputs hold a {str(tensor.dtype).removeprefix('torch.')} tensor (shaped "
-                f"{shape}): the what-if runs the model in float32 against which each format is "
-                "measured; give it float32 inputs (x.float())"
-            )
-        if tensor.dim() and not len(tensor):
-            raise MpnbError(
-                f"the batch holds no sample (a tensor shaped {shape}): the what-if measures "
-                "one pass on at least one"
             )
 
 

@@ -365,3 +365,38 @@ def epochs_holding(data: Any, batches_needed: int) -> int | None:
     except TypeError:  # a generator, a DataLoader over an IterableDataset
         return None
     return math.ceil(batches_needed / length) if length else None
+
+
+def check_real_batch(batch: Any, paired: bool, who: str) -> None:
+    """Refuse a batch ``who``'s fp32 pass (the what-if's, the advisor's) cannot run on, saying
+    why, before it is moved: a tensor with no data (on the meta device), an input of floating
+    point in another dtype than float32 (the model runs in float32: torch would refuse the
+    mismatch inside a layer; read where the batch is an ``(inputs, targets)`` pair, whose
+    targets go to the loss alone: a float64 target from numpy is fine), or no sample (a tensor
+    with no row: nothing to measure, and the message the pass meets is about its layers).
+
+    >>> check_real_batch((torch.zeros(2, 3, device="meta"), torch.zeros(2)), True, "advise")
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.MpnbError: the batch holds a tensor on the meta device (shaped (2, 3)), which has no data: advise measures one real pass; give it a batch of real tensors
+    """
+    pair = paired and isinstance(batch, (tuple, list)) and len(batch) == 2
+    inputs = {id(t) for t in tensors_in(batch[0])} if pair else set()
+    for tensor in tensors_in(batch):
+        shape = tuple(tensor.shape)
+        if tensor.is_meta:
+            raise MpnbError(
+                f"the batch holds a tensor on the meta device (shaped {shape}), which has no "
+                f"data: {who} measures one real pass; give it a batch of real tensors"
+            )
+        if id(tensor) in inputs and tensor.is_floating_point() and tensor.dtype != torch.float32:
+            raise MpnbError(
+                f"the batch's inputs hold a {str(tensor.dtype).removeprefix('torch.')} tensor (shaped "
+                f"{shape}): {who} runs the model in float32, the reference it measures against; "
+                "give it float32 inputs (x.float())"
+            )
+        if tensor.dim() and not len(tensor):
+            raise MpnbError(
+                f"the batch holds no sample (a tensor shaped {shape}): {who} measures one pass "
+                "on at least one"
+            )

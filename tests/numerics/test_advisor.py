@@ -234,3 +234,12 @@ def test_a_model_that_is_one_layer_is_named_as_the_model_in_the_advice():
     report = mpnb.advise(model, (torch.randn(8, 6), torch.randint(0, 3, (8,))), F.cross_entropy)
     assert report.fp16_overflow == [""]  # its name as named_modules and keep_in_fp32 give it
     assert any(line.startswith("fp16 overflow in (the model) (Linear)") for line in report.advice)
+
+
+def test_a_batch_on_the_meta_device_is_named_before_the_pass():
+    # met torch's "Cannot copy out of meta tensor; no data!" from inside the pass
+    from mpnb.errors import MpnbError
+
+    batch = (torch.randn(8, 6).to("meta"), torch.randint(0, 3, (8,)).to("meta"))
+    with pytest.raises(MpnbError, match=r"meta device \(shaped \(8, 6\)\).*advise measures"):
+        mpnb.advise(torch.nn.Linear(6, 3), batch, F.cross_entropy)
