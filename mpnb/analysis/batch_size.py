@@ -195,7 +195,7 @@ class BatchSizeReport:
                     self._ratio_text(result),
                     format_bytes(result.peak) if math.isfinite(result.peak) else "-",
                     "the search's limit; pass limit=..." if _capped(result) else result.limited_by,
-                    "a real step" if result.checked else f"the account: {result.note}",
+                    _checked_by(result),
                 ]
             )
         return rows
@@ -587,6 +587,17 @@ class _Search:
         return ModeBatchSize(
             self.mode, size, peak, reason, bool(real), note, account, list(self.trials)
         )
+
+
+def _checked_by(result: ModeBatchSize) -> str:
+    """How an answer was reached: a real step, or the account (and why no real step): an
+    answer of 0 came from real steps at every size tried, none of which fitted."""
+    if result.checked:
+        return "a real step"
+    if not result.batch_size:
+        tried = sorted({t.batch_size for t in result.trials if t.kind == "step"})
+        return f"real steps of {', '.join(map(str, tried))}: none fitted" if tried else "-"
+    return f"the account: {result.note}" if result.note else "the account"
 
 
 def _is_out_of_memory(error: BaseException) -> bool:

@@ -400,3 +400,11 @@ def test_an_answer_at_the_search_limit_is_printed_as_a_lower_bound():
     assert report.result("bf16").limited_by == "limit"
     assert ">= 64" in text and "the search's limit; pass limit=..." in text, text
     assert "1.00x" not in text.splitlines()[2]  # bf16 over fp32: both bounds, no ratio
+
+
+def test_a_budget_nothing_fits_says_which_real_steps_were_tried():
+    # the row read "checked by: the account:" with nothing after the colon
+    report = mpnb.max_batch_size(make_run, ["fp32"], memory_budget=1, start=4, limit=8)
+    row = str(report).splitlines()[1]
+    assert report.result("fp32").batch_size == 0
+    assert row.rstrip().endswith("real steps of 1, 2, 4: none fitted"), row
