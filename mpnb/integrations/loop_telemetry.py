@@ -46,7 +46,7 @@ from torch import nn
 
 from mpnb import views
 from mpnb._render import dtype_name
-from mpnb.errors import check_flag, check_number
+from mpnb.errors import check_flag
 from mpnb.integrations.honesty import (
     UNSEEN,
     Notices,
@@ -121,9 +121,7 @@ class LoopTelemetry:
         dashboard = check_dashboard(dashboard)
         watch_numerics = check_watch_numerics(watch_numerics)  # refused here, not at a run's start
         check_flag("locate_overflow", locate_overflow)
-        flush_every = check_number(  # type: ignore[assignment]
-            "flush_every", flush_every, whole=True, meaning="steps between flushes"
-        )
+        flush_every = flush_every_for(on_nonfinite, flush_every)
         self.framework, self.dashboard = framework, dashboard
         self.history = History()
         self.control = FitControl()
@@ -131,7 +129,7 @@ class LoopTelemetry:
         self.health = HealthWatch(on_nonfinite)
         self.recorder = Recorder(
             self.history,
-            flush_every=flush_every_for(on_nonfinite, flush_every),
+            flush_every=flush_every,
             sinks=[self.health],
         )
         self.notices = Notices(self.history)

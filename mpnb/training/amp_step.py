@@ -311,9 +311,7 @@ class AmpStep:
             min_scale = check_number(  # type: ignore[assignment]
                 "min_scale", min_scale, meaning="the loss scale that alarms below it"
             )
-        flush_every = check_number(  # type: ignore[assignment]
-            "flush_every", flush_every, whole=True, meaning="steps between flushes"
-        )
+        flush_every = flush_every_for(on_nonfinite, flush_every)
         check_flag("record_grad_norm", record_grad_norm)
         check_scheduler(scheduler, optimizer)
         self.precision = TrainingPrecision.resolve(mode, device)
@@ -369,9 +367,7 @@ class AmpStep:
             self.health,
             *sinks,
         ]
-        self.recorder = Recorder(
-            history, flush_every=flush_every_for(on_nonfinite, flush_every), sinks=all_sinks
-        )
+        self.recorder = Recorder(history, flush_every=flush_every, sinks=all_sinks)
         self.health.restart(self.recorder.history)
         self.account = StepAccount(
             self.precision.device

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from mpnb.errors import check_number
 from mpnb.precision.backends import backend_for
 from mpnb.training.history import History
 from mpnb.training.step_clock import DeviceInterval, StepClock
@@ -125,14 +126,21 @@ class StepRecord:
 _FIELDS = operator.attrgetter(*(field.name for field in dataclasses.fields(StepRecord)))
 
 
-def flush_every_for(on_nonfinite: str, flush_every: int) -> int:
-    """Steps between telemetry flushes: every step with ``on_nonfinite="stop"``, since a loop can
-    stop at a bad step only if it knows of it there (one host read a step on an accelerator).
+def flush_every_for(on_nonfinite: str, flush_every: object) -> int:
+    """Steps between telemetry flushes: ``flush_every`` (a whole number above 0, checked here for
+    every loop that takes it), or every step with ``on_nonfinite="stop"``, since a loop can stop
+    at a bad step only if it knows of it there (one host read a step on an accelerator).
 
     >>> flush_every_for("warn", 64), flush_every_for("stop", 64)
     (64, 1)
+
+    Raises:
+        MpnbError: ``flush_every`` is not a whole number above 0.
     """
-    return 1 if on_nonfinite == "stop" else flush_every
+    flush_every = check_number(
+        "flush_every", flush_every, whole=True, meaning="steps between flushes"
+    )
+    return 1 if on_nonfinite == "stop" else int(flush_every)
 
 
 @dataclasses.dataclass(frozen=True)
