@@ -222,6 +222,8 @@ def test_advise_runs_inside_a_no_grad_block_as_it_does_outside():
     outside = mpnb.advise(model, batch, F.cross_entropy)
     with torch.no_grad():
         inside = mpnb.advise(model, batch, F.cross_entropy)
+        assert not torch.is_grad_enabled()  # the caller's block is as it was after advise
+    assert torch.is_grad_enabled()
     assert [row.module for row in inside.rows] == [row.module for row in outside.rows]
     assert inside.advice == outside.advice
 
