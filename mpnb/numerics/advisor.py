@@ -34,6 +34,7 @@ from mpnb.numerics.watch import MEASURES, ModuleMeasures
 from mpnb.oplists.refusals import refusal_error
 from mpnb.precision.backends import backend_for, resolve_device
 from mpnb.training.batches import batch_loss, check_loss_fn, check_real_batch, to_device
+from mpnb.training.gradients import check_loss
 from mpnb.training.random_state import kept_random_state
 
 __all__ = ["Advice", "advise"]
@@ -244,6 +245,7 @@ def _pass(
             ),
         ):
             loss = batch_loss(model, batch, loss_fn, None, takes_step_fn=False)
+        check_loss(loss)  # in mpnb's words, not backward's (a frozen model, a loss per sample)
         if dtype is None and not bool(torch.isfinite(loss.detach()).all()):
             raise MpnbError(
                 f"the loss is {float(loss.detach().float().flatten()[0]):g} in fp32: the "

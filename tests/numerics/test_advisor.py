@@ -245,3 +245,16 @@ def test_a_batch_on_the_meta_device_is_named_before_the_pass():
     batch = (torch.randn(8, 6).to("meta"), torch.randint(0, 3, (8,)).to("meta"))
     with pytest.raises(MpnbError, match=r"meta device \(shaped \(8, 6\)\).*advise measures"):
         mpnb.advise(torch.nn.Linear(6, 3), batch, F.cross_entropy)
+
+
+def test_a_frozen_model_or_a_loss_of_several_values_is_refused_in_mpnbs_words():
+    # torch's "element 0 of tensors does not require grad" came out of the reference pass
+    from mpnb.errors import MpnbError
+
+    model = mlp()
+    model.requires_grad_(False)
+    with pytest.raises(MpnbError, match="the loss does not require grad"):
+        mpnb.advise(model, BATCH, F.cross_entropy)
+    with pytest.raises(MpnbError, match=r"a single number, got a tensor of shape \(32,\)"):
+        mpnb.advise(mlp(), BATCH, lambda o, t: F.cross_entropy(o, t, reduction="none"))
+    assert all(not p.requires_grad and p.grad is None for p in model.parameters())
