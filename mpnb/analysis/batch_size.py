@@ -285,11 +285,12 @@ def max_batch_size(
     results = []
     with _collections_of_new_objects_only():
         for name in names:
-            try:
-                searcher = _Search(make_run, name, budget, trial_seconds)
+            try:  # a mode this device cannot run is skipped, with the reason
+                run = built_run(make_run, name)
             except MpnbError as error:
                 results.append(ModeBatchSize(name, skipped_reason=str(error)))
                 continue
+            searcher = _Search(make_run, name, run, budget, trial_seconds)
             device = device or searcher.device
             results.append(searcher.run(start, limit))
             budget = budget or searcher.budget
@@ -322,10 +323,16 @@ class _Search:
     """One mode's search: accounts everywhere, real steps where they decide."""
 
     def __init__(
-        self, make_run: MakeRun, mode: str, budget: int | None, trial_seconds: float
+        self,
+        make_run: MakeRun,
+        mode: str,
+        run: tuple[Any, Any, Any],
+        budget: int | None,
+        trial_seconds: float,
     ) -> None:
+        """``run``: what ``make_run(mode)`` built first (:func:`built_run`)."""
         self.make_run, self.mode, self.trial_seconds = make_run, mode, trial_seconds
-        trainer, data, _ = built_run(make_run, mode)  # also checks that the mode can run here
+        trainer, data, _ = run
         self.device = trainer.device
         self.backend = backend_for(self.device)
         self.sample = first_batch(data)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mpnb.errors import MpnbError
+from mpnb.training.batches import describe_batch, samples_in, tensors_in
+
 __all__: list[str] = []
 
 #: ``make_run(mode)`` returns ``(trainer, train_data)`` or ``(trainer, train_data, metric)``,
@@ -52,11 +55,25 @@ def built_run(make_run: MakeRun, mode: str) -> tuple[Any, Any, Callable[[Any], f
 
 
 def first_batch(data: Any) -> Any:
-    """The first batch of a run's data.
+    """The first batch of a run's data, the one a step is measured on.
+
+    >>> import torch
+    >>> first_batch([(torch.zeros(0, 3), torch.zeros(0))])
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.MpnbError: the run's first batch holds no samples (a tuple of 2, whose first tensor is shaped (0, 3)): a step on it measures nothing, and it has no sample to grow a batch from; give data whose first batch holds samples
 
     Raises:
         ValueError: the data yields no batch.
+        MpnbError: its first batch holds no samples.
     """
     for batch in data:
+        if samples_in(batch) == 0:
+            first = next(tensors_in(batch))
+            raise MpnbError(
+                f"the run's first batch holds no samples ({describe_batch(batch)}, whose first "
+                f"tensor is shaped {tuple(first.shape)}): a step on it measures nothing, and it "
+                "has no sample to grow a batch from; give data whose first batch holds samples"
+            )
         return batch
     raise ValueError("the run's data yields no batch to measure with")

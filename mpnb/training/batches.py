@@ -145,7 +145,7 @@ def with_batch_size(batch: Any, size: int) -> Any:
     samples = samples_in(batch)
     if not samples:
         raise MpnbError(
-            f"cannot resize a batch without a tensor of samples: got {_describe(batch)}"
+            f"cannot resize a batch without a tensor of samples: got {describe_batch(batch)}"
         )
 
     def grow(tensor: torch.Tensor) -> torch.Tensor:
@@ -267,7 +267,7 @@ def batch_loss(
     if loss_fn is not None:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise MpnbError(
-                f"with a loss_fn, each batch must be an (inputs, targets) pair, got {_describe(batch)}; "
+                f"with a loss_fn, each batch must be an (inputs, targets) pair, got {describe_batch(batch)}; "
                 f"leave loss_fn out for a model that computes its own loss{or_step_fn}"
             )
         inputs, targets = batch
@@ -320,7 +320,7 @@ def _unbindable(
         inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as mismatch:
         return (
-            f"{type(model).__name__}.forward cannot take {_describe(batch)} as its arguments "
+            f"{type(model).__name__}.forward cannot take {describe_batch(batch)} as its arguments "
             f"({mismatch}); for (inputs, targets) batches pass loss_fn=f(outputs, targets)"
             f"{or_step_fn}"
         )
@@ -337,13 +337,18 @@ def _loss_of(output: Any, or_step_fn: str) -> torch.Tensor:
         loss = output
     if not isinstance(loss, torch.Tensor):
         raise MpnbError(
-            f"the model returned {_describe(output)} with no loss (no .loss, no ['loss'], not a 0-dim tensor); "
+            f"the model returned {describe_batch(output)} with no loss (no .loss, no ['loss'], not a 0-dim tensor); "
             f"give the batch its labels, or pass loss_fn=f(outputs, targets){or_step_fn}"
         )
     return loss
 
 
-def _describe(value: Any) -> str:
+def describe_batch(value: Any) -> str:
+    """A batch in a few words, for an error: its type and size or keys.
+
+    >>> describe_batch((torch.zeros(2), torch.zeros(2))), describe_batch({"ids": torch.zeros(2)})
+    ('a tuple of 2', "a dict with keys ['ids']")
+    """
     if isinstance(value, Mapping):
         return f"a {type(value).__name__} with keys {sorted(map(str, value))[:8]}"
     if isinstance(value, (tuple, list)):

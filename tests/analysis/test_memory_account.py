@@ -329,3 +329,19 @@ def test_the_memory_table_says_what_each_column_counts_and_when_it_is_read():
         assert "read at the step's peak" in shown, shown
         assert "gradients: " in shown and "activations: " in shown and "parameters: " in shown
         assert "workspace: " not in shown  # a column no mode shows is not explained
+
+
+@pytest.mark.parametrize("ask", ["memory", "memory at a size", "max_batch_size"])
+def test_a_first_batch_of_no_samples_is_named_as_such_not_as_unresizable(ask):
+    # said "cannot resize a batch without a tensor of samples: got a tuple of 2"
+    def make_run(mode):
+        trainer, _ = cnn_run(mode)
+        return trainer, [(torch.randn(0, 1, 28, 28), torch.randint(0, 10, (0,)))]
+
+    call = {
+        "memory": lambda: mpnb.memory(make_run, ["fp32"], measure=False),
+        "memory at a size": lambda: mpnb.memory(make_run, ["fp32"], batch_size=8, measure=False),
+        "max_batch_size": lambda: mpnb.max_batch_size(make_run, ["fp32"], memory_budget="64 MiB"),
+    }[ask]
+    with pytest.raises(mpnb.MpnbError, match=r"first batch holds no samples \(a tuple of 2"):
+        call()
