@@ -180,6 +180,7 @@ TRAINING_FOR_NUMERICS = {
     "mpnb.training.random_state",
     "mpnb.training.batches",  # how a batch becomes a loss: the what-if's pass is the Trainer's
     "mpnb.training.gradients",  # check_loss: the what-if refuses the losses the Trainer refuses
+    "mpnb.training.own_run",  # what two runs share: a proof's runs are refused as compare's are
 }
 
 

@@ -49,6 +49,7 @@ from mpnb.analysis.results import ModeResult
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for
 from mpnb.precision.policy import session
+from mpnb.training.own_run import shared_part
 from mpnb.training.random_state import RandomState, kept_random_state
 from mpnb.training.telemetry import Sink
 
@@ -201,35 +202,23 @@ def _check_own_run(name: str, run: ModeRun, others: Mapping[str, ModeRun]) -> No
     for other, other_run in others.items():
         if other == name or other_run.trainer is None:
             continue
-        if other_run.trainer is trainer:
-            shared = "one Trainer"
-        elif other_run.trainer.model is trainer.model:
-            shared = "one model"
-        elif (parameter := _shared_parameter(trainer.model, other_run.trainer.model)) is not None:
-            shared = f"the parameter {parameter!r} (a module built once, outside the run)"
-        elif isinstance(run.data, Iterator) and other_run.data is run.data:
+        shared = shared_part(trainer, run.data, other_run.trainer, other_run.data)
+        if shared == "one data iterator":
             raise ValueError(
                 f"the runs of modes {other!r} and {name!r} share one data iterator: each would "
                 "train on the batches the other left; give each run its own (a list or a "
                 "DataLoader, or a generator made in make_run; in %%compare: inside the cell)"
             )
-        else:
-            continue
-        raise ValueError(
-            f"the runs of modes {other!r} and {name!r} share {shared}: build a fresh model, optimizer and "
-            "Trainer for each mode (in %%compare: inside the cell)"
-        )
+        if shared is not None:
+            raise ValueError(
+                f"the runs of modes {other!r} and {name!r} share {shared}: build a fresh model, "
+                "optimizer and Trainer for each mode (in %%compare: inside the cell)"
+            )
     if trainer.mode.label != name:
         raise ValueError(
             f"the run built for mode {name!r} trains in {trainer.mode.label!r}: build its Trainer with mode={name!r} "
             "(make_run(mode) receives the mode to use)"
         )
-
-
-def _shared_parameter(model: Any, other: Any) -> str | None:
-    """The name in ``model`` of a parameter ``other`` trains too, or None."""
-    theirs = {id(parameter) for parameter in other.parameters()}
-    return next((name for name, p in model.named_parameters() if id(p) in theirs), None)
 
 
 def _result(run: ModeRun, turns: _Turns, warmup: int, steps: int) -> ModeResult:

@@ -28,6 +28,7 @@ from mpnb.numerics.layer_matmuls import shown_layer
 from mpnb.precision.modes.base import Mode
 from mpnb.precision.modes.registry import format_mode, parse_mode
 from mpnb.training.batches import epochs_holding
+from mpnb.training.own_run import shared_part
 
 __all__ = ["Proof"]
 
@@ -195,7 +196,7 @@ def prove(
     # bf16's run has cost anything
     first = _built(make_run, mode)
     losses = _losses(first, mode, in_fp32, steps)
-    baseline = _losses(_built(make_run, BASELINE, first[0]), BASELINE, [], steps)
+    baseline = _losses(_built(make_run, BASELINE, first), BASELINE, [], steps)
     return Proof(format, mode.label, keep, losses, baseline, steps)
 
 
@@ -213,9 +214,12 @@ def _layer_names(keep: object) -> list[str]:
     return names
 
 
-def _built(make_run: Callable[[Any], Sequence[Any]], mode: Any, other: Any = None) -> Sequence[Any]:
+def _built(
+    make_run: Callable[[Any], Sequence[Any]], mode: Any, other: Sequence[Any] | None = None
+) -> Sequence[Any]:
     """``make_run(mode)``, checked before a step: a trainer and its data, training in ``mode``
-    (its ``keep`` included), with a model of its own (not ``other``'s, the run before)."""
+    (its ``keep`` included), with a model and data of its own (not those of ``other``, the run
+    before: :func:`~mpnb.training.own_run.shared_part`)."""
     run = make_run(mode)
     if not isinstance(run, (tuple, list)) or len(run) not in (2, 3) or not hasattr(run[0], "fit"):
         raise TypeError(
@@ -223,11 +227,16 @@ def _built(make_run: Callable[[Any], Sequence[Any]], mode: Any, other: Any = Non
             "or (trainer, data, metric) with an mpnb.Trainer, as compare's make_run does"
         )
     trainer = run[0]
-    if other is not None and (trainer is other or trainer.model is other.model):
-        shared = "Trainer" if trainer is other else "model"
+    shared = None if other is None else shared_part(trainer, run[1], *other)
+    if shared is not None:
         raise MpnbError(
-            f"the runs of {other.mode.label} and {BASELINE} share one {shared}: build a fresh "
-            "model, optimizer and Trainer in each call of make_run"
+            f"the runs of {other[0].mode.label} and {BASELINE} share {shared}: "
+            + (
+                "the bf16 run would train on the batches the other left; give each run its own "
+                "(a list or a DataLoader, or a generator made in make_run)"
+                if shared == "one data iterator"
+                else "build a fresh model, optimizer and Trainer in each call of make_run"
+            )
         )
     wanted = parse_mode(mode)
     if trainer.mode != wanted:

@@ -1059,6 +1059,29 @@ def test_a_batch_made_under_inference_mode_is_measured():
     assert batch[0].is_inference()
 
 
+def test_prove_refuses_a_module_or_a_data_iterator_shared_by_both_runs(planted):
+    """As compare refuses them: the bf16 run would train the backbone the format's run left,
+    or on the batches it left."""
+    backbone = _planted()[0]  # built once, outside make_run
+
+    def sharing_a_module(mode):
+        trainer, data = _make_run(mode)
+        trainer.model[0] = backbone
+        trainer.optimizer.add_param_group({"params": backbone.parameters()})
+        return trainer, data
+
+    with pytest.raises(MpnbError, match=r"share the parameter '0.weight' \(a module built once"):
+        planted.prove(sharing_a_module, "fp8", steps=1)
+    x, y = _batch()
+    batches = iter([(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)])
+
+    def sharing_an_iterator(mode):
+        return _make_run(mode)[0], batches
+
+    with pytest.raises(MpnbError, match="share one data iterator"):
+        planted.prove(sharing_an_iterator, "fp8", steps=1)
+
+
 def test_prove_takes_one_name_or_none_and_refuses_anything_else():
     from mpnb.numerics.format_proof import prove
 
