@@ -315,8 +315,6 @@ class AmpStep:
         check_flag("record_grad_norm", record_grad_norm)
         check_scheduler(scheduler, optimizer)
         self.precision = TrainingPrecision.resolve(mode, device)
-        # train_step's: entered once at a time (the window's FORWARD phase)
-        self._forward_context = self.precision.autocast.context()
         self.optimizer, self.scheduler = optimizer, scheduler
         self.accumulate, self.clip_grad_norm, self.record_grad_norm = (
             accumulate,
@@ -360,7 +358,7 @@ class AmpStep:
             self._scalers[scaler.is_enabled()] = scaler  # a later switch of mode comes back to it
         # fp16 weights refused before anything is hooked (GradScaler cannot unscale them)
         check_scalable(optimizer, self.precision.needs_scaler)
-        self.scaler = self._scaler(self.precision.needs_scaler)
+        self._use_precision(self.precision)
         self.health = HealthWatch(on_nonfinite)
         all_sinks = [
             *([MinScaleAlarm(min_scale)] if min_scale is not None else []),
@@ -393,7 +391,7 @@ class AmpStep:
         Raises:
             MpnbError: ``loss`` is not a one-element tensor that requires grad (nothing changed).
         """
-        self._backward(loss, torch.is_autocast_enabled(self.precision.device.type))
+        self._backward(loss, torch.is_autocast_enabled(self._device_type))
 
     def train_step(self, forward: Callable[[], torch.Tensor], samples: int | None = None) -> bool:
         """A micro-batch in one call: ``forward()`` (which returns the loss) under :meth:`autocast`,
@@ -423,7 +421,7 @@ class AmpStep:
                 f"got a {type(forward).__name__}"
             )
         # the state backward will run in
-        outer_autocast = torch.is_autocast_enabled(self.precision.device.type)
+        outer_autocast = torch.is_autocast_enabled(self._device_type)
         self._window.start_forward()  # the one context object cannot be entered twice at once
         self.account.forward_start(forward)  # an instrument may replay a skipped step with it
         try:
@@ -444,7 +442,7 @@ class AmpStep:
         if self.accumulate > 1:
             loss = loss / self.accumulate
         if under_autocast:  # leave it for the backward
-            with torch.autocast(self.precision.device.type, enabled=False):
+            with torch.autocast(self._device_type, enabled=False):
                 self.scaler.scale(loss).backward()
         else:  # the usual place, after the block: no context to build (a few microseconds a step)
             self.scaler.scale(loss).backward()
@@ -515,7 +513,7 @@ class AmpStep:
         if not self._weights_checked:
             self.check_weights()
         scaler, optimizer, watch = self.scaler, self.optimizer, self._step_watch
-        scale_before = scale_in_use(scaler)
+        scale_before = scale_in_use(scaler) if self._scales else 1.0
         watch.reset()
         try:
             grad_norm = (
@@ -533,7 +531,8 @@ class AmpStep:
             if refused is not None:
                 raise refused from error
             raise
-        self._finish_step(scale_before, watch.skipped(scaler, self.precision.device), grad_norm, lr)
+        skipped = watch.skipped(scaler, self.precision.device) if self._scales else False
+        self._finish_step(scale_before, skipped, grad_norm, lr)
         return True
 
     def _finish_step(
@@ -621,9 +620,7 @@ class AmpStep:
                 f"a run cannot move from {self.precision.device} to {precision.device}"
             )
         check_scalable(self.optimizer, precision.needs_scaler)
-        self.precision = precision
-        self.scaler = self._scaler(precision.needs_scaler)
-        self._forward_context = precision.autocast.context()
+        self._use_precision(precision)
 
     def scale_back(self, cause: str, step: int | None = None) -> bool:
         """Between two steps, after a change that ends an overflow (the remedy, a switch of mode
@@ -649,6 +646,16 @@ class AmpStep:
         return True
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _use_precision(self, precision: TrainingPrecision) -> None:
+        """Train in ``precision`` from the next micro-batch: its scaler, and what each step
+        reads of it, taken once here."""
+        self.precision = precision
+        self.scaler = self._scaler(precision.needs_scaler)
+        # train_step's: entered once at a time (the window's FORWARD phase)
+        self._forward_context = precision.autocast.context()
+        self._device_type = precision.device.type
+        self._scales = self.scaler.is_enabled()  # without a scale, none to read and no skip
 
     def _scaler(self, enabled: bool) -> torch.amp.GradScaler:
         if enabled not in self._scalers:

@@ -177,7 +177,12 @@ def samples_in(batch: Any) -> int | None:
     (8, 4, None)
     """
     # the common shapes first, without flattening the whole batch (once per step)
-    if isinstance(batch, (tuple, list)):
+    if type(batch) is tuple or type(batch) is list:
+        if batch and type(batch[0]) is torch.Tensor:  # the usual batch: (inputs, targets)
+            shape = batch[0].shape
+            return shape[0] if shape else None
+        first = batch[0] if batch else None
+    elif isinstance(batch, (tuple, list)):
         first = batch[0] if batch else None
     elif isinstance(batch, dict) and batch:
         first = next(iter(batch.values()))
@@ -263,15 +268,16 @@ def batch_loss(
     """
     if step_fn is not None:
         return step_fn(model, batch)
-    or_step_fn = " or step_fn=f(model, batch) -> loss" if takes_step_fn else ""
     if loss_fn is not None:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            or_step_fn = " or step_fn=f(model, batch) -> loss" if takes_step_fn else ""
             raise MpnbError(
                 f"with a loss_fn, each batch must be an (inputs, targets) pair, got {describe_batch(batch)}; "
                 f"leave loss_fn out for a model that computes its own loss{or_step_fn}"
             )
         inputs, targets = batch
         return loss_fn(model(inputs), targets)
+    or_step_fn = " or step_fn=f(model, batch) -> loss" if takes_step_fn else ""
     args, kwargs = _arguments_of(batch)
     try:
         output = model(*args, **kwargs)

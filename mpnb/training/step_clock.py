@@ -78,7 +78,9 @@ class StepClock:
         """The open window's time (0.0 when none was open), starting the next window now."""
         end = self._mark()
         start, self._start = self._start, end
-        return 0.0 if start is None else _between(start, end)
+        if start is None:
+            return 0.0
+        return DeviceInterval(start, end) if self.uses_events else end - start
 
     def restart(self) -> None:
         self._start = None
@@ -92,7 +94,10 @@ class StepClock:
     def stop(self) -> float | DeviceInterval | None:
         """The open window's time, closing it (None when none was open)."""
         start, self._start = self._start, None
-        return None if start is None else _between(start, self._mark())
+        if start is None:
+            return None
+        end = self._mark()
+        return DeviceInterval(start, end) if self.uses_events else end - start
 
     def _event(self) -> torch.Event:
         event = torch.Event(device=self.device, enable_timing=True)
@@ -101,11 +106,6 @@ class StepClock:
 
     def __repr__(self) -> str:
         return f"StepClock({self.device}, {'device timing events' if self.uses_events else 'host clock'})"
-
-
-def _between(start: float | torch.Event, end: float | torch.Event) -> float | DeviceInterval:
-    """The time from ``start`` to ``end``: seconds on the host clock, an interval between device events."""
-    return end - start if isinstance(end, float) else DeviceInterval(start, end)
 
 
 def _timing_events_work(device: torch.device) -> bool:

@@ -29,7 +29,7 @@ import math
 import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,10 +45,10 @@ __all__: list[str] = []
 Duration = tuple[float | DeviceInterval, ...]
 
 
-@dataclasses.dataclass(slots=True)  # not frozen: its 13 fields are set once a step, directly
-class StepRecord:
+class StepRecord(NamedTuple):
     """One optimizer step, as recorded. Each field has one type; a tensor stays on the device
-    until the recorder's flush, and a duration's device intervals are read there too.
+    until the recorder's flush, and a duration's device intervals are read there too. A tuple:
+    made once a step in one call, and a flush's records turn into columns in one transposition.
 
     Attributes:
         step, epoch: the step's number (from 1, over the trainer's life) and its epoch.
@@ -96,7 +96,7 @@ class StepRecord:
             >>> StepRecord.columns_of([first, second])["step"]
             [1, 2]
         """
-        fields = map(list, zip(*map(_FIELDS, records)))
+        fields = map(list, zip(*records))
         steps, epochs, losses, missing, scales, skips, lrs, step_times, *rest = fields
         forward_times, samples, memories, norms, modes = rest
         used, peak, reserved = map(list, zip(*memories))
@@ -108,11 +108,8 @@ class StepRecord:
             "loss_scale": scales,
             "skipped": skips,
             "lr": lrs,
-            "step_time": [parts[0] if len(parts) == 1 else list(parts) for parts in step_times],
-            "forward_time": [
-                math.nan if parts is None else parts[0] if len(parts) == 1 else list(parts)
-                for parts in forward_times
-            ],
+            "step_time": _durations(step_times),
+            "forward_time": _durations(forward_times),
             "samples": samples,
             "memory_used": used,
             "memory_peak": peak,
@@ -122,8 +119,23 @@ class StepRecord:
         }
 
 
-#: A record's fields in their order, read at once.
-_FIELDS = operator.attrgetter(*(field.name for field in dataclasses.fields(StepRecord)))
+_FIRST = operator.itemgetter(0)
+
+
+def _durations(durations: list[Duration | None]) -> list[Any]:
+    """Durations as a column: one of one part is that part, of several a list (the recorder
+    sums them), one not measured (None) NaN. The usual column, every duration of one part, is
+    taken without a Python step per row (a flush turns up to ``flush_every`` of them).
+
+    >>> _durations([(0.5,), (0.25, 0.25), None])
+    [0.5, [0.25, 0.25], nan]
+    """
+    if None not in durations and set(map(len, durations)) == {1}:
+        return list(map(_FIRST, durations))
+    return [
+        math.nan if parts is None else parts[0] if len(parts) == 1 else list(parts)
+        for parts in durations
+    ]
 
 
 def flush_every_for(on_nonfinite: str, flush_every: object) -> int:
@@ -399,7 +411,8 @@ class StepAccount:
         step, so that an instrument that fails, or an interrupt inside one, cannot lose it. Then
         the instruments' :meth:`~Instrument.step_end` (and :meth:`~Instrument.step_skipped`)."""
         step_time = (*self._step_parts, self.clock.lap())
-        loss = self.loss
+        # the usual step, one micro-batch's loss: as it is (what the property returns for it)
+        loss = self._plain if self._plain_count == 1 and self._summed is None else self.loss
         record = StepRecord(
             step,
             epoch,

@@ -551,29 +551,32 @@ class Trainer:
 
     def _run(self, data: Iterable[Any], stop: StopRequest, max_steps: int | None) -> bool:
         """Train until the planned end, ``max_steps`` or a stop request; True when the plan is done."""
-        place = self._data
+        place, amp = self._data, self.amp
         steps_left = max_steps
+        # each batch's loss: a partial, not a closure (no Python frame of mpnb's between the
+        # step and the model)
+        model, loss_fn, step_fn = self.model, self.loss_fn, self.step_fn
 
         def interrupted() -> bool:  # ends a pause too
             return stop.requested
 
         while place.unfinished:
-            self.amp.epoch = place.epoch
+            amp.epoch = place.epoch
             trained_any = False
             for batch in place.epoch_batches(data):
-                if self.amp.between_steps:
+                if amp.between_steps:
                     checkpoint = self.control.checkpoint(interrupted)
                     if checkpoint.changed:
                         self._follower.follow(checkpoint.changed)
                         if "reset" in checkpoint.changed:  # every switch put back, the remedies too
-                            self._instruments.undo_for_reset(self.history, self.amp.steps + 1)
+                            self._instruments.undo_for_reset(self.history, amp.steps + 1)
                     if checkpoint.paused_s:
-                        self.amp.restart_clock()  # the pause is not step time
-                    wants_stop = stop.requested or checkpoint.stop or self.amp.health.stop
+                        amp.restart_clock()  # the pause is not step time
+                    wants_stop = stop.requested or checkpoint.stop or amp.health.stop
                     peer_stopped = False
                     if self.strategy is not None:  # every rank stops at the same step, or none does
                         agreed = agreed_stop(
-                            wants_stop, self.amp.steps, self.amp.recorder.flush_every, self.device
+                            wants_stop, amp.steps, amp.recorder.flush_every, self.device
                         )
                         peer_stopped = agreed and not wants_stop
                         wants_stop = agreed
@@ -584,11 +587,14 @@ class Trainer:
                     batch = place.take(batch, starts_window=True)
                 else:
                     batch = place.take(batch, starts_window=False)
-                steps_before = self.amp.steps
-                try:
-                    stepped = self._train_batch(batch)
+                steps_before = amp.steps
+                try:  # the instruments: in the step's account
+                    stepped = amp.train_step(
+                        functools.partial(batch_loss, model, batch, loss_fn, step_fn),
+                        samples_in(batch),
+                    )
                 except BaseException:
-                    if self.amp.steps != steps_before:  # the update happened: its window is done
+                    if amp.steps != steps_before:  # the update happened: its window is done
                         place.trained()
                         place.window_stepped()
                     raise
@@ -618,11 +624,6 @@ class Trainer:
         self._data.drop_window(unfinished)
         if unfinished:
             self.amp.discard_window()
-
-    def _train_batch(self, batch: Any) -> bool:
-        # the loss as a partial, not a closure: no Python frame of mpnb's between the step and the model
-        loss = functools.partial(batch_loss, self.model, batch, self.loss_fn, self.step_fn)
-        return self.amp.train_step(loss, samples_in(batch))  # the instruments: in its account
 
     def _watched_run(self) -> WatchedRun:
         """What the fit's instruments see of it (the precision as it is at each call: a fit
