@@ -550,7 +550,8 @@ class AmpStep:
         # what the step's caller may ask (a skipped fp16 step's replay): host-known or a tensor
         self.last_skipped, self.last_scale = skipped, scale_before
         try:
-            self.scaler.update()
+            if self._scales:  # a disabled scaler's update does nothing
+                self.scaler.update()
             if self.scheduler is not None and self._step_watch.stepped:
                 self.scheduler.step()
         except BaseException:

@@ -114,7 +114,9 @@ class Checkpoint:
     paused_s: float
 
 
-_GO_ON = Checkpoint(stop=False, changed=(), paused_s=0.0)
+#: The usual step boundary: nothing changed, no pause, no stop (one object: a loop may ask
+#: ``checkpoint is GO_ON`` and skip reading its fields).
+GO_ON = Checkpoint(stop=False, changed=(), paused_s=0.0)
 _PAUSED, _STOPPING = FitState.PAUSED, FitState.STOPPING  # read at every step: a global each
 _STOP = Checkpoint(stop=True, changed=(), paused_s=0.0)
 
@@ -207,7 +209,7 @@ class FitControl:
             self._poll()
         state = self.state
         if state is not _PAUSED and not self._changed:  # the usual step: nothing to tell
-            return _STOP if state is _STOPPING else _GO_ON
+            return _STOP if state is _STOPPING else GO_ON
         waited_from = time.perf_counter()
         while self.state is FitState.PAUSED and not interrupted():
             time.sleep(PAUSE_POLL_S)

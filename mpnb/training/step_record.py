@@ -339,7 +339,7 @@ class StepAccount:
         else:
             self._forward_parts.append(forward_time)
         if loss is not None:
-            self.add_loss(loss)
+            self._add_plain(loss)
 
     def interrupt(self) -> None:
         """Work outside the steps starts inside an open step (an evaluation between micro-batches):
@@ -358,12 +358,18 @@ class StepAccount:
         """A micro-batch's loss, kept as given (a bf16 loss stays bf16: the flush reads it exactly).
         ``normalized``: already divided so that the step's losses sum to its loss; otherwise the
         step's loss is the mean of its micro-batches' (summed in fp32, divided once)."""
-        self.open = True
         if normalized:
+            self.open = True
             self._summed = add_in_fp32(self._summed, loss)
         else:
-            self._plain = loss if self._plain is None else add_in_fp32(self._plain, loss)
-            self._plain_count += 1
+            self._add_plain(loss)
+
+    def _add_plain(self, loss: torch.Tensor | float) -> None:
+        """A micro-batch's loss, one of those the step's loss is the mean of."""
+        self.open = True
+        plain = self._plain
+        self._plain = loss if plain is None else add_in_fp32(plain, loss)
+        self._plain_count += 1
 
     def add_samples(self, count: int | None) -> None:
         """Examples in a micro-batch (None or 0 when unknown)."""

@@ -44,7 +44,14 @@ from mpnb.training.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from mpnb.training.control import FitControl, FitEnd, FitState, running_on_this_thread
+from mpnb.training.control import (
+    GO_ON,
+    Checkpoint,
+    FitControl,
+    FitEnd,
+    FitState,
+    running_on_this_thread,
+)
 from mpnb.training.data_position import DataPosition
 from mpnb.training.history import History
 from mpnb.training.interrupts import StopRequest
@@ -551,7 +558,7 @@ class Trainer:
 
     def _run(self, data: Iterable[Any], stop: StopRequest, max_steps: int | None) -> bool:
         """Train until the planned end, ``max_steps`` or a stop request; True when the plan is done."""
-        place, amp = self._data, self.amp
+        place, amp, control, strategy = self._data, self.amp, self.control, self.strategy
         steps_left = max_steps
         # each batch's loss: a partial, not a closure (no Python frame of mpnb's between the
         # step and the model)
@@ -565,25 +572,20 @@ class Trainer:
             trained_any = False
             for batch in place.epoch_batches(data):
                 if amp.between_steps:
-                    checkpoint = self.control.checkpoint(interrupted)
-                    if checkpoint.changed:
-                        self._follower.follow(checkpoint.changed)
-                        if "reset" in checkpoint.changed:  # every switch put back, the remedies too
-                            self._instruments.undo_for_reset(self.history, amp.steps + 1)
-                    if checkpoint.paused_s:
-                        amp.restart_clock()  # the pause is not step time
-                    wants_stop = stop.requested or checkpoint.stop or amp.health.stop
-                    peer_stopped = False
-                    if self.strategy is not None:  # every rank stops at the same step, or none does
-                        agreed = agreed_stop(
-                            wants_stop, amp.steps, amp.recorder.flush_every, self.device
-                        )
-                        peer_stopped = agreed and not wants_stop
-                        wants_stop = agreed
-                    if wants_stop or steps_left == 0:
-                        place.hold(batch)
-                        self._ended = self._why_stopped(peer_stopped)
-                        return False
+                    checkpoint = control.checkpoint(interrupted)
+                    # the usual boundary: nothing to follow, no stop asked, no peer to ask
+                    if not (
+                        checkpoint is GO_ON
+                        and strategy is None
+                        and steps_left != 0
+                        and not stop.requested
+                        and not amp.health.stop
+                    ):
+                        ended = self._ends_here(checkpoint, stop, steps_left)
+                        if ended is not None:
+                            place.hold(batch)
+                            self._ended = ended
+                            return False
                     batch = place.take(batch, starts_window=True)
                 else:
                     batch = place.take(batch, starts_window=False)
@@ -606,6 +608,29 @@ class Trainer:
                 steps_left -= 1
             place.next_epoch(trained_any)
         return True
+
+    def _ends_here(
+        self, checkpoint: Checkpoint, stop: StopRequest, steps_left: int | None
+    ) -> FitEnd | None:
+        """At a step boundary the control's ``checkpoint`` did not find quiet (or a stop, a
+        peer or the step budget may end the fit): follow the session's switches, leave a pause
+        out of the step's time, and say why the fit ends here (None: it goes on)."""
+        amp = self.amp
+        if checkpoint.changed:
+            self._follower.follow(checkpoint.changed)
+            if "reset" in checkpoint.changed:  # every switch put back, the remedies too
+                self._instruments.undo_for_reset(self.history, amp.steps + 1)
+        if checkpoint.paused_s:
+            amp.restart_clock()  # the pause is not step time
+        wants_stop = stop.requested or checkpoint.stop or amp.health.stop
+        peer_stopped = False
+        if self.strategy is not None:  # every rank stops at the same step, or none does
+            agreed = agreed_stop(wants_stop, amp.steps, amp.recorder.flush_every, self.device)
+            peer_stopped = agreed and not wants_stop
+            wants_stop = agreed
+        if wants_stop or steps_left == 0:
+            return self._why_stopped(peer_stopped)
+        return None
 
     def _finish_window(self) -> bool:
         """Step the window the epoch's data ended inside, if any. Once its update happened, its
