@@ -48,9 +48,11 @@ class Proof:
         keep: the layers kept in higher precision.
         losses: its loss at each step; ``bf16_losses``: bf16's.
         gap: the mean of (its loss - bf16's) over the second half of the steps.
-        spread: the standard deviation of those per-step differences.
+        spread: the standard deviation of those per-step differences (NaN with fewer than
+            two: no noise to measure).
         standard_error: the gap's (the spread over the square root of their count).
-        shows_gap: whether the gap is more than two standard errors from zero.
+        shows_gap: whether the gap is more than two standard errors from zero (False where
+            the noise is unknown: too few steps to tell).
 
     Example:
         >>> proof = Proof("fp8", "fp8:tensorwise", ["4"], [2.0, 1.5, 1.2, 1.0], [2.0, 1.4, 1.1, 1.0])
@@ -75,19 +77,28 @@ class Proof:
         return self.losses[start:steps], self.bf16_losses[start:steps]
 
     @property
+    def _differences(self) -> list[float]:
+        """The per-step differences (this configuration minus bf16) the gap averages."""
+        ours, theirs = self._window
+        return [a - b for a, b in zip(ours, theirs)]
+
+    @property
+    def _finite(self) -> bool:
+        """Neither run's loss went inf or NaN in the steps compared."""
+        return all(map(math.isfinite, self._differences))
+
+    @property
     def gap(self) -> float:
         """Mean per-step loss difference (this configuration minus bf16), second half of the run."""
-        ours, theirs = self._window
-        return statistics.fmean(a - b for a, b in zip(ours, theirs)) if ours else math.nan
+        differences = self._differences
+        return statistics.fmean(differences) if differences else math.nan
 
     @property
     def spread(self) -> float:
-        """Standard deviation of the per-step differences the gap averages (0 for one step)."""
-        ours, theirs = self._window
-        differences = [a - b for a, b in zip(ours, theirs)]
-        if len(differences) < 2:
-            return 0.0
-        if not all(map(math.isfinite, differences)):  # a run whose loss went inf or NaN
+        """Standard deviation of the per-step differences the gap averages (NaN for fewer than
+        two, or where a run's loss went inf or NaN)."""
+        differences = self._differences
+        if len(differences) < 2 or not self._finite:
             return math.nan
         return statistics.stdev(differences)
 
@@ -100,14 +111,22 @@ class Proof:
     @property
     def shows_gap(self) -> bool:
         """Whether the gap stands out of the step-to-step noise: more than
-        :data:`GAP_STANDARD_ERRORS` standard errors from zero (a run gone inf or NaN does)."""
-        if not math.isfinite(self.gap) or math.isnan(self.standard_error):
+        :data:`GAP_STANDARD_ERRORS` standard errors from zero (a run gone inf or NaN does;
+        with fewer than two steps compared the noise is unknown: False)."""
+        if not self._finite or not self._differences:
             return True
+        if len(self._differences) < 2:
+            return False
         return abs(self.gap) > GAP_STANDARD_ERRORS * self.standard_error
 
     def _verdict(self) -> str:
-        if not math.isfinite(self.gap) or math.isnan(self.standard_error):
+        if not self._finite or not self._differences:
             return "a run's loss is not finite"
+        if len(self._differences) < 2:
+            return (
+                "too few steps to tell a gap from the noise (one step compared; prove with "
+                "steps=4 or more)"
+            )
         if self.standard_error == 0:
             return "a gap" if self.gap else "no gap"
         errors = abs(self.gap) / self.standard_error
@@ -127,13 +146,24 @@ class Proof:
         )
         return (
             f"{self.format} ({self.mode}, keeping {kept}) beside {BASELINE} over {trained} "
-            f"steps{short}: loss gap {self.gap:+.3g} over the last {len(ours)} steps (spread "
-            f"{self.spread:.3g}, standard error {self.standard_error:.2g}): {self._verdict()}; "
+            f"steps{short}: loss gap {self.gap:+.3g} over the last {len(ours)} steps "
+            f"({_noise(self.spread, self.standard_error)}): {self._verdict()}; "
             f"{share} of {BASELINE}'s mean loss there ({reference:.3g})"
         )
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
+
+
+def _noise(spread: float, standard_error: float) -> str:
+    """The spread and the standard error as the proof's line says them ("n/a" where unknown).
+
+    >>> _noise(0.0707, 0.05), _noise(math.nan, math.nan)
+    ('spread 0.0707, standard error 0.05', 'spread n/a')
+    """
+    if math.isnan(spread):
+        return "spread n/a"
+    return f"spread {spread:.3g}, standard error {standard_error:.2g}"
 
 
 def configuration(format: str, keep: Sequence[str]) -> tuple[Mode, list[str]]:

@@ -1115,6 +1115,18 @@ def test_the_proofs_share_has_the_sign_of_its_gap_for_negative_losses():
     assert proof.gap == pytest.approx(0.2) and "+20.0% of bf16's mean loss" in str(proof)
 
 
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_proof_of_one_difference_says_it_cannot_tell_not_a_gap(steps):
+    # a 0.1% difference on one step read "spread 0, standard error 0): a gap"
+    from mpnb.numerics.format_proof import Proof
+
+    proof = Proof("fp8", "fp8", [], [1.0, 1.001][:steps], [1.0, 1.0][:steps])
+    assert math.isnan(proof.spread) and math.isnan(proof.standard_error)
+    assert not proof.shows_gap
+    assert "too few steps to tell a gap from the noise" in str(proof)
+    assert "a gap;" not in str(proof) and "spread n/a" in str(proof)
+
+
 def test_a_proof_whose_run_went_inf_still_reads():
     from mpnb.numerics.format_proof import Proof
 
