@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mpnb import views
 from mpnb._render import html_table, text_table
@@ -139,7 +140,7 @@ def whatif(
     layers = {name: module for name, module in model.named_modules() if multiplies(module)}
     _check_held_in_fp32(model, layers)
     # a layer with no weight element (a zero-width head) makes no product to measure
-    layers = {name: module for name, module in layers.items() if module.weight.numel()}
+    layers = {name: module for name, module in layers.items() if _weight_elements(module)}
     if not layers:
         raise MpnbError(
             f"{type(model).__name__} has no layer a format applies to: what-if measures "
@@ -295,6 +296,22 @@ def _trainable(batch: Any) -> Any:
     """``batch`` with each tensor made under ``torch.inference_mode`` copied to a plain one
     (autograd cannot save an inference tensor for the backward); the others as they are."""
     return map_tensors(batch, lambda tensor: tensor.clone() if tensor.is_inference() else tensor)
+
+
+def _weight_elements(module: nn.Module) -> int:
+    """How many elements ``module``'s weight holds, read without computing it: a parametrized
+    weight (spectral_norm, weight_norm) is computed at each read, and in train mode
+    spectral_norm's power iteration moves its buffers as it is, outside the pass that puts the
+    model back as found. Its originals have the elements it is made of.
+
+    >>> normed = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(3, 2))
+    >>> _weight_elements(normed), _weight_elements(torch.nn.Linear(0, 2))
+    (6, 0)
+    """
+    if parametrize.is_parametrized(module, "weight"):
+        originals = module.parametrizations.weight.named_parameters(recurse=False)
+        return min((t.numel() for name, t in originals if name.startswith("original")), default=0)
+    return module.weight.numel()
 
 
 def _check_held_in_fp32(model: nn.Module, layers: dict[str, nn.Module]) -> None:
