@@ -737,6 +737,23 @@ def test_a_weight_normed_linear_is_kept_with_the_reason():
         assert type(model[4]).__name__ == "ParametrizedLinear"
 
 
+@pytest.mark.parametrize("mode", ["fp8", "mxfp8"])
+def test_a_linear_registered_under_two_names_is_kept_and_said_not_half_converted(mode):
+    # the same Linear at positions 2 and 4: swapped at "2" only, "4" ran the plain Linear while
+    # the report said "converted: 2, 6"; keep=["4"] was refused as naming no module
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(
+        nn.Linear(32, 32), nn.ReLU(), shared, nn.ReLU(), shared, nn.ReLU(),
+        nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2),
+    )  # fmt: skip
+    layers = parse_mode(mode).layer_swap(model, torch.device("cpu"))
+    assert layers.converted == ["6"] and "also registered as 4" in layers.kept["2"]
+    with layers:
+        assert model[2] is shared and model[4] is shared
+    kept = parse_mode(mode, keep=["4"]).layer_swap(model, torch.device("cpu"))
+    assert kept.converted == ["6"] and "also registered as 4" in kept.kept["2"]
+
+
 def test_hooks_on_a_converted_layer_still_fire_and_come_off_with_their_handle():
     model = mlp()
     calls = []

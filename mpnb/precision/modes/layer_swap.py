@@ -214,7 +214,9 @@ class LayerSwap:
         self.model, self.keep = model, layer_names(keep, self.mode)
         self.device = resolve_device(device)
         self.emulated = self.hardware(self.device) == "emulated"
-        modules = dict(model.named_modules())
+        # every name a module is registered under (the same layer at two places of a Sequential,
+        # an attribute alias): keep may name any of them
+        modules = dict(model.named_modules(remove_duplicate=False))
         unknown = [name for name in self.keep if name not in modules]
         if unknown:
             raise MpnbError(
@@ -344,13 +346,24 @@ class LayerSwap:
             for child, _ in module.named_children()
         }
         linears = [(n, m) for n, m in model.named_modules() if cls.is_candidate(m)]
+        # a layer's other names: a swap replaces it at one place and leaves the others plain
+        names: dict[int, list[str]] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            names.setdefault(id(module), []).append(name)
         kept: dict[str, str] = {}
         converted, already = [], []
         for index, (name, module) in enumerate(linears):
             if cls.is_layer(module):
                 already.append(name)
                 continue
-            reason = cls._kept_because(name, module, (index, len(linears)), parents.get(name), keep)
+            place = (index, len(linears))
+            reason = cls._kept_because(name, module, place, parents.get(name), keep)
+            others = names[id(module)][1:]
+            if not reason and others:
+                reason = (
+                    f"also registered as {', '.join(others)}: swapped at one place, it would "
+                    "run plain at the other"
+                )
             if reason:
                 kept[name] = reason
             else:
