@@ -86,8 +86,8 @@ def format_names() -> tuple[str, ...]:
 
 
 def chosen_formats(formats: object) -> tuple[str, ...]:
-    """The formats a what-if is asked for: every one for None, one name, or names (in order,
-    each once).
+    """The formats a what-if is asked for: every one for None, one name (or torch dtype), or
+    names (in order, each once).
 
     >>> chosen_formats(None)[:2], chosen_formats("bf16"), chosen_formats(["nvfp4", "bf16", "nvfp4"])
     (('fp16', 'bf16'), ('bf16',), ('nvfp4', 'bf16'))
@@ -98,6 +98,8 @@ def chosen_formats(formats: object) -> tuple[str, ...]:
     """
     if formats is None:
         return format_names()
+    if isinstance(formats, torch.dtype):  # one format, as recommend and worst take it
+        formats = [formats]
     names = split_names([formats]) if isinstance(formats, str) else formats
     if not isinstance(names, Iterable) or isinstance(names, (bytes, dict)):
         raise InvalidChoiceError(

@@ -1463,6 +1463,7 @@ def test_formats_take_the_spellings_modes_take(planted):
         "bf16", "fp16", "fp8_rowwise", "nvfp4",
     )  # fmt: skip
     assert chosen_formats("bf16,fp8") == chosen_formats(["bf16", "fp8"]) == ("bf16", "fp8")
+    assert chosen_formats(torch.bfloat16) == ("bf16",)  # one dtype, as recommend takes it
     assert planted.recommend("FP16") == planted.recommend("fp16") == ["5"]
     assert planted.worst("5", "float16") == planted.worst("5", "fp16")
     with pytest.raises(InvalidChoiceError, match="unknown format 'int4'; valid: fp16, bf16"):
