@@ -174,10 +174,24 @@ def _covered(entry: str) -> frozenset[str]:
 
 
 def _check_apart(lower: Iterable[str], fp32: Iterable[str]) -> None:
-    """Refuse lists that name one op on both, under two spellings (``softmax`` and
-    ``softmax.int``, ``div`` and ``truediv``): the lower list would win, whatever the fp32 list
-    says."""
-    fp32 = list(fp32)
+    """Refuse lists that name one op on both, by one name or under two spellings (``softmax``
+    and ``softmax.int``, ``div`` and ``truediv``): the lower list would win, whatever the fp32
+    list says.
+
+    >>> _check_apart(["softmax"], ["linear"])
+    >>> _check_apart(["F.softmax"], ["softmax"])
+    Traceback (most recent call last):
+    ...
+    mpnb.errors.MpnbError: op 'softmax' is on both the lower and the fp32 list; name each op on one list
+    """
+    lower, fp32 = list(lower), list(fp32)
+    both = sorted(
+        {_spelled(canonical_name(n)) for n in lower} & {_spelled(canonical_name(n)) for n in fp32}
+    )
+    if both:
+        raise MpnbError(
+            f"op {both[0]!r} is on both the lower and the fp32 list; name each op on one list"
+        )
     for low in lower:
         for high in fp32:
             if _covered(low) & _covered(high):
@@ -348,14 +362,6 @@ class OpLists:
             OpLists(lower={'softmax': 'user'}, fp32={'linear': 'user'})
         """
         lower, fp32 = _op_names(lower), _op_names(fp32)
-        both = sorted(
-            {_spelled(canonical_name(n)) for n in lower}
-            & {_spelled(canonical_name(n)) for n in fp32}
-        )
-        if both:
-            raise MpnbError(
-                f"op {both[0]!r} is on both the lower and the fp32 list; name each op on one list"
-            )
         _check_apart(lower, fp32)
         lists = cls()
         lists.add("lower", lower, source)

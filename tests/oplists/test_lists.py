@@ -207,7 +207,7 @@ def test_one_op_under_two_spellings_cannot_sit_on_both_lists(tmp_path):
         OpLists(lower={"div": "a"}, fp32={"truediv": "b"})
     (tmp_path / "lower.txt").write_text("softmax\n")
     (tmp_path / "fp32.txt").write_text("softmax\n")
-    with pytest.raises(MpnbError, match="name the same op"):
+    with pytest.raises(MpnbError, match="op 'softmax' is on both the lower and the fp32 list"):
         OpLists.from_files(tmp_path / "lower.txt", tmp_path / "fp32.txt")
     hmp = OpLists.preset("hmp")  # its fp32 list holds div, divide and truediv
     hmp.add("lower", ["div"])  # takes every spelling of aten.div off the fp32 list
