@@ -368,6 +368,10 @@ def _read_together(tensors: list[torch.Tensor]) -> list[float]:
     return packed.reshape(len(tensors)).to("cpu", torch.float64).tolist()
 
 
+#: What most columns hold: values already on the host.
+_HOST_KINDS = frozenset({int, float, bool, str, type(None)})
+
+
 def _tensors_held(
     columns: dict[str, list[Any]],
 ) -> list[tuple[str, Sequence[int], list[torch.Tensor]]]:
@@ -376,6 +380,8 @@ def _tensors_held(
     held = []
     for name, values in columns.items():
         kinds = set(map(type, values))
+        if kinds <= _HOST_KINDS:  # most columns: numbers and strings, no tensor to look for
+            continue
         tensor_kinds = [kind for kind in kinds if issubclass(kind, torch.Tensor)]
         if len(tensor_kinds) == len(kinds):
             if kinds:
