@@ -152,7 +152,8 @@ def with_batch_size(batch: Any, size: int) -> Any:
         if tensor.dim() == 0 or tensor.shape[0] != samples:
             return tensor
         repeats = -(-size // samples)
-        return tensor.repeat(repeats, *([1] * (tensor.dim() - 1)))[:size].contiguous()
+        # a copy of the slice: the slice alone would keep the whole repeated storage
+        return tensor.repeat(repeats, *([1] * (tensor.dim() - 1)))[:size].clone()
 
     return map_tensors(batch, grow)
 

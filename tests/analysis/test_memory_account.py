@@ -345,3 +345,18 @@ def test_a_first_batch_of_no_samples_is_named_as_such_not_as_unresizable(ask):
     }[ask]
     with pytest.raises(mpnb.MpnbError, match=r"first batch holds no samples \(a tuple of 2"):
         call()
+
+
+@pytest.mark.parametrize("size", [1, 3, 9])
+def test_a_batch_grown_or_cut_to_a_size_holds_that_many_samples_bytes(size):
+    # the slice of a repeated tensor kept the whole repeated storage: batch_size=1 of an
+    # 8-sample batch counted 8 samples' bytes, 9 counted 16
+    def make_run(mode):
+        trainer, _ = cnn_run(mode)
+        return trainer, [(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)))]
+
+    sample_bytes = 28 * 28 * 4 + 8
+    account = mpnb.memory(make_run, ["fp32"], batch_size=size, measure=False).result("fp32")
+    assert account.categories["batch"] == size * sample_bytes
+    grown = mpnb.training.batches.with_batch_size((torch.zeros(8, 4),), size)[0]
+    assert grown.untyped_storage().nbytes() == size * 4 * 4
