@@ -46,9 +46,8 @@ import psutil
 import torch
 
 from mpnb._render import html_table, text_table
-from mpnb.analysis.comparison import mode_labels
 from mpnb.analysis.memory import MemoryAccount, account_step, measure_step
-from mpnb.analysis.runs import MakeRun, built_run, first_batch
+from mpnb.analysis.runs import MakeRun, built_run, check_trains_in, first_batch, mode_labels
 from mpnb.errors import MpnbError, check_count
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode, reference_name
@@ -290,6 +289,7 @@ def max_batch_size(
             except MpnbError as error:
                 results.append(ModeBatchSize(name, skipped_reason=str(error)))
                 continue
+            check_trains_in(run[0], name)
             searcher = _Search(make_run, name, run, budget, trial_seconds)
             device = device or searcher.device
             results.append(searcher.run(start, limit))

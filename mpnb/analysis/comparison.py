@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any
 from mpnb import views
 from mpnb.analysis.memory import MemoryAccount, account_step
 from mpnb.analysis.results import Comparison, ModeResult
-from mpnb.analysis.runs import MakeRun, built_run, first_batch
+from mpnb.analysis.runs import MakeRun, built_run, first_batch, mode_labels
 from mpnb.analysis.schedule import ModeRun, default_block, interleave
 from mpnb.analysis.slow_modes import slow_reason
-from mpnb.errors import MAKE_RUN_USAGE, MpnbError, check_count, check_function, warn_user
-from mpnb.precision.modes import Mode, mode_names, parse_mode
+from mpnb.errors import MAKE_RUN_USAGE, check_count, check_function, warn_user
 from mpnb.training.batches import epochs_holding
 from mpnb.training.control import refuse_inside_a_fit
 from mpnb.training.random_state import kept_random_state
@@ -152,35 +151,6 @@ def compare_runs(
     comparison = Comparison(results, steps, warmup, metric_name, block)
     view.close(comparison)
     return comparison
-
-
-def mode_labels(modes: Iterable[str | Mode] | str) -> list[str]:
-    """The modes' labels (what ``make_run`` is called with), checked: known, at least one, none
-    twice (``"fp32,bf16"`` is split; ``"fp8"`` and ``"fp8:rowwise"`` are two, ``"fp32"`` and
-    ``"float32"`` one).
-
-    Raises:
-        InvalidChoiceError: an unknown mode or option.
-        ValueError: no mode, one named twice, or a mode object with options its label cannot say
-            (fp8's ``keep``: give it to the Trainer inside ``make_run``).
-    """
-    if isinstance(modes, str):
-        modes = modes.split(",")
-    given = [mode if isinstance(mode, Mode) else mode.strip() for mode in modes]
-    chosen = [parse_mode(mode) for mode in given if mode]
-    unsaid = [repr(mode) for mode in chosen if mode != mode.label]
-    if unsaid:
-        raise MpnbError(
-            f"compare calls make_run with each mode's label, which cannot say all of {', '.join(unsaid)}: "
-            'pass the label ("fp8:rowwise") and give the other options to the Trainer in make_run'
-        )
-    names = [mode.label for mode in chosen]
-    if not names:
-        raise MpnbError(f"modes names no mode; valid: {', '.join(mode_names())}")
-    twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
-    if twice is not None:
-        raise MpnbError(f"mode {twice!r} is named twice in {names}: each mode runs once")
-    return names
 
 
 def compare(

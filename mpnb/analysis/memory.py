@@ -32,7 +32,7 @@ import torch
 from mpnb import views
 from mpnb._render import html_list, html_table, text_notes, text_table
 from mpnb.analysis._torch_memory import cpu_allocator_peak, fake_mode, storage_bytes, tracked_peak
-from mpnb.analysis.runs import MakeRun, built_run, first_batch
+from mpnb.analysis.runs import MakeRun, built_run, check_trains_in, first_batch, mode_labels
 from mpnb.errors import MpnbError, check_count
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode
@@ -266,7 +266,7 @@ def memory(
         >>> fp32.categories["weight copies"], bf16.categories["weight copies"] > 0
         (0, True)
     """
-    names = [parse_mode(mode).label for mode in modes]
+    names = mode_labels(modes)  # "fp32,bf16" too, as compare takes them
     batch_size = None if batch_size is None else check_count("batch_size", batch_size)
     accounts, skipped = [], {}
     for name in names:
@@ -275,6 +275,7 @@ def memory(
         except MpnbError as error:
             skipped[name] = str(error)
             continue
+        check_trains_in(trainer, name)
         batch = first_batch(data)
         if batch_size is not None:
             batch = with_batch_size(batch, batch_size)

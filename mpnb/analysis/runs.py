@@ -7,10 +7,13 @@ the same model, data and seed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
+
 from mpnb.errors import MpnbError
+from mpnb.precision.modes import Mode, mode_names, parse_mode
 from mpnb.training.batches import describe_batch, samples_in, tensors_in
 
 __all__: list[str] = []
@@ -54,6 +57,21 @@ def built_run(make_run: MakeRun, mode: str) -> tuple[Any, Any, Callable[[Any], f
     return trainer, run[1], metric
 
 
+def check_trains_in(trainer: Any, mode: str) -> None:
+    """Refuse a run built for ``mode`` (a label) whose trainer trains in another: its row would
+    hold another mode's steps.
+
+    Raises:
+        ValueError: the trainer's mode is another (not an :class:`~mpnb.errors.MpnbError`: an
+            analysis lists a mode that cannot run here as skipped, and this is no such mode).
+    """
+    if trainer.mode.label != mode:
+        raise ValueError(
+            f"the run built for mode {mode!r} trains in {trainer.mode.label!r}: build its Trainer "
+            f"with mode={mode!r} (make_run(mode) receives the mode to use)"
+        )
+
+
 def first_batch(data: Any) -> Any:
     """The first batch of a run's data, the one a step is measured on.
 
@@ -77,3 +95,35 @@ def first_batch(data: Any) -> Any:
             )
         return batch
     raise ValueError("the run's data yields no batch to measure with")
+
+
+def mode_labels(modes: Iterable[str | Mode | torch.dtype] | str | Mode | torch.dtype) -> list[str]:
+    """The modes' labels (what ``make_run`` is called with), checked: known, at least one, none
+    twice (``"fp32,bf16"`` is split; ``"fp8"`` and ``"fp8:rowwise"`` are two, ``"fp32"`` and
+    ``"float32"`` one; a torch dtype names a mode as ``Trainer(mode=...)`` takes it).
+
+    Raises:
+        InvalidChoiceError: an unknown mode or option.
+        ValueError: no mode, one named twice, or a mode object with options its label cannot say
+            (fp8's ``keep``: give it to the Trainer inside ``make_run``).
+    """
+    if isinstance(modes, str):
+        modes = modes.split(",")
+    elif isinstance(modes, (Mode, torch.dtype)):  # one mode, as Trainer(mode=...) takes it
+        modes = [modes]
+    # a name may come with spaces ("fp32, bf16"); a dtype or a mode object as it is
+    given = [mode.strip() if isinstance(mode, str) else mode for mode in modes]
+    chosen = [parse_mode(mode) for mode in given if not (isinstance(mode, str) and not mode)]
+    unsaid = [repr(mode) for mode in chosen if mode != mode.label]
+    if unsaid:
+        raise MpnbError(
+            f"compare calls make_run with each mode's label, which cannot say all of {', '.join(unsaid)}: "
+            'pass the label ("fp8:rowwise") and give the other options to the Trainer in make_run'
+        )
+    names = [mode.label for mode in chosen]
+    if not names:
+        raise MpnbError(f"modes names no mode; valid: {', '.join(mode_names())}")
+    twice = next((name for index, name in enumerate(names) if name in names[:index]), None)
+    if twice is not None:
+        raise MpnbError(f"mode {twice!r} is named twice in {names}: each mode runs once")
+    return names

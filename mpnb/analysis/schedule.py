@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from mpnb.analysis.results import ModeResult
+from mpnb.analysis.runs import check_trains_in
 from mpnb.errors import MpnbError
 from mpnb.precision.backends import backend_for
 from mpnb.precision.policy import session
@@ -214,11 +215,7 @@ def _check_own_run(name: str, run: ModeRun, others: Mapping[str, ModeRun]) -> No
                 f"the runs of modes {other!r} and {name!r} share {shared}: build a fresh model, "
                 "optimizer and Trainer for each mode (in %%compare: inside the cell)"
             )
-    if trainer.mode.label != name:
-        raise ValueError(
-            f"the run built for mode {name!r} trains in {trainer.mode.label!r}: build its Trainer with mode={name!r} "
-            "(make_run(mode) receives the mode to use)"
-        )
+    check_trains_in(trainer, name)
 
 
 def _result(run: ModeRun, turns: _Turns, warmup: int, steps: int) -> ModeResult:

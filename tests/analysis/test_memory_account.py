@@ -360,3 +360,14 @@ def test_a_batch_grown_or_cut_to_a_size_holds_that_many_samples_bytes(size):
     assert account.categories["batch"] == size * sample_bytes
     grown = mpnb.training.batches.with_batch_size((torch.zeros(8, 4),), size)[0]
     assert grown.untyped_storage().nbytes() == size * 4 * 4
+
+
+def test_memory_takes_and_checks_its_modes_as_compare_does():
+    # "fp32,bf16" was read letter by letter (unknown mode 'f'), fp32 and float32 gave two fp32
+    # rows, and a make_run that ignored its mode gave two fp32 rows read as fp32 and bf16
+    report = mpnb.memory(cnn_run, "fp32, bf16", measure=False)
+    assert [account.mode for account in report.accounts] == ["fp32", "bf16"]
+    with pytest.raises(ValueError, match="'fp32' is named twice"):
+        mpnb.memory(cnn_run, ["fp32", "float32"], measure=False)
+    with pytest.raises(ValueError, match="the run built for mode 'bf16' trains in 'fp32'"):
+        mpnb.memory(lambda mode: cnn_run("fp32"), ["fp32", "bf16"], measure=False)

@@ -326,6 +326,17 @@ def test_mode_lists_are_checked_before_anything_runs():
     ]
 
 
+def test_modes_are_taken_as_trainer_mode_takes_them_dtypes_included():
+    # compare and max_batch_size raised AttributeError: 'torch.dtype' object has no attribute 'strip'
+    from mpnb.analysis.comparison import mode_labels
+    from mpnb.errors import InvalidChoiceError
+
+    assert mode_labels([torch.float32, torch.bfloat16]) == ["fp32", "bf16"]
+    assert mode_labels(torch.float16) == ["fp16"]
+    with pytest.raises(InvalidChoiceError, match="unknown mode 'None'"):
+        mode_labels(["fp32", None])
+
+
 def test_asking_for_a_mode_that_was_not_compared_names_the_ones_that_were(tmp_path):
     comparison = Comparison([_timed("fp32", [0.01] * 2)], steps=2, warmup=0)
     with pytest.raises(KeyError, match=r"'fp16' was not compared; this comparison has \['fp32'\]"):
