@@ -286,7 +286,7 @@ class History:
             raise ValueError(
                 f"{name!r}, line {line}: not UTF-8 text ({error.reason} at byte {error.start})"
             ) from None
-        if name.endswith(".csv"):
+        if name.lower().endswith(".csv"):  # RUN.CSV too
             return cls.from_dict(parse_csv(text, name))
         data = parse_json(text, name)
         try:

@@ -72,6 +72,13 @@ def test_numbers_stay_numbers_in_the_csv(tmp_path):
     assert History.load(tmp_path / "run.csv").loss[:2] == [-2.5, -math.inf]
 
 
+def test_a_csv_file_is_read_as_csv_whatever_the_case_of_its_extension(tmp_path):
+    # RUN.CSV was read as JSON: "is not JSON: Expecting value at line 1, column 1"
+    history = formula_history()
+    history.to_csv(tmp_path / "RUN.CSV")
+    assert same(History.load(tmp_path / "RUN.CSV"), history)
+
+
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
