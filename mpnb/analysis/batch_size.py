@@ -411,7 +411,7 @@ class _Search:
     # -- looks at one size ----------------------------------------------------------------
 
     def step(self, size: int, kind: str = "step") -> Trial:
-        """Train a fresh run on a batch of ``size`` (after a warm-up step on one sample); its
+        """Train a fresh run on a batch of ``size`` (after a warm-up step on two samples); its
         peak is the allocator's (on a CPU, counted from the profiler's events)."""
         started = time.perf_counter()
         out_of_memory, peak, step_seconds = False, math.inf, math.nan

@@ -84,12 +84,13 @@ def mode_result(
     trainer: Any,
     warmup: int,
     metric: Callable[[], object] | None = None,
-    memory: MemoryAccount | None = None,
+    memory: Callable[[], MemoryAccount | None] | None = None,
 ) -> ModeResult:
     """The result of a finished run: ``trainer``'s history with the first ``warmup`` steps
-    untimed, its ``metric()`` (NaN without one), and the account of its step's memory if
-    counted. A metric that raises, or gives what is no number, is NaN with a note and a warning
-    naming the mode: the comparison's other figures stand."""
+    untimed, its ``metric()`` (NaN without one), then ``memory()``, the account of its step's
+    memory (None: not counted). A metric that raises, or gives what is no number, is NaN with a
+    note and a warning naming the mode, and so is an account that fails (no account): the
+    comparison's other figures stand."""
     notes = _notes(trainer)
     value = math.nan
     if metric is not None:
@@ -99,6 +100,14 @@ def mode_result(
             said = f"its metric raised {type(error).__name__}: {error}"
             warn_user(f"{name}: {said}; its other figures are kept")
             notes.append(said)
+    account = None
+    if memory is not None:  # after the metric: the run as it trained is measured
+        try:
+            account = memory()
+        except Exception as error:  # a step the account cannot run (a batch it cannot resize)
+            said = f"its step's memory could not be counted ({type(error).__name__}: {error})"
+            warn_user(f"{name}: {said}; its other figures are kept")
+            notes.append(said)
     return ModeResult(
         name,
         trainer.history,
@@ -106,7 +115,7 @@ def mode_result(
         metric=value,
         notes=notes,
         verdict=trainer.mode.compare_verdict(trainer.device),
-        memory=memory,
+        memory=account,
     )
 
 
@@ -241,7 +250,7 @@ class _BuiltRun:
     def result(self, warmup: int) -> ModeResult:
         metric = self.metric
         measure = None if metric is None else (lambda: metric(self.trainer))
-        return mode_result(self.name, self.trainer, warmup, measure, self._memory())
+        return mode_result(self.name, self.trainer, warmup, measure, self._memory)
 
     def _memory(self) -> MemoryAccount | None:
         """The account of the run's step on its data's first batch, read again without changing

@@ -22,9 +22,11 @@ and what the process holds beyond the allocator (the CPU's resident set, the CUD
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import gc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,9 +86,10 @@ READ_AT_PEAK = (
     "not at its own largest: a category made later or freed earlier reads 0 B there"
 )
 
-#: An account or a measured step runs two optimizer steps: a warm-up on one sample, where the
-#: optimizer's state appears (and kernels are set up), then the step counted, on the batch.
-WARM_UP_SAMPLES = 1
+#: An account or a measured step runs two optimizer steps: a warm-up on two samples, where the
+#: optimizer's state appears (and kernels are set up), then the step counted, on the batch. Two,
+#: not one: BatchNorm refuses a single value per channel in training.
+WARM_UP_SAMPLES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +294,8 @@ def account_step(trainer: Trainer, batch: Any, samples: int | None = None) -> Me
     """Count ``trainer``'s training step on ``batch`` by category (see the module's docstring).
 
     On a shape-only copy, so ``trainer`` is left as it was; a model whose forward needs real
-    values is counted on the real step, which trains ``trainer`` (a warm-up step and the step).
+    values is counted on the real step (a warm-up step and the step), after which ``trainer``'s
+    weights, buffers, gradients and optimizer state are put back as they were.
     ``samples``: count a batch of that many samples instead, grown from ``batch``'s own inside
     the shape-only copy (:func:`~mpnb.training.batches.with_batch_size`), so that a size beyond
     memory allocates nothing.
@@ -303,7 +307,8 @@ def account_step(trainer: Trainer, batch: Any, samples: int | None = None) -> Me
     try:
         counted, shape_only = tracked_peak(model, optimizer, steps, fake=True), True
     except Exception:  # a forward that reads values (.item(), a data-dependent branch)
-        counted, shape_only = tracked_peak(model, optimizer, steps, fake=False), False
+        with _trained_back(model, optimizer):
+            counted, shape_only = tracked_peak(model, optimizer, steps, fake=False), False
     counted.pop("total")
     if samples is None:
         counted["batch"] = _batch_bytes(batch)
@@ -313,6 +318,22 @@ def account_step(trainer: Trainer, batch: Any, samples: int | None = None) -> Me
     return MemoryAccount(
         trainer.amp.precision.mode.label, size, str(trainer.device), counted, shape_only
     )
+
+
+@contextlib.contextmanager
+def _trained_back(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, steps may train ``model`` with ``optimizer``; on leaving, the weights and
+    buffers, each parameter's gradient and the optimizer's state are what they were."""
+    weights = copy.deepcopy(model.state_dict())
+    state = copy.deepcopy(optimizer.state_dict())
+    gradients = [(parameter, parameter.grad) for parameter in model.parameters()]
+    try:
+        yield
+    finally:
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(state)
+        for parameter, gradient in gradients:
+            parameter.grad = gradient
 
 
 def measure_step(trainer: Trainer, batch: Any, account: MemoryAccount) -> MemoryAccount:

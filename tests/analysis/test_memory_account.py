@@ -371,3 +371,67 @@ def test_memory_takes_and_checks_its_modes_as_compare_does():
         mpnb.memory(cnn_run, ["fp32", "float32"], measure=False)
     with pytest.raises(ValueError, match="the run built for mode 'bf16' trains in 'fp32'"):
         mpnb.memory(lambda mode: cnn_run("fp32"), ["fp32", "bf16"], measure=False)
+
+
+def _bn_run(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.1), nn.functional.cross_entropy,
+        mode=mode, device="cpu", dashboard=None,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    return trainer, [(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g))] * 6
+
+
+def test_a_batchnorm1d_model_is_counted_and_compared():
+    # the warm-up step ran one sample, which BatchNorm1d refuses in training: compare lost
+    # every finished mode's result at its end
+    assert mpnb.memory(_bn_run, ["fp32"], measure=False).result("fp32").categories["parameters"]
+    result = mpnb.compare(_bn_run, ["fp32", "bf16"], steps=3, warmup=1, progress=None)
+    assert [r.memory is not None for r in result.results] == [True, True]
+
+
+def test_compare_measures_the_metric_on_the_run_as_trained_and_leaves_it_so():
+    # a forward that reads values is counted on real steps, which trained the run two more
+    # steps before its metric was measured (weights 0.32 away from the same run alone)
+    def make_run(mode):
+        torch.manual_seed(0)
+        model = ReadsItsValues()
+        trainer = mpnb.Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), nn.functional.cross_entropy,
+            mode=mode, device="cpu", dashboard=None,
+        )  # fmt: skip
+        g = torch.Generator().manual_seed(2)
+        data = [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g))] * 4
+        return trainer, data, lambda t: float(t.model.linear.weight.sum())
+
+    alone, data, metric = make_run("fp32")
+    alone.fit(data, epochs=1, max_steps=3)
+    kept = {}
+    result = mpnb.compare(
+        lambda mode: (run := make_run(mode)) and kept.setdefault(mode, run[0]) and run,
+        ["fp32"], steps=3, warmup=0, progress=None,
+    )  # fmt: skip
+    assert result.result("fp32").metric == metric(alone)
+    assert torch.equal(kept["fp32"].model.linear.weight, alone.model.linear.weight)
+
+
+def test_a_step_that_cannot_be_counted_leaves_the_comparison_with_a_note():
+    class EightOnly(nn.Linear):  # refuses any batch but its data's
+        def forward(self, x):
+            if x.shape[0] != 8:
+                raise RuntimeError(f"wants 8 samples, got {x.shape[0]}")
+            return super().forward(x)
+
+    def make_run(mode):
+        trainer, data = _bn_run(mode)
+        trainer.model[0] = EightOnly(4, 8)
+        trainer.optimizer.add_param_group({"params": trainer.model[0].parameters()})
+        return trainer, data
+
+    with pytest.warns(RuntimeWarning, match="fp32: its step.s memory could not be counted"):
+        result = mpnb.compare(make_run, ["fp32"], steps=2, warmup=0, progress=None)
+    fp32 = result.result("fp32")
+    assert fp32.memory is None and len(fp32.history) == 2
+    assert any("memory could not be counted (RuntimeError: wants 8" in n for n in fp32.notes)
