@@ -75,8 +75,14 @@ def progress_view(
 
 
 def _notes(trainer: Trainer) -> list[str]:
+    """What a mode's row says of its run before its figures: slow here, diverged."""
     reason = slow_reason(trainer)
-    return [f"{reason}: expect this to be slow"] if reason else []
+    notes = [f"{reason}: expect this to be slow"] if reason else []
+    history = trainer.history
+    diverged = history.first_trouble(skips=False)
+    if diverged is not None:
+        notes.append(f"its loss is not finite from step {history.step[diverged]}: it diverged")
+    return notes
 
 
 def mode_result(

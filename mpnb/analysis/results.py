@@ -292,7 +292,7 @@ class Comparison:
 
     def _table(self) -> list[list[str]]:
         table = []
-        for row in self.rows():
+        for result, row in zip(self.results, self.rows(), strict=True):
             if row["skipped_reason"]:
                 table.append(
                     [row["mode"], *["-"] * (len(_COLUMNS) - 2), f"not run: {row['skipped_reason']}"]
@@ -307,8 +307,11 @@ class Comparison:
                     _number(row["samples_per_s"], "{:.0f}"),
                     _bytes(row["peak_memory"]),
                     _bytes(row["added_memory"]),
-                    _number(row["final_loss"], "{:.4g}"),
-                    _number(row["metric"], "{:.4g}"),
+                    # a diverged run's last loss reads nan or inf; "-" where no loss was read
+                    _number(
+                        row["final_loss"], "{:.4g}", nan="nan" if _read_a_loss(result) else "-"
+                    ),
+                    _number(row["metric"], "{:.4g}"),  # NaN: no metric, or none measured
                     str(row["skipped_steps"]),
                     "; ".join(row["notes"]),
                 ]
@@ -419,10 +422,24 @@ class Comparison:
 _MEMORY_TITLE = "memory of a step, by category (counted on each mode's first batch)"
 
 
-def _number(value: float, pattern: str) -> str:
-    return (
-        pattern.format(value) if isinstance(value, (int, float)) and math.isfinite(value) else "-"
-    )
+def _number(value: float, pattern: str, *, nan: str = "-") -> str:
+    """A table cell: ``value`` by ``pattern``; an infinity as ``inf`` / ``-inf``, as the CSV
+    holds it; NaN as ``nan`` (the mark of no value by default).
+
+    >>> _number(0.25, "{:.2f}"), _number(float("-inf"), "{:.2f}"), _number(float("nan"), "{:.2f}")
+    ('0.25', '-inf', '-')
+    """
+    if not isinstance(value, (int, float)):
+        return "-"
+    if math.isnan(value):
+        return nan
+    return pattern.format(value) if math.isfinite(value) else str(value)
+
+
+def _read_a_loss(result: ModeResult) -> bool:
+    """Whether ``result``'s run recorded a step whose loss was read (its final loss is one)."""
+    history = result.history
+    return bool(history) and not all(history.loss_missing)
 
 
 def _bytes(value: float) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -236,3 +237,25 @@ def test_a_list_of_modes_or_a_trainer_in_make_runs_place_is_named_with_the_order
     with pytest.raises(mpnb.MpnbError, match=r"make_run takes a function, make_run\(mode\).*"
                        r"compare\(make_run, modes, steps\)"):  # fmt: skip
         compare(first, ["fp32"], steps=2)
+
+
+def test_a_diverged_runs_final_loss_reads_nan_and_a_note_says_it_diverged():
+    # its final loss read "-", the mark of no value, and no note said the run diverged
+    def make_run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        trainer = mpnb.Trainer(
+            model, torch.optim.SGD(model.parameters(), 10.0), nn.functional.mse_loss,
+            mode=mode, device="cpu", dashboard=None,
+        )  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(8, 4, generator=g) * 10, torch.randn(8, 1, generator=g) * 100)] * 8
+        return trainer, data, lambda trainer: math.inf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the health watch's own warning of the NaN loss
+        result = mpnb.compare(make_run, ["fp32"], steps=6, warmup=1, progress=None)
+    cells = result._text_table().splitlines()[2].split()
+    assert cells[-3:] == ["nan", "inf", "0"]  # final loss, metric, skipped steps
+    assert any("its loss is not finite from step" in note and "diverged" in note
+               for note in result.result("fp32").notes)  # fmt: skip
