@@ -24,10 +24,11 @@ import errno
 import os
 import secrets
 import stat
+import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
 
-from mpnb.errors import MpnbError
+from mpnb.errors import MpnbError, quoted
 
 __all__: list[str] = []
 
@@ -235,3 +236,28 @@ def file_kind(mode: int) -> str:
         if test(mode):
             return kind
     return "not a regular file"
+
+
+def check_writable_folder(path: str, option: str) -> None:
+    """Check, before any training, that the folder ``path`` (given as ``option``) can be created
+    and written; leave no trace.
+
+    The folders it had to create for the check are removed again: bad input found later (an
+    unknown mode) must leave nothing behind.
+    """
+    created, folder = [], os.path.abspath(path)
+    while not os.path.exists(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise MpnbError(
+            f"{option} {quoted(path)} cannot be created or written: {error.strerror or error}"
+        ) from None
+    finally:
+        for folder in created:  # deepest first
+            if os.path.isdir(folder):
+                os.rmdir(folder)

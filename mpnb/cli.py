@@ -18,12 +18,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import NoReturn
 
+from mpnb._files import check_writable_folder
 from mpnb.errors import MpnbError, quoted
 from mpnb.precision.modes.registry import option_arguments, read_options
+from mpnb.training.random_state import LARGEST_SEED
 
 __all__ = ["main"]
 
@@ -174,17 +175,14 @@ def _count(text: str) -> int:
     return _whole_number(text, 0, "a whole number, 0 or more")
 
 
-_LARGEST_SEED = 2**64 - 1  # torch.manual_seed's range
-
-
 def _seed(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         value = None
-    if value is None or not 0 <= value <= _LARGEST_SEED:
+    if value is None or not 0 <= value <= LARGEST_SEED:
         raise argparse.ArgumentTypeError(
-            f"must be a whole number from 0 to {_LARGEST_SEED}, got {quoted(text)}"
+            f"must be a whole number from 0 to {LARGEST_SEED}, got {quoted(text)}"
         )
     return value
 
@@ -202,30 +200,6 @@ def _positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
-
-
-def _writable_folder(path: str) -> None:
-    """Check, before any training, that ``path`` can be created and written; leave no trace.
-
-    The folders it had to create for the check are removed again: bad input found later (an
-    unknown mode) must leave nothing behind.
-    """
-    created, folder = [], os.path.abspath(path)
-    while not os.path.exists(folder):
-        created.append(folder)
-        folder = os.path.dirname(folder)
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as error:
-        raise MpnbError(
-            f"--out {quoted(path)} cannot be created or written: {error.strerror or error}"
-        ) from None
-    finally:
-        for folder in created:  # deepest first
-            if os.path.isdir(folder):
-                os.rmdir(folder)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -281,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed",
         type=_seed,
         default=0,
-        help=f"seed of the model and the data order, 0 to {_LARGEST_SEED} (default 0)",
+        help=f"seed of the model and the data order, 0 to {LARGEST_SEED} (default 0)",
     )
     comparing.add_argument(
         "--out",
@@ -316,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed",
         type=_seed,
         default=0,
-        help=f"seed of the model and the data order, 0 to {_LARGEST_SEED} (default 0)",
+        help=f"seed of the model and the data order, 0 to {LARGEST_SEED} (default 0)",
     )
     train.add_argument(
         "--out",
@@ -339,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "out", None) is not None:
-            _writable_folder(args.out)
+            check_writable_folder(args.out, "--out")
         return args.run(args)
     except MpnbError as error:
         print(f"mpnb {args.command}: {error}", file=sys.stderr)

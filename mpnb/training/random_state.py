@@ -24,6 +24,9 @@ import torch
 
 __all__: list[str] = []
 
+#: The largest seed ``torch.manual_seed`` takes (its range: 0 to 2**64 - 1).
+LARGEST_SEED = 2**64 - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class RandomState:

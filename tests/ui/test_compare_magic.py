@@ -106,9 +106,16 @@ def test_a_cell_that_trains_nothing_is_told_how(shell):
         ("--progress fancy", "'fancy'"),
         ("--metric 'acc('", "not a Python expression"),
         ("--colour red", "--colour"),
+        # a seed torch cannot take, and an --out that is a file, were found after every mode
+        # trained (torch's "Overflow when unpacking long long"; a bare FileExistsError)
+        ("--seed -1", "--seed must be a whole number from 0 to 18446744073709551615, got -1"),
+        ("--seed 99999999999999999999999", "from 0 to 18446744073709551615"),
+        ("--out setup.cfg", "--out 'setup.cfg' cannot be created or written"),
     ],
 )
-def test_bad_input_runs_nothing_and_changes_nothing(shell, line, words):
+def test_bad_input_runs_nothing_and_changes_nothing(shell, line, words, tmp_path, monkeypatch):
+    (tmp_path / "setup.cfg").write_text("a file, not a folder")
+    monkeypatch.chdir(tmp_path)
     before = policy_state()
     assert words in usage_error(shell, f"%%compare {line}\n" + TRAIN_CELL)
     assert policy_state() == before and shell.user_ns["seen_modes"] == []

@@ -32,6 +32,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from mpnb._files import check_writable_folder
 from mpnb.analysis.comparison import (
     Comparison,
     ModeResult,
@@ -44,6 +45,7 @@ from mpnb.precision.blocks import autocast
 from mpnb.precision.modes import mode_names, parse_mode
 from mpnb.precision.policy import session
 from mpnb.training.capture import capture_fits
+from mpnb.training.random_state import LARGEST_SEED
 from mpnb.training.telemetry import Sink
 from mpnb.ui.environment import DASHBOARD_KINDS
 from mpnb.ui.magics.arguments import as_usage_error, cell_usage, choice, parse_line
@@ -80,7 +82,10 @@ class CompareMagics(Magics):
         "--block equal to --steps runs the modes one after another",
     )
     @argument(
-        "--seed", type=int, default=0, help="torch.manual_seed before each mode's run (default 0)"
+        "--seed",
+        type=int,
+        default=0,
+        help=f"torch.manual_seed before each mode's run, 0 to {LARGEST_SEED} (default 0)",
     )
     @argument(
         "--metric",
@@ -134,6 +139,13 @@ class CompareMagics(Magics):
         ):
             if value is not None and value < least:
                 raise UsageError(f"{option} must be >= {least}, got {value}")
+        if not 0 <= args.seed <= LARGEST_SEED:  # torch's range, said before a mode trains
+            raise UsageError(
+                f"--seed must be a whole number from 0 to {LARGEST_SEED}, got {args.seed}"
+            )
+        if args.out:  # a file in the way, a folder that cannot be made: before a mode trains
+            with as_usage_error():
+                check_writable_folder(args.out, "--out")
         metric_text = _unquote(args.metric) if args.metric else None
         metric = self._compile_metric(metric_text)
         metric_name = _unquote(args.metric_name) if args.metric_name else _short_name(metric_text)
