@@ -12,8 +12,12 @@ never dropped.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+
+import numpy
+import torch
 
 from mpnb import views
 from mpnb.analysis.memory import MemoryAccount, account_step
@@ -100,10 +104,17 @@ def mode_result(
     notes = _notes(trainer)
     value = math.nan
     if metric is not None:
+        said = None
         try:
-            value = float(metric())  # type: ignore[arg-type]
+            measured = metric()
         except Exception as error:  # the user's metric: any failure of it is its own
             said = f"its metric raised {type(error).__name__}: {error}"
+        else:
+            if _is_number(measured):
+                value = float(measured)  # type: ignore[arg-type]
+            else:  # a string float() would read, None, a tensor of several values
+                said = f"its metric returned {_kind_of(measured)}, not a number"
+        if said is not None:
             warn_user(f"{name}: {said}; its other figures are kept")
             notes.append(said)
     account = None
@@ -123,6 +134,33 @@ def mode_result(
         verdict=trainer.mode.compare_verdict(trainer.device),
         memory=account,
     )
+
+
+def _is_number(value: object) -> bool:
+    """A real number: a Python or numpy number (a yes/no one too: 1 or 0), or a one-value
+    tensor or array.
+
+    >>> _is_number(0.5), _is_number(torch.tensor(0.5)), _is_number("0.5"), _is_number(True)
+    (True, True, False, True)
+    >>> _is_number(numpy.float32(0.5)), _is_number(numpy.array([0.5]))
+    (True, True)
+    """
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.dtype.is_complex
+    if isinstance(value, numpy.ndarray):  # what sklearn's metrics may return
+        return value.size == 1 and value.dtype.kind in "biuf"
+    return isinstance(value, numbers.Real)
+
+
+def _kind_of(value: object) -> str:
+    """What a metric returned, in a few words.
+
+    >>> _kind_of("0.5"), _kind_of(torch.ones(2))
+    ('a str', 'a tensor of 2 values')
+    """
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of {value.numel()} values"
+    return f"a {type(value).__name__}"
 
 
 def compare_runs(

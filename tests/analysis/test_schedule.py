@@ -399,3 +399,18 @@ def test_a_metric_that_fails_for_one_mode_keeps_the_comparison_and_names_the_mod
         result = compare(make_run, ["fp32", "bf16"], steps=2, warmup=0, progress=None)
     assert result.result("fp32").metric == 0.5 and math.isnan(result.result("bf16").metric)
     assert any("metric raised ZeroDivisionError" in note for note in result.result("bf16").notes)
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [("0.5", "a str"), (None, "a NoneType"), (torch.ones(2), "a tensor of 2 values")],
+)
+def test_a_metric_that_returns_no_number_is_said_to_return_it(value, said):
+    # "0.5" was taken as 0.5, and None read "its metric raised TypeError" (float's error)
+    def make_run(mode):
+        trainer, data = dropout_run(mode)
+        return trainer, data, lambda trained: value
+
+    with pytest.warns(RuntimeWarning, match=f"fp32: its metric returned {said}, not a number"):
+        result = compare(make_run, ["fp32"], steps=1, warmup=0, progress=None)
+    assert math.isnan(result.result("fp32").metric)
