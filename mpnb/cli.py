@@ -299,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder for history.csv and dashboard.html (default ./mpnb-train)",
     )
     train.set_defaults(run=_train)
+    parser.commands = commands.choices  # each command's parser, by name
     return parser
 
 
@@ -310,7 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         {...}
         0
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command whose options they are not, pointing at its help
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if getattr(args, "out", None) is not None:
             check_writable_folder(args.out, "--out")

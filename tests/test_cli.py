@@ -223,6 +223,15 @@ def test_every_bad_value_is_one_line_naming_it_and_its_range_with_nothing_create
         assert list(tmp_path.iterdir()) == [], (args, list(tmp_path.iterdir()))
 
 
+def test_an_unknown_option_of_a_command_is_said_by_that_command():
+    # "mpnb: unrecognized arguments: --bogus (see mpnb --help)", whose help lists no options
+    result = mpnb("devices", "--bogus")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "mpnb devices: unrecognized arguments: --bogus (see mpnb devices --help)"
+    )
+
+
 def test_out_with_a_parent_step_creates_only_the_folder_it_names(tmp_path):
     result = mpnb("train", "--model", "mlp", "--steps", "1", "--out", "a/../b", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
