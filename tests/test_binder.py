@@ -33,8 +33,9 @@ def binder_requirements() -> dict[str, Requirement]:
     return {requirement.name.lower(): requirement for requirement in requirements}
 
 
-#: The extras a lesson imports (notebooks/08_your_trainer.ipynb): Binder installs them too.
-LESSON_EXTRAS = ("transformers", "lightning")
+#: The extras the lessons import (08: transformers, Lightning; 11-13: torchao's formats; 12-13:
+#: a GPT-2 from transformers): Binder installs them too.
+LESSON_EXTRAS = ("transformers", "lightning", "fp8")
 
 
 def project_requirements() -> dict[str, Requirement]:
