@@ -272,9 +272,15 @@ def batch_loss(
     if loss_fn is not None:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             or_step_fn = " or step_fn=f(model, batch) -> loss" if takes_step_fn else ""
+            # fit((x, y)) iterates the pair: its batches are x, then y
+            one_batch = (
+                "; fit takes an iterable of batches: for one batch, fit([(x, y)])"
+                if takes_step_fn and isinstance(batch, torch.Tensor)
+                else ""
+            )
             raise MpnbError(
                 f"with a loss_fn, each batch must be an (inputs, targets) pair, got {describe_batch(batch)}; "
-                f"leave loss_fn out for a model that computes its own loss{or_step_fn}"
+                f"leave loss_fn out for a model that computes its own loss{or_step_fn}{one_batch}"
             )
         inputs, targets = batch
         return loss_fn(model(inputs), targets)
@@ -379,6 +385,21 @@ def epochs_holding(data: Any, batches_needed: int) -> int | None:
     return math.ceil(batches_needed / length) if length else None
 
 
+def is_data(value: Any) -> bool:
+    """Whether ``value`` is a source of batches rather than one batch: a DataLoader, a Dataset,
+    an iterator, or another iterable that is no container a batch is made of (tensors, tuples,
+    lists, mappings, dataclasses, strings).
+
+    >>> is_data(torch.utils.data.DataLoader(range(4))), is_data(iter([1])), is_data((torch.zeros(2),))
+    (True, True, False)
+    """
+    if isinstance(value, (torch.Tensor, tuple, list, Mapping, str, bytes)):
+        return False
+    if dataclasses.is_dataclass(value):
+        return False
+    return isinstance(value, (Iterator, torch.utils.data.Dataset)) or hasattr(value, "__iter__")
+
+
 def check_real_batch(batch: Any, paired: bool, who: str) -> None:
     """Refuse a batch ``who``'s fp32 pass (the what-if's, the advisor's) cannot run on, saying
     why, before it is moved: a tensor with no data (on the meta device), an input of floating
@@ -392,6 +413,11 @@ def check_real_batch(batch: Any, paired: bool, who: str) -> None:
     ...
     mpnb.errors.MpnbError: the batch holds a tensor on the meta device (shaped (2, 3)), which has no data: advise measures one real pass; give it a batch of real tensors
     """
+    if is_data(batch):
+        raise MpnbError(
+            f"{who} takes one batch, not the data ({describe_batch(batch)}): "
+            "batch = next(iter(data)) gives its first"
+        )
     pair = paired and isinstance(batch, (tuple, list)) and len(batch) == 2
     inputs = {id(t) for t in tensors_in(batch[0])} if pair else set()
     for tensor in tensors_in(batch):

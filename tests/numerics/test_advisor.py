@@ -258,3 +258,18 @@ def test_a_frozen_model_or_a_loss_of_several_values_is_refused_in_mpnbs_words():
     with pytest.raises(MpnbError, match=r"a single number, got a tensor of shape \(32,\)"):
         mpnb.advise(mlp(), BATCH, lambda o, t: F.cross_entropy(o, t, reduction="none"))
     assert all(not p.requires_grad and p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("with_loss_fn", [True, False])
+def test_data_given_for_a_batch_is_named_with_the_line_that_takes_one(with_loss_fn):
+    # a DataLoader read "each batch must be an (inputs, targets) pair ... leave loss_fn out",
+    # and without loss_fn met torch's "linear(): argument 'input' must be Tensor, not DataLoader"
+    from mpnb.errors import MpnbError
+
+    x, y = BATCH
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    loss_fn = F.cross_entropy if with_loss_fn else None
+    for call in (mpnb.advise, mpnb.whatif):
+        with pytest.raises(MpnbError, match=r"takes one batch, not the data \(a DataLoader\): "
+                           r"batch = next\(iter\(data\)\)"):  # fmt: skip
+            call(mlp(), loader, loss_fn)

@@ -467,3 +467,18 @@ def test_the_loops_take_counts_as_the_trainer_does_numpy_integers_included():
     assert type(NumericsWatch.check_every(np.int64(50))) is int
     with pytest.raises(MpnbError, match="watch_numerics must be True or a whole number"):
         NumericsWatch.check_every(np.float64(50.0))
+
+
+def test_one_batch_given_to_fit_for_its_data_is_named():
+    # fit((x, y)) trained on x then y as batches: "each batch must be an (inputs, targets) pair,
+    # got a tensor of shape (32, 8)", naming nothing of the mistake
+    model = torch.nn.Linear(8, 2)
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.cross_entropy,
+        mode="fp32", device="cpu", dashboard=None,
+    )  # fmt: skip
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    with pytest.raises(
+        MpnbError, match=r"fit takes an iterable of batches: for one batch, fit\(\[\(x, y\)\]\)"
+    ):
+        trainer.fit((x, y))
