@@ -450,7 +450,7 @@ def _spread_note(spreads: list[str]) -> str:
     """The step-time spread warning, once for every mode it concerns."""
     return (
         f"step times spread (IQR/median) {', '.join(spreads)}: other load on the machine is the "
-        "likely cause; more --steps narrow it"
+        "likely cause; more steps (steps=, --steps) narrow it"
     )
 
 

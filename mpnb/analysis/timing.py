@@ -52,7 +52,7 @@ class StepTimeStats:
             return ""
         return (
             f"step times spread {self.relative_spread:.0%} (IQR/median): other load on the machine is the likely "
-            "cause; more --steps narrow it"
+            "cause; more steps (steps=, --steps) narrow it"
         )
 
 

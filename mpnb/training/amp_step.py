@@ -461,7 +461,9 @@ class AmpStep:
         self._window.check_steppable()
         if self._window.micro_batches == 0:
             raise RuntimeError(
-                "AmpStep.step() called with no backward(loss) since the previous step"
+                "AmpStep.step() called with no backward(loss) since the previous step: call "
+                "amp.backward(loss), not loss.backward() (it scales the loss where the mode "
+                "needs it and records the step's loss), or amp.train_step(forward)"
             )
         return self._micro_batch_done(samples)
 

@@ -482,3 +482,16 @@ def test_one_batch_given_to_fit_for_its_data_is_named():
         MpnbError, match=r"fit takes an iterable of batches: for one batch, fit\(\[\(x, y\)\]\)"
     ):
         trainer.fit((x, y))
+
+
+def test_a_backward_of_the_loss_itself_before_an_ampstep_step_is_named():
+    # "AmpStep.step() called with no backward(loss) since the previous step" hid the mistake
+    from mpnb.training import AmpStep
+
+    model = torch.nn.Linear(4, 1)
+    amp = AmpStep(torch.optim.SGD(model.parameters(), lr=0.1), mode="fp16", device="cpu")
+    with amp.autocast():
+        loss = model(torch.ones(8, 4)).float().mean()
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"call amp.backward\(loss\), not loss.backward\(\)"):
+        amp.step()
