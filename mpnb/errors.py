@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import operator
@@ -246,9 +247,10 @@ MAKE_RUN_USAGE = "make_run(mode) -> (trainer, data), a fresh run of that mode ea
 
 
 def check_function(name: str, value: object, usage: str, call: str) -> None:
-    """Refuse an argument ``name`` that is no function (a list of modes, a trainer, a format's
-    name where the function goes: the arguments swapped), saying what the function does
-    (``usage``) and the order of the ``call``'s arguments.
+    """Refuse an argument ``name`` that is no function of one argument (a list of modes, a
+    trainer, a format's name where the function goes: the arguments swapped; a function of no
+    parameter), saying what the function does (``usage``) and the order of the ``call``'s
+    arguments.
 
     Example:
         >>> check_function("make_run", ["fp32", "bf16"], "make_run(mode) -> (trainer, data)",
@@ -262,3 +264,15 @@ def check_function(name: str, value: object, usage: str, call: str) -> None:
             f"{name} takes a function, {usage}; got a {type(value).__name__} "
             f"{quoted(value, limit=60)}. The arguments go {call}"
         )
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):  # a builtin: nothing to read
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        shown = getattr(value, "__name__", type(value).__name__)
+        raise MpnbError(
+            f"{name} takes a function, {usage}; {shown}{signature} cannot be called with "
+            "one argument: give it one parameter"
+        ) from None

@@ -48,7 +48,7 @@ import torch
 from mpnb._render import html_table, text_table
 from mpnb.analysis.memory import MemoryAccount, account_step, measure_step
 from mpnb.analysis.runs import MakeRun, built_run, check_trains_in, first_batch, mode_labels
-from mpnb.errors import MpnbError, check_count
+from mpnb.errors import MAKE_RUN_USAGE, MpnbError, check_count, check_function
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode, reference_name
 from mpnb.training.batches import with_batch_size
@@ -268,6 +268,7 @@ def max_batch_size(
         >>> report.result("fp32").batch_size, report.result("fp32").limited_by
         (64, 'limit')
     """
+    check_function("make_run", make_run, MAKE_RUN_USAGE, "max_batch_size(make_run, modes)")
     names = mode_labels(modes)  # "fp32,bf16" too, as compare takes them
     start = check_count("start", start, meaning="the batch size of the first real step")
     limit = check_count("limit", limit, meaning="the largest batch size considered")

@@ -35,7 +35,7 @@ from mpnb import views
 from mpnb._render import html_list, html_table, text_notes, text_table
 from mpnb.analysis._torch_memory import cpu_allocator_peak, fake_mode, storage_bytes, tracked_peak
 from mpnb.analysis.runs import MakeRun, built_run, check_trains_in, first_batch, mode_labels
-from mpnb.errors import MpnbError, check_count
+from mpnb.errors import MAKE_RUN_USAGE, MpnbError, check_count, check_function
 from mpnb.precision.backends import backend_for, format_bytes
 from mpnb.precision.modes import parse_mode
 from mpnb.training.batches import (
@@ -269,6 +269,7 @@ def memory(
         >>> fp32.categories["weight copies"], bf16.categories["weight copies"] > 0
         (0, True)
     """
+    check_function("make_run", make_run, MAKE_RUN_USAGE, "memory(make_run, modes)")
     names = mode_labels(modes)  # "fp32,bf16" too, as compare takes them
     batch_size = None if batch_size is None else check_count("batch_size", batch_size)
     accounts, skipped = [], {}

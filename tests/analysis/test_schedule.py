@@ -414,3 +414,18 @@ def test_a_metric_that_returns_no_number_is_said_to_return_it(value, said):
     with pytest.warns(RuntimeWarning, match=f"fp32: its metric returned {said}, not a number"):
         result = compare(make_run, ["fp32"], steps=1, warmup=0, progress=None)
     assert math.isnan(result.result("fp32").metric)
+
+
+@pytest.mark.parametrize("ask", ["compare", "memory", "max_batch_size"])
+def test_a_make_run_of_no_parameter_is_named_before_it_is_called(ask):
+    # met Python's "<lambda>() takes 0 positional arguments but 1 was given"
+    from mpnb.errors import MpnbError
+
+    call = {
+        "compare": lambda f: compare(f, ["fp32"], steps=1),
+        "memory": lambda f: mpnb.memory(f, ["fp32"], measure=False),
+        "max_batch_size": lambda f: mpnb.max_batch_size(f, ["fp32"]),
+    }[ask]
+    with pytest.raises(MpnbError, match=r"make_run takes a function, make_run\(mode\) .*<lambda>\(\) "
+                       r"cannot be called with one argument: give it one parameter"):  # fmt: skip
+        call(lambda: dropout_run("fp32"))
