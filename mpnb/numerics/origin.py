@@ -60,6 +60,7 @@ class Origin:
             whose output the values are: they were made there, the cast only found them too
             large (``""``: not a cast, or made outside a module).
         producer_max: the largest magnitude of those values.
+        scale: the loss scale the step's backward ran with (1: unscaled, or a forward).
 
     Example:
         >>> origin = Origin("GPT2.h.1.mlp.c_proj", "aten.mm", "backward", "overflow", "float16", 7.1e4, 65504.0)
@@ -84,6 +85,23 @@ class Origin:
     limit: float = math.nan
     producer: str = ""
     producer_max: float = math.nan
+    scale: float = 1.0
+
+    @property
+    def scale_alone(self) -> bool:
+        """A backward overflow the loss scale alone made: unscaled, the values fit the dtype.
+        GradScaler is doing its work: it halves the scale at each skipped step until they fit.
+
+        >>> Origin("", "aten._to_copy", "backward", "overflow", "float16", 2.4e5, 65504.0, scale=2.0**24).scale_alone
+        True
+        """
+        return (
+            self.kind == "overflow"
+            and self.phase == "backward"
+            and self.scale > 1
+            and math.isfinite(self.would_be)
+            and self.would_be / self.scale <= self.limit
+        )
 
     def __str__(self) -> str:
         where = f"in {self.module}" if self.module else "outside every module (the loss?)"
@@ -112,6 +130,14 @@ class Origin:
         loss; for inputs already non-finite, the weights or the batch."""
         if self.kind == "input":
             return "find where the weights or the batch took the inf/NaN (a step before this one)"
+        if self.scale_alone:
+            unscaled = self.would_be / self.scale
+            start = 2.0 ** math.floor(math.log2(self.limit / (2 * max(unscaled, 1e-30))))
+            return (
+                f"none: the loss scale ({self.scale:.0f}) alone takes these gradients past "
+                f"{self.dtype}'s range (unscaled they reach {unscaled:.2g}), and GradScaler "
+                f"halves it at each skipped step; to skip fewer, start lower (init_scale={start:.0f})"
+            )
         if self.producer:
             return (
                 f"train in bf16, or bring the output of {_own_name(self.producer)} into "
@@ -181,6 +207,8 @@ def locate_nonfinite(
         if watch.origin is None and loss.requires_grad:
             (loss.float() * scale).backward()
             watch.backward_done()
+            if watch.origin is not None:  # found in the scaled backward
+                return dataclasses.replace(watch.origin, scale=float(scale))
     return watch.origin
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import mpnb
+import mpnb.examples
 from mpnb.numerics.origin import locate_nonfinite
 from tests.conformance.models import gpt2_model
 
@@ -336,3 +337,25 @@ def test_an_overflow_in_the_models_own_forward_is_remedied_inside_the_model_not_
     )
     outside = Origin("", "aten.mse_loss", "forward", "overflow", "float16", 1e7, 65504.0)
     assert outside.remedy().startswith("compute the loss in fp32")
+
+
+def test_a_skip_the_loss_scale_alone_made_is_said_to_be_loss_scaling_at_work():
+    # init_scale=2**24: the first skip's remedy read "compute the loss in fp32 ... or train in
+    # bf16", where the loss's gradient is 0.014 and only the scale takes it past 65504
+    trainer, train, _ = mpnb.examples.example_trainer(
+        "fp16", model="mlp", init_scale=2.0**24, dashboard=None
+    )
+    history = trainer.fit(train, max_steps=2)
+    (first,) = [event for event in history.events if event["kind"] == "origin"]
+    assert first["scale"] == 2.0**24 and first["phase"] == "backward"
+    assert (
+        "remedy: none: the loss scale (16777216) alone takes these gradients past"
+        in (first["message"])
+    )
+    assert "GradScaler halves it at each skipped step" in first["remedy"]
+    assert "init_scale=2097152" in first["remedy"]
+    # an overflow the unscaled values make too is the model's, whatever the scale
+    from mpnb.numerics.origin import Origin
+
+    own = Origin("M.fc", "aten.mm", "backward", "overflow", "float16", 1e12, 65504.0, scale=1024.0)
+    assert own.remedy() == 'trainer.keep_in_fp32("fc")'
