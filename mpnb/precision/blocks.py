@@ -21,6 +21,27 @@ from mpnb.precision.policy import session
 __all__ = ["autocast", "tf32"]
 
 
+def _check_order(dtype: object, device: object) -> None:
+    """Refuse a device given where the dtype goes (torch.autocast's order, device first),
+    naming the call to write.
+
+    >>> _check_order("bf16", "cpu"), _check_order(torch.bfloat16, None)
+    (None, None)
+    """
+    if not isinstance(dtype, str):
+        return
+    try:
+        torch.device(dtype)
+    except (RuntimeError, ValueError):  # no device: a dtype's or a mode's name, checked later
+        return
+    if isinstance(device, torch.dtype):
+        raise MpnbError(
+            f"the dtype goes first: mpnb.autocast({device}, device={dtype!r}) (torch.autocast "
+            "takes the device first)"
+        )
+    raise MpnbError(f"{dtype!r} is a device: mpnb.autocast(dtype, device={dtype!r})")
+
+
 class autocast:  # noqa: N801 - named and used like torch.autocast
     """Run a block under torch.autocast, validated first and restored exactly after.
 
@@ -33,7 +54,9 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
             its dtype, autocast off in a mode that runs without it (fp32, tf32), the device's
             preferred dtype where no mode is chosen (mode off). A fit's mode stands in for
             the session's while it runs (:meth:`Session.running <mpnb.precision.policy.Session.running>`).
-        device: ``"cpu"``, ``"cuda"``, ``"hpu"``... Default: the session device.
+        device: ``"cpu"``, ``"cuda"``, ``"hpu"``... Default: the session device. The dtype
+            goes first (torch.autocast's order is the other way round: a device given first is
+            refused with the call to write); ``device_type=``, torch's keyword, is taken too.
         enabled: False runs the block with autocast off.
         cache: keep cast weight copies for the whole block (see AutocastSettings).
         fp32: ops to run in fp32 in this block (they win over the session's op lists).
@@ -57,7 +80,13 @@ class autocast:  # noqa: N801 - named and used like torch.autocast
         cache: bool = False,
         fp32: Iterable[str] = (),
         lower: Iterable[str] = (),
+        device_type: str | None = None,
     ) -> None:
+        if device_type is not None:  # torch.autocast's name for it
+            if device is not None:
+                raise MpnbError("give device= or device_type=, not both: they name one thing")
+            device = device_type
+        _check_order(dtype, device)
         by_mode = False
         if dtype is None and enabled:
             kind = session.autocast_settings(None, device, enabled=False).device.type

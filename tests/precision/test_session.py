@@ -84,6 +84,25 @@ def test_bad_autocast_requests_fail_before_touching_anything(kwargs, error, word
     assert torch_state() == before
 
 
+def test_torchs_order_and_keyword_are_taken_or_named():
+    # mpnb.autocast("cpu", torch.bfloat16) said "unknown device torch.bfloat16", and
+    # device_type= (torch.autocast's keyword) was a bare TypeError
+    before = torch_state()
+    with pytest.raises(MpnbError, match=r"the dtype goes first: mpnb.autocast\(torch.bfloat16, "
+                       r"device='cpu'\) \(torch.autocast takes the device first\)"):  # fmt: skip
+        mpnb.autocast("cpu", torch.bfloat16)
+    with pytest.raises(
+        MpnbError, match=r"'cuda' is a device: mpnb.autocast\(dtype, device='cuda'\)"
+    ):
+        mpnb.autocast("cuda")
+    assert torch_state() == before
+    with mpnb.autocast(device_type="cpu", dtype=torch.bfloat16):
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled(
+            "cpu"
+        )
+    assert torch_state() == before
+
+
 def test_default_cast_cache_off_keeps_a_training_loop_learning():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
