@@ -89,7 +89,7 @@ def _compare(args: argparse.Namespace) -> int:
     from mpnb.examples import MODELS, accuracy, example_trainer
     from mpnb.precision.backends import resolve_device
     from mpnb.precision.status import devices
-    from mpnb.ui.plots.compare_report import write_comparison_files
+    from mpnb.ui.plots.compare_report import COMPARISON_FILES, write_comparison_files
 
     if args.model not in MODELS:
         raise InvalidChoiceError("example model", args.model, MODELS)
@@ -137,8 +137,10 @@ def _compare(args: argparse.Namespace) -> int:
     print()
     print(comparison)
     title = f"mpnb compare: example {args.model} on the bundled digits, {device}"
+    earlier = [name for name in COMPARISON_FILES if os.path.exists(os.path.join(args.out, name))]
     paths = write_comparison_files(args.out, comparison, title, devices(check=False).to_text())
-    print(f"wrote {', '.join(paths)}")
+    replacing = f" (replacing an earlier run's {', '.join(earlier)})" if earlier else ""
+    print(f"wrote {', '.join(paths)}{replacing}")
     if all(result.history is None for result in comparison.results):
         print(
             f"mpnb compare: no mode ran ({', '.join(modes)}); the notes above say why",

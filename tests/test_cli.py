@@ -189,6 +189,17 @@ def test_compare_lists_a_mode_that_cannot_train_the_model_and_runs_the_others(tm
     assert "fp8: not run: fp8 would convert no layer of DigitsCNN" in " ".join(table.split())
 
 
+def test_compare_says_when_it_replaces_an_earlier_runs_files(tmp_path):
+    # a second run replaced the first one's mpnb-compare/ without a word
+    args = ("compare", "--modes", "fp32", "--steps", "1", "--warmup", "0")
+    first, second = mpnb(*args, cwd=tmp_path), mpnb(*args, cwd=tmp_path)
+    assert first.returncode == second.returncode == 0, second.stderr
+    assert "replacing" not in first.stdout
+    assert (
+        "(replacing an earlier run's comparison.csv, comparison.json, report.html)" in second.stdout
+    )
+
+
 def test_compare_fails_when_no_mode_ran(tmp_path):
     """A script or CI job must not read a table of dashes as success."""
     result = mpnb("compare", "--modes", "fp8", "--steps", "2", "--warmup", "0", cwd=tmp_path)

@@ -230,6 +230,10 @@ def write_comparison_report(
         file.write(comparison_html(comparison, title, device_report))
 
 
+#: The files a comparison is written to, in its folder.
+COMPARISON_FILES = ("comparison.csv", "comparison.json", "report.html")
+
+
 def write_comparison_files(
     folder: str | os.PathLike[str], comparison: Comparison, title: str, device_report: str = ""
 ) -> list[str]:
@@ -239,9 +243,7 @@ def write_comparison_files(
         The three paths written.
     """
     os.makedirs(folder, exist_ok=True)
-    paths = [
-        os.path.join(folder, name) for name in ("comparison.csv", "comparison.json", "report.html")
-    ]
+    paths = [os.path.join(folder, name) for name in COMPARISON_FILES]
     comparison.to_csv(paths[0])
     comparison.to_json(paths[1])
     write_comparison_report(paths[2], comparison, title, device_report)
