@@ -125,7 +125,9 @@ def fit_instruments(
     if locate_overflow:
         if replays:
             instruments.append(FirstSkipLocator(model))
-        instruments.append(NextStepsLocator(model, on_skips=not replays))
+        # its remedy names the object to call: the Trainer (which replays), else the callback
+        owner = "trainer" if replays else "callback"
+        instruments.append(NextStepsLocator(model, on_skips=not replays, owner=owner))
     # last: at a step's end the locator's instrument is off before the watch stacks its rows
     watch = None if every is None else NumericsWatch(model, every)
     if watch is not None:

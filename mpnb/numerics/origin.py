@@ -130,6 +130,11 @@ class Origin:
         loss; for inputs already non-finite, the weights or the batch."""
         if self.kind == "input":
             return "find where the weights or the batch took the inf/NaN (a step before this one)"
+        if self.dtype == "float32":  # fp32's own inf/NaN: no module kept in fp32 changes it
+            return (
+                f"fix the computation: {self.op} makes it in float32 itself (its input is out of "
+                "its domain, a log or sqrt of a negative, say), which no precision mode changes"
+            )
         if self.scale_alone:
             unscaled = self.would_be / self.scale
             start = 2.0 ** math.floor(math.log2(self.limit / (2 * max(unscaled, 1e-30))))
@@ -561,6 +566,8 @@ class NextStepsLocator(Instrument):
         model: the model whose modules name the origin.
         on_skips: arm at a skipped step too (where no replay named it already).
         tries: steps watched after the trouble.
+        owner: what the remedy calls ``keep_in_fp32`` on: ``"trainer"`` in mpnb's Trainer,
+            ``"callback"`` (mpnb's callback or telemetry) in a framework's loop.
 
     Example:
         >>> locator = NextStepsLocator(torch.nn.Linear(2, 2))
@@ -568,8 +575,10 @@ class NextStepsLocator(Instrument):
         (False, False)
     """
 
-    def __init__(self, model: nn.Module, *, on_skips: bool = True, tries: int = 3) -> None:
-        self.model = model
+    def __init__(
+        self, model: nn.Module, *, on_skips: bool = True, tries: int = 3, owner: str = "callback"
+    ) -> None:
+        self.model, self.owner = model, owner
         self.tries = tries
         self.on_skips = on_skips
         self.done = False
@@ -642,7 +651,7 @@ class NextStepsLocator(Instrument):
                 step,
                 watch.origin,
                 f"step {step} (watched after {self._trouble})",
-                owner="callback",
+                owner=self.owner,
             )
         elif not self._left:
             self.done = True

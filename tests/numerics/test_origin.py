@@ -359,3 +359,44 @@ def test_a_skip_the_loss_scale_alone_made_is_said_to_be_loss_scaling_at_work():
 
     own = Origin("M.fc", "aten.mm", "backward", "overflow", "float16", 1e12, 65504.0, scale=1024.0)
     assert own.remedy() == 'trainer.keep_in_fp32("fc")'
+
+
+def test_a_nan_float32_makes_itself_is_remedied_at_its_op_and_the_trainer_is_named():
+    # a bf16 Trainer's NaN loss from a log of a negative read "remedy:
+    # callback.keep_in_fp32("feat.0")": no callback in a Trainer, and fp32 makes the NaN too
+    from mpnb.numerics.instruments import fit_instruments
+    from mpnb.numerics.origin import NextStepsLocator
+
+    class Log(nn.Module):
+        def forward(self, x):
+            return torch.log(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head, self.feat = nn.Linear(4, 1), nn.Sequential(Log())
+
+        def forward(self, x):
+            return self.head(x) + self.feat(x - 10.0).sum(1, keepdim=True)
+
+    torch.manual_seed(0)
+    model = Net()
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.01), lambda out, target: out.sum(),
+        mode="bf16", device="cpu", dashboard=None, flush_every=1,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = trainer.fit([(torch.ones(2, 4), torch.zeros(2, 1))] * 6)
+    (origin,) = [event for event in history.events if event["kind"] == "origin"]
+    assert origin["dtype"] == "float32" and origin["op"] == "aten.log"
+    assert origin["remedy"].startswith("fix the computation: aten.log makes it in float32 itself")
+    owners = {
+        replays: next(
+            i.owner
+            for i in fit_instruments(model, "cpu", replays=replays)
+            if isinstance(i, NextStepsLocator)
+        )
+        for replays in (True, False)
+    }
+    assert owners == {True: "trainer", False: "callback"}
