@@ -187,7 +187,8 @@ class Fp32Modules(Instrument):
 
     def resolve(self, name: str) -> str:
         """``name`` as the model knows it (a name as an origin gives it, the root's class first,
-        works too), or an error listing the closest names."""
+        works too; a module registered under two names is known by its first), or an error
+        listing the closest names."""
         if not isinstance(name, str):
             raise MpnbError(
                 "keep_in_fp32 takes a module's name, or a list of them, such as "
@@ -195,12 +196,20 @@ class Fp32Modules(Instrument):
             )
         if name == "":  # the model itself (a model that is one layer, as the what-if names it)
             return name
-        names = [found for found, _ in self.model.named_modules() if found]
-        if name in names:
-            return name
+        # every name a module is registered under leads to its first (a module shared by two
+        # parents is one module, kept once)
+        first = {id(module): found for found, module in self.model.named_modules()}
+        canonical = {
+            found: first[id(module)]
+            for found, module in self.model.named_modules(remove_duplicate=False)
+            if found
+        }
         root = type(self.model).__name__
-        if name.startswith(root + ".") and name[len(root) + 1 :] in names:
-            return name[len(root) + 1 :]
+        if name not in canonical and name.startswith(root + "."):
+            name = name[len(root) + 1 :]
+        if name in canonical:
+            return canonical[name]
+        names = list(canonical)
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f"; closest: {', '.join(close)}" if close else f"; it has {len(names)} modules"
         raise MpnbError(f"the model has no module named {name!r}{hint}")

@@ -180,3 +180,26 @@ def test_a_remedy_asked_between_fits_gives_the_lowered_scale_back_for_the_next_f
     assert [str(w.message) for w in caught if w.category is RuntimeWarning] == []
     later = [e["kind"] for e in history.events if e["step"] > 2]
     assert "zero_gradients" not in later and "collapse" not in later, history.events
+
+
+def test_a_module_shared_by_two_parents_is_kept_by_either_name_once():
+    # keep_in_fp32("p2.lin") was refused: "no module named 'p2.lin'; closest: p1.lin, p2"
+    class Parent(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x)
+
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(Parent(shared), Parent(shared), torch.nn.Linear(4, 1))
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.0), torch.nn.MSELoss(),
+        mode="bf16", device="cpu", dashboard=None,
+    )  # fmt: skip
+    assert trainer.keep_in_fp32(["1.lin", "0.lin"]) == ["0.lin", "0.lin"]
+    history = trainer.fit([(torch.ones(2, 4), torch.zeros(2, 1))] * 2)
+    switches = [event["message"] for event in history.events if event["kind"] == "switch"]
+    assert switches == ["0.lin runs in fp32 (autocast off inside it)"]
+    assert "forward" not in vars(shared)
