@@ -355,7 +355,7 @@ class ModuleMeasures:
         values that did not underflow)."""
         magnitude = out.abs()  # in its own dtype: fp16's threshold is exact in bf16 and fp32
         lost, nonzero = underflow_counts(magnitude)  # counts: the cheap reduction on a CPU
-        self._outputs[name] = torch.stack(
+        measured = torch.stack(
             (
                 magnitude.nan_to_num(nan=0.0, posinf=math.inf).amax().float(),
                 (magnitude.numel() - torch.count_nonzero(magnitude < math.inf)).float(),  # inf, NaN
@@ -363,6 +363,7 @@ class ModuleMeasures:
                 nonzero.float(),
             )
         )
+        self._outputs[name] = _with_earlier_calls(self._outputs.get(name), measured)
         layers = swapped_layers_of(module)
         if layers is not None:  # its gradient's cast is measured when the gradient comes
             self._layers[name] = _layer_measures(layers, module, inputs, out.device)
@@ -376,13 +377,26 @@ class ModuleMeasures:
         changes: the cast scales by the gradient's own amax)."""
         magnitude = grad.detach().abs()
         lost, nonzero = underflow_counts(magnitude)
-        self._gradients[name] = torch.stack(
+        measured = torch.stack(
             (magnitude.nan_to_num(0.0, 0.0, 0.0).amax().float(), lost.float(), nonzero.float())
         )
+        self._gradients[name] = _with_earlier_calls(self._gradients.get(name), measured)
         swapped = self._swapped.get(name)
         if swapped is not None:  # the layer and its format, as its output's hook found them
             module, layers = swapped
             self._layers[name][_GRAD_FLUSHED] = layers.cast_measures(module, grad, "grad_output")[2]
+
+
+def _with_earlier_calls(earlier: torch.Tensor | None, measured: torch.Tensor) -> torch.Tensor:
+    """A module's measures over its calls in the pass (a module called twice, as a shared
+    block is): the largest magnitude of them all (the first entry), the counts summed.
+
+    >>> _with_earlier_calls(torch.tensor([4e5, 0.0, 1.0]), torch.tensor([4e-3, 0.0, 2.0])).tolist()
+    [400000.0, 0.0, 3.0]
+    """
+    if earlier is None:
+        return measured
+    return torch.cat((torch.maximum(earlier[:1], measured[:1]), earlier[1:] + measured[1:]))
 
 
 class NumericsWatch(Instrument):

@@ -145,3 +145,30 @@ def test_a_watch_that_sampled_no_step_says_why_instead_of_an_empty_table():
     shown = str(trainer.numerics)
     assert trainer.numerics.steps == [] and "no step sampled" in shown and "module" not in shown
     assert "watch_numerics=1" in shown
+
+
+def test_a_module_called_twice_is_measured_over_both_calls():
+    # the second call's figures replaced the first's: a Linear whose first call reached 4e5
+    # (past fp16) read 0.004, sorted as the module furthest from trouble
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            big = self.lin(x * 1e5)
+            return self.head(big + self.lin(big * 0.0 + 1e-3))
+
+    torch.manual_seed(0)
+    model = Twice()
+    with torch.no_grad():
+        model.lin.weight.fill_(1.0)
+        model.lin.bias.zero_()
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.0), nn.MSELoss(),
+        mode="fp32", device="cpu", dashboard=None, watch_numerics=1,
+    )  # fmt: skip
+    trainer.fit([(torch.ones(2, 4), torch.zeros(2, 1))], max_steps=1)
+    assert trainer.numerics.activation_max["lin"] == [4e5]
+    report = mpnb.advise(model, (torch.ones(2, 4), torch.zeros(2, 1)), nn.MSELoss())
+    assert [row.max_activation for row in report.rows if row.module == "lin"] == [4e5]
