@@ -264,6 +264,7 @@ class _Watch(TorchDispatchMode):
         self.names = {
             id(module): f"{root}.{name}" if name else root for name, module in model.named_modules()
         }
+        self._own = frozenset(self.names.values())  # the tracker names the loss's modules too
         self.tracker = ModTracker()
         self.tracker.register_user_hooks(
             pre_fw_hook=self._before_forward,
@@ -381,7 +382,8 @@ class _Watch(TorchDispatchMode):
         Dropout of p=0 after a Linear) is entered on the very tensor the Linear made, and stays
         open while the Linear's matmul runs: it is passed over. The tracker's set alone would
         name either, by the order of string hashes."""
-        modules = [name for name in self.tracker.parents if name != "Global"]
+        # the model's own: a loss that is a module (an nn.Module loss_fn) is outside every one
+        modules = [name for name in self.tracker.parents if name in self._own]
         if self.tracker.is_bw:
             modules = [name for name in modules if name not in self._passed_through] or modules
         return max(

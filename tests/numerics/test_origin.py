@@ -400,3 +400,32 @@ def test_a_nan_float32_makes_itself_is_remedied_at_its_op_and_the_trainer_is_nam
         for replays in (True, False)
     }
     assert owners == {True: "trainer", False: "callback"}
+
+
+def test_an_overflow_in_a_loss_that_is_a_module_is_outside_every_module_of_the_model():
+    # named "BigLoss" (the loss module's class, as if it were the model's root), with the
+    # remedy trainer.keep_in_fp32("") for the whole model, which keep_in_fp32 then refused
+    class BigLoss(nn.Module):
+        def forward(self, out, target):
+            return (out * 1e5).float().sum()  # its gradient, 1e5, is past fp16's range unscaled
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.b(self.a(x)) * 1e-3
+
+    torch.manual_seed(0)
+    model = Net()
+    trainer = mpnb.Trainer(
+        model, torch.optim.SGD(model.parameters(), 0.0), BigLoss(), mode="fp16",
+        init_scale=1.0, device="cpu", dashboard=None,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = trainer.fit([(torch.ones(2, 4), torch.zeros(2, 1))] * 2)
+    origin = next(event for event in history.events if event["kind"] == "origin")
+    assert origin["module"] == "" and "outside every module (the loss?)" in origin["message"]
+    assert origin["remedy"].startswith("compute the loss in fp32")
