@@ -146,6 +146,8 @@ class _Copies:
         self.outputs: dict[str, torch.Tensor] = {}
         self.gradients: dict[str, torch.Tensor] = {}
         self.largest_parameter_gradient = 0.0
+        #: each leaf module's largest gradient of its own parameters (the reference pass)
+        self.parameter_gradients: dict[str, float] = {}
         names = [name for name, _ in self.leaves]
         self.probe = ModuleProbe(model, names, self._output, self._gradient)
         self.measures = ModuleMeasures(model, names)
@@ -267,6 +269,10 @@ def _pass(
     copies.largest_parameter_gradient = max(
         (_largest(p.grad) for p in model.parameters()), default=0.0
     )
+    copies.parameter_gradients = {
+        name: max((_largest(p.grad) for p in module.parameters(recurse=False)), default=0.0)
+        for name, module in copies.leaves
+    }
     model.zero_grad(set_to_none=True)
     return copies
 
@@ -355,18 +361,29 @@ def advise(
             )
         )
     return _findings(
-        rows, reference.largest_parameter_gradient, backend_for(target).label, target.type
+        rows,
+        (reference.largest_parameter_gradient, reference.parameter_gradients),
+        backend_for(target).label,
+        target.type,
     )
 
 
 def _findings(
-    rows: list[ModuleNumerics], parameter_gradient: float, label: str, device_type: str
+    rows: list[ModuleNumerics],
+    parameter_gradients: tuple[float, dict[str, float]],
+    label: str,
+    device_type: str,
 ) -> Advice:
+    """The advice from the rows and the parameters' gradients (the largest of all, and each
+    module's own: a weight gradient past fp16's range overflows fp16's backward at any loss
+    scale of 1 or more, however small the module's values)."""
+    parameter_gradient, own_gradients = parameter_gradients
     overflowing = [
         r
         for r in rows
         if r.max_activation > FP16_LARGEST_FINITE
         or r.max_gradient > FP16_LARGEST_FINITE
+        or own_gradients.get(r.module, 0.0) > FP16_LARGEST_FINITE
         or math.isinf(r.output_error.get("fp16", 0.0))
     ]
     underflowing = [r for r in rows if r.underflow_share > UNDERFLOW_ALARM]
@@ -379,7 +396,7 @@ def _findings(
         )
     advice = []
     for row in overflowing:
-        peak = max(row.max_activation, row.max_gradient)
+        peak = max(row.max_activation, row.max_gradient, own_gradients.get(row.module, 0.0))
         advice.append(
             f"fp16 overflow in {shown_layer(row.module)} ({row.kind}): values reach {peak:.3g} > {FP16_LARGEST_FINITE:.0f}. Use bf16, or put "
             f"{row.kind}'s ops on the FP32 list (%oplist add fp32 ...) so that module stays in fp32."

@@ -273,3 +273,20 @@ def test_data_given_for_a_batch_is_named_with_the_line_that_takes_one(with_loss_
         with pytest.raises(MpnbError, match=r"takes one batch, not the data \(a DataLoader\): "
                            r"batch = next\(iter\(data\)\)"):  # fmt: skip
             call(mlp(), loader, loss_fn)
+
+
+def test_a_weight_gradient_past_fp16s_range_is_an_fp16_overflow_in_its_module():
+    # activations of 4 and output gradients of 1000, but a weight gradient of 6.4e7: fp16's
+    # backward made an inf weight gradient at scale 1, and advise said "No fp16 overflow"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(1e-3)
+        model[0].bias.zero_()
+    batch = (torch.full((64, 4), 1000.0), torch.zeros(64, 1))
+    report = mpnb.advise(model, batch, lambda out, target: 1000.0 * (out - target).sum())
+    assert report.fp16_overflow == ["0"]
+    assert any(
+        line.startswith("fp16 overflow in 0 (Linear): values reach 6.4e+07")
+        for line in report.advice
+    )
+    assert "No fp16 overflow" not in " ".join(report.advice)
