@@ -178,12 +178,7 @@ def samples_in(batch: Any) -> int | None:
     (8, 4, None)
     """
     # the common shapes first, without flattening the whole batch (once per step)
-    if type(batch) is tuple or type(batch) is list:
-        if batch and type(batch[0]) is torch.Tensor:  # the usual batch: (inputs, targets)
-            shape = batch[0].shape
-            return shape[0] if shape else None
-        first = batch[0] if batch else None
-    elif isinstance(batch, (tuple, list)):
+    if isinstance(batch, (tuple, list)):
         first = batch[0] if batch else None
     elif isinstance(batch, dict) and batch:
         first = next(iter(batch.values()))
