@@ -102,29 +102,30 @@ def mode_result(
     note and a warning naming the mode, and so is an account that fails (no account): the
     comparison's other figures stand."""
     notes = _notes(trainer)
+
+    def kept_without(said: str) -> None:  # one figure lost, said; the others stand
+        warn_user(f"{name}: {said}; its other figures are kept")
+        notes.append(said)
+
     value = math.nan
     if metric is not None:
-        said = None
         try:
             measured = metric()
         except Exception as error:  # the user's metric: any failure of it is its own
-            said = f"its metric raised {type(error).__name__}: {error}"
+            kept_without(f"its metric raised {type(error).__name__}: {error}")
         else:
             if _is_number(measured):
                 value = float(measured)  # type: ignore[arg-type]
             else:  # a string float() would read, None, a tensor of several values
-                said = f"its metric returned {_kind_of(measured)}, not a number"
-        if said is not None:
-            warn_user(f"{name}: {said}; its other figures are kept")
-            notes.append(said)
+                kept_without(f"its metric returned {_kind_of(measured)}, not a number")
     account = None
     if memory is not None:  # after the metric: the run as it trained is measured
         try:
             account = memory()
         except Exception as error:  # a step the account cannot run (a batch it cannot resize)
-            said = f"its step's memory could not be counted ({type(error).__name__}: {error})"
-            warn_user(f"{name}: {said}; its other figures are kept")
-            notes.append(said)
+            kept_without(
+                f"its step's memory could not be counted ({type(error).__name__}: {error})"
+            )
     return ModeResult(
         name,
         trainer.history,
